@@ -1,0 +1,51 @@
+"""Per-request sampling settings, validated at construction so a bad value fails where it was made."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # how many top logprobs to return per token (0: only the chosen one)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k!r} must be -1 (disabled) or a positive integer")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be in (0, 10]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r} must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed={self.seed!r} must be a non-negative integer or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs={self.logprobs!r} must be an integer in [0, 20] or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5

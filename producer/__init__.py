@@ -1,0 +1,1 @@
+"""kvfleet producer SDK: enqueue generation jobs on Redis Streams and read their results."""

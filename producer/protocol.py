@@ -1,0 +1,255 @@
+"""The wire protocol between producers and workers: msgspec Structs, msgpack in one stream field.
+
+Every payload carries a version. Decoding is strict about types and sizes, so a hostile or
+malformed payload becomes a ProtocolError (and an error result), never a crash or a pickle.
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+FIELD = "p"  # the single stream field that holds a msgpack payload
+MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above any sane prompt, far below a Redis DoS
+MAX_PROMPT_CHARS = 512_000
+MAX_MESSAGES = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_METADATA_BYTES = 16_384
+MAX_TOKENS_LIMIT = 1 << 20
+PRIORITIES = ("high", "normal", "low")  # read in this order
+
+Priority = Literal["high", "normal", "low"]
+Status = Literal["done", "error", "expired", "cancelled"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class ProtocolError(ValueError):
+    """A payload that is not a valid message of this protocol."""
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One generation job as it sits in `{ns}:jobs:<priority>`."""
+
+    v: int
+    job_id: str
+    client_id: str
+    enqueued_at: float
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: Sampling = Sampling()
+    priority: Priority = "normal"
+    deadline: float | None = None  # unix seconds; past it the job is answered "expired"
+    stream: bool = False
+    idempotency_key: str | None = None
+    metadata: dict[str, str] | None = None
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Timings(msgspec.Struct, omit_defaults=True):
+    queued: float = 0.0  # unix seconds for each event
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
+    """Incremental tokens of a streaming job, in order (`index` counts deltas)."""
+
+    v: int
+    job_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+
+
+class Final(msgspec.Struct, tag="final", omit_defaults=True):
+    """The one final event of a job; also what `{ns}:result:<job_id>` holds."""
+
+    v: int
+    job_id: str
+    status: Status
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    usage: Usage = Usage()
+    worker: str | None = None
+    timings: Timings = Timings()
+    metadata: dict[str, str] | None = None
+
+
+Event = Delta | Final
+
+_job_decoder = msgspec.msgpack.Decoder(Job)
+_event_decoder = msgspec.msgpack.Decoder(Event)
+_final_decoder = msgspec.msgpack.Decoder(Final)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Job | Delta | Final) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _check_size(data: bytes) -> None:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"payload must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(f"payload is {len(data)} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
+
+
+def _check_version(v: int) -> None:
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"unknown protocol version {v}; this build speaks version {PROTOCOL_VERSION}")
+
+
+def decode_job(data: bytes) -> Job:
+    """Decode and validate a job payload; any defect raises ProtocolError naming it."""
+    _check_size(data)
+    try:
+        job = _job_decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"malformed job payload: {e}") from None
+    _check_version(job.v)
+    validate_job(job)
+    return job
+
+
+def decode_event(data: bytes) -> Delta | Final:
+    _check_size(data)
+    try:
+        event = _event_decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"malformed reply event: {e}") from None
+    _check_version(event.v)
+    return event
+
+
+def decode_final(data: bytes) -> Final:
+    try:
+        return _final_decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"malformed stored result: {e}") from None
+
+
+def validate_sampling(s: Sampling) -> None:
+    """Range checks shared by the SDK (before enqueueing) and the worker (after decoding)."""
+    if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
+        raise ProtocolError(f"max_tokens={s.max_tokens} must be between 1 and {MAX_TOKENS_LIMIT}")
+    if not (s.temperature >= 0.0 and s.temperature <= 100.0):  # also rejects NaN
+        raise ProtocolError(f"temperature={s.temperature} must be a number in [0, 100]")
+    if not (0.0 < s.top_p <= 1.0):
+        raise ProtocolError(f"top_p={s.top_p} must be in (0, 1]")
+    if s.top_k == 0 or s.top_k < -1:
+        raise ProtocolError(f"top_k={s.top_k} must be -1 (disabled) or a positive integer")
+    if not (0.0 < s.repetition_penalty <= 10.0):
+        raise ProtocolError(f"repetition_penalty={s.repetition_penalty} must be in (0, 10]")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise ProtocolError(f"{len(s.stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed")
+    for stop in s.stop:
+        if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+            raise ProtocolError(f"stop string {stop[:40]!r} must have 1 to {MAX_STOP_STRING_CHARS} characters")
+    if len(s.stop_token_ids) > MAX_STOP_STRINGS * 4 or any(t < 0 for t in s.stop_token_ids):
+        raise ProtocolError(f"stop_token_ids={s.stop_token_ids[:8]} must be at most {MAX_STOP_STRINGS * 4} non-negative ids")
+    if s.seed is not None and not 0 <= s.seed < 2**63:
+        raise ProtocolError(f"seed={s.seed} must be in [0, 2**63)")
+
+
+def validate_job(job: Job) -> None:
+    given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(job, name) is not None]
+    if len(given) != 1:
+        raise ProtocolError(f"a job needs exactly one of prompt, messages, prompt_token_ids; got {given or 'none'}")
+    if not job.job_id or len(job.job_id) > 128 or not job.client_id or len(job.client_id) > 128:
+        raise ProtocolError("job_id and client_id must be non-empty strings of at most 128 characters")
+    if job.prompt is not None and not 0 < len(job.prompt) <= MAX_PROMPT_CHARS:
+        raise ProtocolError(f"prompt has {len(job.prompt)} characters; it must have 1 to {MAX_PROMPT_CHARS}")
+    if job.messages is not None:
+        if not 0 < len(job.messages) <= MAX_MESSAGES:
+            raise ProtocolError(f"messages has {len(job.messages)} entries; it must have 1 to {MAX_MESSAGES}")
+        if sum(len(m.content) for m in job.messages) > MAX_PROMPT_CHARS:
+            raise ProtocolError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
+    if job.prompt_token_ids is not None:
+        if not 0 < len(job.prompt_token_ids) <= MAX_PROMPT_CHARS or min(job.prompt_token_ids) < 0:
+            raise ProtocolError("prompt_token_ids must be a non-empty list of non-negative token ids")
+    if job.metadata is not None and len(encode_metadata(job.metadata)) > MAX_METADATA_BYTES:
+        raise ProtocolError(f"metadata is over the limit of {MAX_METADATA_BYTES} bytes")
+    validate_sampling(job.sampling)
+
+
+def encode_metadata(metadata: dict[str, str]) -> bytes:
+    return _encoder.encode(metadata)
+
+
+def now() -> float:
+    return time.time()
+
+
+class Keys:
+    """Redis key names for one namespace (see design.md, 'Redis keys')."""
+
+    GROUP = "workers"
+
+    def __init__(self, namespace: str = "kvfleet"):
+        if not namespace or any(c in namespace for c in " \n\r\t{}"):
+            raise ValueError(f"namespace {namespace!r} must be non-empty with no whitespace or braces")
+        self.ns = namespace
+
+    def jobs(self, priority: str) -> str:
+        return f"{self.ns}:jobs:{priority}"
+
+    def all_jobs(self) -> list[str]:
+        return [self.jobs(p) for p in PRIORITIES]
+
+    def reply(self, client_id: str) -> str:
+        return f"{self.ns}:reply:{client_id}"
+
+    def result(self, job_id: str) -> str:
+        return f"{self.ns}:result:{job_id}"
+
+    def cancel(self, job_id: str) -> str:
+        return f"{self.ns}:cancel:{job_id}"
+
+    def idempotency(self, key: str) -> str:
+        return f"{self.ns}:idem:{key}"
+
+    def dead(self) -> str:
+        return f"{self.ns}:dead"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.ns}:worker:{worker_id}"
+
+    def worker_pattern(self) -> str:
+        return f"{self.ns}:worker:*"
+
+
+# Fields of the `{ns}:worker:<id>` heartbeat hash; shared by the worker, `kvfleet stats/top` and the exporter.
+HEARTBEAT_FIELDS = (
+    "worker_id", "model", "started_at", "updated_at", "state",  # state: serving | draining
+    "running", "waiting", "max_num_seqs", "free_blocks", "total_blocks", "block_size",
+    "admissible_tokens", "tokens_per_s", "jobs_done",
+)
