@@ -57,7 +57,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     prompt: str | None = None
     messages: list[Message] | None = None
     prompt_token_ids: list[int] | None = None
-    sampling: Sampling = Sampling()
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
     priority: Priority = "normal"
     deadline: float | None = None  # unix seconds; past it the job is answered "expired"
     stream: bool = False
@@ -98,9 +98,9 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     token_ids: list[int] = []
     finish_reason: FinishReason | None = None
     error: str | None = None
-    usage: Usage = Usage()
+    usage: Usage = msgspec.field(default_factory=Usage)
     worker: str | None = None
-    timings: Timings = Timings()
+    timings: Timings = msgspec.field(default_factory=Timings)
     metadata: dict[str, str] | None = None
 
 
