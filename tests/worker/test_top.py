@@ -1,0 +1,78 @@
+"""`kvfleet top`: one frame rendered to a captured console, and the live view driven in a real tmux terminal."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from producer.protocol import Keys
+from worker.exporter import read_fleet
+from worker.top import render
+
+ROOT = Path(__file__).parents[2]
+
+
+def _seed(client, keys: Keys) -> None:
+    client.hset(keys.worker("gpu-a"), mapping={"worker_id": "gpu-a", "running": 7, "free_blocks": 123,
+                                               "total_blocks": 400, "block_size": 16, "tokens_per_s": 4321.0,
+                                               "state": "serving", "jobs_done": 99})
+    client.expire(keys.worker("gpu-a"), 60)
+    for _ in range(12):
+        client.xadd(keys.jobs("high"), {"p": b"x"})
+
+
+def test_one_frame_shows_workers_with_running_jobs_free_kv_and_streams_with_backlog(shared_redis, namespace):
+    client, keys = shared_redis.client(), Keys(namespace)
+    _seed(client, keys)
+    console = Console(record=True, width=140, color_system=None)
+    console.print(render(read_fleet(client, keys), namespace))
+    screen = console.export_text()
+    assert "gpu-a" in screen and "123/400" in screen and "4,321" in screen
+    high = next(line for line in screen.splitlines() if "high" in line)
+    assert "12" in high.split("high", 1)[1]
+
+
+def test_an_empty_fleet_says_no_live_workers(shared_redis, namespace):
+    console = Console(record=True, width=120, color_system=None)
+    console.print(render(read_fleet(shared_redis.client(), Keys(namespace)), namespace))
+    assert "no live workers" in console.export_text()
+
+
+def _tmux(*args: str) -> str:
+    return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
+
+
+def _wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+@pytest.mark.parametrize("key", ["q", "C-c"])
+def test_live_view_refreshes_in_a_real_terminal_and_leaves_cleanly(shared_redis, namespace, tmp_path, key):
+    client, keys = shared_redis.client(), Keys(namespace)
+    _seed(client, keys)
+    session, rc_file = f"kvtop-{namespace}-{key}", tmp_path / "rc"
+    command = (f"cd {ROOT} && {sys.executable} -m worker.cli top --redis-url {shared_redis.url} "
+               f"--namespace {namespace} --interval 0.2; echo $? > {rc_file}; sleep 30")
+    _tmux("new-session", "-d", "-s", session, "-x", "150", "-y", "40", command)
+    try:
+        assert _wait_for(lambda: "gpu-a" in _tmux("capture-pane", "-p", "-t", session)), \
+            _tmux("capture-pane", "-p", "-t", session)
+        client.hset(keys.worker("gpu-a"), "running", 31)
+        assert _wait_for(lambda: " 31 " in _tmux("capture-pane", "-p", "-t", session))  # it refreshes
+        _tmux("send-keys", "-t", session, key)
+        assert _wait_for(rc_file.exists, 10), _tmux("capture-pane", "-p", "-t", session)
+        assert rc_file.read_text().strip() == "0"
+        assert "Traceback" not in _tmux("capture-pane", "-p", "-t", session)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

@@ -1,0 +1,111 @@
+"""`kvfleet top`: a live terminal view of the fleet (workers and their KV room, streams and their backlog)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import select
+import sys
+import time
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from producer.protocol import Keys
+from worker.exporter import FleetSnapshot, read_fleet
+
+
+def _age(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _workers_table(snap: FleetSnapshot) -> Table:
+    table = Table(title=f"workers ({len(snap.workers)} live)", expand=True, title_justify="left")
+    for column in ("worker", "state", "running", "waiting", "free KV blocks", "KV used", "tokens/s", "done"):
+        table.add_column(column, justify="left" if column in ("worker", "state") else "right")
+    for w in snap.workers:
+        used = 1 - w.free_blocks / w.total_blocks if w.total_blocks else 0.0
+        table.add_row(w.worker_id, w.state, str(w.running), str(w.waiting), f"{w.free_blocks}/{w.total_blocks}",
+                      f"{used:.0%}", f"{w.tokens_per_s:,.0f}", str(w.jobs_done))
+    if not snap.workers:
+        table.add_row(Text("no live workers", style="bold red"), "", "", "", "", "", "", "")
+    return table
+
+
+def _streams_table(snap: FleetSnapshot) -> Table:
+    table = Table(title="streams", expand=True, title_justify="left")
+    for column in ("priority", "backlog (lag)", "pending", "length", "oldest job"):
+        table.add_column(column, justify="left" if column == "priority" else "right")
+    for s in snap.streams:
+        table.add_row(s.priority, str(s.lag), str(s.pending), str(s.length), _age(s.oldest_age_s))
+    table.add_row("dead", "", "", str(snap.dead_letters), "")
+    return table
+
+
+def render(snap: FleetSnapshot, namespace: str) -> Group:
+    tokens = sum(w.tokens_per_s for w in snap.workers)
+    header = Text.assemble(("kvfleet top", "bold"), f"  namespace {namespace}  ",
+                           f"free KV {snap.free_kv_tokens:,} tokens  {tokens:,.0f} tokens/s  ",
+                           time.strftime("%H:%M:%S"), ("   q to quit", "dim"))
+    return Group(header, _workers_table(snap), _streams_table(snap))
+
+
+def _frame(client: redis.Redis, keys: Keys):
+    try:
+        return render(read_fleet(client, keys), keys.ns)
+    except redis.RedisError as e:
+        return Text(f"kvfleet top: cannot read Redis ({e}); retrying", style="bold red")
+
+
+@contextlib.contextmanager
+def _keys_unbuffered():
+    """Single key presses without Enter; the terminal is put back however we leave."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _quit_pressed(timeout: float) -> bool:
+    if not sys.stdin.isatty():
+        time.sleep(timeout)
+        return False
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    return bool(ready) and sys.stdin.read(1) in ("q", "Q")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    parser.add_argument("--once", action="store_true", help="print one frame and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    client = redis.Redis.from_url(args.redis_url or "redis://localhost:6379/0", socket_timeout=5)
+    keys = Keys(args.namespace)
+    console = Console()
+    if args.once:
+        console.print(_frame(client, keys))
+        return 0
+    try:
+        with _keys_unbuffered(), Live(_frame(client, keys), console=console, auto_refresh=False,
+                                      screen=True) as live:
+            while not _quit_pressed(args.interval):
+                live.update(_frame(client, keys), refresh=True)
+    except KeyboardInterrupt:
+        pass
+    return 0
