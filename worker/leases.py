@@ -54,19 +54,22 @@ class Leases:
             return []
         pipe = self.client.pipeline(transaction=False)
         for entry_id in ids:
-            pipe.xpending_range(stream, Keys.GROUP, min=entry_id, max=entry_id, count=1)
             pipe.xrange(stream, min=entry_id, max=entry_id)
-        replies = pipe.execute()
-        claimed = []
-        for i, entry_id in enumerate(ids):
-            rows, found = replies[2 * i], replies[2 * i + 1]
-            deliveries = (rows[0]["times_delivered"] if rows else 0) + 1
-            claimed.append(Claimed(stream, entry_id, found[0][1] if found else None, deliveries))
+        found = pipe.execute()
+        deliveries = self.count_delivery(stream, ids)
+        return [Claimed(stream, i, f[0][1] if f else None, n) for i, f, n in zip(ids, found, deliveries)]
+
+    def count_delivery(self, stream: str, ids: list[str]) -> list[int]:
+        """Record one more delivery of entries we took over (JUSTID claims and history reads count none)."""
         pipe = self.client.pipeline(transaction=False)
-        for c in claimed:
-            pipe.xclaim(stream, Keys.GROUP, self.consumer, 0, [c.entry_id], retrycount=c.deliveries, justid=True)
+        for entry_id in ids:
+            pipe.xpending_range(stream, Keys.GROUP, min=entry_id, max=entry_id, count=1)
+        counts = [(rows[0]["times_delivered"] if rows else 0) + 1 for rows in pipe.execute()]
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, n in zip(ids, counts):
+            pipe.xclaim(stream, Keys.GROUP, self.consumer, 0, [entry_id], retrycount=n, justid=True)
         pipe.execute()
-        return claimed
+        return counts
 
     def hand_back(self, entries: dict[str, list[str]]) -> None:
         """Make entries we will not finish reclaimable by others now, without counting a delivery."""

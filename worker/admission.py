@@ -1,0 +1,63 @@
+"""KV-capacity admission: how many jobs to read from Redis now, and the bounded local queue of jobs read
+that did not fit yet. Redis stays the fleet's waiting room: a worker never holds more than its engine can
+admit plus this small queue (invariant 4)."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from producer.protocol import Job
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A job read from Redis, decoded and tokenized, not yet in the engine."""
+
+    job: Job
+    stream: str
+    entry_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    payload: bytes
+
+    @property
+    def key(self) -> str:
+        return f"{self.stream}|{self.entry_id}"
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+
+@dataclass(slots=True)
+class AdmissionQueue:
+    size: int
+    tokens_per_job: float  # running estimate of prompt + output tokens per job
+    tickets: deque[Ticket] = field(default_factory=deque)
+
+    def __len__(self) -> int:
+        return len(self.tickets)
+
+    def read_count(self, free_seqs: int, admissible_tokens: int, engine_idle: bool) -> int:
+        """Jobs to read now: what the engine can take beyond what already waits here, within the queue bound."""
+        fit_now = min(free_seqs, int(admissible_tokens // max(self.tokens_per_job, 1.0)))
+        if engine_idle and not self.tickets:
+            fit_now = max(fit_now, 1)  # an idle engine always takes one job, or rejects it with a reason
+        return max(0, min(fit_now - len(self.tickets), self.size - len(self.tickets)))
+
+    def observe(self, ticket: Ticket) -> None:
+        self.tokens_per_job += 0.2 * (ticket.tokens - self.tokens_per_job)
+
+    def push(self, ticket: Ticket) -> None:
+        self.observe(ticket)
+        self.tickets.append(ticket)
+
+    def head(self) -> Ticket | None:
+        return self.tickets[0] if self.tickets else None
+
+    def pop(self) -> Ticket:
+        return self.tickets.popleft()
+
+    def remove(self, ticket: Ticket) -> None:
+        self.tickets.remove(ticket)
