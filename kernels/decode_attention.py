@@ -1,0 +1,138 @@
+"""Paged decode attention, one new query per sequence, GQA, split along the context (flash-decoding).
+
+Stage 1: program (sequence, KV head, split) attends the group's query heads to its slice of the
+context and writes a partial output and log-sum-exp. Stage 2 merges the splits. With one split
+stage 1 writes the final output directly. The split count comes from the block-table width, not
+from the context lengths, so nothing syncs with the host and the launch is CUDA-graph safe.
+Twin: reference.paged_attention restricted to q_len == 1.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.config import AttentionConfig, decode_config
+from kernels.paged_kv import LOG2E, dot_precision, kv_tile_offsets, online_softmax_step
+
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+                         out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
+                         stride_qn, stride_qh, stride_on, stride_oh,
+                         stride_cb, stride_ct, stride_ch, stride_bt,
+                         num_heads, group, head_dim, page_size, num_splits,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    heads = kv_head * group + g
+    head_mask = g < group
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t0 in range(start, end, BLOCK_N):
+        tokens = t0 + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        offs = kv_tile_offsets(table, tokens, token_mask, kv_head * stride_ch, dims, stride_cb, stride_ct, page_size)
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(scores, m_i, l_i, acc, v, PRECISION)
+
+    nonempty = l_i > 0  # a split past the end of a short context attends nothing
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if SPLIT:
+        part = (seq * num_heads + heads) * num_splits + split
+        tl.store(part_lse_ptr + part, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf")), mask=head_mask)
+        tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], out,
+                 mask=head_mask[:, None] & dim_mask[None, :])
+    else:
+        tl.store(out_ptr + q_row.to(tl.int64) * stride_on + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_q_ptr,
+                          stride_on, stride_oh, num_heads, head_dim, num_splits,
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
+        return
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    part = (seq * num_heads + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    partial = tl.load(part_out_ptr + part[:, None] * head_dim + dims[None, :],
+                      mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + q_row.to(tl.int64) * stride_on + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU twice over, but no split shorter than MIN_TOKENS_PER_SPLIT."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    by_length = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
+    by_occupancy = triton.cdiv(2 * sms, batch * num_kv_heads)
+    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     num_splits: int | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+    """q: [B, H, D], one row per sequence (cu_seqlens_q == arange(B + 1))."""
+    batch = cu_seqlens_q.numel() - 1
+    _, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    config = config or decode_config(head_dim, q.device)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    block_g = max(config.block_m, triton.next_power_of_2(group))
+    block_d = triton.next_power_of_2(head_dim)
+    split = num_splits > 1
+    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device) if split else out
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device) if split else out
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_out, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_heads, group, head_dim, page_size, num_splits,
+        BLOCK_G=block_g, BLOCK_N=config.block_n, BLOCK_D=block_d, SPLIT=split, PRECISION=dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        _decode_reduce_kernel[(batch, num_heads)](
+            out, part_out, part_lse, cu_seqlens_q, out.stride(0), out.stride(1), num_heads, head_dim, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
+        )
+    return out
