@@ -1,6 +1,7 @@
 """`kvfleet exporter`: queue and fleet gauges read from Redis at scrape time.
 
-One process per namespace is enough; it holds no state, so any number of replicas give the same answer.
+One process per kvfleet namespace is enough; it holds no state, so any number of replicas agree. The label is
+`kvfleet_namespace` because Prometheus already puts the Kubernetes `namespace` on every target.
 Lag on Redis 6.2 (no `lag` in XINFO GROUPS) is counted from the group's last-delivered id instead.
 """
 from __future__ import annotations
@@ -138,7 +139,8 @@ class FleetCollector:
 
     def collect(self):
         ns = self.keys.ns
-        up = GaugeMetricFamily("kvfleet_exporter_redis_up", "1 if the last scrape could read Redis", labels=["namespace"])
+        up = GaugeMetricFamily("kvfleet_exporter_redis_up", "1 if the last scrape could read Redis",
+                               labels=["kvfleet_namespace"])
         started = time.perf_counter()
         try:
             snap = read_fleet(self.client, self.keys)
@@ -151,7 +153,7 @@ class FleetCollector:
         yield from _stream_families(ns, snap.streams)
         yield from _fleet_families(ns, snap)
         took = GaugeMetricFamily("kvfleet_exporter_scrape_seconds", "Time to read the fleet from Redis",
-                                 labels=["namespace"])
+                                 labels=["kvfleet_namespace"])
         took.add_metric([ns], time.perf_counter() - started)
         yield took
 
@@ -162,7 +164,7 @@ def _stream_families(ns: str, streams: list[StreamStats]):
              ("queue_length", "Entries in the job stream (XLEN)", "length"),
              ("queue_oldest_job_age_seconds", "Age of the oldest job not yet acknowledged", "oldest_age_s"))
     for name, doc, attr in specs:
-        family = GaugeMetricFamily(f"kvfleet_{name}", doc, labels=["namespace", "priority"])
+        family = GaugeMetricFamily(f"kvfleet_{name}", doc, labels=["kvfleet_namespace", "priority"])
         for s in streams:
             family.add_metric([ns, s.priority], getattr(s, attr))
         yield family
@@ -180,7 +182,7 @@ def _fleet_families(ns: str, snap: FleetSnapshot):
              ("fleet_running_jobs", "Jobs running on live workers", sum(w.running for w in snap.workers)),
              ("dead_stream_length", "Entries in the dead-letter stream", snap.dead_letters))
     for name, doc, value in specs:
-        family = GaugeMetricFamily(f"kvfleet_{name}", doc, labels=["namespace"])
+        family = GaugeMetricFamily(f"kvfleet_{name}", doc, labels=["kvfleet_namespace"])
         family.add_metric([ns], value)
         yield family
 

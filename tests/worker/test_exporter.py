@@ -129,7 +129,7 @@ def test_live_workers_free_kv_and_dead_letters_come_from_heartbeats_and_the_dead
 def test_exporter_reports_redis_down_instead_of_failing_the_scrape():
     dead = redis.Redis(port=_port(), socket_connect_timeout=0.5)
     registry = exporter.build_registry(dead, Keys("exp"))
-    assert registry.get_sample_value("kvfleet_exporter_redis_up", {"namespace": "exp"}) == 0
+    assert registry.get_sample_value("kvfleet_exporter_redis_up", {"kvfleet_namespace": "exp"}) == 0
 
 
 def test_kvfleet_exporter_command_serves_metrics_until_sigterm(tmp_path):
