@@ -172,7 +172,8 @@ def random_weights(config: PretrainedConfig, dtype: torch.dtype, seed: int) -> I
         if "norm" in name.rsplit(".", 2)[-2]:
             yield name, torch.ones(shape, dtype=dtype)
             continue
-        generator.manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+        # The CPU generator keeps only 32 bits of its seed, so the run seed is hashed in with the name.
+        generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
         yield name, torch.randn(shape, generator=generator).mul_(std).to(dtype)
 
 
