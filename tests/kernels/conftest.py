@@ -43,3 +43,11 @@ def make_paged_kv(context_lens: list[int], num_kv_heads: int, head_dim: int, pag
 
 def cu_seqlens(q_lens: list[int], device: str = "cpu") -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def context_lens_tensor(lens: list[int], device: str = "cpu") -> torch.Tensor:
+    return torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)

@@ -1,0 +1,55 @@
+"""Split-K paged decode attention against reference.paged_attention (one query per sequence)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
+from kernels import reference
+from kernels.decode_attention import choose_num_splits, decode_attention
+
+
+def run_decode(context: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+               num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    k_cache, v_cache, block_tables = make_paged_kv(context, num_kv_heads, head_dim, page_size, device=DEVICE)
+    q = torch.randn(len(context), num_heads, head_dim, device=DEVICE)
+    cu, ctx = cu_seqlens([1] * len(context), DEVICE), context_lens_tensor(context, DEVICE)
+    scale = head_dim ** -0.5
+    out = decode_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale, num_splits=num_splits)
+    return out, reference.paged_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_decode_matches_reference_at_page_boundaries_for_any_split_count(num_splits):
+    out, expected = run_decode([1, 8, 9, 16, 17, 47], num_heads=4, num_kv_heads=2, head_dim=16, page_size=8,
+                               num_splits=num_splits)
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (14, 2)])
+def test_decode_serves_every_query_head_of_a_gqa_group(num_heads, num_kv_heads):
+    out, expected = run_decode([5, 33], num_heads, num_kv_heads, head_dim=16, page_size=4, num_splits=3)
+    assert_close(out, expected)
+
+
+def test_decode_masks_a_head_size_that_is_not_a_power_of_two():
+    out, expected = run_decode([3, 20], num_heads=2, num_kv_heads=1, head_dim=24, page_size=8, num_splits=2)
+    assert_close(out, expected)
+
+
+def test_decode_with_more_splits_than_context_tiles_leaves_empty_splits_out_of_the_merge():
+    out, expected = run_decode([1, 2, 70], num_heads=2, num_kv_heads=1, head_dim=16, page_size=16, num_splits=8)
+    assert not out.isnan().any()
+    assert_close(out, expected)
+
+
+def test_decode_default_split_count_comes_from_the_table_width_and_is_correct():
+    out, expected = run_decode([300, 7], num_heads=2, num_kv_heads=1, head_dim=16, page_size=32, num_splits=None)
+    assert_close(out, expected)
+
+
+def test_split_count_grows_with_context_and_shrinks_with_batch():
+    cpu = torch.device("cpu")
+    assert choose_num_splits(1, 1, 100, cpu) == 1
+    assert choose_num_splits(1, 1, 2048, cpu) > 1
+    assert choose_num_splits(64, 8, 32768, cpu) == 1

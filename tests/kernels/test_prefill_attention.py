@@ -1,0 +1,52 @@
+"""Paged prefill / extend attention against reference.paged_attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
+from kernels import reference
+from kernels.prefill_attention import prefill_attention
+
+
+def run_prefill(q_lens: list[int], context: list[int], num_heads: int = 4, num_kv_heads: int = 2,
+                head_dim: int = 16, page_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    k_cache, v_cache, block_tables = make_paged_kv([max(c, 1) for c in context], num_kv_heads, head_dim, page_size,
+                                                   device=DEVICE)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE)
+    cu, ctx = cu_seqlens(q_lens, DEVICE), context_lens_tensor(context, DEVICE)
+    scale = head_dim ** -0.5
+    out = prefill_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale)
+    return out, reference.paged_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale)
+
+
+def test_prefill_of_whole_prompts_is_causal_across_ragged_and_page_boundary_lengths():
+    lens = [1, 8, 9, 16, 33]
+    out, expected = run_prefill(lens, lens)
+    assert_close(out, expected)
+
+
+def test_extend_attends_to_a_cached_prefix_aligned_or_not_with_pages():
+    out, expected = run_prefill([5, 12, 17], [13, 20, 40])
+    assert_close(out, expected)
+
+
+def test_a_chunked_prefill_batched_with_decode_rows_matches_reference():
+    out, expected = run_prefill([7, 1, 20, 1], [30, 9, 20, 41])
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (14, 2)])
+def test_prefill_serves_every_query_head_of_a_gqa_group(num_heads, num_kv_heads):
+    out, expected = run_prefill([9, 18], [9, 30], num_heads, num_kv_heads, page_size=4)
+    assert_close(out, expected)
+
+
+def test_prefill_masks_a_head_size_that_is_not_a_power_of_two():
+    out, expected = run_prefill([6, 11], [6, 19], num_heads=2, num_kv_heads=1, head_dim=24)
+    assert_close(out, expected)
+
+
+def test_a_sequence_without_new_queries_does_not_disturb_the_others():
+    out, expected = run_prefill([4, 0, 3], [4, 10, 12])
+    assert_close(out, expected)
