@@ -33,22 +33,47 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of each sequence's new queries over its whole cached context (prefill, chunked
     prefill, prefix-cache extend and decode are all this one case)."""
     out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
+    decode = [i for i in range(len(ctx)) if cu[i + 1] - cu[i] == 1]
+    if len(decode) > 1:  # one batched call: decode steps are many tiny sequences
+        rows = torch.tensor([cu[i] for i in decode], device=q.device)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decode], context_lens[decode],
+                                      max(ctx[i] for i in decode), scale)
+        decode = set(decode)
+    else:
+        decode = set()
     for i, length in enumerate(ctx):
         start, end = cu[i], cu[i + 1]
-        if end == start:
+        if end == start or i in decode:
             continue
-        k = gather_kv(k_cache, block_tables[i], length).to(q.dtype).repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[i], length).to(q.dtype).repeat_interleave(group, dim=1)
+        k = gather_kv(k_cache, block_tables[i], length).to(q.dtype)
+        v = gather_kv(v_cache, block_tables[i], length).to(q.dtype)
         q_len = end - start
-        q_pos = torch.arange(length - q_len, length, device=q.device)
-        mask = q_pos[:, None] >= torch.arange(length, device=q.device)[None, :]
+        if q_len == length:  # nothing cached before: plain causal
+            mask, causal = None, True
+        else:
+            q_pos = torch.arange(length - q_len, length, device=q.device)
+            mask, causal = q_pos[:, None] >= torch.arange(length, device=q.device)[None, :], False
         out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+            q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal,
+            scale=scale, enable_gqa=True,
         ).transpose(0, 1)
     return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """One query per sequence: gather every sequence's blocks padded to the longest and mask the padding."""
+    block_size = k_cache.shape[1]
+    num_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long().clamp_(min=0)  # padding (-1) reads block 0, masked below
+    b = q.shape[0]
+    k = k_cache[table].view(b, num_blocks * block_size, *k_cache.shape[2:]).to(q.dtype).transpose(1, 2)
+    v = v_cache[table].view(b, num_blocks * block_size, *v_cache.shape[2:]).to(q.dtype).transpose(1, 2)
+    mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < context_lens[:, None].to(q.device)
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)
+    return o[:, :, 0, :]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

@@ -1,0 +1,297 @@
+"""The engine the worker drives: add_request, step, abort, and the admission question (how many more tokens
+can come in now without expecting a preemption)."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.models import build_model
+from engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+RESERVE_RATIO_START, RESERVE_RATIO_FLOOR, RESERVE_RATIO_BUMP, RESERVE_RATIO_DECAY = 0.5, 0.25, 0.25, 0.995
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config: Any) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type != "cuda":
+        return torch.float32
+    wanted = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return torch.float16 if wanted in (torch.float16, "float16") else torch.bfloat16
+
+
+class LLMEngine:
+    def __init__(self, model: Any, **kwargs: Any) -> None:
+        self.config = config = EngineConfig(**kwargs)
+        source = self._resolve(model, config.seed)
+        self.model_name: str = source.name
+        self.tokenizer = source.tokenizer
+        hf_config = source.config
+        self.vocab_size: int = hf_config.vocab_size
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        max_positions = getattr(hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or max_positions, max_positions)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        model_ = build_model(hf_config, self.dtype, self.device, source.weights(self.dtype), self.max_model_len)
+        self.runner = ModelRunner(model_, config.block_size, self.device, config.seed)
+        num_blocks = self.runner.size_kv_cache(config.kv_cache_memory, config.gpu_memory_utilization,
+                                               config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache has room for 0 blocks of {self.runner.bytes_per_block} bytes: "
+                             "raise kv_cache_memory or gpu_memory_utilization")
+        self.runner.allocate_kv_cache(num_blocks)
+        logger.info("%s on %s/%s: KV cache of %d blocks x %d = %d tokens (%.1f MiB)", self.model_name, self.device,
+                    self.dtype, num_blocks, self.block_size, num_blocks * self.block_size,
+                    num_blocks * self.runner.bytes_per_block / 2**20)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling)
+        self.eos_token_ids = self._eos_ids(hf_config)
+        self.seqs: dict[str, Sequence] = {}
+        self.reserve_ratio = RESERVE_RATIO_START
+        self.steps = self.prompt_tokens = self.generation_tokens = 0
+        self._seen_preemptions = 0
+
+    @staticmethod
+    def _resolve(model: Any, seed: int) -> Any:
+        if not isinstance(model, str):
+            return model
+        from engine.loader import resolve_model  # heavy: transformers, gguf
+        return resolve_model(model, seed=seed)
+
+    def _eos_ids(self, hf_config: Any) -> set[int]:
+        ids: set[int] = set()
+        for value in (getattr(hf_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    arrival_time: float | None = None, stream_text: bool = True) -> int:
+        """Queue a request; returns its prompt length. `stream_text=False` skips incremental detokenization
+        (the text is decoded once at the end) unless stop strings need it."""
+        if request_id in self.seqs:
+            raise RequestRejected(f"request_id {request_id!r} is already in the engine: use a unique id")
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self._tokenize(prompt)
+        n = len(token_ids)
+        if n > self.max_model_len:
+            raise RequestRejected(f"prompt of {n} tokens is longer than max_model_len={self.max_model_len}: "
+                                  "shorten it or raise max_model_len")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        max_tokens = min(params.max_tokens, self.max_model_len - n)
+        if max_tokens < 1:
+            raise RequestRejected(f"prompt of {n} tokens leaves no room to generate within "
+                                  f"max_model_len={self.max_model_len}")
+        needed = self.block_manager.blocks_for(n + max_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise RequestRejected(f"prompt of {n} tokens plus max_tokens={max_tokens} needs {needed} KV blocks but the "
+                                  f"whole cache has {self.block_manager.num_blocks}: lower max_tokens or enlarge the cache")
+        seq = Sequence(request_id, list(token_ids), params, max_tokens,
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                       stream_text=(stream_text or bool(params.stop)) and self.tokenizer is not None)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return n
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(f"model {self.model_name!r} has no tokenizer: send token ids, not text")
+            if not prompt:
+                raise RequestRejected("prompt is empty: send at least one token")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise RequestRejected("prompt is empty: send at least one token")
+            return list(prompt)
+        raise RequestRejected(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestRejected(f"model {self.model_name!r} has no chat template: send a plain prompt")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # template errors come in many types
+            raise RequestRejected(f"chat messages do not fit the chat template: {e}") from e
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._finish_output(seq, [], None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """One scheduler iteration; outputs only for requests that produced something."""
+        batch = self.scheduler.schedule()
+        self.steps += 1
+        self._adapt_reserve()
+        if not batch:
+            return []
+        seqs, tokens, logprobs = self.runner.run(batch)
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            if seq.num_output_tokens == 0:
+                self.prompt_tokens += n
+        now = time.monotonic()
+        outputs = []
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            seq.first_token_time = seq.first_token_time or now
+            outputs.append(self._append_token(seq, token, lp))
+        self.generation_tokens += len(tokens)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> StepOutput:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.max_tokens:
+            reason = "length"
+        new_text = ""
+        if seq.stream_text:
+            seq.text += detokenize_increment(self.tokenizer, seq)
+            if p.stop and find_stop(seq, p.stop):
+                reason = "stop"
+            end = len(seq.text) if reason else len(seq.text) - held_back(seq.text, p.stop)
+            new_text, seq.emitted = seq.text[seq.emitted:end], max(seq.emitted, end)
+        lps = [logprob] if logprob is not None else None
+        if reason:
+            self.scheduler.finish(seq, reason)
+            return self._finish_output(seq, [token], lps, new_text)
+        return StepOutput(seq.request_id, [token], new_text, False, None, seq.num_prompt_tokens,
+                          seq.num_output_tokens, seq.num_cached_tokens, logprobs=lps)
+
+    def _finish_output(self, seq: Sequence, new_ids: list[int], lps, new_text: str = "") -> StepOutput:
+        self.seqs.pop(seq.request_id, None)
+        if seq.stream_text:
+            new_text += seq.text[seq.emitted:]  # an abort flushes what was held back
+            text = seq.text
+        else:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return StepOutput(seq.request_id, new_ids, new_text, True, seq.finish_reason, seq.num_prompt_tokens,
+                          seq.num_output_tokens, seq.num_cached_tokens, token_ids=seq.output_token_ids, text=text,
+                          logprobs=lps)
+
+    # ---- admission and stats --------------------------------------------------------------------------------
+
+    def _adapt_reserve(self) -> None:
+        preemptions = self.scheduler.num_preemptions
+        if preemptions > self._seen_preemptions:
+            self.reserve_ratio = min(1.0, self.reserve_ratio + RESERVE_RATIO_BUMP)
+            self._seen_preemptions = preemptions
+        else:
+            self.reserve_ratio = max(RESERVE_RATIO_FLOOR, self.reserve_ratio * RESERVE_RATIO_DECAY)
+
+    def _reserved_tokens(self) -> int:
+        """Tokens the sequences already inside will still claim: unallocated context in full, expected output
+        growth times the adaptive ratio."""
+        bs, reserve = self.block_size, 0.0
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            reserve += max(0, seq.num_tokens - len(seq.block_table) * bs)
+            reserve += self.reserve_ratio * seq.remaining_tokens
+        return math.ceil(reserve)
+
+    def admission(self) -> Admission:
+        s = self.scheduler
+        free_tokens = self.block_manager.num_free * self.block_size
+        return Admission(free_seqs=max(0, self.config.max_num_seqs - len(s.running) - len(s.waiting)),
+                         admissible_tokens=max(0, free_tokens - self._reserved_tokens()), block_size=self.block_size)
+
+    def fits(self, prompt_len: int, max_tokens: int) -> bool:
+        """Could this candidate be admitted now without expecting a preemption? An idle engine takes anything
+        that fits the whole cache, so a big job is never starved."""
+        if not 0 < prompt_len < self.max_model_len:
+            return False
+        max_tokens = min(max_tokens, self.max_model_len - prompt_len)
+        if self.block_manager.blocks_for(prompt_len + max_tokens) > self.block_manager.num_blocks:
+            return False
+        if not self.has_unfinished():
+            return True
+        a = self.admission()
+        return a.free_seqs > 0 and prompt_len + math.ceil(self.reserve_ratio * max_tokens) <= a.admissible_tokens
+
+    @property
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(steps=self.steps, running=len(s.running), waiting=len(s.waiting), free_blocks=bm.num_free,
+                           total_blocks=bm.num_blocks, block_size=self.block_size,
+                           kv_usage=1.0 - bm.num_free / bm.num_blocks, preemptions=s.num_preemptions,
+                           prefix_hit_tokens=s.prefix_hit_tokens, prefix_query_tokens=s.prefix_query_tokens,
+                           prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
+
+
+# ---- incremental detokenization ---------------------------------------------------------------------------
+
+def detokenize_increment(tokenizer: Any, seq: Sequence) -> str:
+    """New text since the last call. Decoding a short window of tokens keeps it cheap; a window ending in an
+    incomplete UTF-8 character (U+FFFD) waits for the next token."""
+    ids = seq.token_ids
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        return ""
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    return full[len(prefix):]
+
+
+def find_stop(seq: Sequence, stops: list[str]) -> bool:
+    """Cut the text at the earliest stop string, if one appeared; the stop string itself is never emitted."""
+    longest = max(map(len, stops))
+    start = max(0, seq.emitted - longest)
+    hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+    if not hits:
+        return False
+    seq.text = seq.text[:max(min(hits), seq.emitted)]
+    return True
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that could still grow into a stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,123 @@
+"""Turns a scheduled batch into flat tensors, runs the model over the paged KV cache, samples.
+
+One forward handles any mix of prefill chunks and decodes: the new tokens of all sequences are concatenated
+(`cu_seqlens_q` says which rows are whose) and attention finds each sequence's context via its block table."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.models import AttentionMetadata, LlamaForCausalLM
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(seed, device)
+        attn = model.model.layers[0].self_attn
+        self.num_layers = len(model.model.layers)
+        self.kv_shape = (attn.num_kv_heads, attn.head_dim)
+        self.kv_cache = torch.empty(0)
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = self.model.model.embed_tokens.weight.element_size()
+        return 2 * self.num_layers * self.block_size * self.kv_shape[0] * self.kv_shape[1] * itemsize
+
+    def size_kv_cache(self, kv_cache_memory: int | None, gpu_memory_utilization: float, max_num_seqs: int,
+                      max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Number of KV blocks: from `kv_cache_memory` bytes when given; on CUDA from what a profiling
+        forward leaves of `gpu_memory_utilization`; on CPU 1 GiB or what the longest batch needs, if less."""
+        if kv_cache_memory is None and self.device.type == "cuda":
+            kv_cache_memory = self._profile_free_cuda_memory(gpu_memory_utilization, max_num_batched_tokens,
+                                                             max_model_len)
+        elif kv_cache_memory is None:
+            wanted = -(-max_num_seqs * max_model_len // self.block_size) * self.bytes_per_block
+            kv_cache_memory = min(GiB, wanted)
+        return int(kv_cache_memory // self.bytes_per_block)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        dtype = self.model.model.embed_tokens.weight.dtype
+        # zeros, not empty: padded block-table entries read real blocks and must never hold NaN
+        self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, *self.kv_shape, dtype=dtype,
+                                    device=self.device)
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _profile_free_cuda_memory(self, utilization: float, max_tokens: int, max_model_len: int) -> int:
+        num_tokens = min(max_tokens, max_model_len)
+        self.allocate_kv_cache(-(-num_tokens // self.block_size))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        seq_len = num_tokens
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(-(-num_tokens // self.block_size), dtype=torch.int32, device=self.device)[None],
+            cu_seqlens_q=torch.tensor([0, seq_len], dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([seq_len], dtype=torch.int32, device=self.device))
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=self.device), meta)[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        self.kv_cache = torch.empty(0)
+        torch.cuda.empty_cache()
+        free = int(total * utilization) - peak
+        logger.info("profiling forward of %d tokens peaked at %.2f GiB; %.2f GiB left for the KV cache",
+                    num_tokens, peak / GiB, free / GiB)
+        return max(free, 0)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu, ctx, sample_rows = [0], [], []
+        max_blocks = max(len(seq.block_table) for seq, _ in batch)
+        tables = []
+        for seq, n in batch:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu.append(cu[-1] + n)
+            ctx.append(end)
+            tables.append(table + [-1] * (max_blocks - len(table)))
+            if end == seq.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev))
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
+        """Compute the batch's new tokens; sample for the sequences whose whole context is now computed."""
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        hidden = self.forward(input_ids, positions, meta)
+        seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+        if not seqs:
+            return [], [], []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens, logprobs = self.sampler(logits, seqs)
+        return seqs, tokens, logprobs
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # The place for CUDA graphs: a decode-only batch (one row per sequence) of a captured size would copy
+        # its inputs into static buffers and replay here. CPU runs eagerly.
+        return self.model(input_ids, positions, meta)

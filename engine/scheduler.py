@@ -1,0 +1,121 @@
+"""Iteration-level scheduling: each step decides which sequences run and how many tokens each computes.
+
+Continuous: running sequences first (decodes before prefill chunks, so decode never starves), then new ones
+from the waiting queue while the token budget, the sequence cap and free blocks allow. When blocks run out
+the newest running sequence is preempted by recompute (its blocks freed; the prefix cache usually keeps them).
+Static: the baseline; a batch is filled only when the previous one has completely finished."""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute this step)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "continuous") -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        if self.policy == "static" and not self.running:
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                self._start(self.waiting.popleft())
+        scheduled, budget, preempted = self._schedule_running(budget)
+        if self.policy == "continuous" and not preempted:
+            budget = self._admit(scheduled, budget)
+        return list(scheduled.items())
+
+    def _schedule_running(self, budget: int) -> tuple[dict[Sequence, int], int, bool]:
+        scheduled: dict[Sequence, int] = {}
+        preempted = False
+        for seq in sorted(self.running, key=lambda s: s.is_prefilling):  # stable: decodes first
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._grow(seq, budget)
+            while n is None:
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                budget += scheduled.pop(victim, 0)
+                if victim is seq:
+                    break
+                n = self._grow(seq, budget)
+            if n:
+                scheduled[seq] = n
+                budget -= n
+        return scheduled, budget, preempted
+
+    def _admit(self, scheduled: dict[Sequence, int], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._grow(seq, budget)
+            if n is None:
+                break
+            self.waiting.popleft()
+            self._start(seq)
+            scheduled[seq] = n
+            budget -= n
+        return budget
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _grow(self, seq: Sequence, budget: int) -> int | None:
+        """Reserve blocks for this sequence's next chunk; the chunk size, or None when blocks are short."""
+        bm = self.block_manager
+        if not seq.block_table:
+            hits = bm.match_prefix(seq)
+            start = len(hits) * bm.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not bm.can_allocate(hits, start + n):
+                return None
+            bm.allocate(seq, hits, start + n)
+            if seq.num_output_tokens == 0:  # count real prompts, not recomputation after preemption
+                seq.num_cached_tokens = start
+                self.prefix_hit_tokens += start
+                self.prefix_query_tokens += seq.num_tokens
+            return n
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not bm.can_append(seq, seq.num_computed_tokens + n):
+            return None
+        bm.append(seq, seq.num_computed_tokens + n)
+        return n
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (finished or aborted) wherever it is and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,81 @@
+"""One request's state inside the engine: its tokens, its KV blocks, how much of it is computed, its text."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)  # identity equality: sequences are keys of per-step dicts
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt then output
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens clipped so the sequence fits max_model_len
+    arrival_time: float = 0.0
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prefix-cache hit tokens at the first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, filled lazily
+    num_committed_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
+    finish_reason: str | None = None
+    generator: Any = None  # torch.Generator for seeded sampling; Any keeps this module torch-free
+    logprobs: list[dict[int, float]] | None = None
+    # incremental detokenization (see engine.detokenizer)
+    stream_text: bool = True
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+    emitted: int = 0  # characters of `text` already handed out
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+        self.prefix_offset = self.read_offset = self.num_prompt_tokens
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens this sequence may still produce."""
+        return self.max_tokens - self.num_output_tokens
