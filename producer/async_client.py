@@ -1,0 +1,205 @@
+"""AsyncClient: the producer SDK on redis.asyncio, with the Client's surface (awaitable where it waits)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import Any, Iterable, Literal
+
+import redis
+import redis.asyncio as aioredis
+from tqdm.auto import tqdm
+
+from .async_handle import AsyncJobHandle
+from .client import CHUNK, CLOSED_REPLY_TTL_S, _plain_messages, _with_plain_messages, check_client_id
+from .connection import resolve_url, translated
+from .mailbox import ReplyRouter
+from .protocol import Keys, Message, decode_final
+from .queue_stats import QueueStats, read_queue_stats, total_backlog
+from .reply_reader import READ_COUNT, ReaderState
+from .result import Result
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
+                         owners, prepare, queue)
+
+log = logging.getLogger(__name__)
+
+
+class AsyncClient:
+    """Like Client, for asyncio: `async with AsyncClient(url) as c: r = await (await c.submit(...)).result()`."""
+
+    def __init__(self, redis_url: str | None = None, namespace: str = "kvfleet", *, max_backlog: int | None = None,
+                 backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
+                 reply_ttl_s: int = 3600):
+        self.url = resolve_url(redis_url)
+        self.keys = Keys(namespace)
+        self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
+        self._gate = BacklogGate(max_backlog, backpressure)
+        self._event = asyncio.Event()
+        self.router = ReplyRouter(self._notify)
+        self.redis = aioredis.Redis.from_url(self.url)
+        self._script = claim_script(self.redis)
+        self._state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
+        self._reader: asyncio.Task | None = None
+        self._sync: redis.Redis | None = None  # queue inspection is shared sync code, run in a thread
+        self._closed = False
+
+    async def start(self) -> "AsyncClient":
+        """Create the job groups and start the reply reader; called by `async with` and the first submit."""
+        if self._reader is not None:
+            return self
+        with translated(self.url):
+            pipe = self.redis.pipeline(transaction=False)
+            group_commands(pipe, self.keys)
+            check_group_replies(await pipe.execute(raise_on_error=False))
+        conn = aioredis.Redis.from_url(self.url, socket_timeout=self._state.block_ms / 1000 + 10)
+        self._reader = asyncio.create_task(self._read(conn), name=f"kvfleet-reply-{self.client_id[:6]}")
+        return self
+
+    # -- submitting -------------------------------------------------------------------------------
+    async def submit(self, prompt: str | None = None, *, messages: list[dict | Message] | None = None,
+                     prompt_token_ids: list[int] | None = None, max_tokens: int = 256, temperature: float = 1.0,
+                     top_p: float = 1.0, top_k: int = -1, repetition_penalty: float = 1.0,
+                     stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+                     ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
+                     ttl_s: float | None = None, deadline: float | None = None,
+                     idempotency_key: str | None = None, stream: bool = False,
+                     metadata: dict[str, str] | None = None) -> AsyncJobHandle:
+        args = dict(prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
+                    max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                    repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
+                    ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
+                    idempotency_key=idempotency_key, stream=stream, metadata=metadata)
+        prepared = prepare(args, self.keys, self.client_id)
+        return (await self._enqueue([prepared]))[0]
+
+    async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = True,
+                          chunk_size: int = CHUNK) -> list[AsyncJobHandle]:
+        prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].")
+                    for i, r in enumerate(requests)]
+        handles: list[AsyncJobHandle] = []
+        with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
+            for start in range(0, len(prepared), chunk_size):
+                handles += await self._enqueue(prepared[start:start + chunk_size])
+                bar.update(min(chunk_size, len(prepared) - start))
+        return handles
+
+    async def _enqueue(self, prepared: list[Prepared]) -> list[AsyncJobHandle]:
+        await self.start()
+        await self._admit()
+        with translated(self.url):
+            pipe = self.redis.pipeline(transaction=False)
+            for p in prepared:
+                queue(pipe, self._script, p)
+            replies = await pipe.execute()
+        self._gate.added(len(prepared))
+        return [self._handle(c.job_id, foreign=c.client_id != self.client_id) for c in owners(prepared, replies)]
+
+    async def _admit(self) -> None:
+        delay = 0.02
+        while True:
+            if self._gate.stale():
+                with translated(self.url):
+                    self._gate.record(await asyncio.to_thread(total_backlog, self._sync_redis(), self.keys))
+            if not self._gate.blocked():
+                return
+            if self._gate.mode == "raise":
+                raise self._gate.refuse()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            self._gate.force()
+
+    # -- results ----------------------------------------------------------------------------------
+    def attach(self, job_id: str) -> AsyncJobHandle:
+        return self._handle(job_id, foreign=True)
+
+    def _handle(self, job_id: str, foreign: bool) -> AsyncJobHandle:
+        return AsyncJobHandle(self, self.router.mailbox(job_id, foreign))
+
+    async def get(self, job_id: str) -> Result | None:
+        with translated(self.url):
+            raw = await self.redis.get(self.keys.result(job_id))
+        return None if raw is None else Result.from_final(decode_final(raw))
+
+    async def cancel(self, job_id: str) -> None:
+        with translated(self.url):
+            await self.redis.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
+
+    async def stats(self) -> QueueStats:
+        with translated(self.url):
+            return await asyncio.to_thread(read_queue_stats, self._sync_redis(), self.keys)
+
+    def _sync_redis(self) -> redis.Redis:
+        if self._sync is None:
+            self._sync = redis.Redis.from_url(self.url)
+        return self._sync
+
+    # -- the reader task --------------------------------------------------------------------------
+    async def _read(self, conn: aioredis.Redis) -> None:
+        backoff = 0.05
+        try:
+            while True:
+                try:
+                    await self._step(conn)
+                    backoff = 0.05
+                except redis.RedisError as e:
+                    log.warning("reply reader: %s; retrying in %.2f s", e, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+        finally:
+            await conn.aclose()
+
+    async def _step(self, conn: aioredis.Redis) -> None:
+        s, now = self._state, time.monotonic()
+        if s.expire_due(now):
+            await conn.expire(s.stream, s.reply_ttl_s)
+        ids = s.polls_due(now)
+        for i in range(0, len(ids), 1000):
+            s.absorb_results(await conn.mget([s.keys.result(j) for j in ids[i:i + 1000]]))
+        response = await conn.xread({s.stream: s.last_id}, count=READ_COUNT, block=s.block_for_ms())
+        if s.absorb(response):
+            await conn.xtrim(s.stream, minid=s.last_id, approximate=True)
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def _notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def _wait_until(self, predicate, timeout: float | None) -> bool:
+        deadline = self._deadline(timeout)
+        while not predicate():
+            if self._reader is None:
+                await self.start()
+            event, remaining = self._event, self._remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                return predicate()
+        return True
+
+    _deadline = staticmethod(lambda timeout: None if timeout is None else time.monotonic() + timeout)
+    _remaining = staticmethod(lambda d: None if d is None else max(0.0, d - time.monotonic()))
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        try:
+            await self.redis.expire(self.keys.reply(self.client_id), CLOSED_REPLY_TTL_S)
+        except redis.RedisError:
+            pass
+        await self.redis.aclose()
+        if self._sync is not None:
+            self._sync.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

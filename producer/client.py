@@ -1,0 +1,189 @@
+"""Client: the synchronous producer SDK. Submit jobs, read their results and streamed tokens."""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from typing import Any, Iterable, Iterator, Literal
+
+import redis
+from tqdm.auto import tqdm
+
+from .connection import resolve_url, translated
+from .handle import JobHandle
+from .mailbox import ReplyRouter
+from .protocol import Keys, Message, decode_final
+from .queue_stats import QueueStats, read_queue_stats, total_backlog
+from .reply_reader import ReaderState, ReplyReader
+from .result import Result
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
+                         owners, prepare, queue)
+
+CHUNK = 256
+CLOSED_REPLY_TTL_S = 60  # replies still in flight at close may land; the stream goes soon after
+
+
+def check_client_id(client_id: str) -> str:
+    if not 16 <= len(client_id) <= 128 or any(c.isspace() or c in "{}*?[]" for c in client_id):
+        raise ValueError(f"client_id={client_id!r} must have 16 to 128 characters, no whitespace or glob "
+                         "characters; leave it out to get an unguessable one")
+    return client_id
+
+
+class Client:
+    """A producer bound to one Redis namespace, with its own unguessable reply stream and reader thread."""
+
+    def __init__(self, redis_url: str | None = None, namespace: str = "kvfleet", *, max_backlog: int | None = None,
+                 backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
+                 reply_ttl_s: int = 3600):
+        self.url = resolve_url(redis_url)
+        self.keys = Keys(namespace)
+        self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
+        self._gate = BacklogGate(max_backlog, backpressure)
+        self._changed = threading.Condition()
+        self.router = ReplyRouter(self._notify)
+        self.redis = redis.Redis.from_url(self.url)
+        self._script = claim_script(self.redis)
+        self._closed = False
+        with translated(self.url):
+            pipe = self.redis.pipeline(transaction=False)
+            group_commands(pipe, self.keys)
+            check_group_replies(pipe.execute(raise_on_error=False))
+        state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
+        conn = redis.Redis.from_url(self.url, socket_timeout=state.block_ms / 1000 + 10)
+        self._reader = ReplyReader(conn, state)
+        self._reader.start()
+
+    # -- submitting -------------------------------------------------------------------------------
+    def submit(self, prompt: str | None = None, *, messages: list[dict | Message] | None = None,
+               prompt_token_ids: list[int] | None = None, max_tokens: int = 256, temperature: float = 1.0,
+               top_p: float = 1.0, top_k: int = -1, repetition_penalty: float = 1.0,
+               stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+               ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
+               ttl_s: float | None = None, deadline: float | None = None, idempotency_key: str | None = None,
+               stream: bool = False, metadata: dict[str, str] | None = None) -> JobHandle:
+        """Validate, then enqueue one job. Raises InvalidRequest before anything is enqueued."""
+        args = dict(prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
+                    max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                    repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
+                    ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
+                    idempotency_key=idempotency_key, stream=stream, metadata=metadata)
+        prepared = prepare(args, self.keys, self.client_id)
+        return self._enqueue([prepared])[0]
+
+    def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = True,
+                    chunk_size: int = CHUNK) -> list[JobHandle]:
+        """Validate every request (InvalidRequest names requests[i].field), then enqueue them pipelined."""
+        prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].")
+                    for i, r in enumerate(requests)]
+        handles: list[JobHandle] = []
+        with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
+            for start in range(0, len(prepared), chunk_size):
+                handles += self._enqueue(prepared[start:start + chunk_size])
+                bar.update(min(chunk_size, len(prepared) - start))
+        return handles
+
+    def _enqueue(self, prepared: list[Prepared]) -> list[JobHandle]:
+        self._admit()
+        with translated(self.url):
+            pipe = self.redis.pipeline(transaction=False)
+            for p in prepared:
+                queue(pipe, self._script, p)
+            replies = pipe.execute()
+        self._gate.added(len(prepared))
+        return [self._handle(c.job_id, foreign=c.client_id != self.client_id) for c in owners(prepared, replies)]
+
+    def _admit(self) -> None:
+        delay = 0.02
+        while True:
+            if self._gate.stale():
+                with translated(self.url):
+                    self._gate.record(total_backlog(self.redis, self.keys))
+            if not self._gate.blocked():
+                return
+            if self._gate.mode == "raise":
+                raise self._gate.refuse()
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            self._gate.force()
+
+    # -- results ----------------------------------------------------------------------------------
+    def attach(self, job_id: str) -> JobHandle:
+        """A handle for a job submitted elsewhere (another client or process): its result is polled."""
+        return self._handle(job_id, foreign=True)
+
+    def _handle(self, job_id: str, foreign: bool) -> JobHandle:
+        return JobHandle(self, self.router.mailbox(job_id, foreign))
+
+    def get(self, job_id: str) -> Result | None:
+        """The stored result of a finished job, or None while it runs (or after its result expired)."""
+        with translated(self.url):
+            raw = self.redis.get(self.keys.result(job_id))
+        return None if raw is None else Result.from_final(decode_final(raw))
+
+    def cancel(self, job_id: str) -> None:
+        with translated(self.url):
+            self.redis.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
+
+    def as_completed(self, handles: Iterable[JobHandle], timeout: float | None = None) -> Iterator[JobHandle]:
+        """Yield handles as their jobs finish; ResultTimeout if `timeout` passes with some still running."""
+        from .errors import ResultTimeout
+        waiting = {h.job_id: h for h in handles}
+        deadline = self._deadline(timeout)
+        while waiting:
+            if not self._wait_until(lambda: any(h.done() for h in waiting.values()), self._remaining(deadline)):
+                raise ResultTimeout(next(iter(waiting)), timeout)
+            for job_id in [j for j, h in waiting.items() if h.done()]:
+                yield waiting.pop(job_id)
+
+    def stats(self) -> QueueStats:
+        with translated(self.url):
+            return read_queue_stats(self.redis, self.keys)
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _wait_until(self, predicate, timeout: float | None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    @staticmethod
+    def _deadline(timeout: float | None) -> float | None:
+        return None if timeout is None else time.monotonic() + timeout
+
+    @staticmethod
+    def _remaining(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the reader and let the reply stream expire; results stay readable with Client.get."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.stop(self.redis)
+        try:
+            self.redis.expire(self.keys.reply(self.client_id), CLOSED_REPLY_TTL_S)
+        except redis.RedisError:
+            pass
+        self.redis.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _plain_messages(messages):
+    if messages is None:
+        return None
+    return [{"role": m.role, "content": m.content} if isinstance(m, Message) else m for m in messages]
+
+
+def _with_plain_messages(request: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(request, dict):
+        return request
+    return {**request, "messages": _plain_messages(request["messages"])} if "messages" in request else request

@@ -1,0 +1,42 @@
+"""Where the SDK finds Redis, and how it says so when it cannot."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from .errors import ConnectionFailed, KvfleetError
+
+URL_ENV = "KVFLEET_REDIS_URL"
+
+
+def resolve_url(redis_url: str | None) -> str:
+    url = redis_url or os.environ.get(URL_ENV)
+    if not url:
+        raise KvfleetError(f"no Redis URL: pass redis_url=..., set {URL_ENV}, or start one with `kvfleet redis`")
+    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise KvfleetError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss:// or unix://")
+    return url
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ***, fit for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    port = f":{parts.port}" if parts.port else ""
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+@contextmanager
+def translated(url: str):
+    """Turn redis-py's connection errors into ConnectionFailed naming the (masked) URL."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as e:  # AuthenticationError is a ConnectionError
+        raise ConnectionFailed(mask_url(url), e) from e

@@ -1,0 +1,67 @@
+"""Typed errors of the producer SDK. Each says what was wrong, with which value, and what to do."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class KvfleetError(Exception):
+    """Base class of every error the SDK raises on purpose."""
+
+
+@dataclass(slots=True, frozen=True)
+class FieldError:
+    field: str
+    value: object
+    reason: str
+
+    def __str__(self) -> str:
+        shown = repr(self.value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return f"{self.field}={shown}: {self.reason}"
+
+
+class InvalidRequest(KvfleetError, ValueError):
+    """A submit argument failed validation; nothing was enqueued."""
+
+    def __init__(self, errors: list[FieldError]):
+        self.errors = errors
+        first = errors[0]
+        self.field, self.value, self.reason = first.field, first.value, first.reason
+        listed = "; ".join(str(e) for e in errors)
+        super().__init__(f"invalid request ({listed}); fix the argument and submit again, nothing was enqueued")
+
+
+class Backpressure(KvfleetError):
+    """The fleet's backlog is at or over the client's max_backlog."""
+
+    def __init__(self, backlog: int, max_backlog: int):
+        self.backlog, self.max_backlog = backlog, max_backlog
+        super().__init__(f"backlog of {backlog} jobs is at or over max_backlog={max_backlog}; retry later, "
+                         "add workers, or create the Client with backpressure='wait'")
+
+
+class IdempotencyConflict(KvfleetError):
+    """An idempotency key was reused with a different request body."""
+
+    def __init__(self, key: str, job_id: str):
+        self.key, self.job_id = key, job_id
+        super().__init__(f"idempotency_key={key!r} already belongs to job {job_id} with a different request body; "
+                         "use a new key for a different request")
+
+
+class ResultTimeout(KvfleetError, TimeoutError):
+    """No final result arrived in time; the job may still finish (see Client.get)."""
+
+    def __init__(self, job_id: str, timeout: float):
+        self.job_id, self.timeout = job_id, timeout
+        super().__init__(f"job {job_id} has no result after {timeout:g} s; wait longer, or fetch it later "
+                         "with Client.get(job_id)")
+
+
+class ConnectionFailed(KvfleetError, ConnectionError):
+    """Redis could not be reached; the URL is shown with its password masked."""
+
+    def __init__(self, url: str, cause: BaseException | str):
+        self.url, self.cause = url, cause
+        super().__init__(f"cannot reach Redis at {url}: {cause}; check that it runs (`kvfleet redis` starts one) "
+                         "and that the URL and credentials are right")

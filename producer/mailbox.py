@@ -1,0 +1,100 @@
+"""Routing of reply events to job handles, with no I/O, shared by the thread and asyncio readers.
+
+A Mailbox holds what arrived for one job: its deltas in order and its final event. The router keeps
+mailboxes weakly (a dropped handle frees its mailbox) and keeps events for jobs that have no mailbox
+yet, so a handle created after its events arrived still sees them.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from typing import Callable
+
+from .protocol import Delta, Final
+
+MAX_ORPHAN_JOBS = 10_000
+
+
+class Mailbox:
+    __slots__ = ("job_id", "foreign", "created", "deltas", "final", "__weakref__")
+
+    def __init__(self, job_id: str, foreign: bool):
+        self.job_id = job_id
+        self.foreign = foreign  # owned by another client: its events go elsewhere, so poll the result key
+        self.created = time.monotonic()
+        self.deltas: list[Delta] = []
+        self.final: Final | None = None
+
+    def put(self, event: Delta | Final) -> bool:
+        """Keep an event; False when it adds nothing (a duplicate, or anything after the final)."""
+        if self.final is not None:
+            return False
+        if isinstance(event, Final):
+            self.final = event
+            return True
+        if self.deltas and event.index <= self.deltas[-1].index:
+            return False  # redelivered generation re-streams from index 0: the final text is authoritative
+        self.deltas.append(event)
+        return True
+
+
+class ReplyRouter:
+    def __init__(self, on_change: Callable[[], None]):
+        self._boxes: weakref.WeakValueDictionary[str, Mailbox] = weakref.WeakValueDictionary()
+        self._orphans: OrderedDict[str, list[Delta | Final]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._on_change = on_change
+
+    def mailbox(self, job_id: str, foreign: bool = False) -> Mailbox:
+        with self._lock:
+            box = self._boxes.get(job_id)
+            if box is None:
+                box = self._boxes[job_id] = Mailbox(job_id, foreign)
+                for event in self._orphans.pop(job_id, []):
+                    box.put(event)
+            box.foreign = box.foreign and foreign
+            return box
+
+    def route(self, events: list[Delta | Final]) -> None:
+        changed = False
+        with self._lock:
+            for event in events:
+                box = self._boxes.get(event.job_id)
+                if box is not None:
+                    changed |= box.put(event)
+                else:
+                    self._keep_orphan(event)
+        if changed:
+            self._on_change()
+
+    def _keep_orphan(self, event: Delta | Final) -> None:
+        self._orphans.setdefault(event.job_id, []).append(event)
+        self._orphans.move_to_end(event.job_id)
+        while len(self._orphans) > MAX_ORPHAN_JOBS:
+            self._orphans.popitem(last=False)
+
+    def unfinished(self, foreign: bool, older_than_s: float = 0.0, limit: int = 1000) -> list[str]:
+        """Job ids still waiting for a final event: the candidates for a result-key poll."""
+        cutoff = time.monotonic() - older_than_s
+        with self._lock:
+            boxes = list(self._boxes.values())
+        return [b.job_id for b in boxes
+                if b.final is None and b.foreign == foreign and b.created <= cutoff][:limit]
+
+    def __len__(self) -> int:
+        return len(self._boxes)
+
+
+def tail_delta(deltas: list[Delta], final: Final) -> Delta | None:
+    """What the final result holds beyond the streamed deltas (all of it for a job that did not stream)."""
+    text = "".join(d.text for d in deltas)
+    ids = [t for d in deltas for t in d.token_ids]
+    if not final.text.startswith(text) or final.token_ids[:len(ids)] != ids:
+        return None  # a regenerated answer that differs from what was streamed: the result says which
+    if len(final.text) == len(text) and len(final.token_ids) == len(ids):
+        return None
+    index = deltas[-1].index + 1 if deltas else 0
+    return Delta(v=final.v, job_id=final.job_id, index=index, text=final.text[len(text):],
+                 token_ids=list(final.token_ids[len(ids):]))

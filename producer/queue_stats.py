@@ -1,0 +1,197 @@
+"""Backlog, pending and live workers per queue, read from Redis by any process.
+
+Shared by Client.stats(), `kvfleet stats`, `kvfleet top` and the exporter: plain functions over a
+redis.Redis and Keys. Lag (entries not yet delivered to the group) comes from XINFO GROUPS on
+Redis 7. Redis 6.2 has no `lag` there (and 7 reports none after some deletions), so it is counted
+from the group's last-delivered-id: lag = XLEN - entries with id <= last-delivered-id when that side
+is smaller (streams are trimmed behind acks, so it usually is), else the entries after it, paging
+both sides in turn so the cost is the smaller of the two, never the whole stream.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from .protocol import PRIORITIES, Keys
+
+COUNT_PAGE = 5_000
+
+
+@dataclass(slots=True)
+class PriorityStats:
+    priority: str
+    length: int = 0  # XLEN
+    backlog: int = 0  # lag: not yet delivered to any worker
+    pending: int = 0  # delivered to a worker, not yet acknowledged
+    oldest_age_s: float | None = None  # oldest undelivered or pending entry, by its id's timestamp
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    worker_id: str
+    model: str = ""
+    state: str = "serving"
+    running: int = 0
+    waiting: int = 0
+    max_num_seqs: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 0
+    admissible_tokens: int = 0
+    tokens_per_s: float = 0.0
+    jobs_done: int = 0
+    heartbeat_age_s: float | None = None
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return self.free_blocks * self.block_size
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+@dataclass(slots=True)
+class QueueStats:
+    priorities: dict[str, PriorityStats] = field(default_factory=dict)
+    workers: list[WorkerStats] = field(default_factory=list)
+    dead: int = 0
+
+    @property
+    def backlog(self) -> int:
+        return sum(p.backlog for p in self.priorities.values())
+
+    @property
+    def pending(self) -> int:
+        return sum(p.pending for p in self.priorities.values())
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return sum(w.free_kv_tokens for w in self.workers)
+
+    @property
+    def oldest_age_s(self) -> float | None:
+        ages = [p.oldest_age_s for p in self.priorities.values() if p.oldest_age_s is not None]
+        return max(ages) if ages else None
+
+    def to_dict(self) -> dict:
+        return {"priorities": {k: asdict(v) for k, v in self.priorities.items()},
+                "workers": [asdict(w) | {"free_kv_tokens": w.free_kv_tokens, "kv_usage": w.kv_usage}
+                            for w in self.workers],
+                "backlog": self.backlog, "pending": self.pending, "dead": self.dead,
+                "free_kv_tokens": self.free_kv_tokens, "oldest_age_s": self.oldest_age_s}
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _id_ms(entry_id) -> int:
+    return int(_text(entry_id).split("-")[0])
+
+
+def server_ms(r: redis.Redis) -> int:
+    """The server's clock, the one stream ids are stamped with, so ages ignore client clock skew."""
+    seconds, micros = r.time()
+    return seconds * 1000 + micros // 1000
+
+
+def group_info(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> dict | None:
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream yet
+        return None
+    for g in groups:
+        if _text(g["name"]) == group:
+            return g
+    return None
+
+
+def count_lag(r: redis.Redis, stream: str, last_delivered: str, length: int) -> int:
+    """Entries after last_delivered, paging from both ends of it so the cost is the smaller side."""
+    before = after = 0
+    lo, hi = "-", f"({last_delivered}"
+    while True:
+        page = r.xrange(stream, min=lo, max=last_delivered, count=COUNT_PAGE)
+        before += len(page)
+        if len(page) < COUNT_PAGE:
+            return max(0, length - before)
+        lo = f"({_text(page[-1][0])}"
+        page = r.xrange(stream, min=hi, max="+", count=COUNT_PAGE)
+        after += len(page)
+        if len(page) < COUNT_PAGE:
+            return after
+        hi = f"({_text(page[-1][0])}"
+
+
+def backlog_of(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> int:
+    """The lag of one job stream; the cheap check behind Client(max_backlog=...)."""
+    info = group_info(r, stream, group)
+    if info is None:
+        return r.xlen(stream)  # no group yet: nothing was ever delivered
+    lag = info.get("lag")
+    if lag is not None:
+        return int(lag)
+    return count_lag(r, stream, _text(info["last-delivered-id"]), r.xlen(stream))
+
+
+def total_backlog(r: redis.Redis, keys: Keys) -> int:
+    return sum(backlog_of(r, keys.jobs(p)) for p in PRIORITIES)
+
+
+def read_priority(r: redis.Redis, keys: Keys, priority: str, now_ms: int) -> PriorityStats:
+    stream = keys.jobs(priority)
+    stats = PriorityStats(priority, length=r.xlen(stream))
+    if stats.length == 0:
+        return stats
+    info = group_info(r, stream)
+    oldest: list[int] = []
+    if info is None:
+        stats.backlog = stats.length
+        first = r.xrange(stream, count=1)
+        oldest += [_id_ms(first[0][0])] if first else []
+    else:
+        last = _text(info["last-delivered-id"])
+        lag = info.get("lag")
+        stats.backlog = int(lag) if lag is not None else count_lag(r, stream, last, stats.length)
+        stats.pending = int(info["pending"])
+        if stats.pending:
+            oldest.append(_id_ms(r.xpending(stream, Keys.GROUP)["min"]))
+        nxt = r.xrange(stream, min=f"({last}", max="+", count=1)
+        oldest += [_id_ms(nxt[0][0])] if nxt else []
+    if oldest:
+        stats.oldest_age_s = max(0.0, (now_ms - min(oldest)) / 1000)
+    return stats
+
+
+def _number(fields: dict[str, str], name: str, kind=int):
+    try:
+        return kind(float(fields.get(name, 0) or 0))
+    except ValueError:
+        return kind(0)
+
+
+def parse_heartbeat(raw: dict, now_ms: int) -> WorkerStats:
+    f = {_text(k): _text(v) for k, v in raw.items()}
+    updated = _number(f, "updated_at", float)
+    ints = {n: _number(f, n) for n in ("running", "waiting", "max_num_seqs", "free_blocks", "total_blocks",
+                                       "block_size", "admissible_tokens", "jobs_done")}
+    return WorkerStats(worker_id=f.get("worker_id", "?"), model=f.get("model", ""), state=f.get("state", "serving"),
+                       tokens_per_s=_number(f, "tokens_per_s", float),
+                       heartbeat_age_s=max(0.0, now_ms / 1000 - updated) if updated else None, **ints)
+
+
+def read_workers(r: redis.Redis, keys: Keys, now_ms: int) -> list[WorkerStats]:
+    """Heartbeat hashes expire with their worker, so every key still present is a live worker."""
+    names = sorted(r.scan_iter(match=keys.worker_pattern(), count=1000))
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(name)
+    return [parse_heartbeat(raw, now_ms) for raw in pipe.execute() if raw]
+
+
+def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:
+    now_ms = server_ms(r)
+    return QueueStats(priorities={p: read_priority(r, keys, p, now_ms) for p in PRIORITIES},
+                      workers=read_workers(r, keys, now_ms), dead=r.xlen(keys.dead()))

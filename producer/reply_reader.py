@@ -1,0 +1,133 @@
+"""One reader per client: XREAD BLOCK on the client's reply stream, events routed to handles.
+
+ReaderState is the loop's logic without I/O, so the thread (Client) and the task (AsyncClient)
+run the same steps. Besides reading, the loop keeps the reply stream alive (EXPIRE), trims what it
+has read, and polls result keys for jobs whose events go elsewhere (a job another client owns) or
+whose final event was missed (e.g. the reply stream expired or Redis lost it in a restart).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from .mailbox import ReplyRouter
+from .protocol import FIELD, Delta, Final, Keys, ProtocolError, decode_event, decode_final
+
+log = logging.getLogger(__name__)
+
+READ_COUNT = 512
+WAKE_FIELD = "wake"  # an entry the client writes to its own stream to end a blocking read at close
+
+
+@dataclass(slots=True)
+class ReaderState:
+    keys: Keys
+    client_id: str
+    router: ReplyRouter
+    reply_ttl_s: int = 3600
+    block_ms: int = 1000
+    foreign_poll_s: float = 0.2
+    fallback_after_s: float = 2.0
+    last_id: str = "0-0"
+    next_expire: float = 0.0
+    next_foreign: float = 0.0
+    next_fallback: float = 0.0
+    stream: str = field(init=False)
+
+    def __post_init__(self):
+        self.stream = self.keys.reply(self.client_id)
+
+    def block_for_ms(self) -> int:
+        if self.router.unfinished(foreign=True, limit=1):
+            return max(1, int(self.foreign_poll_s * 1000))
+        return self.block_ms
+
+    def absorb(self, response) -> int:
+        """Route the events of one XREAD response; returns how many entries it held."""
+        events: list[Delta | Final] = []
+        entries = response[0][1] if response else []
+        for entry_id, fields in entries:
+            self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            payload = fields.get(FIELD.encode()) or fields.get(FIELD)
+            if payload is None:
+                continue  # a wake entry
+            try:
+                events.append(decode_event(payload))
+            except ProtocolError as e:
+                log.warning("skipping undecodable reply event %s on %s: %s", self.last_id, self.stream, e)
+        self.router.route(events)
+        return len(entries)
+
+    def expire_due(self, now: float) -> bool:
+        if now < self.next_expire:
+            return False
+        self.next_expire = now + self.reply_ttl_s / 3
+        return True
+
+    def polls_due(self, now: float) -> list[str]:
+        """Job ids whose result key to read now."""
+        ids: list[str] = []
+        if now >= self.next_foreign:
+            self.next_foreign = now + self.foreign_poll_s
+            ids += self.router.unfinished(foreign=True)
+        if now >= self.next_fallback:
+            self.next_fallback = now + self.fallback_after_s
+            ids += self.router.unfinished(foreign=False, older_than_s=self.fallback_after_s)
+        return ids
+
+    def absorb_results(self, raws: list[bytes | None]) -> None:
+        finals: list[Final] = []
+        for raw in raws:
+            if raw is None:
+                continue
+            try:
+                finals.append(decode_final(raw))
+            except ProtocolError as e:
+                log.warning("skipping undecodable stored result: %s", e)
+        self.router.route(finals)
+
+
+class ReplyReader(threading.Thread):
+    """The Client's reader thread; its own connection, so a blocking read never holds the client's pool."""
+
+    def __init__(self, conn: redis.Redis, state: ReaderState):
+        super().__init__(name=f"kvfleet-reply-{state.client_id[:6]}", daemon=True)
+        self.conn, self.state = conn, state
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        backoff = 0.05
+        while not self._stopping.is_set():
+            try:
+                self._step()
+                backoff = 0.05
+            except redis.RedisError as e:
+                if self._stopping.is_set():
+                    break
+                log.warning("reply reader: %s; retrying in %.2f s", e, backoff)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+        self.conn.close()
+
+    def _step(self) -> None:
+        s, now = self.state, time.monotonic()
+        if s.expire_due(now):
+            self.conn.expire(s.stream, s.reply_ttl_s)
+        ids = s.polls_due(now)
+        for i in range(0, len(ids), 1000):
+            s.absorb_results(self.conn.mget([s.keys.result(j) for j in ids[i:i + 1000]]))
+        response = self.conn.xread({s.stream: s.last_id}, count=READ_COUNT, block=s.block_for_ms())
+        if s.absorb(response):
+            self.conn.xtrim(s.stream, minid=s.last_id, approximate=True)
+
+    def stop(self, waker: redis.Redis, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        try:
+            waker.xadd(self.state.stream, {WAKE_FIELD: "1"})
+        except redis.RedisError:
+            pass  # the read then ends at its block timeout instead
+        self.join(timeout)

