@@ -1,0 +1,425 @@
+"""The worker loop: admit jobs from Redis by KV capacity, step the engine, publish, renew, reclaim, drain.
+
+One Worker owns one engine and its own Redis connection; several can run in threads of one process
+(the fleet simulation) sharing nothing but Redis.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from engine.outputs import RequestRejected, StepOutput
+from producer.protocol import PRIORITIES, PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job
+from worker.admission import AdmissionQueue, Ticket
+from worker.heartbeat import Heartbeat
+from worker.intake import identify, payload_of, prompt_ids, sampling_params
+from worker.leases import Leases
+from worker.publisher import Finish, Publisher
+from worker.settings import WorkerSettings
+from worker.trim import trim
+
+log = logging.getLogger("kvfleet.worker")
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+@dataclass(slots=True)
+class Flight:
+    """A job the engine is running."""
+
+    ticket: Ticket
+    admitted_at: float
+    first_token_at: float | None = None
+    deltas: int = 0
+
+
+class NullMetrics:
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def default_worker_id() -> str:
+    return os.environ.get("KVFLEET_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def make_metrics(worker_id: str, model: str):
+    try:
+        from worker.metrics import WorkerMetrics
+    except ImportError:
+        return NullMetrics()
+    return WorkerMetrics(worker_id, model)
+
+
+class Worker:
+    def __init__(self, redis_url: str, engine, *, namespace: str = "kvfleet", worker_id: str | None = None,
+                 settings: WorkerSettings | None = None, metrics=None):
+        self.engine = engine
+        self.settings = s = settings or WorkerSettings(redis_url=redis_url, namespace=namespace)
+        self.worker_id = worker_id or s.worker_id or default_worker_id()
+        self.keys = Keys(namespace)
+        self.streams = self.keys.all_jobs()
+        self.model = getattr(engine, "model_name", "unknown")
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
+                                           retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
+        self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
+        self.queue = AdmissionQueue(s.local_queue_size, float(s.initial_tokens_per_job))
+        self.flights: dict[str, Flight] = {}
+        self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
+                                   s.dead_maxlen)
+        self.leases = Leases(self.client, self.worker_id, s.reclaim_idle_ms)
+        max_seqs = getattr(engine, "max_num_seqs", s.max_num_seqs)
+        self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, max_seqs, s.heartbeat_ttl_s)
+        self.cursors: dict[str, str | None] = {st: "0" for st in self.streams}  # own pending first, then ">"
+        self.due: dict[str, float] = {}
+        self.offline_until = 0.0
+        self.backoff_s = 0.05
+        self.jobs_done = 0
+        self.draining = False
+        self.drain_deadline = 0.0
+        self.last_read_empty_at = 0.0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def run(self, stop_event: threading.Event | None = None) -> int:
+        stop_event = stop_event or threading.Event()
+        log.info("worker %s serving %s from %s", self.worker_id, self.model, self.settings.namespace)
+        self._redis(self._ensure_groups)
+        while True:
+            if stop_event.is_set() and not self.draining:
+                self._begin_drain()
+            if self.draining and self._drained():
+                break
+            self._iterate()
+        self._finish_drain()
+        return 0
+
+    def _iterate(self) -> None:
+        online = time.monotonic() >= self.offline_until
+        if online:
+            self._redis(self._housekeep)
+            if not self.draining:
+                self._redis(self._intake)
+        self._admit_local()
+        if self.engine.has_unfinished():
+            self._step()
+        elif not online:
+            time.sleep(max(0.0, min(self.offline_until - time.monotonic(), 0.5)))
+        elif self.draining:
+            time.sleep(0.01)  # nothing left to run; waiting for the outbox to go out
+        if time.monotonic() >= self.offline_until:
+            self._redis(self._flush)
+
+    def _redis(self, fn) -> None:
+        """Run one Redis phase; on an outage keep the engine going and retry Redis after a backoff."""
+        try:
+            fn()
+            self.backoff_s = 0.05
+        except REDIS_DOWN as e:
+            log.warning("redis unavailable (%s); retrying in %.2fs", e.__class__.__name__, self.backoff_s)
+            self.offline_until = time.monotonic() + self.backoff_s
+            self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
+            self.cursors = {st: "0" for st in self.streams}  # a lost XREADGROUP reply left entries pending to us
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._ensure_groups()
+
+    def _ensure_groups(self) -> None:
+        for stream in self.streams:
+            try:
+                self.client.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    def _every(self, name: str, interval_s: float) -> bool:
+        now = time.monotonic()
+        if now < self.due.get(name, 0.0):
+            return False
+        self.due[name] = now + interval_s
+        return True
+
+    # ---- intake: Redis -> local queue ------------------------------------------------------------
+    def _intake(self) -> None:
+        adm = self.engine.admission()
+        idle = not self.engine.has_unfinished() and not self.queue.tickets
+        count = self.queue.read_count(adm.free_seqs, adm.admissible_tokens, idle)
+        if count <= 0:
+            return
+        if any(c is not None for c in self.cursors.values()):
+            self._read_own_pending(count)
+        elif idle and not self.publisher.pending:
+            if not self._read_new(count):
+                self._read_blocking()
+        elif time.monotonic() - self.last_read_empty_at >= self.settings.busy_poll_ms / 1000:
+            self._read_new(count)
+
+    def _read_own_pending(self, count: int) -> None:
+        for stream, cursor in self.cursors.items():
+            if cursor is None:
+                continue
+            reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {stream: cursor}, count=count)
+            entries = [(_str(i), f) for i, f in (reply[0][1] if reply else [])]
+            self.cursors[stream] = entries[-1][0] if entries else None
+            fresh = [(i, f) for i, f in entries if not self._holds(stream, i)]
+            if fresh:
+                deliveries = self.leases.count_delivery(stream, [i for i, _ in fresh])
+                self._accept([(stream, i, f, n) for (i, f), n in zip(fresh, deliveries)])
+            return
+
+    def _read_blocking(self) -> None:
+        """Wait for the next job on any stream. COUNT 1 per stream: at most 3 entries, which an idle engine
+        plus the local queue (at least 2) always holds within the bound."""
+        streams = {st: ">" for st in self.streams}
+        reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self.settings.block_ms)
+        self._accept([(_str(st), _str(i), f, 1) for st, entries in reply or [] for i, f in entries])
+
+    def _read_new(self, count: int) -> int:
+        got = []
+        for stream in self.streams:  # high, normal, low
+            reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {stream: ">"}, count=count - len(got))
+            got += [(stream, _str(i), f, 1) for i, f in (reply[0][1] if reply else [])]
+            if len(got) >= count:
+                break
+        if not got:
+            self.last_read_empty_at = time.monotonic()
+        self._accept(got)
+        return len(got)
+
+    def _holds(self, stream: str, entry_id: str) -> bool:
+        key = f"{stream}|{entry_id}"
+        return key in self.flights or any(t.key == key for t in self.queue.tickets)
+
+    def _accept(self, entries: list[tuple[str, str, dict, int]]) -> None:
+        tickets = [t for e in entries if (t := self._ticket(*e)) is not None]
+        if not tickets:
+            return
+        cancelled = self.client.mget([self.keys.cancel(t.job.job_id) for t in tickets])
+        for ticket, flag in zip(tickets, cancelled):
+            if flag is not None:
+                self._answer(ticket, "cancelled", error="cancelled before it started")
+            else:
+                self.queue.push(ticket)
+
+    def _ticket(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> Ticket | None:
+        payload = payload_of(fields)
+        if deliveries > 1:
+            self.metrics.on_redelivery()
+        try:
+            job = decode_job(payload)
+        except ProtocolError as e:
+            self._reject_raw(stream, entry_id, payload, str(e))
+            return None
+        ticket = Ticket(job, stream, entry_id, [], None, payload)
+        if deliveries > self.settings.max_deliveries:
+            reason = f"delivered {deliveries} times, over max_deliveries={self.settings.max_deliveries}"
+            self._answer(ticket, "error", error=reason, dead_reason=reason)
+            return None
+        if job.deadline is not None and job.deadline < time.time():
+            self._answer(ticket, "expired", error="deadline passed before the job started")
+            return None
+        try:
+            ticket.params = sampling_params(job.sampling)
+            ticket.prompt_ids = prompt_ids(self.engine, job)
+        except Exception as e:  # a tokenizer or chat template refusing this input is bad input, not a crash
+            self._answer(ticket, "error", error=f"invalid job: {e}")
+            return None
+        return ticket
+
+    def _reject_raw(self, stream: str, entry_id: str, payload: bytes | None, reason: str) -> None:
+        self.metrics.on_dead_letter("invalid")
+        ident = identify(payload) if payload is not None else None
+        if payload is None:
+            reason = "entry has no payload (deleted or malformed stream fields)"
+        if ident is None:
+            self.publisher.dead_letter(stream, entry_id, reason, payload)
+            return
+        job_id, client_id, queued = ident
+        final = Final(v=PROTOCOL_VERSION, job_id=job_id, status="error", error=reason, worker=self.worker_id,
+                      timings=Timings(queued=queued, finished=time.time()))
+        self.publisher.finish(Finish(final, client_id, stream, entry_id, dead_reason=reason, job_payload=payload))
+
+    # ---- local queue -> engine -------------------------------------------------------------------
+    def _admit_local(self) -> None:
+        while (ticket := self.queue.head()) is not None and not self.draining:
+            if ticket.job.deadline is not None and ticket.job.deadline < time.time():
+                self.queue.pop()
+                self._answer(ticket, "expired", error="deadline passed while waiting for KV cache room")
+                continue
+            if self.engine.has_unfinished() and not self.engine.fits(len(ticket.prompt_ids), ticket.params.max_tokens):
+                return
+            self.queue.pop()
+            self._start(ticket)
+
+    def _start(self, ticket: Ticket) -> None:
+        try:
+            self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params)
+        except (RequestRejected, ValueError) as e:
+            self._answer(ticket, "error", error=f"rejected: {e}")
+            return
+        now = time.time()
+        self.flights[ticket.key] = Flight(ticket, now)
+        self.metrics.on_admitted(max(0.0, now - ticket.job.enqueued_at))
+
+    # ---- engine step -> outbox -------------------------------------------------------------------
+    def _step(self) -> None:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        self.metrics.on_step(self.engine.stats, time.perf_counter() - started, len(self.queue))
+        now = time.time()
+        for out in outputs:
+            flight = self.flights.get(out.request_id)
+            if flight is not None:
+                self._collect(flight, out, now)
+
+    def _collect(self, flight: Flight, out: StepOutput, now: float) -> None:
+        job = flight.ticket.job
+        if out.new_token_ids and flight.first_token_at is None:
+            flight.first_token_at = now
+            self.metrics.on_first_token(now - flight.admitted_at)
+        if job.stream and (out.new_token_ids or out.new_text):
+            delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, out.new_text, list(out.new_token_ids))
+            self.publisher.delta(job.client_id, delta)
+            flight.deltas += 1
+        if out.finished:
+            del self.flights[out.request_id]
+            status = "cancelled" if out.finish_reason == "abort" else "done"
+            self._answer(flight.ticket, status, out=out, flight=flight)
+
+    def _answer(self, ticket: Ticket, status: str, *, out: StepOutput | None = None, flight: Flight | None = None,
+                error: str | None = None, dead_reason: str = "") -> None:
+        job = ticket.job
+        timings = Timings(queued=job.enqueued_at, admitted=flight.admitted_at if flight else None,
+                          first_token=flight.first_token_at if flight else None, finished=time.time())
+        final = Final(v=PROTOCOL_VERSION, job_id=job.job_id, status=status, error=error, worker=self.worker_id,
+                      timings=timings, metadata=job.metadata)
+        if out is not None:
+            final.text, final.token_ids = out.text or "", list(out.token_ids or [])
+            final.finish_reason = out.finish_reason
+            final.usage = Usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
+        self.publisher.finish(Finish(final, job.client_id, ticket.stream, ticket.entry_id, dead_reason,
+                                     ticket.payload if dead_reason else b""))
+        if dead_reason:
+            self.metrics.on_dead_letter("max_deliveries")
+
+    def _flush(self) -> None:
+        for finish, answered in self.publisher.flush():
+            self.jobs_done += 1
+            if answered:
+                self._observe_finished(finish.final)
+
+    def _observe_finished(self, final: Final) -> None:
+        t = final.timings
+        tpot = None
+        if t.first_token and final.usage.completion_tokens > 1:
+            tpot = (t.finished - t.first_token) / (final.usage.completion_tokens - 1)
+        self.metrics.on_finished(final.status, max(0.0, t.finished - t.queued), tpot, final.usage.prompt_tokens,
+                                 final.usage.completion_tokens, final.usage.cached_tokens)
+
+    # ---- housekeeping: leases, reclaim, cancellation, heartbeat, trim ---------------------------
+    def _housekeep(self) -> None:
+        s = self.settings
+        if self._every("renew", s.renew_interval_s):
+            lost = self.leases.renew(self._held_entries())
+            if lost:
+                log.warning("%d in-flight entries were taken over by another worker; finishing them anyway", len(lost))
+        if (self.flights or self.queue.tickets) and self._every("cancel", s.cancel_poll_ms / 1000):
+            self._poll_cancellations()
+        if not self.draining and self._every("reclaim", s.reclaim_interval_s):
+            self._reclaim()
+        if self._every("heartbeat", s.heartbeat_interval_s):
+            self._beat()
+        if self._every("trim", s.trim_interval_s):
+            for stream in self.streams:
+                trim(self.client, stream)
+
+    def _held_entries(self) -> dict[str, list[str]]:
+        held: dict[str, list[str]] = {st: [] for st in self.streams}
+        for ticket in [*(f.ticket for f in self.flights.values()), *self.queue.tickets]:
+            held[ticket.stream].append(ticket.entry_id)
+        return held
+
+    def _poll_cancellations(self) -> None:
+        tickets = [f.ticket for f in self.flights.values()] + list(self.queue.tickets)
+        flags = self.client.mget([self.keys.cancel(t.job.job_id) for t in tickets])
+        for ticket, flag in zip(tickets, flags):
+            if flag is None:
+                continue
+            flight = self.flights.pop(ticket.key, None)
+            if flight is None:
+                self.queue.remove(ticket)
+                self._answer(ticket, "cancelled", error="cancelled before it started")
+                continue
+            out = self.engine.abort(ticket.key)
+            self._answer(ticket, "cancelled", out=out, flight=flight)
+
+    def _reclaim(self) -> None:
+        adm = self.engine.admission()
+        count = self.queue.read_count(adm.free_seqs, adm.admissible_tokens, not self.engine.has_unfinished())
+        for stream in self.streams:
+            if count <= 0:
+                return
+            claimed = self.leases.reclaim(stream, count)
+            count -= len(claimed)
+            if claimed:
+                log.info("reclaimed %d entries from %s", len(claimed), stream)
+                self._accept([(c.stream, c.entry_id, c.fields, c.deliveries) for c in claimed])
+
+    def _beat(self) -> None:
+        adm = self.engine.admission()
+        self.heartbeat.beat(state="draining" if self.draining else "serving", stats=self.engine.stats,
+                            admissible_tokens=adm.admissible_tokens, waiting=len(self.queue), jobs_done=self.jobs_done)
+
+    # ---- drain ---------------------------------------------------------------------------------
+    def _begin_drain(self) -> None:
+        self.draining = True
+        self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+        log.info("draining: %d running, %d queued locally; up to %.0fs", len(self.flights), len(self.queue),
+                 self.settings.drain_timeout_s)
+        handed = {st: [] for st in self.streams}
+        while self.queue.tickets:
+            ticket = self.queue.pop()
+            handed[ticket.stream].append(ticket.entry_id)
+        self._hand_back(handed)
+
+    def _drained(self) -> bool:
+        if self.flights and time.monotonic() < self.drain_deadline:
+            return False
+        return not self.publisher.pending or time.monotonic() >= self.drain_deadline + 5
+
+    def _finish_drain(self) -> None:
+        handed = {st: [] for st in self.streams}
+        for key, flight in list(self.flights.items()):
+            self.engine.abort(key)
+            handed[flight.ticket.stream].append(flight.ticket.entry_id)
+        self.flights.clear()
+        if any(handed.values()):
+            log.info("drain timeout: handing back %d running jobs", sum(map(len, handed.values())))
+        self._hand_back(handed)
+        for _ in range(3):
+            try:
+                self._flush()
+                self.heartbeat.stop()
+                break
+            except REDIS_DOWN:
+                time.sleep(0.5)
+        self.client.close()
+        log.info("worker %s stopped after %d jobs", self.worker_id, self.jobs_done)
+
+    def _hand_back(self, handed: dict[str, list[str]]) -> None:
+        if not any(handed.values()):
+            return
+        try:
+            self.leases.hand_back(handed)
+        except REDIS_DOWN:
+            log.warning("could not hand back jobs; they return after the reclaim timeout")
+
+
+def _str(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
