@@ -1,0 +1,72 @@
+"""Every metric the dashboard and alerts query is one the code really exports (after exercising it)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
+
+from producer.protocol import Keys
+from worker.exporter import build_registry
+from worker.metrics import WorkerMetrics
+
+DEPLOY = Path(__file__).parents[2] / "deploy"
+NAME = re.compile(r"\bkvfleet_[a-z0-9_]+")
+BY = re.compile(r"\bby \(([^)]*)\)")
+
+
+def queried_expressions() -> list[str]:
+    dash = json.loads((DEPLOY / "grafana/dashboards/kvfleet.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
+    alerts = yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())
+    return exprs + [r["expr"] for g in alerts["groups"] for r in g["rules"]]
+
+
+def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
+    worker = WorkerMetrics("w", "m")
+    stats = SimpleNamespace(running=1, waiting=1, free_blocks=1, total_blocks=2, kv_usage=0.5, preemptions=1,
+                            prefix_hit_tokens=1, prefix_query_tokens=2, prompt_tokens=3, generation_tokens=4)
+    worker.on_step(stats, 0.01, 1)
+    worker.on_admitted(0.1)
+    worker.on_first_token(0.1)
+    worker.on_finished("done", 1.0, 0.01, 3, 4, 1)
+    worker.on_redelivery()
+    worker.on_dead_letter("invalid")
+    client, keys = shared_redis.client(), Keys(namespace)
+    client.xadd(keys.jobs("normal"), {"p": b"x"})
+    client.hset(keys.worker("w"), mapping={"worker_id": "w", "free_blocks": 3})
+    names, labels = set(), {"le"}
+    for registry in (worker.registry, build_registry(client, keys)):
+        for family in registry.collect():
+            for sample in family.samples:
+                names.add(sample.name)
+                labels |= sample.labels.keys()
+    return names, labels
+
+
+def test_every_queried_metric_and_grouping_label_is_exported(shared_redis, namespace):
+    names, labels = exported(shared_redis, namespace)
+    exprs = queried_expressions()
+    queried = {n for e in exprs for n in NAME.findall(e)} - labels  # kvfleet_namespace is a label
+    assert queried, "no kvfleet_ metric found in the dashboard or alerts"
+    assert not queried - names, f"queried but never exported: {sorted(queried - names)}"
+    grouped = {label.strip() for e in exprs for group in BY.findall(e) for label in group.split(",")}
+    assert not grouped - labels, f"grouped by labels nothing exports: {sorted(grouped - labels)}"
+    for e in exprs:  # a label value selector may only use exported labels too
+        for label in re.findall(r"([a-z_]+)=~?\"", e):
+            assert label in labels, (label, e)
+
+
+def test_every_design_metric_is_exported(shared_redis, namespace):
+    names, _ = exported(shared_redis, namespace)
+    design = ["requests_running", "requests_waiting_local", "kv_cache_usage_ratio", "kv_free_blocks",
+              "prefix_cache_hit_ratio", "prompt_tokens_total", "generation_tokens_total",
+              "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
+              "e2e_request_latency_seconds_bucket", "queue_wait_seconds_bucket", "jobs_finished_total",
+              "preemptions_total", "redeliveries_total", "dead_letters_total",
+              "queue_lag", "queue_pending", "queue_length", "queue_oldest_job_age_seconds", "live_workers",
+              "fleet_free_kv_blocks", "fleet_free_kv_tokens", "dead_stream_length"]
+    assert not {f"kvfleet_{d}" for d in design} - names

@@ -1,0 +1,130 @@
+"""deploy/redis/acl.conf loads into a real Redis 7 and grants each user what it needs and nothing it must not have."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer.protocol import Keys
+from worker.exporter import read_fleet
+
+ACL = Path(__file__).parents[2] / "deploy/redis/acl.conf"
+
+
+def _redis7() -> str | None:
+    binary = shutil.which("redis-server")
+    if not binary:
+        return None
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    return binary if " v=7" in version or " v=8" in version else None
+
+
+pytestmark = pytest.mark.skipif(_redis7() is None, reason="ACL selectors need redis-server >= 7 on PATH")
+
+
+@pytest.fixture
+def acl_server(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shutil.copy(ACL, tmp_path / "acl.conf")
+    proc = subprocess.Popen([_redis7(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path),
+                             "--aclfile", str(tmp_path / "acl.conf")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def connect(user: str) -> redis.Redis:
+        return redis.Redis(port=port, username=user, password=f"CHANGE_ME_{user}")
+
+    for _ in range(300):
+        if proc.poll() is not None:
+            pytest.fail(f"redis-server refused the ACL file: {proc.stdout.read().decode()[-800:]}")
+        try:
+            connect("monitor").ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.01)
+    yield connect
+    proc.terminate()
+    proc.wait(10)
+
+
+def denied(call) -> bool:
+    try:
+        call()
+    except redis.exceptions.NoPermissionError:
+        return True
+    except redis.ResponseError as e:
+        return "NOPERM" in str(e)
+    return False
+
+
+def test_the_default_user_is_off(acl_server):
+    with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+        redis.Redis(port=acl_server("monitor").connection_pool.connection_kwargs["port"]).ping()
+
+
+def test_producer_adds_jobs_but_cannot_read_the_job_stream_or_list_keys(acl_server):
+    keys, producer, worker = Keys("kvfleet"), acl_server("producer"), acl_server("worker")
+    worker.xgroup_create(keys.jobs("normal"), Keys.GROUP, id="0", mkstream=True)
+    producer.xadd(keys.jobs("normal"), {"p": b"job"})
+    assert producer.xlen(keys.jobs("normal")) == 1 and producer.xinfo_groups(keys.jobs("normal"))
+    assert denied(lambda: producer.xrange(keys.jobs("normal")))
+    assert denied(lambda: producer.xread({keys.jobs("normal"): "0"}))
+    assert denied(lambda: producer.xreadgroup(Keys.GROUP, "x", {keys.jobs("normal"): ">"}))
+    assert denied(lambda: producer.scan(match="kvfleet:reply:*"))
+    assert denied(lambda: producer.keys("*"))
+    assert denied(lambda: producer.xadd(keys.dead(), {"p": b"x"}))
+    assert denied(lambda: producer.flushall())
+
+
+def test_producer_reads_a_reply_stream_and_result_it_knows_the_name_of(acl_server):
+    keys, producer, worker = Keys("kvfleet"), acl_server("producer"), acl_server("worker")
+    worker.xadd(keys.reply("c-7f3a"), {"p": b"delta"})
+    worker.set(keys.result("j1"), b"final")
+    assert producer.xread({keys.reply("c-7f3a"): "0"})[0][1][0][1] == {b"p": b"delta"}
+    assert producer.get(keys.result("j1")) == b"final"
+    producer.set(keys.cancel("j1"), 1, ex=60)
+    assert denied(lambda: producer.xadd(keys.reply("c-7f3a"), {"p": b"forged"}))
+    assert denied(lambda: producer.set(keys.result("j1"), b"forged"))
+
+
+def test_worker_reads_acks_publishes_and_heartbeats_but_cannot_administer(acl_server):
+    keys, producer, worker = Keys("kvfleet"), acl_server("producer"), acl_server("worker")
+    stream = keys.jobs("high")
+    worker.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+    producer.xadd(stream, {"p": b"job"})
+    (_, [(entry, _)]), = worker.xreadgroup(Keys.GROUP, "w1", {stream: ">"}, count=1)
+    finish = worker.register_script("redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', 60) "
+                                    "redis.call('XADD', KEYS[2], '*', 'p', ARGV[1]) "
+                                    "return redis.call('XACK', KEYS[3], ARGV[2], ARGV[3])")
+    assert finish(keys=[keys.result("j"), keys.reply("c"), stream], args=[b"done", Keys.GROUP, entry]) == 1
+    worker.hset(keys.worker("w1"), mapping={"worker_id": "w1"})
+    worker.xautoclaim(stream, Keys.GROUP, "w1", 0)
+    worker.xadd(keys.dead(), {"reason": "invalid"})
+    assert denied(lambda: worker.flushall())
+    assert denied(lambda: worker.config_get("*"))
+    assert denied(lambda: worker.execute_command("CLIENT", "KILL", "ID", "1"))
+    assert denied(lambda: worker.keys("*"))
+    assert denied(lambda: worker.set("other:key", 1))
+
+
+def test_monitor_user_serves_the_exporter_but_writes_nothing(acl_server):
+    keys, producer, monitor = Keys("kvfleet"), acl_server("producer"), acl_server("monitor")
+    producer.xadd(keys.jobs("low"), {"p": b"job"})
+    acl_server("worker").hset(keys.worker("w1"), mapping={"worker_id": "w1", "free_blocks": 7})
+    snap = read_fleet(monitor, keys)
+    assert [s.lag for s in snap.streams if s.priority == "low"] == [1] and snap.free_kv_blocks == 7
+    assert denied(lambda: monitor.xadd(keys.jobs("low"), {"p": b"x"}))
+    assert denied(lambda: monitor.delete(keys.worker("w1")))
+
+
+def test_keda_user_reads_group_lag_only(acl_server):
+    keys, keda = Keys("kvfleet"), acl_server("keda")
+    acl_server("worker").xgroup_create(keys.jobs("normal"), Keys.GROUP, id="0", mkstream=True)
+    assert keda.xinfo_groups(keys.jobs("normal"))[0]["name"] == Keys.GROUP.encode()
+    assert denied(lambda: keda.xrange(keys.jobs("normal")))
