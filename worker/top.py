@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from producer.protocol import Keys
-from worker.exporter import FleetSnapshot, read_fleet
+from producer.queue_stats import QueueStats, read_queue_stats
 
 
 def _age(seconds: float) -> str:
@@ -25,30 +25,30 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-def _workers_table(snap: FleetSnapshot) -> Table:
+def _workers_table(snap: QueueStats) -> Table:
     table = Table(title=f"workers ({len(snap.workers)} live)", expand=True, title_justify="left")
     for column in ("worker", "state", "running", "waiting", "free KV blocks", "KV used", "tokens/s", "done"):
         table.add_column(column, justify="left" if column in ("worker", "state") else "right")
     for w in snap.workers:
-        used = 1 - w.free_blocks / w.total_blocks if w.total_blocks else 0.0
         table.add_row(w.worker_id, w.state, str(w.running), str(w.waiting), f"{w.free_blocks}/{w.total_blocks}",
-                      f"{used:.0%}", f"{w.tokens_per_s:,.0f}", str(w.jobs_done))
+                      f"{w.kv_usage:.0%}", f"{w.tokens_per_s:,.0f}", str(w.jobs_done))
     if not snap.workers:
         table.add_row(Text("no live workers", style="bold red"), "", "", "", "", "", "", "")
     return table
 
 
-def _streams_table(snap: FleetSnapshot) -> Table:
+def _streams_table(snap: QueueStats) -> Table:
     table = Table(title="streams", expand=True, title_justify="left")
     for column in ("priority", "backlog (lag)", "pending", "length", "oldest job"):
         table.add_column(column, justify="left" if column == "priority" else "right")
-    for s in snap.streams:
-        table.add_row(s.priority, str(s.lag), str(s.pending), str(s.length), _age(s.oldest_age_s))
-    table.add_row("dead", "", "", str(snap.dead_letters), "")
+    for s in snap.priorities.values():
+        age = _age(s.oldest_age_s) if s.oldest_age_s is not None else "-"
+        table.add_row(s.priority, str(s.backlog), str(s.pending), str(s.length), age)
+    table.add_row("dead", "", "", str(snap.dead), "")
     return table
 
 
-def render(snap: FleetSnapshot, namespace: str) -> Group:
+def render(snap: QueueStats, namespace: str) -> Group:
     tokens = sum(w.tokens_per_s for w in snap.workers)
     header = Text.assemble(("kvfleet top", "bold"), f"  namespace {namespace}  ",
                            f"free KV {snap.free_kv_tokens:,} tokens  {tokens:,.0f} tokens/s  ",
@@ -58,7 +58,7 @@ def render(snap: FleetSnapshot, namespace: str) -> Group:
 
 def _frame(client: redis.Redis, keys: Keys):
     try:
-        return render(read_fleet(client, keys), keys.ns)
+        return render(read_queue_stats(client, keys), keys.ns)
     except redis.RedisError as e:
         return Text(f"kvfleet top: cannot read Redis ({e}); retrying", style="bold red")
 

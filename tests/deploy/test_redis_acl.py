@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from producer.protocol import Keys
-from worker.exporter import read_fleet
+from producer.queue_stats import read_queue_stats
 
 ACL = Path(__file__).parents[2] / "deploy/redis/acl.conf"
 
@@ -117,8 +117,8 @@ def test_monitor_user_serves_the_exporter_but_writes_nothing(acl_server):
     keys, producer, monitor = Keys("kvfleet"), acl_server("producer"), acl_server("monitor")
     producer.xadd(keys.jobs("low"), {"p": b"job"})
     acl_server("worker").hset(keys.worker("w1"), mapping={"worker_id": "w1", "free_blocks": 7})
-    snap = read_fleet(monitor, keys)
-    assert [s.lag for s in snap.streams if s.priority == "low"] == [1] and snap.free_kv_blocks == 7
+    snap = read_queue_stats(monitor, keys)
+    assert snap.priorities["low"].backlog == 1 and snap.workers[0].free_blocks == 7
     assert denied(lambda: monitor.xadd(keys.jobs("low"), {"p": b"x"}))
     assert denied(lambda: monitor.delete(keys.worker("w1")))
 

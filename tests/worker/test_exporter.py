@@ -94,7 +94,9 @@ def test_lag_pending_length_and_age_follow_xadd_xreadgroup_xack(server, scrape):
 
 
 def test_lag_is_counted_past_one_page_on_a_deep_backlog(server, scrape, monkeypatch):
-    monkeypatch.setattr(exporter, "LAG_COUNT_PAGE", 7)
+    from producer import queue_stats
+
+    monkeypatch.setattr(queue_stats, "COUNT_PAGE", 7)
     stream = Keys("exp").jobs("low")
     pipe = server.pipeline()
     for _ in range(50):

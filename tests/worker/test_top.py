@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from producer.protocol import Keys
-from worker.exporter import read_fleet
+from producer.queue_stats import read_queue_stats
 from worker.top import render
 
 ROOT = Path(__file__).parents[2]
@@ -30,7 +30,7 @@ def test_one_frame_shows_workers_with_running_jobs_free_kv_and_streams_with_back
     client, keys = shared_redis.client(), Keys(namespace)
     _seed(client, keys)
     console = Console(record=True, width=140, color_system=None)
-    console.print(render(read_fleet(client, keys), namespace))
+    console.print(render(read_queue_stats(client, keys), namespace))
     screen = console.export_text()
     assert "gpu-a" in screen and "123/400" in screen and "4,321" in screen
     high = next(line for line in screen.splitlines() if "high" in line)
@@ -39,7 +39,7 @@ def test_one_frame_shows_workers_with_running_jobs_free_kv_and_streams_with_back
 
 def test_an_empty_fleet_says_no_live_workers(shared_redis, namespace):
     console = Console(record=True, width=120, color_system=None)
-    console.print(render(read_fleet(shared_redis.client(), Keys(namespace)), namespace))
+    console.print(render(read_queue_stats(shared_redis.client(), Keys(namespace)), namespace))
     assert "no live workers" in console.export_text()
 
 
