@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import redis
 
 from producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
 
@@ -65,7 +66,10 @@ class Queue:
         self.r.set(self.keys.cancel(job_id), 1, ex=600)
 
     def pending(self, priority: str = "normal") -> int:
-        return self.r.xpending(self.keys.jobs(priority), Keys.GROUP)["pending"]
+        try:
+            return self.r.xpending(self.keys.jobs(priority), Keys.GROUP)["pending"]
+        except redis.ResponseError:  # no group yet: nobody has read anything
+            return 0
 
 
 @pytest.fixture
