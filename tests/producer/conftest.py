@@ -39,6 +39,14 @@ class FakeWorker:
     name: str = "fake-worker"
     taken: dict[str, tuple[str, str]] = field(default_factory=dict)  # job_id -> (stream, entry id)
 
+    def ensure_groups(self) -> None:
+        for priority in ("high", "normal", "low"):
+            try:
+                self.r.xgroup_create(self.keys.jobs(priority), Keys.GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
     def take(self, priority: str = "normal", count: int = 10, block_ms: int = 2000) -> list[Job]:
         stream = self.keys.jobs(priority)
         reply = self.r.xreadgroup(Keys.GROUP, self.name, {stream: ">"}, count=count, block=block_ms)

@@ -1,0 +1,129 @@
+"""`kvfleet batch in.jsonl -o out.jsonl`: an OpenAI Batch file through the fleet, resumable.
+
+Lines already answered in the output file are skipped on restart; the rest are submitted with
+idempotency keys derived from the input file's digest and their custom_id, so lines whose jobs are
+still in flight from the interrupted run reuse those jobs instead of computing them again.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import IO
+
+from tqdm.auto import tqdm
+
+from ..client import Client
+from ..errors import InvalidRequest, KvfleetError, ResultTimeout
+from ..openai_batch import (BadLine, BatchRequest, error_line, failed_result_line, file_digest,
+                            invalid_request_line, parse_line, success_line)
+from ..submission import prepare
+
+DUPLICATE = "duplicate_custom_id"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", type=Path, help="OpenAI Batch input file (JSONL)")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="output JSONL (appended to on resume)")
+    parser.add_argument("--priority", choices=("high", "normal", "low"), default="low",
+                        help="queue for these jobs (default low, so interactive work goes first)")
+    parser.add_argument("--timeout", type=float, help="seconds to wait for all results (default: forever)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def answered_ids(output: Path) -> set[str]:
+    """custom_ids already in the output; a torn last line from an interrupted write is cut off."""
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[:data.rfind(b"\n") + 1]
+        output.write_bytes(data)
+    done = set()
+    for line in data.decode("utf-8", "replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and (row.get("error") or {}).get("code") != DUPLICATE:
+            done.add(row.get("custom_id"))
+    return done
+
+
+def read_requests(data: bytes, done: set[str], priority: str, out: IO[str], client: Client) -> list[BatchRequest]:
+    """Parse and validate the lines still to do; bad lines get their error line now."""
+    digest, seen, todo = file_digest(data), set(), []
+    for line_no, raw in enumerate(data.decode("utf-8", "replace").splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            req = parse_line(line_no, raw, digest)
+        except BadLine as e:
+            custom_id = _custom_id_of(raw) or f"line-{line_no}"
+            if custom_id not in done:
+                _write(out, error_line(custom_id, e.code, str(e)))
+            continue
+        if req.custom_id in seen:
+            _write(out, error_line(req.custom_id, DUPLICATE, f"line {line_no} repeats custom_id {req.custom_id!r}"))
+            continue
+        seen.add(req.custom_id)
+        if req.custom_id in done:
+            continue
+        req.submit_args.setdefault("priority", priority)
+        try:
+            prepare(req.submit_args, client.keys, client.client_id)  # every check submit would make
+        except InvalidRequest as e:
+            _write(out, invalid_request_line(req, e))
+            continue
+        todo.append(req)
+    return todo
+
+
+def _custom_id_of(raw: str) -> str | None:
+    try:
+        value = json.loads(raw).get("custom_id")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def _write(out: IO[str], row: dict) -> None:
+    out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    out.flush()  # a line on disk is a line a resumed run skips
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        data = args.input.read_bytes()
+    except OSError as e:
+        print(f"kvfleet batch: cannot read {args.input}: {e}", file=sys.stderr)
+        return 2
+    done = answered_ids(args.output)
+    try:
+        with Client(args.redis_url, args.namespace) as client, args.output.open("a", encoding="utf-8") as out:
+            todo = read_requests(data, done, args.priority, out, client)
+            return _process(client, todo, out, args)
+    except ResultTimeout as e:
+        print(f"kvfleet batch: {e}; run the same command again to resume", file=sys.stderr)
+        return 3
+    except KvfleetError as e:
+        print(f"kvfleet batch: {e}", file=sys.stderr)
+        return 2
+
+
+def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argparse.Namespace) -> int:
+    show = not args.no_progress
+    handles = client.submit_many([r.submit_args for r in todo], progress=show)
+    by_job = {h.job_id: (r, h) for r, h in zip(todo, handles)}
+    failed = 0
+    with tqdm(total=len(handles), unit="req", desc="batch", disable=not show) as bar:
+        for handle in client.as_completed(list(handles), timeout=args.timeout):
+            req, _ = by_job[handle.job_id]
+            result = handle.result(timeout=0)
+            failed += result.status != "done"
+            _write(out, success_line(req, result) if result.status == "done" else failed_result_line(req, result))
+            bar.update(1)
+    print(f"kvfleet batch: {len(handles)} requests answered, {failed} failed; output in {args.output}",
+          file=sys.stderr)
+    return 0

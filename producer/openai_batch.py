@@ -1,0 +1,124 @@
+"""The OpenAI Batch file format: request lines in, response lines out.
+
+In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
+Out: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null | {"code", "message"}}
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidRequest
+from .result import Result
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# Body fields we honour, by their submit name; others are refused rather than silently ignored.
+SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+                   "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",
+                   "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "metadata": "metadata"}
+IGNORED_FIELDS = {"model", "user", "stream", "n", "logprobs"}
+
+
+class BadLine(ValueError):
+    def __init__(self, code: str, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass(slots=True)
+class BatchRequest:
+    line_no: int
+    custom_id: str
+    url: str
+    model: str
+    submit_args: dict[str, Any]
+
+
+def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
+    """One input line as submit arguments; BadLine says what is wrong with it."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadLine("invalid_json", f"line {line_no} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BadLine("invalid_request", f"line {line_no} must be a JSON object")
+    custom_id = data.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise BadLine("invalid_request", f"line {line_no}: custom_id must be a non-empty string")
+    if data.get("method", "POST") != "POST":
+        raise BadLine("invalid_request", f"method {data.get('method')!r} is not supported; use POST")
+    url, body = data.get("url"), data.get("body")
+    if url not in (CHAT, COMPLETIONS):
+        raise BadLine("invalid_url", f"url {url!r} is not supported; use {CHAT} or {COMPLETIONS}")
+    if not isinstance(body, dict):
+        raise BadLine("invalid_request", "body must be a JSON object")
+    args = _submit_args(url, body)
+    args["idempotency_key"] = idempotency_key(file_digest, custom_id)
+    return BatchRequest(line_no, custom_id, url, str(body.get("model", "")), args)
+
+
+def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - {"messages", "prompt"})
+    if unknown:
+        raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported")
+    if body.get("n", 1) != 1:
+        raise BadLine("unsupported_parameter", f"n={body['n']!r}: only n=1 is supported")
+    key = "messages" if url == CHAT else "prompt"
+    if key not in body:
+        raise BadLine("invalid_request", f"{url} needs body.{key}")
+    args = {key: body[key]}
+    for name, arg in SAMPLING_FIELDS.items():
+        if body.get(name) is not None:
+            args[arg] = body[name]
+    return args
+
+
+def idempotency_key(file_digest: str, custom_id: str) -> str:
+    """Stable across restarts of the same file, so a resubmission reuses the jobs already in flight."""
+    return "batch:" + hashlib.sha256(f"{file_digest}\n{custom_id}".encode()).hexdigest()[:40]
+
+
+def file_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def success_line(req: BatchRequest, result: Result) -> dict[str, Any]:
+    created = int(result.timings.finished or time.time())
+    if req.url == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "finish_reason": result.finish_reason, "logprobs": None}
+        kind, prefix = "chat.completion", "chatcmpl"
+    else:
+        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
+        kind, prefix = "text_completion", "cmpl"
+    u = result.usage
+    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+             "total_tokens": u.prompt_tokens + u.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    body = {"id": f"{prefix}-{result.job_id}", "object": kind, "created": created, "model": req.model,
+            "choices": [choice], "usage": usage, "system_fingerprint": result.worker}
+    return {"id": f"batch_req_{result.job_id}", "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": result.job_id, "body": body}, "error": None}
+
+
+STATUS_CODES = {"error": 500, "expired": 408, "cancelled": 499, "invalid_request": 400}
+
+
+def error_line(custom_id: str, code: str, message: str, job_id: str | None = None) -> dict[str, Any]:
+    status = STATUS_CODES.get(code, 400)
+    response = {"status_code": status, "request_id": job_id,
+                "body": {"error": {"message": message, "type": code, "code": code}}}
+    return {"id": f"batch_req_{job_id or 'none'}", "custom_id": custom_id, "response": response,
+            "error": {"code": code, "message": message}}
+
+
+def failed_result_line(req: BatchRequest, result: Result) -> dict[str, Any]:
+    message = result.error or f"job {result.status}"
+    return error_line(req.custom_id, result.status, message, result.job_id)
+
+
+def invalid_request_line(req: BatchRequest, err: InvalidRequest) -> dict[str, Any]:
+    return error_line(req.custom_id, "invalid_request", f"line {req.line_no}: {err}")

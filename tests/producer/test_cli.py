@@ -1,0 +1,136 @@
+"""`kvfleet submit`, `kvfleet batch` (OpenAI Batch format, resumable, bad lines) and `kvfleet stats`."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from producer.protocol import PRIORITIES
+from worker.cli import main
+
+
+class EchoWorker(threading.Thread):
+    """Answers every job with 'echo: <last message or prompt>' until stopped, or fails those asking for it."""
+
+    def __init__(self, fake):
+        super().__init__(daemon=True)
+        self.fake, self.stopping, self.served = fake, threading.Event(), 0
+        fake.ensure_groups()
+
+    def run(self):
+        while not self.stopping.is_set():
+            for priority in PRIORITIES:
+                for job in self.fake.take(priority, count=50, block_ms=20):
+                    text = job.prompt if job.prompt is not None else job.messages[-1].content
+                    if job.stream:
+                        self.fake.delta(job, 0, "echo", [1])
+                    if "FAIL" in text:
+                        self.fake.final(job, status="error", error="the model refused")
+                    else:
+                        self.fake.final(job, text=f"echo: {text}", token_ids=[1, 2])
+                    self.served += 1
+
+
+@pytest.fixture
+def echo(worker):
+    thread = EchoWorker(worker)
+    thread.start()
+    yield thread
+    thread.stopping.set()
+    thread.join(5)
+
+
+def _cli(redis_url, namespace, *argv) -> int:
+    return main([argv[0], "--redis-url", redis_url, "--namespace", namespace, *argv[1:]])
+
+
+def test_submit_command_prints_the_answer(redis_url, namespace, echo, capsys):
+    assert _cli(redis_url, namespace, "submit", "hello there", "--timeout", "10") == 0
+    assert capsys.readouterr().out.strip() == "echo: hello there"
+
+
+def test_submit_command_streams_and_prints_json(redis_url, namespace, echo, capsys):
+    assert _cli(redis_url, namespace, "submit", "hi", "--stream", "--system", "be brief", "--timeout", "10") == 0
+    assert capsys.readouterr().out.strip() == "echo: hi"
+    assert _cli(redis_url, namespace, "submit", "hi", "--json", "--timeout", "10") == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["status"] == "done" and row["text"] == "echo: hi" and row["latency_s"] > 0
+
+
+def test_submit_command_rejects_bad_input_with_exit_2(redis_url, namespace, capsys):
+    assert _cli(redis_url, namespace, "submit", "hi", "--temperature", "-1") == 2
+    assert "temperature=-1.0" in capsys.readouterr().err
+
+
+def _lines(tmp_path, rows):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _chat(custom_id, content, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}], **body}}
+
+
+def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_url, namespace, echo, tmp_path):
+    src = _lines(tmp_path, [
+        _chat("a", "first", max_tokens=8),
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "second"}},
+        "{not json",
+        _chat("c", "hot", temperature=-3),
+        _chat("d", "x", response_format={"type": "json"}),
+        {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        _chat("f", "FAIL please"),
+        _chat("a", "duplicate id"),
+    ])
+    out = tmp_path / "out.jsonl"
+    assert _cli(redis_url, namespace, "batch", str(src), "-o", str(out), "--no-progress", "--timeout", "20") == 0
+    rows = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines()) if r["custom_id"] != "a"
+            or r["error"] is None}
+    a, b = rows["a"], rows["b"]
+    assert a["error"] is None and a["response"]["status_code"] == 200
+    assert a["response"]["body"]["object"] == "chat.completion"
+    assert a["response"]["body"]["choices"][0]["message"]["content"] == "echo: first"
+    assert a["response"]["body"]["usage"]["total_tokens"] == 5
+    assert b["response"]["body"]["choices"][0]["text"] == "echo: second"
+    assert rows["line-3"]["error"]["code"] == "invalid_json"
+    assert rows["c"]["error"]["code"] == "invalid_request" and "temperature" in rows["c"]["error"]["message"]
+    assert rows["d"]["error"]["code"] == "unsupported_parameter" and "response_format" in rows["d"]["error"]["message"]
+    assert rows["e"]["error"]["code"] == "invalid_url"
+    assert rows["f"]["error"] == {"code": "error", "message": "the model refused"}
+    assert len(out.read_text().splitlines()) == 8
+
+
+def test_batch_resumes_skipping_answered_lines_and_reusing_in_flight_jobs(redis_url, namespace, worker, tmp_path):
+    src = _lines(tmp_path, [_chat(f"r{i}", f"q{i}") for i in range(6)])
+    out = tmp_path / "out.jsonl"
+    # The interrupted run: r0 answered and written, r1 half-written, every job enqueued, r2..r5 still in flight.
+    assert _cli(redis_url, namespace, "batch", str(src), "-o", str(out), "--no-progress", "--timeout", "0.3") == 3
+    jobs = {j.messages[-1].content: j for j in worker.take("low", count=10)}
+    assert len(jobs) == 6
+    worker.final(jobs["q0"], text="echo: q0")
+    worker.final(jobs["q1"], text="echo: q1")
+    out.write_text(json.dumps({"custom_id": "r0", "response": {"status_code": 200}, "error": None}) + "\n"
+                   + '{"custom_id": "r1", "resp')
+    # The first run's worker finishes the jobs it holds while the batch is resumed.
+    finisher = threading.Timer(0.5, lambda: [worker.final(jobs[f"q{i}"], text=f"echo: q{i}") for i in range(2, 6)])
+    finisher.start()
+    assert _cli(redis_url, namespace, "batch", str(src), "-o", str(out), "--no-progress", "--timeout", "20") == 0
+    finisher.join()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == [f"r{i}" for i in range(6)]
+    assert {r["response"]["body"]["choices"][0]["message"]["content"] for r in rows[1:]} == {
+        f"echo: q{i}" for i in range(1, 6)}
+    assert worker.r.xlen(worker.keys.jobs("low")) == 6  # nothing resubmitted: in-flight jobs were reused
+    assert worker.take("low", block_ms=50) == []
+
+
+def test_stats_command_prints_a_table_and_json(redis_url, namespace, client, capsys):
+    client.submit_many([{"prompt": "x", "priority": "high"}] * 2, progress=False)
+    assert _cli(redis_url, namespace, "stats") == 0
+    table = capsys.readouterr().out
+    assert "high" in table and "live workers: 0" in table
+    assert _cli(redis_url, namespace, "stats", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["priorities"]["high"]["backlog"] == 2
