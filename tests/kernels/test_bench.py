@@ -1,0 +1,22 @@
+"""kernels.bench runs end to end (tiny shapes, interpreter) and reports every kernel with a correct result."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import HAS_CUDA
+from kernels import bench
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="--tiny runs in the CPU interpreter; on a GPU run `python -m kernels.bench`")
+def test_tiny_bench_reports_each_kernel_matching_its_reference(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert bench.main(["--tiny", "--models", "qwen2.5-0.5b", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    kernels = {r["kernel"] for r in report["results"]}
+    assert kernels == {"store_kvcache", "decode_attention", "prefill_attention", "rms_norm+residual", "rotary",
+                       "silu_and_mul"}
+    assert report["interpreter"] and report["copy_gbps"] > 0
+    assert all(r["max_abs_diff"] < 1e-4 and r["triton_ms"] > 0 for r in report["results"])
+    assert "decode_attention" in capsys.readouterr().out
