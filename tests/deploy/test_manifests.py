@@ -188,3 +188,16 @@ def test_compose_stack_has_every_service_and_its_mounted_files_exist():
     assert targets == {"worker:9300", "exporter:9400"}
     assert compose["services"]["worker"]["environment"]["KVFLEET_METRICS_PORT"] == "9300"
     assert (DEPLOY / "Dockerfile").exists() and (DEPLOY / "README.md").exists()
+
+
+def test_every_kvfleet_variable_in_deploy_is_a_setting_the_worker_reads():
+    import re
+
+    from worker.settings import WorkerSettings
+
+    known = {f"KVFLEET_{name.upper()}" for name in WorkerSettings.model_fields}
+    known |= {"KVFLEET_EXPORTER_PORT", "KVFLEET_EXPORTER_ADDR"}  # read by `kvfleet exporter`
+    used = set()
+    for path in [*K8S.glob("*.yaml"), DEPLOY / "compose.yaml"]:
+        used |= set(re.findall(r"\bKVFLEET_[A-Z0-9_]+", path.read_text()))
+    assert used and not used - known, f"unknown settings: {sorted(used - known)}"

@@ -70,3 +70,31 @@ def test_every_design_metric_is_exported(shared_redis, namespace):
               "queue_lag", "queue_pending", "queue_length", "queue_oldest_job_age_seconds", "live_workers",
               "fleet_free_kv_blocks", "fleet_free_kv_tokens", "dead_stream_length"]
     assert not {f"kvfleet_{d}" for d in design} - names
+
+
+def test_a_real_worker_feeds_the_series_the_dashboard_plots(shared_redis, namespace):
+    """Through the production Worker loop, not hand-called hooks: the latency panels would be empty otherwise."""
+    import time
+
+    from worker import fleet_sim
+
+    keys, client = Keys(namespace), shared_redis.client()
+    jobs = fleet_sim.make_jobs(3, fleet_sim.JobMix(max_tokens=(4, 4)), seed=0, clients=1)
+    fleet = fleet_sim.start_fleet(shared_redis.url, namespace, fleet_sim.mixed_fleet(1), "capacity",
+                                  step_overhead_s=0.001, per_token_s=0.0)
+    try:
+        fleet_sim.enqueue(client, keys, jobs, rate=None)
+        deadline = time.monotonic() + 20
+        while fleet_sim.count_results(client, keys, jobs) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the finish hook runs after the publish that made the result visible
+    finally:
+        fleet.stop()
+    metrics = fleet.workers[0].metrics
+    value = lambda name, **kw: metrics.registry.get_sample_value(name, {**metrics.labels, **kw})
+    assert value("kvfleet_jobs_admitted_total") == 3
+    assert value("kvfleet_jobs_finished_total", status="done") == 3
+    for hist in ("queue_wait", "time_to_first_token", "time_per_output_token", "e2e_request_latency"):
+        assert value(f"kvfleet_{hist}_seconds_count") == 3, hist
+    assert value("kvfleet_generation_tokens_total") == 12
+    assert value("kvfleet_kv_free_blocks") > 0
