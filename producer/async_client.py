@@ -20,7 +20,7 @@ from .queue_stats import QueueStats, read_queue_stats, total_backlog
 from .reply_reader import READ_COUNT, ReaderState
 from .result import Result
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         owners, prepare, queue)
+                         owners, prepare, add_to_pipeline)
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class AsyncClient:
         with translated(self.url):
             pipe = self.redis.pipeline(transaction=False)
             for p in prepared:
-                queue(pipe, self._script, p)
+                add_to_pipeline(pipe, self._script, p)
             replies = await pipe.execute()
         self._gate.added(len(prepared))
         return [self._handle(c.job_id, foreign=c.client_id != self.client_id) for c in owners(prepared, replies)]
@@ -142,8 +142,8 @@ class AsyncClient:
                 try:
                     await self._step(conn)
                     backoff = 0.05
-                except redis.RedisError as e:
-                    log.warning("reply reader: %s; retrying in %.2f s", e, backoff)
+                except Exception as e:  # CancelledError is a BaseException: close still ends the task
+                    log.warning("reply reader: %r; retrying in %.2f s", e, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
         finally:

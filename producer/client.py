@@ -1,6 +1,7 @@
 """Client: the synchronous producer SDK. Submit jobs, read their results and streamed tokens."""
 from __future__ import annotations
 
+import queue
 import secrets
 import threading
 import time
@@ -10,6 +11,7 @@ import redis
 from tqdm.auto import tqdm
 
 from .connection import resolve_url, translated
+from .errors import ResultTimeout
 from .handle import JobHandle
 from .mailbox import ReplyRouter
 from .protocol import Keys, Message, decode_final
@@ -17,7 +19,7 @@ from .queue_stats import QueueStats, read_queue_stats, total_backlog
 from .reply_reader import ReaderState, ReplyReader
 from .result import Result
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         owners, prepare, queue)
+                         owners, prepare, add_to_pipeline)
 
 CHUNK = 256
 CLOSED_REPLY_TTL_S = 60  # replies still in flight at close may land; the stream goes soon after
@@ -88,7 +90,7 @@ class Client:
         with translated(self.url):
             pipe = self.redis.pipeline(transaction=False)
             for p in prepared:
-                queue(pipe, self._script, p)
+                add_to_pipeline(pipe, self._script, p)
             replies = pipe.execute()
         self._gate.added(len(prepared))
         return [self._handle(c.job_id, foreign=c.client_id != self.client_id) for c in owners(prepared, replies)]
@@ -127,13 +129,17 @@ class Client:
 
     def as_completed(self, handles: Iterable[JobHandle], timeout: float | None = None) -> Iterator[JobHandle]:
         """Yield handles as their jobs finish; ResultTimeout if `timeout` passes with some still running."""
-        from .errors import ResultTimeout
         waiting = {h.job_id: h for h in handles}
+        finished: queue.SimpleQueue[str] = queue.SimpleQueue()
+        for h in waiting.values():
+            self.router.when_final(h._box, lambda box: finished.put(box.job_id))
         deadline = self._deadline(timeout)
         while waiting:
-            if not self._wait_until(lambda: any(h.done() for h in waiting.values()), self._remaining(deadline)):
-                raise ResultTimeout(next(iter(waiting)), timeout)
-            for job_id in [j for j, h in waiting.items() if h.done()]:
+            try:
+                job_id = finished.get(timeout=self._remaining(deadline))
+            except queue.Empty:
+                raise ResultTimeout(next(iter(waiting)), timeout) from None
+            if job_id in waiting:
                 yield waiting.pop(job_id)
 
     def stats(self) -> QueueStats:

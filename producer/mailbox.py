@@ -18,7 +18,7 @@ MAX_ORPHAN_JOBS = 10_000
 
 
 class Mailbox:
-    __slots__ = ("job_id", "foreign", "created", "deltas", "final", "__weakref__")
+    __slots__ = ("job_id", "foreign", "created", "deltas", "final", "listeners", "__weakref__")
 
     def __init__(self, job_id: str, foreign: bool):
         self.job_id = job_id
@@ -26,6 +26,7 @@ class Mailbox:
         self.created = time.monotonic()
         self.deltas: list[Delta] = []
         self.final: Final | None = None
+        self.listeners: list[Callable[[Mailbox], None]] = []  # called once, when the final arrives
 
     def put(self, event: Delta | Final) -> bool:
         """Keep an event; False when it adds nothing (a duplicate, or anything after the final)."""
@@ -44,6 +45,7 @@ class ReplyRouter:
     def __init__(self, on_change: Callable[[], None]):
         self._boxes: weakref.WeakValueDictionary[str, Mailbox] = weakref.WeakValueDictionary()
         self._orphans: OrderedDict[str, list[Delta | Final]] = OrderedDict()
+        self._foreign: set[str] = set()  # unfinished jobs of other clients, whose result keys the reader polls
         self._lock = threading.Lock()
         self._on_change = on_change
 
@@ -55,19 +57,38 @@ class ReplyRouter:
                 for event in self._orphans.pop(job_id, []):
                     box.put(event)
             box.foreign = box.foreign and foreign
+            if box.foreign and box.final is None:
+                self._foreign.add(job_id)
             return box
 
+    def has_foreign(self) -> bool:
+        return bool(self._foreign)
+
     def route(self, events: list[Delta | Final]) -> None:
-        changed = False
+        changed, finished = False, []
         with self._lock:
             for event in events:
                 box = self._boxes.get(event.job_id)
-                if box is not None:
-                    changed |= box.put(event)
-                else:
+                if box is None:
                     self._keep_orphan(event)
+                elif box.put(event):
+                    changed = True
+                    if box.final is not None:
+                        finished.append(box)
+                        self._foreign.discard(box.job_id)
+        for box in finished:
+            for listener in box.listeners:
+                listener(box)
         if changed:
             self._on_change()
+
+    def when_final(self, box: Mailbox, listener: Callable[[Mailbox], None]) -> None:
+        """Call listener(box) once the final is there: now if it already is."""
+        with self._lock:
+            if box.final is None:
+                box.listeners.append(listener)
+                return
+        listener(box)
 
     def _keep_orphan(self, event: Delta | Final) -> None:
         self._orphans.setdefault(event.job_id, []).append(event)
@@ -79,7 +100,11 @@ class ReplyRouter:
         """Job ids still waiting for a final event: the candidates for a result-key poll."""
         cutoff = time.monotonic() - older_than_s
         with self._lock:
-            boxes = list(self._boxes.values())
+            if foreign:
+                self._foreign &= set(self._boxes.keys())  # handles dropped meanwhile
+                boxes = [self._boxes[j] for j in self._foreign]
+            else:
+                boxes = list(self._boxes.values())
         return [b.job_id for b in boxes
                 if b.final is None and b.foreign == foreign and b.created <= cutoff][:limit]
 

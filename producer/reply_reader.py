@@ -42,7 +42,7 @@ class ReaderState:
         self.stream = self.keys.reply(self.client_id)
 
     def block_for_ms(self) -> int:
-        if self.router.unfinished(foreign=True, limit=1):
+        if self.router.has_foreign():
             return max(1, int(self.foreign_poll_s * 1000))
         return self.block_ms
 
@@ -105,10 +105,10 @@ class ReplyReader(threading.Thread):
             try:
                 self._step()
                 backoff = 0.05
-            except redis.RedisError as e:
+            except Exception as e:  # the reader must outlive outages and surprises alike
                 if self._stopping.is_set():
                     break
-                log.warning("reply reader: %s; retrying in %.2f s", e, backoff)
+                log.warning("reply reader: %r; retrying in %.2f s", e, backoff)
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
         self.conn.close()

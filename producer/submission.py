@@ -34,7 +34,7 @@ def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "")
     return prepared
 
 
-def queue(pipe, script, prepared: Prepared) -> None:
+def add_to_pipeline(pipe, script, prepared: Prepared) -> None:
     """Add one job's enqueue command to a pipeline (sync or asyncio: both queue commands the same way)."""
     if prepared.claim is None:
         pipe.xadd(prepared.stream, {FIELD: prepared.payload})
