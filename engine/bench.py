@@ -1,0 +1,261 @@
+"""`kvfleet bench engine`: W-CPU / W-GPU from shared/benchmarks.md. kvfleet continuous vs kvfleet static vs HF static
+`generate` vs HF continuous batching, same prompts and output lengths, side by side in one run."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+CONTESTANTS = ("kvfleet_continuous", "kvfleet_static", "hf_static", "hf_generate_batch")
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    name: str
+    models: tuple[str, ...]
+    dtype: str
+    num_requests: int
+    prompt_len: tuple[int, int]  # inclusive uniform range
+    output_len: tuple[int, int]
+    max_num_seqs: int  # kvfleet continuous cap, and the static batch of kvfleet static and HF static
+    find_largest_hf_batch: bool  # W-GPU: HF static with the largest batch that fits, halving on OOM
+
+
+WORKLOADS = {
+    "cpu": Workload("W-CPU", ("smollm2-135m",), "float32", 64, (16, 128), (8, 256), 32, False),
+    "gpu": Workload("W-GPU", ("random:qwen2.5-0.5b", "random:qwen3-0.6b", "random:llama-3.2-1b"), "bfloat16", 256,
+                    (100, 1024), (100, 1024), 256, True),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu", help="cpu: W-CPU, gpu: W-GPU")
+    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    parser.add_argument("--model", action="append", help="model(s) instead of the workload's (repeatable)")
+    parser.add_argument("--num-requests", type=int, help="scale the workload down (or up)")
+    parser.add_argument("--max-prompt", type=int, help="cap the prompt length range")
+    parser.add_argument("--max-output", type=int, help="cap the output length range")
+    parser.add_argument("--max-num-seqs", type=int, help="kvfleet's cap and the static batch size")
+    parser.add_argument("--contestants", default=",".join(CONTESTANTS), help="comma-separated subset")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the workload's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of random weights")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.bench_report import machine_info, print_header, print_model_result, versions
+
+    workload = scaled_workload(args)
+    contestants = [c.strip() for c in args.contestants.split(",") if c.strip()]
+    unknown = set(contestants) - set(CONTESTANTS)
+    if unknown:
+        raise SystemExit(f"unknown contestants {sorted(unknown)}; choose from {', '.join(CONTESTANTS)}")
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    report = {"workload": workload.name, "machine": machine_info(device), "versions": versions(),
+              "settings": settings_of(workload, device), "notes": notes_of(device)}
+    print_header(report)
+    per_model = {}
+    for model in workload.models:
+        per_model[model] = run_model(model, workload, contestants, device, args.seed)
+        print_model_result(model, per_model[model])
+    if workload.name == "W-CPU" and len(per_model) == 1:
+        report["model"], only = next(iter(per_model.items()))
+        report.update(only)
+    else:
+        report["models"] = per_model
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def scaled_workload(args: argparse.Namespace) -> Workload:
+    w = WORKLOADS[args.workload]
+    return replace(w, models=tuple(args.model or w.models), dtype=args.dtype or w.dtype,
+                   num_requests=args.num_requests or w.num_requests,
+                   prompt_len=capped(w.prompt_len, args.max_prompt), output_len=capped(w.output_len, args.max_output),
+                   max_num_seqs=args.max_num_seqs or w.max_num_seqs)
+
+
+def capped(bounds: tuple[int, int], cap: int | None) -> tuple[int, int]:
+    if cap is None:
+        return bounds
+    if cap < 1:
+        raise SystemExit(f"a length cap of {cap} leaves nothing to run; pass a cap >= 1")
+    return min(bounds[0], cap), min(bounds[1], cap)
+
+
+def settings_of(workload: Workload, device) -> dict:
+    return {"models": list(workload.models), "dtype": workload.dtype, "device": str(device),
+            "num_requests": workload.num_requests, "prompt_len": list(workload.prompt_len),
+            "output_len": list(workload.output_len), "max_num_seqs": workload.max_num_seqs,
+            "sampling": "greedy, ignore_eos", "prompts": "random token ids, seed shared by every contestant"}
+
+
+def notes_of(device) -> list[str]:
+    notes = ["hf_generate_batch: transformers' continuous-batching manager (the one generate_batch wraps), driven "
+             "directly so that each request gets its own max_new_tokens; generate_batch takes one for all",
+             "hf_static: padded batches in request order, left padding; each batch runs to its longest request and "
+             "a request is credited only with the tokens it asked for"]
+    if device.type == "cpu":
+        notes.append(f"CPU run: absolute figures count only on a GPU; load average at start "
+                     f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores (a shared machine "
+                     "is noisy: compare the ratios of one run)")
+    return notes
+
+
+@dataclass(slots=True)
+class ModelRun:
+    source: object
+    requests: list
+    workload: Workload
+    device: object
+
+    @property
+    def max_model_len(self) -> int:
+        return self.workload.prompt_len[1] + self.workload.output_len[1]
+
+
+def make_requests(workload: Workload, vocab_size: int, seed: int) -> list:
+    from engine.bench_hf import BenchRequest
+
+    rng = random.Random(seed)
+    return [BenchRequest(prompt_ids=[rng.randrange(vocab_size) for _ in range(rng.randint(*workload.prompt_len))],
+                         max_tokens=rng.randint(*workload.output_len))
+            for _ in range(workload.num_requests)]
+
+
+def run_model(model: str, workload: Workload, contestants: list[str], device, seed: int) -> dict:
+    from engine.bench_report import bandwidth_ceiling
+    from engine.loader import resolve_model
+
+    source = resolve_model(model, seed=seed)
+    m = ModelRun(source, make_requests(workload, source.config.vocab_size, seed), workload, device)
+    results = {name: summarize(m, RUNNERS[name](m)) for name in contestants}
+    entry = {"contestants": results, "ratios": ratios(results)}
+    if workload.name == "W-GPU":
+        entry.update(bandwidth_ceiling(m))
+        if "kvfleet_continuous" in results:
+            entry["fraction_of_ceiling"] = results["kvfleet_continuous"]["output_tok_s"] / entry["bandwidth_ceiling_tok_s"]
+    return entry
+
+
+def summarize(m: ModelRun, result) -> dict:
+    wrong = sum(len(ids) != r.max_tokens for ids, r in zip(result.output_token_ids, m.requests))
+    summary = {"output_tok_s": result.output_tokens / result.elapsed_s, "output_tokens": result.output_tokens,
+               "requested_tokens": sum(r.max_tokens for r in m.requests), "elapsed_s": result.elapsed_s,
+               "requests": len(result.output_token_ids), "requests_with_wrong_length": wrong}
+    if result.notes:
+        summary["notes"] = result.notes
+    return summary
+
+
+def ratios(results: dict) -> dict:
+    if "kvfleet_continuous" not in results:
+        return {}
+    ours = results["kvfleet_continuous"]["output_tok_s"]
+    return {f"kvfleet_continuous/{name}": ours / r["output_tok_s"] for name, r in results.items()
+            if name != "kvfleet_continuous"}
+
+
+def run_kvfleet(m: ModelRun, scheduling: str):
+    import time
+
+    from engine import LLM, SamplingParams
+    from engine.bench_hf import RunResult, synchronize
+
+    llm = LLM(m.source, device=str(m.device), dtype=m.workload.dtype, max_num_seqs=m.workload.max_num_seqs,
+              max_model_len=m.max_model_len, scheduling=scheduling, seed=0)
+    warmup = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([m.requests[0].prompt_ids[:8]], [warmup], use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in m.requests]
+    synchronize(m.device)
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_ids for r in m.requests], params, use_tqdm=True)
+    synchronize(m.device)
+    result = RunResult([list(o.token_ids) for o in outputs], time.perf_counter() - start)
+    del llm
+    free_memory()
+    return result
+
+
+def run_hf_static(m: ModelRun):
+    import torch
+
+    from engine.bench_hf import hf_static
+
+    model = hf_model(m)
+    pad = pad_token_id(m.source.config)
+    batch = m.workload.max_num_seqs
+    warm_up_hf(model, m, pad)
+    while True:
+        try:
+            result = hf_static(model, m.requests, batch, pad)
+            break
+        except torch.cuda.OutOfMemoryError:
+            if not m.workload.find_largest_hf_batch or batch == 1:
+                raise
+            batch //= 2
+            torch.cuda.empty_cache()
+            print(f"hf static: out of memory, retrying with batch {batch}")
+    result.notes = f"batch {batch}"
+    del model
+    free_memory()
+    return result
+
+
+def run_hf_generate_batch(m: ModelRun):
+    from engine.bench_hf import hf_generate_batch
+
+    model = hf_model(m)
+    result = hf_generate_batch(model, m.requests, max_batch_requests=m.workload.max_num_seqs)
+    del model
+    free_memory()
+    return result
+
+
+def hf_model(m: ModelRun):
+    import torch
+
+    from engine.loader import hf_reference_model
+
+    return hf_reference_model(m.source, getattr(torch, m.workload.dtype)).to(m.device)
+
+
+def warm_up_hf(model, m: ModelRun, pad: int) -> None:
+    from engine.bench_hf import BenchRequest, hf_static
+
+    hf_static(model, [BenchRequest(m.requests[0].prompt_ids[:8], 2)], 1, pad)
+
+
+def pad_token_id(config) -> int:
+    for candidate in (config.pad_token_id, config.eos_token_id, 0):
+        if isinstance(candidate, list):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return candidate
+    return 0
+
+
+def free_memory() -> None:
+    """Free one contestant's weights and cache before the next one loads (on a GPU they would not fit twice)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+RUNNERS = {
+    "kvfleet_continuous": lambda m: run_kvfleet(m, "continuous"),
+    "kvfleet_static": lambda m: run_kvfleet(m, "static"),
+    "hf_static": run_hf_static,
+    "hf_generate_batch": run_hf_generate_batch,
+}
