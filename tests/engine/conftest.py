@@ -23,7 +23,7 @@ class TinySource:
 
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
 
 
 def tiny_config(variant: str):
