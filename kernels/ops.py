@@ -12,7 +12,7 @@
 
 Verified on CPU in CI (tests/kernels, TRITON_INTERPRET=1, float32, small shapes: GQA, ragged and
 page-boundary lengths, -1 slots and block-table padding, several decode splits, cached prefixes and
-chunks) and through this dispatch. Owed on a GPU: tests/kernels/test_gpu_kernels.py (compiled, bf16
+chunks) and through this dispatch. Owed on a GPU: tests/kernels/test_kernel_gpu.py (compiled, bf16
 and fp16 sweeps) and `python -m kernels.bench` (time vs reference, achieved bandwidth).
 
 Dispatch: KVFLEET_KERNELS=triton forces the kernels (with TRITON_INTERPRET=1 they run on CPU),

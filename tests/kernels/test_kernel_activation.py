@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, assert_close
+from kernel_testing import DEVICE, assert_close
 from kernels import activation, reference
 
 

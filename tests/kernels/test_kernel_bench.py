@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import HAS_CUDA
+from kernel_testing import HAS_CUDA
 from kernels import bench
 
 

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from conftest import context_lens_tensor, cu_seqlens, make_paged_kv
+from kernel_testing import context_lens_tensor, cu_seqlens, make_paged_kv
 from kernels import ops, reference
 
 pytestmark = pytest.mark.gpu

@@ -6,7 +6,7 @@ import torch
 
 import kernels.decode_attention
 import kernels.prefill_attention
-from conftest import DEVICE, HAS_CUDA, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
+from kernel_testing import DEVICE, HAS_CUDA, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
 from kernels import ops, reference
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
+from kernel_testing import DEVICE, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
 from kernels import reference
 from kernels.prefill_attention import prefill_attention
 

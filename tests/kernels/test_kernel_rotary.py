@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import DEVICE, assert_close
+from kernel_testing import DEVICE, assert_close
 from kernels import reference
 from kernels.rotary import rotary
 

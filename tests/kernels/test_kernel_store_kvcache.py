@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import DEVICE
+from kernel_testing import DEVICE
 from kernels import reference
 from kernels.store_kvcache import store_kvcache
 
