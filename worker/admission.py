@@ -40,11 +40,14 @@ class AdmissionQueue:
         return len(self.tickets)
 
     def read_count(self, free_seqs: int, admissible_tokens: int, engine_idle: bool) -> int:
-        """Jobs to read now: what the engine can take beyond what already waits here, within the queue bound."""
+        """Jobs to read now: what the engine can take beyond what already waits here. Never more than free
+        sequence slots plus free queue room, so the engine's jobs plus this queue stay within the bound
+        max_num_seqs + size, however wrong the token estimate turns out."""
         fit_now = min(free_seqs, int(admissible_tokens // max(self.tokens_per_job, 1.0)))
         if engine_idle and not self.tickets:
             fit_now = max(fit_now, 1)  # an idle engine always takes one job, or rejects it with a reason
-        return max(0, min(fit_now - len(self.tickets), self.size - len(self.tickets)))
+        waiting = len(self.tickets)
+        return max(0, min(fit_now - waiting, free_seqs + self.size - waiting))
 
     def observe(self, ticket: Ticket) -> None:
         self.tokens_per_job += 0.2 * (ticket.tokens - self.tokens_per_job)

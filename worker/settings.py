@@ -34,7 +34,7 @@ class WorkerSettings(BaseSettings):
     # admission
     local_queue_size: int = Field(4, ge=2)  # jobs read from Redis that wait for KV room locally
     block_ms: int = Field(100, ge=1)  # XREADGROUP BLOCK, only when the engine is idle
-    busy_poll_ms: float = 5.0  # while busy, look for new jobs at most this often when the last look found none
+    busy_poll_ms: float = 20.0  # while busy, look for new jobs at most this often when the last look found none
     initial_tokens_per_job: int = 512  # estimate of prompt + output tokens until jobs have been seen
 
     # leases, reclaim, dead letters
