@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.config import AttentionConfig, decode_config
+from kernels.config import AttentionConfig, decode_config, launch_fitted
 from kernels.paged_kv import LOG2E, dot_precision, kv_tile_offsets, online_softmax_step
 
 MIN_TOKENS_PER_SPLIT = 256
@@ -111,25 +111,28 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, page_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
-    config = config or decode_config(head_dim, q.device)
+    config = config or decode_config(head_dim, q.dtype, q.device)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    block_g = max(config.block_m, triton.next_power_of_2(group))
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device) if split else out
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device) if split else out
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_out, part_lse, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_heads, group, head_dim, page_size, num_splits,
-        BLOCK_G=block_g, BLOCK_N=config.block_n, BLOCK_D=block_d, SPLIT=split, PRECISION=dot_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+
+    def launch(cfg: AttentionConfig) -> None:
+        _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_out, part_lse, scale * LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            num_heads, group, head_dim, page_size, num_splits,
+            BLOCK_G=max(cfg.block_m, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            SPLIT=split, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    launch_fitted(("decode", q.device, q.dtype, k_cache.dtype, head_dim, group), config, launch)
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             out, part_out, part_lse, cu_seqlens_q, out.stride(0), out.stride(1), num_heads, head_dim, num_splits,

@@ -2,9 +2,11 @@
 of that sequence (the K/V of the new tokens are stored first). Covers a whole prompt, a chunk of a
 chunked prefill, and a prompt whose prefix came from the prefix cache. Twin: reference.paged_attention.
 
-Program (query tile, sequence, head). The number of query tiles per sequence is bounded by the total
-token count, so the grid needs no host sync; tiles past a sequence's end exit at once. KV tiles left
-of the causal diagonal run without masks; only the diagonal tiles pay for them.
+Program (query tile, head). Query tiles are numbered across the batch; each program finds its
+sequence from a prefix sum of tiles per sequence computed in the kernel, so the grid (total tokens /
+BLOCK_M + batch, an upper bound) needs no host sync and a batch of short rows beside one long chunk
+launches no idle programs per sequence. A sequence's last tiles see the most KV, so they go first.
+KV tiles left of the causal diagonal run without masks; only the diagonal tiles pay for them.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.config import AttentionConfig, prefill_config
+from kernels.config import AttentionConfig, launch_fitted, prefill_config
 from kernels.paged_kv import LOG2E, dot_precision, kv_tile_offsets, online_softmax_step
 
 
@@ -37,13 +39,20 @@ def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
                     out_ptr, scale_log2, stride_qn, stride_qh, stride_on, stride_oh,
-                    stride_cb, stride_ct, stride_ch, stride_bt, group, head_dim, page_size,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                    stride_cb, stride_ct, stride_ch, stride_bt, batch, group, head_dim, page_size,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    program, head = tl.program_id(0), tl.program_id(1)
+    b = tl.arange(0, BLOCK_B)
+    starts = tl.load(cu_seqlens_q_ptr + b, mask=b < batch, other=0)
+    tiles = (tl.load(cu_seqlens_q_ptr + b + 1, mask=b < batch, other=0) - starts + BLOCK_M - 1) // BLOCK_M
+    seq = tl.sum((tl.cumsum(tiles, 0) <= program).to(tl.int32), 0)
+    if seq >= batch:
+        return
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if tile * BLOCK_M >= q_len:
-        return
+    seq_tiles = (q_len + BLOCK_M - 1) // BLOCK_M
+    tile = seq_tiles - 1 - (program - tl.sum(tl.where(b < seq, tiles, 0), 0))
     ctx = tl.load(context_lens_ptr + seq)
     prefix = ctx - q_len  # tokens cached before this chunk (prefix cache hit or earlier chunks)
 
@@ -81,17 +90,21 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     batch = cu_seqlens_q.numel() - 1
     num_kv_heads = k_cache.shape[2]
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    config = config or prefill_config(head_dim, q.device)
+    config = config or prefill_config(head_dim, q.dtype, q.device)
     out = torch.empty_like(q)
     if num_tokens == 0 or batch == 0:
         return out
-    grid = (triton.cdiv(num_tokens, config.block_m), batch, num_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_heads // num_kv_heads, head_dim, k_cache.shape[1],
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        PRECISION=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+
+    def launch(cfg: AttentionConfig) -> None:
+        _prefill_kernel[(triton.cdiv(num_tokens, cfg.block_m) + batch, num_heads)](
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            batch, num_heads // num_kv_heads, head_dim, k_cache.shape[1],
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_B=max(2, triton.next_power_of_2(batch)), PRECISION=dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    launch_fitted(("prefill", q.device, q.dtype, k_cache.dtype, head_dim), config, launch)
     return out

@@ -50,3 +50,14 @@ def test_prefill_masks_a_head_size_that_is_not_a_power_of_two():
 def test_a_sequence_without_new_queries_does_not_disturb_the_others():
     out, expected = run_prefill([4, 0, 3], [4, 10, 12])
     assert_close(out, expected)
+
+
+def test_one_long_prompt_spreads_over_several_query_tiles():
+    out, expected = run_prefill([45], [60], page_size=16)
+    assert_close(out, expected)
+
+
+def test_a_batch_of_many_short_rows_beside_one_long_chunk():
+    q_lens = [1] * 9 + [37]
+    out, expected = run_prefill(q_lens, [3, 9, 1, 8, 17, 2, 5, 16, 4, 50])
+    assert_close(out, expected)
