@@ -24,7 +24,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_s
                          out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
                          stride_qn, stride_qh, stride_on, stride_oh,
                          stride_cb, stride_ct, stride_ch, stride_bt,
-                         num_heads, group, head_dim, page_size, num_splits,
+                         num_heads, group, head_dim, num_splits, PAGE_SIZE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -51,7 +51,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_s
     for t0 in range(start, end, BLOCK_N):
         tokens = t0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
-        offs = kv_tile_offsets(table, tokens, token_mask, kv_head * stride_ch, dims, stride_cb, stride_ct, page_size)
+        offs = kv_tile_offsets(table, tokens, token_mask, kv_head * stride_ch, dims, stride_cb, stride_ct, PAGE_SIZE)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
@@ -127,7 +127,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, part_out, part_lse, scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            num_heads, group, head_dim, page_size, num_splits,
+            num_heads, group, head_dim, num_splits, PAGE_SIZE=page_size,
             BLOCK_G=max(cfg.block_m, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             SPLIT=split, PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

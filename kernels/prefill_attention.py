@@ -20,12 +20,12 @@ from kernels.paged_kv import LOG2E, dot_precision, kv_tile_offsets, online_softm
 
 @triton.jit
 def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_offset, q_pos, dims, dim_mask,
-                  lo, hi, scale_log2, stride_cb, stride_ct, page_size,
+                  lo, hi, scale_log2, stride_cb, stride_ct, PAGE_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     for t0 in range(lo, hi, BLOCK_N):
         tokens = t0 + tl.arange(0, BLOCK_N)
         token_mask = tokens < hi
-        offs = kv_tile_offsets(table, tokens, token_mask, kv_head_offset, dims, stride_cb, stride_ct, page_size)
+        offs = kv_tile_offsets(table, tokens, token_mask, kv_head_offset, dims, stride_cb, stride_ct, PAGE_SIZE)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
@@ -39,7 +39,7 @@ def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
                     out_ptr, scale_log2, stride_qn, stride_qh, stride_on, stride_oh,
-                    stride_cb, stride_ct, stride_ch, stride_bt, batch, group, head_dim, page_size,
+                    stride_cb, stride_ct, stride_ch, stride_bt, batch, group, head_dim, PAGE_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
                     PRECISION: tl.constexpr):
     program, head = tl.program_id(0), tl.program_id(1)
@@ -73,10 +73,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
     diagonal = (prefix + tile * BLOCK_M) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(ctx, prefix + (tile + 1) * BLOCK_M)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_offset, q_pos, dims,
-                                  dim_mask, 0, diagonal, scale_log2, stride_cb, stride_ct, page_size,
+                                  dim_mask, 0, diagonal, scale_log2, stride_cb, stride_ct, PAGE_SIZE,
                                   BLOCK_N, False, PRECISION)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_offset, q_pos, dims,
-                                  dim_mask, diagonal, kv_end, scale_log2, stride_cb, stride_ct, page_size,
+                                  dim_mask, diagonal, kv_end, scale_log2, stride_cb, stride_ct, PAGE_SIZE,
                                   BLOCK_N, True, PRECISION)
     out = acc / l_i[:, None]
     o_offs = (q_start + rows).to(tl.int64)[:, None] * stride_on + head * stride_oh + dims[None, :]
@@ -100,7 +100,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            batch, num_heads // num_kv_heads, head_dim, k_cache.shape[1],
+            batch, num_heads // num_kv_heads, head_dim, PAGE_SIZE=k_cache.shape[1],
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_B=max(2, triton.next_power_of_2(batch)), PRECISION=dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -10,12 +10,13 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 def make_paged_kv(context_lens: list[int], num_kv_heads: int, head_dim: int, page_size: int,
                   dtype: torch.dtype = torch.float32, device: str = "cpu", extra_blocks: int = 3, seed: int = 0):
     """A random KV cache with shuffled, non-contiguous blocks per sequence and -1 padded block tables."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # on the device: GPU sweeps build GBs of cache
     blocks_per_seq = [(n + page_size - 1) // page_size for n in context_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
-    k_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-    v_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (num_blocks, page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     width = max(blocks_per_seq) + 1  # always some -1 padding
     block_tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
     for i, n in enumerate(blocks_per_seq):
