@@ -86,10 +86,13 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_q_ptr,
     dim_mask = dims < head_dim
     part = (seq * num_heads + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    top = tl.max(lse, 0)
+    # A CUDA-graph padding row has no context: every split is empty and its output is zero, not NaN.
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     partial = tl.load(part_out_ptr + part[:, None] * head_dim + dims[None, :],
                       mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + q_row.to(tl.int64) * stride_on + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 

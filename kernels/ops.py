@@ -1,19 +1,25 @@
 """The kernel entry points the engine calls: Triton on CUDA tensors, the torch reference twins elsewhere.
 
-| op              | Triton kernel (file)                                            | twin (reference.py) |
-|-----------------|-----------------------------------------------------------------|---------------------|
-| store_kvcache   | store_kvcache.py: one program per token, -1 slots skipped       | store_kvcache       |
-| paged_attention | decode_attention.py when every sequence has one new query:      | paged_attention     |
-|                 |   split-K over the context + merge kernel, GQA heads per program |                     |
-|                 | prefill_attention.py otherwise: causal over cached prefix+chunk |                     |
-| rms_norm        | rmsnorm.py: fused residual add, fp32 statistics                 | rms_norm            |
-| rotary          | rotary.py: neox style, q and k in one launch                    | rotary              |
-| silu_and_mul    | activation.py                                                   | silu_and_mul        |
+| op              | Triton kernel (file)                                             | twin (reference.py) |
+|-----------------|------------------------------------------------------------------|---------------------|
+| store_kvcache   | store_kvcache.py: one program per token, -1 slots skipped        | store_kvcache       |
+| paged_attention | decode_attention.py when every sequence has one new query:       | paged_attention     |
+|                 |   split-K over the context + merge, a GQA group per program      |                     |
+|                 | prefill_attention.py otherwise: causal over cached prefix+chunk  |                     |
+| rms_norm        | rmsnorm.py: fused residual add, fp32 statistics                  | rms_norm            |
+| rotary          | rotary.py: neox style, q and k in one launch                     | rotary              |
+| silu_and_mul    | activation.py                                                    | silu_and_mul        |
+Shared: paged_kv.py (KV gather through block tables, online softmax), config.py (tiles, warps,
+stages per GPU generation and dtype; steps down if shared memory runs out), bench.py (timings).
 
-Verified on CPU in CI (tests/kernels, TRITON_INTERPRET=1, float32, small shapes: GQA, ragged and
-page-boundary lengths, -1 slots and block-table padding, several decode splits, cached prefixes and
-chunks) and through this dispatch. Owed on a GPU: tests/kernels/test_kernel_gpu.py (compiled, bf16
-and fp16 sweeps) and `python -m kernels.bench` (time vs reference, achieved bandwidth).
+Verified on CPU (`pytest tests/kernels`, TRITON_INTERPRET=1, ~20 s): every kernel against its twin
+in float32 (norm/activation/store also fp16) on small shapes: GQA groups 1/3/7, ragged and
+page-boundary lengths, -1 slots and block-table padding, 1..8 decode splits with empty splits,
+zero-context padding rows, cached prefixes, chunks beside decode rows, head size 24; this dispatch;
+the config fallback; `python -m kernels.bench --tiny`.
+Owed on a GPU: tests/kernels/test_kernel_gpu.py (compiled; bf16, fp16, fp32; Qwen2.5/Qwen3/Llama
+head layouts, pages 16/256, contexts to 4096, CUDA-graph replay) and `python -m kernels.bench`
+(time vs the twin, GB/s vs a same-run copy).
 
 Dispatch: KVFLEET_KERNELS=triton forces the kernels (with TRITON_INTERPRET=1 they run on CPU),
 KVFLEET_KERNELS=reference forces the twins; unset, CUDA tensors take Triton when it imports.

@@ -53,3 +53,18 @@ def test_split_count_grows_with_context_and_shrinks_with_batch():
     assert choose_num_splits(1, 1, 100, cpu) == 1
     assert choose_num_splits(1, 1, 2048, cpu) > 1
     assert choose_num_splits(64, 8, 32768, cpu) == 1
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_a_padding_row_without_context_yields_zeros_and_leaves_the_others_exact(num_splits):
+    context = [9, 0, 30]
+    k_cache, v_cache, block_tables = make_paged_kv([9, 1, 30], 1, 16, 8, device=DEVICE)
+    block_tables[1] = -1
+    q = torch.randn(3, 2, 16, device=DEVICE)
+    cu, ctx = cu_seqlens([1, 1, 1], DEVICE), context_lens_tensor(context, DEVICE)
+    out = decode_attention(q, k_cache, v_cache, block_tables, cu, ctx, 0.25, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = [0, 2]
+    expected = reference.paged_attention(q[keep], k_cache, v_cache, block_tables[keep], cu[:3],
+                                         ctx[keep], 0.25)
+    assert_close(out[keep], expected)
