@@ -50,6 +50,12 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
         max_positions = getattr(hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or max_positions, max_positions)
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True) and window < self.max_model_len:
+            # attention here is always full; inside the window that is exactly sliding-window attention
+            logger.warning("%s uses a %d-token sliding window: max_model_len capped from %d to %d",
+                           source.name, window, self.max_model_len, window)
+            self.max_model_len = window
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         model_ = build_model(hf_config, self.dtype, self.device, source.weights(self.dtype), self.max_model_len)
@@ -98,6 +104,9 @@ class LLMEngine:
             raise RequestRejected(f"request_id {request_id!r} is already in the engine: use a unique id")
         if not isinstance(params, SamplingParams):
             raise RequestRejected(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise RequestRejected(f"stop strings {params.stop!r} need a tokenizer and model {self.model_name!r} "
+                                  "has none: use stop_token_ids")
         token_ids = self._tokenize(prompt)
         n = len(token_ids)
         if n > self.max_model_len:

@@ -92,7 +92,8 @@ class Scheduler:
             if not bm.can_allocate(hits, start + n):
                 return None
             bm.allocate(seq, hits, start + n)
-            if seq.num_output_tokens == 0:  # count real prompts, not recomputation after preemption
+            if not seq.admitted:  # count real prompts once, not recomputation after preemption
+                seq.admitted = True
                 seq.num_cached_tokens = start
                 self.prefix_hit_tokens += start
                 self.prefix_query_tokens += seq.num_tokens

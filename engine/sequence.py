@@ -30,13 +30,14 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prefix-cache hit tokens at the first admission
+    admitted: bool = False  # has been scheduled at least once
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, filled lazily
     num_committed_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
     finish_reason: str | None = None
     generator: Any = None  # torch.Generator for seeded sampling; Any keeps this module torch-free
     logprobs: list[dict[int, float]] | None = None
-    # incremental detokenization (see engine.detokenizer)
+    # incremental detokenization (see engine.llm_engine.detokenize_increment)
     stream_text: bool = True
     prefix_offset: int = 0
     read_offset: int = 0

@@ -37,7 +37,7 @@ def tiny_config(variant: str):
     if variant == "llama_tied":
         return LlamaConfig(**COMMON, tie_word_embeddings=True)
     if variant == "mistral":
-        return MistralConfig(**COMMON, sliding_window=None)
+        return MistralConfig(**COMMON, sliding_window=128)
     if variant == "qwen2":
         return Qwen2Config(**COMMON, tie_word_embeddings=True)
     if variant == "qwen3":
