@@ -197,6 +197,7 @@ class Worker:
         return key in self.flights or any(t.key == key for t in self.queue.tickets)
 
     def _accept(self, entries: list[tuple[str, str, dict, int]]) -> None:
+        entries = [e for e in entries if not self._holds(e[0], e[1])]  # e.g. our own entry after a long stall
         tickets = [t for e in entries if (t := self._ticket(*e)) is not None]
         if not tickets:
             return
