@@ -61,3 +61,13 @@ def test_a_batch_of_many_short_rows_beside_one_long_chunk():
     q_lens = [1] * 9 + [37]
     out, expected = run_prefill(q_lens, [3, 9, 1, 8, 17, 2, 5, 16, 4, 50])
     assert_close(out, expected)
+
+
+def test_attention_reads_strided_per_layer_views_of_the_cache():
+    k_cache, v_cache, block_tables = make_paged_kv([20, 9], 2, 16, 8, device=DEVICE)
+    interleaved = torch.stack([k_cache, v_cache], dim=1)  # [blocks, k/v, page, heads, dim]
+    k_view, v_view = interleaved[:, 0], interleaved[:, 1]
+    q = torch.randn(6, 4, 16, device=DEVICE)
+    cu, ctx = cu_seqlens([5, 1], DEVICE), context_lens_tensor([20, 9], DEVICE)
+    out = prefill_attention(q, k_view, v_view, block_tables, cu, ctx, 0.25)
+    assert_close(out, reference.paged_attention(q, k_cache, v_cache, block_tables, cu, ctx, 0.25))

@@ -31,3 +31,16 @@ def test_store_rounds_into_a_narrower_cache_dtype():
     store_kvcache(key, value, k_cache, v_cache, slots)
     reference.store_kvcache(key, value, k_expected, v_expected, slots)
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
+def test_store_into_per_layer_views_of_one_interleaved_cache_tensor():
+    # [num_blocks, layer, k/v, page, heads, dim]: a layer's k_cache is a strided view, not contiguous
+    cache = torch.zeros(3, 2, 2, 4, 2, 8, device=DEVICE)
+    k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]
+    key, value = torch.randn(3, 2, 8, device=DEVICE), torch.randn(3, 2, 8, device=DEVICE)
+    slots = torch.tensor([11, -1, 4], device=DEVICE)
+    store_kvcache(key, value, k_cache, v_cache, slots)
+    k_expected, v_expected = torch.zeros(3, 4, 2, 8, device=DEVICE), torch.zeros(3, 4, 2, 8, device=DEVICE)
+    reference.store_kvcache(key, value, k_expected, v_expected, slots)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    assert (cache[:, 0] == 0).all()  # the other layer is untouched
