@@ -15,7 +15,8 @@ stages per GPU generation and dtype; steps down if shared memory runs out), benc
 Verified on CPU (`pytest tests/kernels`, TRITON_INTERPRET=1, ~20 s): every kernel against its twin
 in float32 (norm/activation/store also fp16) on small shapes: GQA groups 1/3/7, ragged and
 page-boundary lengths, -1 slots and block-table padding, 1..8 decode splits with empty splits,
-zero-context padding rows, cached prefixes, chunks beside decode rows, head size 24; this dispatch;
+zero-context padding rows, cached prefixes, chunks beside decode rows, head size 24, strided
+per-layer cache views; this dispatch;
 the config fallback; `python -m kernels.bench --tiny`.
 Owed on a GPU: tests/kernels/test_kernel_gpu.py (compiled; bf16, fp16, fp32; Qwen2.5/Qwen3/Llama
 head layouts, pages 16/256, contexts to 4096, CUDA-graph replay) and `python -m kernels.bench`
