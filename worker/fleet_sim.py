@@ -6,6 +6,7 @@ admission for the naive baseline: every worker keeps 16 jobs in hand whatever it
 """
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -85,6 +86,11 @@ class RedisProcess:
             except redis.ConnectionError:
                 time.sleep(0.01)
         raise RuntimeError("bench redis-server did not start")
+
+    def cpu_seconds(self) -> float:
+        """CPU the server has used so far (Linux /proc), to express throughput per Redis core."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()

@@ -34,8 +34,9 @@ def acl_server(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     shutil.copy(ACL, tmp_path / "acl.conf")
-    proc = subprocess.Popen([_redis7(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path),
-                             "--aclfile", str(tmp_path / "acl.conf")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    args = [_redis7(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path),
+            "--aclfile", str(tmp_path / "acl.conf")]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def connect(user: str) -> redis.Redis:
         return redis.Redis(port=port, username=user, password=f"CHANGE_ME_{user}")

@@ -54,6 +54,16 @@ def test_prefetch_keeps_sixteen_jobs_in_hand_whatever_the_cache_holds():
 
 def test_capacity_estimate_grows_with_the_fleet_and_percentiles_pick_the_tail():
     mix = fleet_sim.JobMix()
-    assert fleet_capacity(fleet_sim.mixed_fleet(8), mix, 0.02, 0.0) > fleet_capacity(fleet_sim.mixed_fleet(4), mix, 0.02, 0.0)
+    small, big = (fleet_capacity(fleet_sim.mixed_fleet(n), mix, 0.02, 0.0) for n in (4, 8))
+    assert big > small > 0
     assert percentile(list(range(100)), 0.99) == 99 and percentile([], 0.5) == 0.0
     assert json.dumps({"ok": percentile([1.0], 0.5)})
+
+
+def test_backlog_drain_by_worker_processes_answers_every_job_once_and_counts_redis_cpu():
+    from worker.bench_fleet import run_throughput
+
+    with fleet_sim.RedisProcess() as server:
+        r = run_throughput(server, _args(throughput_jobs=300, procs=1))
+    assert r["answered_once"] and r["jobs"] == 300
+    assert r["jobs_per_s"] > 0 and r["redis_cpu_s"] > 0 and r["worker_cpu_s"] > 0
