@@ -11,6 +11,12 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
+
+# Triton reads this once, at its first import: set it before any test module can import triton, so the
+# kernel tests run in the interpreter on a CPU-only machine whatever the collection order.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def free_port() -> int:
@@ -103,8 +109,6 @@ def namespace(request) -> str:
 
 def pytest_collection_modifyitems(config, items):
     """Heavy and GPU-only tests are skipped with a stated reason, never silently."""
-    import torch
-
     run_slow = os.environ.get("KVFLEET_SLOW") == "1"
     has_gpu = torch.cuda.is_available()
     for item in items:
