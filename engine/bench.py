@@ -136,7 +136,11 @@ def run_model(model: str, workload: Workload, contestants: list[str], device, se
 
     source = resolve_model(model, seed=seed)
     m = ModelRun(source, make_requests(workload, source.config.vocab_size, seed), workload, device)
-    results = {name: summarize(m, RUNNERS[name](m)) for name in contestants}
+    results = {}
+    for name in contestants:
+        results[name] = summarize(m, RUNNERS[name](m))
+        # A CPU run takes an hour on a busy machine: what finished must be visible if the rest never does.
+        print(f"{model} {name}: {json.dumps(results[name])}", flush=True)
     entry = {"contestants": results, "ratios": ratios(results)}
     if workload.name == "W-GPU":
         entry.update(bandwidth_ceiling(m))
@@ -213,7 +217,11 @@ def run_hf_generate_batch(m: ModelRun):
     from engine.bench_hf import hf_generate_batch
 
     model = hf_model(m)
-    result = hf_generate_batch(model, m.requests, max_batch_requests=m.workload.max_num_seqs)
+    # On CPU it gets the cache kvfleet gets there (room for every running sequence at full length); on a GPU it
+    # sizes its own from free memory, as kvfleet does.
+    cache_tokens = m.workload.max_num_seqs * m.max_model_len if m.device.type == "cpu" else None
+    result = hf_generate_batch(model, m.requests, max_batch_requests=m.workload.max_num_seqs,
+                               cache_tokens=cache_tokens)
     del model
     free_memory()
     return result

@@ -68,9 +68,12 @@ def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device) 
     return ids.to(device), mask.to(device)
 
 
-def hf_generate_batch(model, requests: list[BenchRequest], max_batch_requests: int | None = None) -> RunResult:
+def hf_generate_batch(model, requests: list[BenchRequest], max_batch_requests: int | None = None,
+                      cache_tokens: int | None = None) -> RunResult:
     """transformers' continuous batching. `generate_batch` takes one max_new_tokens for all requests, so this
-    drives the same manager it wraps (`continuous_batching_context_manager`) and gives each request its own."""
+    drives the same manager it wraps (`continuous_batching_context_manager`) and gives each request its own.
+    `cache_tokens` sizes its KV cache; None lets it take 90% of free device memory, which on CPU means zeroing
+    gigabytes of RAM before the first token."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     never_stop(model)
@@ -78,6 +81,8 @@ def hf_generate_batch(model, requests: list[BenchRequest], max_batch_requests: i
     gen_config = GenerationConfig(max_new_tokens=longest, do_sample=False, eos_token_id=-1,
                                   pad_token_id=model.config.pad_token_id or 0)
     cb_config = ContinuousBatchingConfig(max_requests_per_batch=max_batch_requests)
+    if cache_tokens is not None:
+        cb_config.num_blocks = -(-cache_tokens // cb_config.page_size)
     results: dict[str, list[int]] = {}
     device = model.device
     with model.continuous_batching_context_manager(generation_config=gen_config, block=True, timeout=30,

@@ -1,0 +1,89 @@
+"""`kvfleet bench engine`, scaled down to a tiny model: the JSON has the agreed shape and every contestant produced
+exactly the output tokens each request asked for."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from engine import bench, bench_report
+from engine.bench_hf import BenchRequest
+from worker.cli import main
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("bench") / "tiny-llama"
+    AutoModelForCausalLM.from_config(LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])).save_pretrained(folder)
+    return str(folder)
+
+
+def test_cpu_workload_scaled_down_gives_every_request_exactly_its_tokens(tiny_model, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--model", tiny_model, "--num-requests", "5", "--max-prompt", "24",
+                 "--max-output", "7", "--max-num-seqs", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["workload"] == "W-CPU" and report["model"] == tiny_model
+    assert {"cpu", "cores", "gpu"} <= report["machine"].keys()
+    assert {"torch", "transformers", "triton", "redis_server"} <= report["versions"].keys()
+    assert set(report["contestants"]) == set(bench.CONTESTANTS)
+    requested = report["contestants"]["kvfleet_continuous"]["requested_tokens"]
+    assert requested >= 5
+    for name, result in report["contestants"].items():
+        assert result["requests"] == 5, name
+        assert result["requests_with_wrong_length"] == 0, name
+        assert result["output_tokens"] == requested, name
+        assert result["output_tok_s"] > 0, name
+    assert set(report["ratios"]) == {f"kvfleet_continuous/{n}" for n in bench.CONTESTANTS[1:]}
+
+
+def test_gpu_workload_code_path_runs_scaled_down_on_cpu_with_a_ceiling(tiny_model, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--workload", "gpu", "--device", "cpu", "--dtype", "float32", "--model",
+                 tiny_model, "--num-requests", "3", "--max-prompt", "12", "--max-output", "4", "--json", str(out),
+                 "--contestants", "kvfleet_continuous,hf_static"]) == 0
+    report = json.loads(out.read_text())
+    assert report["workload"] == "W-GPU" and report["settings"]["output_len"] == [4, 4]
+    entry = report["models"][tiny_model]
+    assert set(entry["contestants"]) == {"kvfleet_continuous", "hf_static"}
+    assert all(r["output_tokens"] == 12 for r in entry["contestants"].values())
+    assert entry["bandwidth_ceiling_tok_s"] > 0 and entry["fraction_of_ceiling"] > 0
+
+
+def test_unknown_contestant_is_refused_by_name(tiny_model):
+    with pytest.raises(SystemExit, match="vllm"):
+        main(["bench", "engine", "--model", tiny_model, "--contestants", "kvfleet_continuous,vllm"])
+
+
+def test_length_caps_scale_the_ranges_down_but_never_up():
+    assert bench.capped((100, 1024), 64) == (64, 64)
+    assert bench.capped((16, 128), 300) == (16, 128)
+    assert bench.capped((8, 256), None) == (8, 256)
+
+
+def test_prompts_and_lengths_are_the_same_for_every_contestant_and_seeded():
+    w = bench.WORKLOADS["cpu"]
+    first, again = bench.make_requests(w, 49152, 0), bench.make_requests(w, 49152, 0)
+    assert first == again and len(first) == 64
+    assert all(16 <= len(r.prompt_ids) <= 128 and 8 <= r.max_tokens <= 256 for r in first)
+    assert bench.make_requests(w, 49152, 1) != first
+
+
+def test_bandwidth_ceiling_counts_weights_once_and_each_sequences_kv(tiny_model, monkeypatch):
+    from engine.loader import resolve_model
+
+    monkeypatch.setattr(bench_report, "measure_copy_bandwidth", lambda device: 1e9)
+    workload = bench.WORKLOADS["gpu"]
+    requests = [BenchRequest([1] * 10, 4), BenchRequest([1] * 20, 8)]  # decode contexts average 12 and 24
+    m = bench.ModelRun(resolve_model(tiny_model), requests, workload, torch.device("cpu"))
+    ceiling = bench_report.bandwidth_ceiling(m)
+    weights = (256 * 64 + 2 * (4 * 64 * 16 * 2 + 2 * 64 * 16 * 2 + 3 * 64 * 128 + 2 * 64) + 64) * 2  # bf16
+    kv_per_token = 2 * 2 * 2 * 16 * 2
+    assert ceiling["ceiling_inputs"]["weight_bytes"] == weights
+    assert ceiling["bandwidth_ceiling_tok_s"] == pytest.approx(2 * 1e9 / (weights + 2 * 18 * kv_per_token))
