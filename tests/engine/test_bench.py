@@ -87,3 +87,24 @@ def test_bandwidth_ceiling_counts_weights_once_and_each_sequences_kv(tiny_model,
     kv_per_token = 2 * 2 * 2 * 16 * 2
     assert ceiling["ceiling_inputs"]["weight_bytes"] == weights
     assert ceiling["bandwidth_ceiling_tok_s"] == pytest.approx(2 * 1e9 / (weights + 2 * 18 * kv_per_token))
+
+
+def test_hf_static_on_gpu_workload_halves_its_batch_until_it_fits(tiny_model, monkeypatch):
+    from dataclasses import replace
+
+    from engine import bench_hf
+    from engine.loader import resolve_model
+
+    tried = []
+
+    def fits_only_two(model, requests, batch_size, pad_token_id):
+        tried.append(batch_size)
+        if batch_size > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return bench_hf.RunResult([[0] * r.max_tokens for r in requests], 1.0)
+
+    monkeypatch.setattr(bench_hf, "hf_static", fits_only_two)
+    workload = replace(bench.WORKLOADS["gpu"], max_num_seqs=8, dtype="float32")
+    m = bench.ModelRun(resolve_model(tiny_model), [BenchRequest([1, 2, 3], 2)] * 3, workload, torch.device("cpu"))
+    result = bench.run_hf_static(m)
+    assert tried == [1, 8, 4, 2] and result.notes == "batch 2"
