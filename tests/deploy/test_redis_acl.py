@@ -129,3 +129,30 @@ def test_keda_user_reads_group_lag_only(acl_server):
     acl_server("worker").xgroup_create(keys.jobs("normal"), Keys.GROUP, id="0", mkstream=True)
     assert keda.xinfo_groups(keys.jobs("normal"))[0]["name"] == Keys.GROUP.encode()
     assert denied(lambda: keda.xrange(keys.jobs("normal")))
+
+
+def test_the_real_sdk_and_worker_serve_a_job_under_their_least_privilege_users(acl_server):
+    """The production code paths, not hand-picked commands: a command missing from acl.conf fails here."""
+    import threading
+
+    from engine.simulated import SimulatedEngine
+    from producer.client import Client
+    from worker.settings import WorkerSettings
+    from worker.worker import Worker
+
+    port = acl_server("monitor").connection_pool.connection_kwargs["port"]
+    url = lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0"
+    settings = WorkerSettings(redis_url=url("worker"), namespace="kvfleet", heartbeat_interval_s=0.1)
+    worker = Worker(url("worker"), SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0),
+                    namespace="kvfleet", worker_id="acl-w", settings=settings)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        with Client(url("producer"), namespace="kvfleet") as client:
+            results = [client.submit(f"hello {i}", max_tokens=4).result(timeout=20) for i in range(3)]
+            assert [r.status for r in results] == ["done"] * 3, [r.error for r in results]
+    finally:
+        stop.set()
+        thread.join(20)
+    assert not thread.is_alive()
