@@ -4,7 +4,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
