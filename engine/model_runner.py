@@ -68,14 +68,17 @@ class ModelRunner:
         with torch.inference_mode():
             self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=self.device), meta)[-1:])
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
+        activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        for layer in self.model.model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
         torch.cuda.empty_cache()
-        free = int(total * utilization) - peak
-        logger.info("profiling forward of %d tokens peaked at %.2f GiB; %.2f GiB left for the KV cache",
-                    num_tokens, peak / GiB, free / GiB)
-        return max(free, 0)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # what others and our weights hold now, plus the activation peak the forward needs on top
+        budget = int(total * utilization) - (total - free) - activations
+        logger.info("profiling forward of %d tokens: activations peak %.2f GiB, %.2f GiB in use; %.2f GiB for the "
+                    "KV cache", num_tokens, activations / GiB, (total - free) / GiB, budget / GiB)
+        return max(budget, 0)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size

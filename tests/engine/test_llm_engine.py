@@ -165,3 +165,27 @@ def test_importing_engine_does_not_import_torch():
     code = ("import sys, engine; from engine import SamplingParams, RequestRejected, StepOutput, Admission, "
             "EngineStats; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+
+
+def test_reserve_ratio_rises_after_a_preemption_and_decays_while_none_happen(source):
+    tight = LLMEngine(source, kv_cache_memory=6 * BLOCK_BYTES, max_num_seqs=8, max_model_len=128)
+    start = tight.reserve_ratio
+    for i in range(6):
+        tight.add_request(str(i), [i + 1] * 20, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    peak = start
+    while tight.has_unfinished():
+        tight.step()
+        peak = max(peak, tight.reserve_ratio)
+    assert tight.stats.preemptions > 0 and peak > start
+    before = tight.reserve_ratio
+    tight.add_request("calm", [1, 2], SamplingParams(max_tokens=5, ignore_eos=True))
+    drain(tight)
+    assert tight.reserve_ratio < before
+
+
+def test_generate_with_one_bad_prompt_raises_and_leaves_nothing_queued(source):
+    from engine import LLM
+    llm = LLM(source, kv_cache_memory=1 << 20, max_model_len=64)
+    with pytest.raises(RequestRejected, match="max_model_len=64"):
+        llm.generate([[1, 2, 3], [4] * 65], SamplingParams(), use_tqdm=False)
+    assert not llm.engine.has_unfinished() and llm.engine.stats.free_blocks == llm.engine.stats.total_blocks
