@@ -56,7 +56,7 @@ class EngineStats:
     kv_usage: float = 0.0
     preemptions: int = 0
     prefix_hit_tokens: int = 0
-    prefix_query_tokens: int = 0
-    prompt_tokens: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens of every admitted request
+    prompt_tokens: int = 0  # prompt tokens actually computed (prefix-cache hits excluded)
     generation_tokens: int = 0
     extra: dict = field(default_factory=dict)
