@@ -150,9 +150,12 @@ def run_in_process(engine, requests) -> dict:
     start = time.perf_counter()
     for i, r in enumerate(requests):
         engine.add_request(f"{tag}-{i}", r.prompt_ids, params_for(r))
-    tokens = 0
+    tokens, shown = 0, time.monotonic()
     while engine.has_unfinished():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
+        if time.monotonic() - shown > 15:
+            shown = time.monotonic()
+            print(f"  ... {tokens} tokens in {time.perf_counter() - start:.0f}s", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - start
     return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tok_s": tokens / elapsed}
 

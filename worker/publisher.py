@@ -70,9 +70,15 @@ class Publisher:
     def flush(self) -> list[tuple[Finish, bool]]:
         """Send the outbox in one round trip; returns (finish, answered) pairs. Raises on a lost connection,
         keeping the outbox for the retry."""
-        if not self.deltas and not self.finishes:
+        if not self.pending:
             return []
         pipe = self.client.pipeline(transaction=False)
+        n = self.fill(pipe)
+        return self.settle(pipe.execute()[:n])
+
+    def fill(self, pipe) -> int:
+        """Queue the outbox on `pipe` (which may carry other commands after it); returns how many replies
+        belong to the outbox, for `settle`."""
         replies = set()
         for client_id, delta in self.deltas:
             reply = self.keys.reply(client_id)
@@ -82,7 +88,10 @@ class Publisher:
             pipe.expire(reply, self.reply_ttl_s)
         for f in self.finishes:
             self._finish(pipe, f)
-        results = pipe.execute()
+        return len(self.deltas) + len(replies) + len(self.finishes)
+
+    def settle(self, results: list) -> list[tuple[Finish, bool]]:
+        """The outbox went out: clear it; returns (finish, answered) pairs."""
         finishes, self.deltas, self.finishes = self.finishes, [], []
         answered = results[len(results) - len(finishes):]
         return [(f, bool(r)) for f, r in zip(finishes, answered)]

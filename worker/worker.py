@@ -23,6 +23,7 @@ from worker.heartbeat import Heartbeat
 from worker.intake import identify, payload_of, prompt_ids, sampling_params
 from worker.leases import Leases
 from worker.publisher import Finish, Publisher
+from worker.reader import Reader
 from worker.settings import WorkerSettings
 from worker.trim import trim
 
@@ -73,6 +74,7 @@ class Worker:
         self.flights: dict[str, Flight] = {}
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
                                    s.dead_maxlen)
+        self.reader = Reader(self.client, self.worker_id, self.streams)
         self.leases = Leases(self.client, self.worker_id, s.reclaim_idle_ms)
         max_seqs = getattr(engine, "max_num_seqs", s.max_num_seqs)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, max_seqs, s.heartbeat_ttl_s)
@@ -84,6 +86,7 @@ class Worker:
         self.draining = False
         self.drain_deadline = 0.0
         self.last_read_empty_at = 0.0
+        self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def run(self, stop_event: threading.Event | None = None) -> int:
@@ -113,7 +116,7 @@ class Worker:
         elif self.draining:
             time.sleep(0.01)  # nothing left to run; waiting for the outbox to go out
         if time.monotonic() >= self.offline_until:
-            self._redis(self._flush)
+            self._redis(self._exchange)
 
     def _redis(self, fn) -> None:
         """Run one Redis phase; on an outage keep the engine going and retry Redis after a backoff."""
@@ -157,8 +160,7 @@ class Worker:
         elif idle and not self.publisher.pending:
             if not self._read_new(count):
                 self._read_blocking()
-        elif time.monotonic() - self.last_read_empty_at >= self.settings.busy_poll_ms / 1000:
-            self._read_new(count)
+        # a busy engine is refilled by _exchange, in the same round trip as the step's publishing
 
     def _read_own_pending(self, count: int) -> None:
         for stream, cursor in self.cursors.items():
@@ -180,15 +182,14 @@ class Worker:
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self.settings.block_ms)
         self._accept([(_str(st), _str(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
-    def _read_new(self, count: int) -> int:
-        got = []
-        for stream in self.streams:  # high, normal, low
-            reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {stream: ">"}, count=count - len(got))
-            got += [(stream, _str(i), f, 1) for i, f in (reply[0][1] if reply else [])]
-            if len(got) >= count:
-                break
+    def _read_new(self, count: int, entries: list | None = None) -> int:
+        entries = self.reader.read(count) if entries is None else entries
+        got = [(stream, entry_id, fields, 1) for stream, entry_id, fields in entries]
         if not got:
             self.last_read_empty_at = time.monotonic()
+            self.empty_reads += 1
+        else:
+            self.empty_reads = 0
         self._accept(got)
         return len(got)
 
@@ -199,10 +200,14 @@ class Worker:
     def _accept(self, entries: list[tuple[str, str, dict, int]]) -> None:
         entries = [e for e in entries if not self._holds(e[0], e[1])]  # e.g. our own entry after a long stall
         tickets = [t for e in entries if (t := self._ticket(*e)) is not None]
-        if not tickets:
-            return
-        cancelled = self.client.mget([self.keys.cancel(t.job.job_id) for t in tickets])
-        for ticket, flag in zip(tickets, cancelled):
+        # Only a job that waited can have been cancelled while queued; sparing fresh ones the round trip keeps
+        # an idle worker's admission fast, and the periodic cancel poll still catches a late flag.
+        recent = time.time() - self.settings.cancel_poll_ms / 1000
+        waited = [t for t in tickets if t.job.enqueued_at < recent]
+        flags = dict(zip((t.key for t in waited), self.client.mget([self.keys.cancel(t.job.job_id) for t in waited]))) \
+            if waited else {}
+        for ticket in tickets:
+            flag = flags.get(ticket.key)
             if flag is not None:
                 self._answer(ticket, "cancelled", error="cancelled before it started")
             else:
@@ -310,9 +315,41 @@ class Worker:
             self.metrics.on_dead_letter("max_deliveries")
 
     def _flush(self) -> None:
-        for finish, answered in self.publisher.flush():
+        self._settled(self.publisher.flush())
+
+    def _exchange(self) -> None:
+        """One round trip per step: the step's deltas and finals, the refill read for the slots it freed, and
+        the cancellation poll when due."""
+        pipe = self.client.pipeline(transaction=False)
+        n_out = self.publisher.fill(pipe)
+        count = self._refill_count()
+        if count:
+            self.reader.read(count, pipe)
+        polled = self._cancel_poll_due()
+        if polled:
+            pipe.mget([self.keys.cancel(t.job.job_id) for t in polled])
+        if not (n_out or count or polled):
+            return
+        replies = pipe.execute()
+        self._settled(self.publisher.settle(replies[:n_out]))
+        if count:
+            self._read_new(count, Reader.parse(replies[n_out]))
+        if polled:
+            self._cancel(polled, replies[-1])
+
+    def _refill_count(self) -> int:
+        if self.draining or not self.engine.has_unfinished() or any(c is not None for c in self.cursors.values()):
+            return 0
+        wait_s = self.settings.busy_poll_ms / 1000 * 2 ** min(self.empty_reads, 3)
+        if time.monotonic() - self.last_read_empty_at < wait_s:
+            return 0
+        adm = self.engine.admission()
+        return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False)
+
+    def _settled(self, answered: list[tuple[Finish, bool]]) -> None:
+        for finish, fresh in answered:
             self.jobs_done += 1
-            if answered:
+            if fresh:
                 self._observe_finished(finish.final)
 
     def _observe_finished(self, final: Final) -> None:
@@ -330,8 +367,6 @@ class Worker:
             lost = self.leases.renew(self._held_entries())
             if lost:
                 log.warning("%d in-flight entries were taken over by another worker; finishing them anyway", len(lost))
-        if (self.flights or self.queue.tickets) and self._every("cancel", s.cancel_poll_ms / 1000):
-            self._poll_cancellations()
         if not self.draining and self._every("reclaim", s.reclaim_interval_s):
             self._reclaim()
         if self._every("heartbeat", s.heartbeat_interval_s):
@@ -346,16 +381,20 @@ class Worker:
             held[ticket.stream].append(ticket.entry_id)
         return held
 
-    def _poll_cancellations(self) -> None:
-        tickets = [f.ticket for f in self.flights.values()] + list(self.queue.tickets)
-        flags = self.client.mget([self.keys.cancel(t.job.job_id) for t in tickets])
+    def _cancel_poll_due(self) -> list[Ticket]:
+        if not (self.flights or self.queue.tickets) or not self._every("cancel", self.settings.cancel_poll_ms / 1000):
+            return []
+        return [f.ticket for f in self.flights.values()] + list(self.queue.tickets)
+
+    def _cancel(self, tickets: list[Ticket], flags: list) -> None:
         for ticket, flag in zip(tickets, flags):
             if flag is None:
                 continue
             flight = self.flights.pop(ticket.key, None)
             if flight is None:
-                self.queue.remove(ticket)
-                self._answer(ticket, "cancelled", error="cancelled before it started")
+                if ticket in self.queue.tickets:
+                    self.queue.remove(ticket)
+                    self._answer(ticket, "cancelled", error="cancelled before it started")
                 continue
             out = self.engine.abort(ticket.key)
             self._answer(ticket, "cancelled", out=out, flight=flight)
