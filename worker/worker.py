@@ -129,9 +129,13 @@ class Worker:
             self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
             self.cursors = {st: "0" for st in self.streams}  # a lost XREADGROUP reply left entries pending to us
         except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            self._ensure_groups()
+            if "NOGROUP" in str(e):  # streams deleted or Redis restarted without persistence
+                self._redis(self._ensure_groups)
+                return
+            # OOM, READONLY after a failover, BUSY script: the server's state, not ours; back off and retry
+            log.error("redis refused a command: %s; retrying in %.2fs", e, self.backoff_s)
+            self.offline_until = time.monotonic() + self.backoff_s
+            self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
 
     def _ensure_groups(self) -> None:
         for stream in self.streams:
