@@ -127,3 +127,31 @@ def test_with_a_tiny_kv_cache_the_worker_holds_only_its_bound_and_the_backlog_st
         queue.wait_finals(50, timeout=60)
     assert {f.job_id for f in queue.finals()} == set(ids)
     assert engine.stats.preemptions < 25  # the adaptive reserve keeps recompute rare
+
+
+def test_a_job_whose_result_already_exists_is_acked_without_a_second_answer(queue, thread_worker):
+    """What a redelivery after a lost ack looks like: the stored result wins, the client hears nothing new."""
+    job_id = queue.submit("already answered", job_id="answered-once")
+    queue.r.set(queue.keys.result(job_id), b"the first answer", ex=600)
+    with thread_worker():
+        queue.submit("a later job", max_tokens=2)
+        queue.wait_finals(1)
+        deadline = time.monotonic() + 5
+        while queue.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert [f.job_id for f in queue.finals()] != [job_id] and job_id not in {f.job_id for f in queue.finals()}
+    assert queue.r.get(queue.keys.result(job_id)) == b"the first answer" and queue.pending() == 0
+
+
+def test_the_heartbeat_hash_has_every_field_and_a_ttl(queue, thread_worker):
+    from producer.protocol import HEARTBEAT_FIELDS
+
+    with thread_worker(worker_id="hb-worker", heartbeat_ttl_s=7) as tw:
+        key = queue.keys.worker("hb-worker")
+        deadline = time.monotonic() + 5
+        while not queue.r.exists(key) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        beat = {k.decode(): v.decode() for k, v in queue.r.hgetall(key).items()}
+        assert set(beat) == set(HEARTBEAT_FIELDS) and 0 < queue.r.ttl(key) <= 7
+        assert beat["state"] == "serving" and int(beat["total_blocks"]) == tw.engine.num_blocks
+    assert not queue.r.exists(key)
