@@ -23,6 +23,7 @@ PRIORITIES = ("high", "normal", "low")  # read in this order
 
 Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
+Role = Literal["system", "user", "assistant", "tool"]  # the SDK's roles; a raw job with another is bad input
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -31,7 +32,7 @@ class ProtocolError(ValueError):
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+    role: Role
     content: str
 
 
