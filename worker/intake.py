@@ -4,6 +4,8 @@ Every defect becomes a ValueError whose text names the problem, so the client ge
 the worker keeps serving (invariant 3)."""
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from engine.sampling_params import SamplingParams
@@ -18,19 +20,26 @@ def payload_of(fields: dict | None) -> bytes | None:
     return fields.get(FIELD_BYTES, fields.get(FIELD))
 
 
+class _Ident(msgspec.Struct):
+    """Only the fields needed to answer; the rest of the payload is skipped, not validated (an invalid UTF-8
+    prompt or a wrong type elsewhere must not hide who to tell)."""
+
+    job_id: str
+    client_id: str
+    enqueued_at: Any = 0.0  # a mistyped timestamp must not hide who to tell either
+
+
 def identify(payload: bytes | None) -> tuple[str, str, float] | None:
     """Best-effort (job_id, client_id, enqueued_at) of a payload that failed strict decoding, so its client
     can still be told why; None when there is nobody to answer."""
     try:
-        raw = msgspec.msgpack.decode(payload)
-    except Exception:
+        ident = msgspec.msgpack.decode(payload, type=_Ident)
+    except Exception:  # not a map, those fields missing or mistyped, nesting too deep: nobody to answer
         return None
-    if not isinstance(raw, dict):
-        return None
-    job_id, client_id = raw.get("job_id"), raw.get("client_id")
-    ok = all(isinstance(x, str) and 0 < len(x) <= 128 for x in (job_id, client_id))
-    queued = raw.get("enqueued_at")
-    return (job_id, client_id, float(queued) if isinstance(queued, (int, float)) else 0.0) if ok else None
+    ok = all(0 < len(x) <= 128 for x in (ident.job_id, ident.client_id))
+    queued = ident.enqueued_at
+    queued = float(queued) if isinstance(queued, (int, float)) and queued == queued else 0.0  # NaN -> unknown
+    return (ident.job_id, ident.client_id, queued) if ok else None
 
 
 def sampling_params(s: Sampling) -> SamplingParams:
