@@ -128,6 +128,9 @@ class SimulatedEngine:
             raise RequestRejected("empty prompt")
         if len(ids) >= self.max_model_len:
             raise RequestRejected(f"prompt of {len(ids)} tokens is too long for max_model_len={self.max_model_len}")
+        bad = next((t for t in ids if not 0 <= t < self.tokenizer.vocab_size), None)
+        if bad is not None:  # as the real engine: an id outside the vocabulary would index past the embedding
+            raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {self.tokenizer.vocab_size})")
 
     def _blocks_for(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
