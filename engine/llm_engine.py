@@ -199,7 +199,7 @@ class LLMEngine:
             reason = "length"
         new_text = ""
         if seq.stream_text:
-            seq.text += detokenize_increment(self.tokenizer, seq)
+            seq.text += detokenize_increment(self.tokenizer, seq, final=reason is not None)
             if p.stop and find_stop(seq, p.stop):
                 reason = "stop"
             end = len(seq.text) if reason else len(seq.text) - held_back(seq.text, p.stop)
@@ -272,13 +272,13 @@ class LLMEngine:
 
 # ---- incremental detokenization ---------------------------------------------------------------------------
 
-def detokenize_increment(tokenizer: Any, seq: Sequence) -> str:
+def detokenize_increment(tokenizer: Any, seq: Sequence, final: bool = False) -> str:
     """New text since the last call. Decoding a short window of tokens keeps it cheap; a window ending in an
-    incomplete UTF-8 character (U+FFFD) waits for the next token."""
+    incomplete UTF-8 character (U+FFFD) waits for the next token, unless this is the last one."""
     ids = seq.token_ids
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
-    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+    if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
         return ""
     seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
     return full[len(prefix):]

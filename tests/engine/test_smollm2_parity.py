@@ -59,3 +59,18 @@ def test_chat_applies_the_template_and_answers():
                    use_tqdm=False)[0]
     assert "<|im_start|>assistant" in llm.tokenizer.decode(out.prompt_token_ids)
     assert out.text.strip() and out.finish_reason in ("stop", "length")
+
+
+def test_streamed_text_equals_the_decoded_ids_with_multibyte_characters():
+    from engine import LLMEngine
+    engine = LLMEngine("smollm2-135m", kv_cache_memory=16 << 20)
+    ids = engine.tokenizer.encode("Les crêpes à la française 🥞🍓 sont délicieuses, 日本語も")
+    engine.add_request("r", ids, SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))
+    deltas, last = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas.append(out.new_text)
+            last = out
+    # mid-stream no half character leaks; only a character cut off by max_tokens shows as U+FFFD at the very end
+    assert all("\ufffd" not in d for d in deltas[:-1]) and "\ufffd" not in deltas[-1][:-1]
+    assert "".join(deltas) == last.text == engine.tokenizer.decode(last.token_ids, skip_special_tokens=True)
