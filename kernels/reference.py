@@ -32,9 +32,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context (prefill, chunked
     prefill, prefix-cache extend and decode are all this one case)."""
-    out = torch.empty_like(q)
     cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
     decode = [i for i in range(len(ctx)) if cu[i + 1] - cu[i] == 1]
+    if len(decode) == len(ctx) > 1:  # a pure decode step: no row bookkeeping
+        return _decode_attention(q, k_cache, v_cache, block_tables, context_lens, max(ctx), scale)
+    out = torch.empty_like(q)
     if len(decode) > 1:  # one batched call: decode steps are many tiny sequences
         rows = torch.tensor([cu[i] for i in decode], device=q.device)
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decode], context_lens[decode],
