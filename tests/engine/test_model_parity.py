@@ -69,3 +69,13 @@ def test_prefix_cache_hits_on_a_second_run_and_changes_nothing(llama_reference):
     assert llm.engine.stats.prefix_hit_tokens > hits_before
     assert sum(o.cached_tokens for o in second) > 0
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_greedy_tokens_match_hf_on_cuda_through_the_triton_kernels(variant):
+    source, hf = tiny_source(variant, seed=2)
+    prompts = random_prompts(4, 1, 60, seed=2)
+    llm = LLM(source, device="cuda", dtype="float32", kv_cache_memory=1 << 20, max_num_seqs=3)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens, eos_token_id=[]) for p in prompts]
