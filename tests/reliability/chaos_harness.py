@@ -15,6 +15,7 @@ from pathlib import Path
 
 import redis
 
+from producer.request import build_job, encode_job, validate_request
 from producer.protocol import FIELD, PRIORITIES, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +83,16 @@ class RawQueue:
         job = self.job(prompt, **kw)
         self.xadd(encode(job), job.priority)
         return job.job_id
+
+    def submit_validated(self, requests: list[dict]) -> list[str]:
+        """Jobs built and validated exactly as the SDK builds them, but with no SDK reader on the reply stream:
+        the SDK trims what it has read, and a ledger must see every event ever written."""
+        jobs = [build_job(validate_request(kw), self.client_id) for kw in requests]
+        pipe = self.r.pipeline(transaction=False)
+        for job in jobs:
+            pipe.xadd(self.keys.jobs(job.priority), {FIELD: encode_job(job)})
+        pipe.execute()
+        return [job.job_id for job in jobs]
 
 
 def worker_command(url: str, ns: str, worker_id: str, *args: str) -> list[str]:
