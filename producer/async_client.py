@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from .async_handle import AsyncJobHandle
 from .client import CHUNK, CLOSED_REPLY_TTL_S, _plain_messages, _with_plain_messages, check_client_id
 from .connection import resolve_url, translated
+from .idempotency import owner_tag
 from .mailbox import ReplyRouter
 from .protocol import Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
@@ -93,7 +94,7 @@ class AsyncClient:
                 add_to_pipeline(pipe, self._script, p)
             replies = await pipe.execute()
         self._gate.added(len(prepared))
-        return [self._handle(c.job_id, foreign=c.client_id != self.client_id) for c in owners(prepared, replies)]
+        return [self._handle(c.job_id, foreign=c.owner != owner_tag(self.client_id)) for c in owners(prepared, replies)]
 
     async def _admit(self) -> None:
         delay = 0.02
@@ -152,13 +153,19 @@ class AsyncClient:
     async def _step(self, conn: aioredis.Redis) -> None:
         s, now = self._state, time.monotonic()
         if s.expire_due(now):
-            await conn.expire(s.stream, s.reply_ttl_s)
+            await self._maintain(conn.expire(s.stream, s.reply_ttl_s))
         ids = s.polls_due(now)
         for i in range(0, len(ids), 1000):
             s.absorb_results(await conn.mget([s.keys.result(j) for j in ids[i:i + 1000]]))
         response = await conn.xread({s.stream: s.last_id}, count=READ_COUNT, block=s.block_for_ms())
-        if s.absorb(response):
-            await conn.xtrim(s.stream, minid=s.last_id, approximate=True)
+        if s.absorb(response) and s.maintain:
+            await self._maintain(conn.xtrim(s.stream, minid=s.last_id, approximate=True))
+
+    async def _maintain(self, call) -> None:
+        try:
+            await call
+        except redis.exceptions.NoPermissionError as e:  # a read-only reply stream: see ReaderState.refused
+            self._state.refused(e)
 
     # -- waiting ----------------------------------------------------------------------------------
     def _notify(self) -> None:

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from .connection import resolve_url, translated
 from .errors import ResultTimeout
 from .handle import JobHandle
+from .idempotency import owner_tag
 from .mailbox import ReplyRouter
 from .protocol import Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
@@ -93,7 +94,7 @@ class Client:
                 add_to_pipeline(pipe, self._script, p)
             replies = pipe.execute()
         self._gate.added(len(prepared))
-        return [self._handle(c.job_id, foreign=c.client_id != self.client_id) for c in owners(prepared, replies)]
+        return [self._handle(c.job_id, foreign=c.owner != owner_tag(self.client_id)) for c in owners(prepared, replies)]
 
     def _admit(self) -> None:
         delay = 0.02

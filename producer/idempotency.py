@@ -1,10 +1,12 @@
 """Same idempotency key -> the same job: claim the key and enqueue in one atomic script.
 
-The claim stores "job_id digest client_id". One script both claims and XADDs, so a crash can never
-leave a claimed key with no job behind it.
+The claim stores "job_id digest owner", where owner is a hash of the claiming client's id: any producer may
+read a claim whose key it can guess, and the client id itself would name that client's reply stream. One
+script both claims and XADDs, so a crash can never leave a claimed key with no job behind it.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from .errors import IdempotencyConflict
@@ -20,20 +22,25 @@ return false
 """
 
 
+def owner_tag(client_id: str) -> str:
+    """Tells 'my job' from 'another client's job' without revealing the client id (and so its reply stream)."""
+    return hashlib.sha256(client_id.encode()).hexdigest()[:32]
+
+
 @dataclass(slots=True, frozen=True)
 class Claim:
     job_id: str
     digest: str
-    client_id: str
+    owner: str  # owner_tag of the client that enqueued the job
 
     def encode(self) -> str:
-        return f"{self.job_id} {self.digest} {self.client_id}"
+        return f"{self.job_id} {self.digest} {self.owner}"
 
     @classmethod
     def decode(cls, raw: bytes | str) -> "Claim":
         text = raw.decode() if isinstance(raw, bytes) else raw
-        job_id, digest, client_id = (text.split(" ") + ["", ""])[:3]
-        return cls(job_id, digest, client_id)
+        job_id, digest, owner = (text.split(" ") + ["", ""])[:3]
+        return cls(job_id, digest, owner)
 
 
 def resolve(key: str, mine: Claim, held: bytes | str | None) -> Claim:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import Backpressure
-from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, resolve
+from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .protocol import FIELD, PRIORITIES, Job, Keys
 from .request import build_job, encode_job, validate_request
 
@@ -29,7 +29,7 @@ def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "")
     job = build_job(req, client_id, where=where)
     prepared = Prepared(job, encode_job(job, where), keys.jobs(req.priority))
     if req.idempotency_key is not None:
-        prepared.claim = Claim(job.job_id, req.digest(), client_id)
+        prepared.claim = Claim(job.job_id, req.digest(), owner_tag(client_id))
         prepared.claim_key = keys.idempotency(req.idempotency_key)
     return prepared
 
@@ -48,7 +48,7 @@ def owners(prepared: list[Prepared], replies: list) -> list[Claim]:
     out = []
     for p, reply in zip(prepared, replies):
         if p.claim is None:
-            out.append(Claim(p.job.job_id, "", p.job.client_id))
+            out.append(Claim(p.job.job_id, "", owner_tag(p.job.client_id)))
         else:
             out.append(resolve(p.job.idempotency_key, p.claim, reply))
     return out
