@@ -36,6 +36,7 @@ class ReaderState:
     next_expire: float = 0.0
     next_foreign: float = 0.0
     next_fallback: float = 0.0
+    maintain: bool = True  # EXPIRE and XTRIM our own reply stream; off once Redis says this user may not
     stream: str = field(init=False)
 
     def __post_init__(self):
@@ -62,8 +63,14 @@ class ReaderState:
         self.router.route(events)
         return len(entries)
 
+    def refused(self, e: redis.exceptions.NoPermissionError) -> None:
+        """A least-privilege producer (deploy/redis/acl.conf) may read its reply stream but not write it: leave
+        its expiry and trimming to the workers (MAXLEN and EXPIRE on each publish) instead of failing reads."""
+        self.maintain = False
+        log.info("reply stream %s is read-only for this Redis user (%s); the workers cap and expire it", self.stream, e)
+
     def expire_due(self, now: float) -> bool:
-        if now < self.next_expire:
+        if not self.maintain or now < self.next_expire:
             return False
         self.next_expire = now + self.reply_ttl_s / 3
         return True
@@ -116,13 +123,19 @@ class ReplyReader(threading.Thread):
     def _step(self) -> None:
         s, now = self.state, time.monotonic()
         if s.expire_due(now):
-            self.conn.expire(s.stream, s.reply_ttl_s)
+            self._maintain(lambda: self.conn.expire(s.stream, s.reply_ttl_s))
         ids = s.polls_due(now)
         for i in range(0, len(ids), 1000):
             s.absorb_results(self.conn.mget([s.keys.result(j) for j in ids[i:i + 1000]]))
         response = self.conn.xread({s.stream: s.last_id}, count=READ_COUNT, block=s.block_for_ms())
-        if s.absorb(response):
-            self.conn.xtrim(s.stream, minid=s.last_id, approximate=True)
+        if s.absorb(response) and s.maintain:
+            self._maintain(lambda: self.conn.xtrim(s.stream, minid=s.last_id, approximate=True))
+
+    def _maintain(self, call) -> None:
+        try:
+            call()
+        except redis.exceptions.NoPermissionError as e:
+            self.state.refused(e)
 
     def stop(self, waker: redis.Redis, timeout: float = 5.0) -> None:
         self._stopping.set()
