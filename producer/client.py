@@ -185,8 +185,8 @@ class Client:
 
 
 def _plain_messages(messages):
-    if messages is None:
-        return None
+    if not isinstance(messages, (list, tuple)):  # None, or a wrong type that validation names as a whole
+        return messages
     return [{"role": m.role, "content": m.content} if isinstance(m, Message) else m for m in messages]
 
 
