@@ -4,6 +4,8 @@ serving the good job that follows them (invariant 3)."""
 from __future__ import annotations
 
 import math
+import random
+from collections import Counter
 import threading
 import time
 
@@ -13,6 +15,7 @@ import pytest
 from chaos_harness import Ledger, RawQueue, wait_for
 from engine.simulated import SimulatedEngine
 from producer.protocol import MAX_PAYLOAD_BYTES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, Keys, encode
+from worker.intake import identify
 from worker.settings import WorkerSettings
 from worker.worker import Worker
 
@@ -169,3 +172,44 @@ def test_a_job_id_injected_again_after_its_answer_is_not_answered_twice(serving)
     wait_for(lambda: good in ledger.final_counts([queue.client_id]), what="the next job's answer")
     time.sleep(0.2)
     assert ledger.final_counts([queue.client_id])["replayed"] == 1 and ledger.pending() == 0
+
+
+def mutated_payloads(q: RawQueue, n: int, seed: int = 7) -> list[bytes]:
+    """Valid jobs with a field replaced by a random value, or with random bytes flipped, inserted or cut."""
+    rng = random.Random(seed)
+    junk = [None, True, -1, 0, 2**63, 2**64 - 1, -(2**63), math.nan, math.inf, -0.0, "", "x" * 300, b"\xff\x00",
+            [], [1, "a"], {"a": 1}, {"": None}, [[[[[]]]]], "urgent", "wizard", 1e308]
+    out = []
+    for i in range(n):
+        body = msgspec.to_builtins(q.job("a fuzzed job", job_id=f"fz{i}", max_tokens=4))
+        if rng.random() < 0.5:
+            target = body["sampling"] if rng.random() < 0.4 else body
+            target[rng.choice([*target, "extra"])] = rng.choice(junk)
+            out.append(msgspec.msgpack.encode(body))
+        else:
+            raw = bytearray(msgspec.msgpack.encode(body))
+            for _ in range(rng.randint(1, 3)):
+                at = rng.randrange(len(raw))
+                if rng.random() < 0.5:
+                    raw[at] ^= rng.randint(1, 255)
+                else:
+                    del raw[at]
+            out.append(bytes(raw))
+    return out
+
+
+def test_200_randomly_mutated_payloads_are_each_answered_or_dead_lettered_and_the_worker_serves_on(serving):
+    queue, ledger, thread = serving
+    sent = {queue.xadd(payload): identify(payload) for payload in mutated_payloads(queue, 200)}
+    thread.start()
+    wait_for(lambda: ledger.pending() == 0 and queue.r.xinfo_groups(queue.keys.jobs("normal"))[0]["lag"] == 0,
+             timeout=60, what="every mutated entry to be read and settled")
+    good = queue.submit("served after the fuzz", max_tokens=3)
+    wait_for(lambda: good in ledger.final_counts([queue.client_id]), what="the good job's answer")
+    clients = {queue.client_id} | {ident[1] for ident in sent.values() if ident}  # a mutation may hit client_id
+    counts = ledger.final_counts(clients)
+    dead = {fields[b"entry"].decode() for fields in ledger.dead()}
+    unsettled = [e for e, ident in sent.items() if e not in dead and not (ident and counts[ident[0]])]
+    assert unsettled == [] and set(counts.values()) == {1} and thread.is_alive()
+    statuses = Counter(f.status for f in ledger.finals(clients))
+    print(f"\n200 mutated payloads: {statuses}, {len(dead)} dead-lettered")
