@@ -135,6 +135,7 @@ class Worker:
             # OOM, READONLY after a failover, BUSY script: the server's state, not ours; back off and retry
             log.error("redis refused a command: %s; retrying in %.2fs", e, self.backoff_s)
             self.offline_until = time.monotonic() + self.backoff_s
+            self.cursors = {st: "0" for st in self.streams}  # a read in that pipeline may have delivered entries
             self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
 
     def _ensure_groups(self) -> None:
