@@ -100,10 +100,11 @@ def worker_command(url: str, ns: str, worker_id: str, *args: str) -> list[str]:
             "--worker-id", worker_id, *args]
 
 
-def spawn_worker(url: str, ns: str, worker_id: str, *args: str, log: Path | None = None) -> subprocess.Popen:
+def spawn_worker(url: str, ns: str, worker_id: str, *args: str, log: Path | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """`kvfleet worker` in its own process, so SIGKILL is a real crash; its log goes to `log`."""
     out = open(log, "ab") if log else subprocess.DEVNULL
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(worker_command(url, ns, worker_id, *args), cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
-from chaos_harness import spawn_worker, stop_all, wait_for
+from chaos_harness import spawn_worker, stop_all
 from producer import Client
 from producer.protocol import Keys
 
@@ -66,13 +66,8 @@ def overload(server, ns, tmp_path, duration_s: float) -> tuple[dict, Samples]:
     ports = [free_port(), free_port()]
     args = ("--simulated", "--sim-num-blocks", "256", "--block-size", "16", "--max-num-seqs", str(MAX_SEQS),
             "--local-queue-size", str(LOCAL_QUEUE), "--sim-step-ms", "5", "--sim-per-token-ms", "0.05")
-    os.environ.update(ENV)  # the worker subprocesses inherit these settings
-    try:
-        workers = [spawn_worker(server.url, ns, f"o{i}", *args, "--metrics-port", str(ports[i]),
-                                log=tmp_path / f"o{i}.log") for i in range(2)]
-    finally:
-        for k in ENV:
-            os.environ.pop(k)
+    workers = [spawn_worker(server.url, ns, f"o{i}", *args, "--metrics-port", str(ports[i]), log=tmp_path / f"o{i}.log",
+                            env=ENV) for i in range(2)]
     procs = [psutil.Process(w.pid) for w in workers]
     r, keys, samples, handles = server.client(), Keys(ns), Samples(), []
     client = Client(server.url, ns)
