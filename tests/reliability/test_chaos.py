@@ -26,6 +26,7 @@ from producer.protocol import Keys
 
 pytestmark = pytest.mark.chaos
 
+REDIS_DOWN_S = 2.0
 SIMULATED = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "4", "--sim-step-ms", "10",
              "--sim-per-token-ms", "0.02", "--reclaim-idle-ms", "2000")
 # CPU steps of a real model on a shared 2-core machine can take seconds: a reclaim timeout well above them
@@ -41,6 +42,7 @@ class Slot:
     original_pid: int
     worker_id: str = ""
     replacements: int = 0
+    log_offset: int = 0  # where the current process's lines start in its log
 
 
 @dataclass
@@ -59,7 +61,7 @@ class ChaosRun:
             self.slots.append(Slot(f"w{i}", proc, proc.pid, f"w{i}"))
 
     def _spawn(self, worker_id: str):
-        return spawn_worker(self.server.url, self.ns, worker_id, *self.worker_args, log=self.logdir / f"{worker_id}.log",
+        return spawn_worker(self.server.url, self.ns, worker_id, *self.worker_args, log=self._log(worker_id),
                             env={"OMP_NUM_THREADS": "1"})  # two workers on few cores: no thread oversubscription
 
     def apply(self, fault: Fault, t0: float) -> None:
@@ -69,7 +71,7 @@ class ChaosRun:
 
     def kill(self) -> None:
         slot = self.slots[0]  # the same position each time: the other worker must ride out every outage in one process
-        held = self.held_by(slot.worker_id)
+        held = self.busy(slot)
         slot.proc.send_signal(signal.SIGKILL)
         slot.proc.wait(10)
         self.retired.append(slot.proc)
@@ -77,9 +79,24 @@ class ChaosRun:
         # every other replacement keeps the consumer name (a StatefulSet pod: re-reads its own pending first),
         # the others come back under a new one (a Deployment pod: the dead consumer's entries are reclaimed)
         worker_id = slot.name if slot.replacements % 2 else f"{slot.name}r{slot.replacements}"
+        slot.log_offset = self._log(worker_id).stat().st_size if self._log(worker_id).exists() else 0
         slot.proc, slot.worker_id = self._spawn(worker_id), worker_id
         self.events.append(f"SIGKILL {slot.name} (pid {self.retired[-1].pid}) holding {held} jobs, "
                            f"replaced by {worker_id}")
+
+    def busy(self, slot: Slot, patience_s: float = 30.0) -> int:
+        """Wait (a while) until the slot's current process serves and holds jobs, so the kill lands mid-generation
+        rather than during its start-up; returns how many jobs it holds."""
+        deadline = time.monotonic() + patience_s
+        while time.monotonic() < deadline:
+            started = "serving" in self._log(slot.worker_id).read_text()[slot.log_offset:]
+            if started and (held := self.held_by(slot.worker_id)):
+                return held
+            time.sleep(0.05)
+        return self.held_by(slot.worker_id)
+
+    def _log(self, worker_id: str) -> Path:
+        return self.logdir / f"{worker_id}.log"
 
     def held_by(self, worker_id: str) -> int:
         r = self.server.client()
@@ -88,8 +105,9 @@ class ChaosRun:
 
     def redis_restart(self) -> None:
         self.server.stop(signal.SIGKILL)  # no shutdown save: only the fsynced append-only file survives
+        time.sleep(REDIS_DOWN_S)  # down long enough that redis-py's own retry cannot hide it from the workers
         self.server.start()
-        self.events.append("SIGKILL redis-server, restarted from its append-only file")
+        self.events.append(f"SIGKILL redis-server, down {REDIS_DOWN_S:g} s, restarted from its append-only file")
 
     def redis_freeze(self) -> None:
         self.server.proc.send_signal(signal.SIGSTOP)
@@ -153,6 +171,7 @@ def run_chaos(server, ns, tmp_path, worker_args, jobs, max_tokens, timeout_s, se
         sdk = [h.result(timeout=30).status for h in handles]
         stored = sum(ledger.r.exists(ledger.keys.result(j)) for j in [*ids, *(h.job_id for h in handles)])
         alive = [slot.proc.poll() is None for slot in run.slots]
+        survivor_log = (run.logdir / f"{run.slots[1].name}.log").read_text()
         kept = [slot.proc.pid == slot.original_pid for slot in run.slots if slot.replacements == 0]
         exit_codes = run.stop()
         return dict(jobs=len(ids), answered=len(counts), lost=len(set(ids) - set(counts)),
@@ -160,6 +179,7 @@ def run_chaos(server, ns, tmp_path, worker_args, jobs, max_tokens, timeout_s, se
                     pending=ledger.pending(), dead=len(ledger.dead()), statuses=statuses,
                     sdk_jobs=len(handles), sdk_done=sdk.count("done"), stored_results=stored,
                     alive=alive, unkilled_kept_pid=kept, exit_codes=exit_codes,
+                    survivor_outage_warnings=survivor_log.count("redis unavailable"),
                     kills=sum(s.replacements for s in run.slots), seconds=round(elapsed, 1), events=run.events,
                     worker_logs=run.logs())
     finally:
@@ -178,6 +198,7 @@ def check(report: dict, jobs: int) -> None:
     assert report["stored_results"] == jobs + report["sdk_jobs"], report
     assert report["kills"] == 3 and len(report["events"]) == 5, report
     assert all(report["alive"]) and report["unkilled_kept_pid"] == [True], (report, logs)
+    assert report["survivor_outage_warnings"] > 0, report  # it saw the outage and reconnected, in one process
     assert report["exit_codes"] == [0, 0], (report, logs)
 
 
