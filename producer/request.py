@@ -40,6 +40,13 @@ def _metadata_size(metadata: dict[str, str]) -> dict[str, str]:
     return metadata
 
 
+def _total_chars(messages: list) -> list:
+    total = sum(len(m.content) for m in messages)
+    if total > wire.MAX_PROMPT_CHARS:
+        raise ValueError(f"hold {total} characters together, over the limit of {wire.MAX_PROMPT_CHARS}")
+    return messages
+
+
 def _top_k(k: int) -> int:
     if k == 0 or k < -1:
         raise ValueError("must be -1 (disabled) or a positive integer")
@@ -68,7 +75,8 @@ class SubmitRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
     prompt: Annotated[Text, Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=wire.MAX_MESSAGES)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=wire.MAX_MESSAGES),
+                        AfterValidator(_total_chars)] | None = None
     prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=wire.MAX_TOKENS_LIMIT)] = 256
     temperature: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] = 1.0

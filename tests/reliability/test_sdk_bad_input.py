@@ -37,7 +37,7 @@ BAD = {
     "a message with an extra field": ({"messages": [{**USER, "name": "bob"}]}, "messages.0.name"),
     "message content an int": ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     "messages over the character limit together": ({"messages": [{"role": "user", "content": "x" * 200_000}] * 3},
-                                                   "request"),
+                                                   "messages"),
     "metadata key an int": ({"prompt": "x", "metadata": {1: "v"}}, "metadata.1"),
     "metadata nested": ({"prompt": "x", "metadata": {"k": {"k": "v"}}}, "metadata.k"),
     "deadline NaN": ({"prompt": "x", "deadline": math.nan}, "deadline"),
