@@ -153,7 +153,9 @@ def summarize(m: ModelRun, result) -> dict:
     wrong = sum(len(ids) != r.max_tokens for ids, r in zip(result.output_token_ids, m.requests))
     summary = {"output_tok_s": result.output_tokens / result.elapsed_s, "output_tokens": result.output_tokens,
                "requested_tokens": sum(r.max_tokens for r in m.requests), "elapsed_s": result.elapsed_s,
-               "requests": len(result.output_token_ids), "requests_with_wrong_length": wrong}
+               "requests": len(result.output_token_ids), "requests_with_wrong_length": wrong,
+               # On a shared CPU the contestants run at different loads; this shows how different.
+               "load_avg_after": [round(x, 1) for x in os.getloadavg()]}
     if result.notes:
         summary["notes"] = result.notes
     return summary
