@@ -177,6 +177,7 @@ def run_chaos(server, ns, tmp_path, worker_args, jobs, max_tokens, timeout_s, se
         return dict(jobs=len(ids), answered=len(counts), lost=len(set(ids) - set(counts)),
                     answered_twice=sum(1 for n in counts.values() if n > 1), strangers=len(set(counts) - set(ids)),
                     pending=ledger.pending(), dead=len(ledger.dead()), statuses=statuses,
+                    errors=[f.error for f in ledger.finals(client_ids) if f.status != "done"],
                     sdk_jobs=len(handles), sdk_done=sdk.count("done"), stored_results=stored,
                     alive=alive, unkilled_kept_pid=kept, exit_codes=exit_codes,
                     survivor_outage_warnings=survivor_log.count("redis unavailable"),
