@@ -31,15 +31,23 @@ class Leases:
     reclaim_idle_ms: int
 
     def renew(self, entries: dict[str, list[str]]) -> set[str]:
-        """Reset the idle time of our in-flight entries; returns the ids no longer pending to us."""
-        pipe = self.client.pipeline(transaction=False)
+        """Reset the idle time of our in-flight entries; returns the ids no longer pending to us.
+
+        Only entries still pending to us: XCLAIM with min-idle 0 succeeds whoever holds an entry, so claiming
+        blindly would take back one that another worker reclaimed after we stalled, and both would keep it."""
         streams = [(s, ids) for s, ids in entries.items() if ids]
+        if not streams:
+            return set()
+        pipe = self.client.pipeline(transaction=False)
         for stream, ids in streams:
-            pipe.xclaim(stream, Keys.GROUP, self.consumer, 0, ids, justid=True)
-        lost = set()
-        for (stream, ids), kept in zip(streams, pipe.execute()):
-            lost |= set(ids) - {_str(i) for i in kept}
-        return lost
+            pipe.xpending_range(stream, Keys.GROUP, "-", "+", len(ids) + 1000, consumername=self.consumer)
+        mine = [{_str(row["message_id"]) for row in rows} for rows in pipe.execute()]
+        pipe = self.client.pipeline(transaction=False)
+        for (stream, ids), ours in zip(streams, mine):
+            if kept := [i for i in ids if i in ours]:
+                pipe.xclaim(stream, Keys.GROUP, self.consumer, 0, kept, justid=True)
+        pipe.execute()
+        return {i for (_, ids), ours in zip(streams, mine) for i in ids if i not in ours}
 
     def reclaim(self, stream: str, count: int) -> list[Claimed]:
         """Take over up to `count` entries idle past the reclaim timeout, counting one more delivery each.
