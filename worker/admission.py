@@ -44,10 +44,8 @@ class AdmissionQueue:
         sequence slots plus free queue room, so the engine's jobs plus this queue stay within the bound
         max_num_seqs + size, however wrong the token estimate turns out."""
         fit_now = min(free_seqs, int(admissible_tokens // max(self.tokens_per_job, 1.0)))
-        if not self.tickets and (engine_idle or (free_seqs > 0 and admissible_tokens > 0)):
-            # The average job is only an estimate: with any room and nothing waiting here, take one job.
-            # If it does not fit it waits in this queue, and no more is read until it is admitted.
-            fit_now = max(fit_now, 1)
+        if engine_idle and not self.tickets:
+            fit_now = max(fit_now, 1)  # an idle engine always takes one job, or rejects it with a reason
         waiting = len(self.tickets)
         return max(0, min(fit_now - waiting, free_seqs + self.size - waiting))
 

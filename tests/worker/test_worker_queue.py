@@ -155,12 +155,3 @@ def test_the_heartbeat_hash_has_every_field_and_a_ttl(queue, thread_worker):
         assert set(beat) == set(HEARTBEAT_FIELDS) and 0 < queue.r.ttl(key) <= 7
         assert beat["state"] == "serving" and int(beat["total_blocks"]) == tw.engine.num_blocks
     assert not queue.r.exists(key)
-
-
-def test_a_worker_with_some_room_reads_one_job_even_when_the_average_job_would_not_fit():
-    from worker.admission import AdmissionQueue
-
-    q = AdmissionQueue(size=4, tokens_per_job=1000.0)
-    assert q.read_count(free_seqs=3, admissible_tokens=200, engine_idle=False) == 1
-    assert q.read_count(free_seqs=3, admissible_tokens=0, engine_idle=False) == 0
-    assert q.read_count(free_seqs=0, admissible_tokens=5000, engine_idle=False) == 0
