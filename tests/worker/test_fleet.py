@@ -64,6 +64,7 @@ def test_backlog_drain_by_worker_processes_answers_every_job_once_and_counts_red
     from worker.bench_fleet import run_throughput
 
     with fleet_sim.RedisProcess() as server:
-        r = run_throughput(server, _args(throughput_jobs=300, procs=1))
-    assert r["answered_once"] and r["jobs"] == 300
+        # 3,000 jobs: Redis spends ~70 ms of CPU on them, well above /proc's 10 ms tick (300 read as 0.0)
+        r = run_throughput(server, _args(throughput_jobs=3000, procs=1))
+    assert r["answered_once"] and r["jobs"] == 3000
     assert r["jobs_per_s"] > 0 and r["redis_cpu_s"] > 0 and r["worker_cpu_s"] > 0
