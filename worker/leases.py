@@ -14,6 +14,19 @@ import redis
 from producer.protocol import Keys
 
 HANDBACK_IDLE_MS = 10**12  # an entry this idle is past every worker's reclaim timeout: reclaimable at once
+# Renew only what is still pending to us, atomically; return the ids that are not.
+RENEW_OWN = """
+local lost = {}
+for i = 3, #ARGV do
+  local row = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if row[1] and row[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
 
 
 @dataclass(slots=True)
@@ -33,21 +46,17 @@ class Leases:
     def renew(self, entries: dict[str, list[str]]) -> set[str]:
         """Reset the idle time of our in-flight entries; returns the ids no longer pending to us.
 
-        Only entries still pending to us: XCLAIM with min-idle 0 succeeds whoever holds an entry, so claiming
-        blindly would take back one that another worker reclaimed after we stalled, and both would keep it."""
+        Only entries still pending to us, checked and claimed in one script: XCLAIM with min-idle 0 succeeds
+        whoever holds an entry, so a separate check would leave a window in which an entry another worker
+        reclaimed after we stalled is taken back, and both would run it."""
         streams = [(s, ids) for s, ids in entries.items() if ids]
         if not streams:
             return set()
+        script = self.client.register_script(RENEW_OWN)
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in streams:
-            pipe.xpending_range(stream, Keys.GROUP, "-", "+", len(ids) + 1000, consumername=self.consumer)
-        mine = [{_str(row["message_id"]) for row in rows} for rows in pipe.execute()]
-        pipe = self.client.pipeline(transaction=False)
-        for (stream, ids), ours in zip(streams, mine):
-            if kept := [i for i in ids if i in ours]:
-                pipe.xclaim(stream, Keys.GROUP, self.consumer, 0, kept, justid=True)
-        pipe.execute()
-        return {i for (_, ids), ours in zip(streams, mine) for i in ids if i not in ours}
+            script(keys=[stream], args=[Keys.GROUP, self.consumer, *ids], client=pipe)
+        return {_str(i) for lost in pipe.execute() for i in lost}
 
     def reclaim(self, stream: str, count: int) -> list[Claimed]:
         """Take over up to `count` entries idle past the reclaim timeout, counting one more delivery each.
