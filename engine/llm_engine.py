@@ -16,7 +16,7 @@ from engine.models import build_model
 from engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

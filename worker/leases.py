@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import redis
 
 from producer.protocol import Keys
+from worker.reader import as_str
 
 HANDBACK_IDLE_MS = 10**12  # an entry this idle is past every worker's reclaim timeout: reclaimable at once
 # Renew only what is still pending to us, atomically; return the ids that are not.
@@ -56,7 +57,7 @@ class Leases:
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in streams:
             script(keys=[stream], args=[Keys.GROUP, self.consumer, *ids], client=pipe)
-        return {_str(i) for lost in pipe.execute() for i in lost}
+        return {as_str(i) for lost in pipe.execute() for i in lost}
 
     def reclaim(self, stream: str, count: int) -> list[Claimed]:
         """Take over up to `count` entries idle past the reclaim timeout, counting one more delivery each.
@@ -65,7 +66,7 @@ class Leases:
         was trimmed while pending."""
         if count <= 0:
             return []
-        ids = [_str(i) for i in self.client.xautoclaim(stream, Keys.GROUP, self.consumer, self.reclaim_idle_ms,
+        ids = [as_str(i) for i in self.client.xautoclaim(stream, Keys.GROUP, self.consumer, self.reclaim_idle_ms,
                                                       "0-0", count=count, justid=True)]
         if not ids:
             return []
@@ -95,7 +96,3 @@ class Leases:
             if ids:
                 pipe.xclaim(stream, Keys.GROUP, self.consumer, 0, ids, idle=HANDBACK_IDLE_MS, justid=True)
         pipe.execute()
-
-
-def _str(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -46,12 +46,13 @@ class Reader:
 
     @staticmethod
     def parse(reply) -> list[tuple[str, str, dict]]:
-        return [(_str(stream), _str(entry_id), _pairs(fields)) for stream, entries in reply for entry_id, fields in entries]
+        return [(as_str(stream), as_str(entry_id), _pairs(fields)) for stream, entries in reply for entry_id, fields in entries]
 
 
 def _pairs(flat: list) -> dict:
     return dict(zip(flat[::2], flat[1::2]))
 
 
-def _str(value) -> str:
+def as_str(value) -> str:
+    """Redis replies are bytes unless the client decodes them."""
     return value.decode() if isinstance(value, bytes) else str(value)

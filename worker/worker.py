@@ -17,13 +17,13 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from engine.outputs import RequestRejected, StepOutput
-from producer.protocol import PRIORITIES, PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job
+from producer.protocol import PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job
 from worker.admission import AdmissionQueue, Ticket
 from worker.heartbeat import Heartbeat
 from worker.intake import identify, payload_of, prompt_ids, sampling_params
 from worker.leases import Leases
 from worker.publisher import Finish, Publisher
-from worker.reader import Reader
+from worker.reader import Reader, as_str
 from worker.settings import WorkerSettings
 from worker.trim import trim
 
@@ -172,7 +172,7 @@ class Worker:
             if cursor is None:
                 continue
             reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {stream: cursor}, count=count)
-            entries = [(_str(i), f) for i, f in (reply[0][1] if reply else [])]
+            entries = [(as_str(i), f) for i, f in (reply[0][1] if reply else [])]
             self.cursors[stream] = entries[-1][0] if entries else None
             fresh = [(i, f) for i, f in entries if not self._holds(stream, i)]
             if fresh:
@@ -185,7 +185,7 @@ class Worker:
         plus the local queue (at least 2) always holds within the bound."""
         streams = {st: ">" for st in self.streams}
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self.settings.block_ms)
-        self._accept([(_str(st), _str(i), f, 1) for st, entries in reply or [] for i, f in entries])
+        self._accept([(as_str(st), as_str(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
     def _read_new(self, count: int, entries: list | None = None) -> int:
         entries = self.reader.read(count) if entries is None else entries
@@ -464,7 +464,3 @@ class Worker:
             self.leases.hand_back(handed)
         except REDIS_DOWN:
             log.warning("could not hand back jobs; they return after the reclaim timeout")
-
-
-def _str(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
