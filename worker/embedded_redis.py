@@ -51,6 +51,7 @@ class EmbeddedRedis:
     data_dir: Path | None = None
     port: int = 0
     binary: str | None = None
+    append_only: bool = True  # off only for benches that measure throughput, not durability
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
@@ -66,7 +67,7 @@ class EmbeddedRedis:
         self.port = self.port or free_port()
         binary = self.binary or find_redis_server()
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-                "--appendonly", "yes", "--save", "", "--daemonize", "no", "--logfile", "redis.log"]
+                "--appendonly", "yes" if self.append_only else "no", "--save", "", "--daemonize", "no", "--logfile", "redis.log"]
         # A new session keeps a terminal Ctrl-C aimed at us from killing the server before we stop it in order.
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         self._wait_until_ready(timeout_s)

