@@ -35,12 +35,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
     decode = [i for i in range(len(ctx)) if cu[i + 1] - cu[i] == 1]
     if len(decode) == len(ctx) > 1:  # a pure decode step: no row bookkeeping
-        return _decode_attention(q, k_cache, v_cache, block_tables, context_lens, max(ctx), scale)
+        return _decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = torch.empty_like(q)
     if len(decode) > 1:  # one batched call: decode steps are many tiny sequences
         rows = torch.tensor([cu[i] for i in decode], device=q.device)
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decode], context_lens[decode],
-                                      max(ctx[i] for i in decode), scale)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decode], context_lens[decode], scale)
         decode = set(decode)
     else:
         decode = set()
@@ -64,18 +63,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """One query per sequence: gather every sequence's blocks padded to the longest and mask the padding."""
-    block_size = k_cache.shape[1]
-    num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long().clamp_(min=0)  # padding (-1) reads block 0, masked below
-    b = q.shape[0]
-    k = k_cache[table].view(b, num_blocks * block_size, *k_cache.shape[2:]).to(q.dtype).transpose(1, 2)
-    v = v_cache[table].view(b, num_blocks * block_size, *v_cache.shape[2:]).to(q.dtype).transpose(1, 2)
-    mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < context_lens[:, None].to(q.device)
-    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=True)
-    return o[:, :, 0, :]
+                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence, block by block over exactly the blocks each sequence uses.
+
+    Padding every sequence to the longest context costs what continuous batching's mixed lengths make large, so
+    scores are computed per used block, the softmax is merged across a sequence's blocks (max, then sum), and
+    the weighted values are summed back per sequence. A sequence without context gets zeros."""
+    b, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    lens = context_lens.to(device=q.device, dtype=torch.long)
+    used = torch.arange(block_tables.shape[1], device=q.device) < ((lens + block_size - 1) // block_size)[:, None]
+    blocks = block_tables.to(q.device)[used].long()  # every used block, sequence after sequence
+    owner = used.nonzero()[:, 0]  # whose block it is
+    first_pos = (used.cumsum(1) - 1)[used] * block_size
+    valid = first_pos[:, None] + torch.arange(block_size, device=q.device) < lens[owner][:, None]
+    qb = (q.view(b, kv_heads, group, dim).float() * scale)[owner]  # [blocks, kv_heads, group, dim]
+    k, v = k_cache.index_select(0, blocks).float(), v_cache.index_select(0, blocks).float()
+    # bmm per KV head takes the strided [block_size, dim] slices as they are; a 4-d matmul would copy them
+    scores = torch.stack([torch.bmm(qb[:, h], k[:, :, h].transpose(1, 2)) for h in range(kv_heads)], 1)
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    seq_max = torch.full((b, kv_heads, group), float("-inf"), device=q.device).scatter_reduce_(
+        0, owner[:, None, None].expand(-1, kv_heads, group), scores.amax(-1), "amax")
+    probs = torch.exp(scores - seq_max[owner][..., None])
+    denom = torch.zeros(b, kv_heads, group, device=q.device).index_add_(0, owner, probs.sum(-1))
+    weighted = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(kv_heads)], 1)
+    out = torch.zeros(b, kv_heads, group, dim, device=q.device).index_add_(0, owner, weighted)
+    return (out / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).view(b, heads, dim).to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

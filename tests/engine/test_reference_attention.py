@@ -24,10 +24,27 @@ def naive(q, k_cache, v_cache, tables, q_lens, ctx, scale):
 
 @pytest.mark.parametrize("q_lens, ctx", [
     ([1, 1, 1, 1], [1, 17, 5, 32]),  # decode only: one batched call, padded tables
+    ([1] * 6, [4, 3, 5, 8, 1, 29]),  # decode only: contexts on, before and after block boundaries
     ([5, 1, 1, 2, 1], [5, 1, 9, 3, 7]),  # prefill, decode and a cached-prefix extend mixed
     ([1], [13]),  # a lone decode takes the per-sequence path
 ])
 def test_paged_attention_matches_plain_attention(q_lens, ctx):
+    q, k_cache, v_cache, tables, cu = random_case(q_lens, ctx)
+    out = R.paged_attention(q, k_cache, v_cache, tables, cu, torch.tensor(ctx, dtype=torch.int32), 0.3)
+    torch.testing.assert_close(out, naive(q, k_cache, v_cache, tables, q_lens, ctx, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_row_without_context_gets_zeros_and_the_others_are_exact():
+    q, k_cache, v_cache, tables, cu = random_case([1, 1, 1], [9, 1, 6])
+    ctx = torch.tensor([9, 0, 6], dtype=torch.int32)
+    out = R.paged_attention(q, k_cache, v_cache, tables, cu, ctx, 0.3)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = [0, 2]
+    torch.testing.assert_close(out[keep], naive(q[keep], k_cache, v_cache, tables[keep], [1, 1], [9, 6], 0.3),
+                               atol=1e-5, rtol=1e-5)
+
+
+def random_case(q_lens, ctx):
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 6, 2, 8, 4, 48
     k_cache, v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=g), torch.randn(num_blocks, bs, kv_heads, dim, generator=g)
@@ -38,5 +55,4 @@ def test_paged_attention_matches_plain_attention(q_lens, ctx):
             tables[i, j] = free.pop()
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(q_lens), heads, dim, generator=g)
-    out = R.paged_attention(q, k_cache, v_cache, tables, cu, torch.tensor(ctx, dtype=torch.int32), 0.3)
-    torch.testing.assert_close(out, naive(q, k_cache, v_cache, tables, q_lens, ctx, 0.3), atol=1e-5, rtol=1e-5)
+    return q, k_cache, v_cache, tables, cu
