@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of random weights")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of every contestant, interleaved; each figure is its median round (a shared "
+                             "machine drifts between contestants run minutes apart)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,13 +58,15 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(contestants) - set(CONTESTANTS)
     if unknown:
         raise SystemExit(f"unknown contestants {sorted(unknown)}; choose from {', '.join(CONTESTANTS)}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: pass 1 or more rounds")
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     report = {"workload": workload.name, "machine": machine_info(device), "versions": versions(),
-              "settings": settings_of(workload, device), "notes": notes_of(device)}
+              "settings": {**settings_of(workload, device), "repeats": args.repeats}, "notes": notes_of(device)}
     print_header(report)
     per_model = {}
     for model in workload.models:
-        per_model[model] = run_model(model, workload, contestants, device, args.seed)
+        per_model[model] = run_model(model, workload, contestants, device, args.seed, args.repeats)
         print_model_result(model, per_model[model])
     if workload.name == "W-CPU" and len(per_model) == 1:
         report["model"], only = next(iter(per_model.items()))
@@ -97,6 +102,12 @@ def settings_of(workload: Workload, device) -> dict:
             "sampling": "greedy, ignore_eos", "prompts": "random token ids, seed shared by every contestant"}
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """The round with the median throughput (the lower one of an even count), with every round's figure beside it."""
+    ordered = sorted(rounds, key=lambda r: r["output_tok_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds_tok_s": [r["output_tok_s"] for r in rounds]}
+
+
 def notes_of(device) -> list[str]:
     notes = ["hf_generate_batch: transformers' continuous-batching manager (the one generate_batch wraps), driven "
              "directly so that each request gets its own max_new_tokens; generate_batch takes one for all",
@@ -130,18 +141,24 @@ def make_requests(workload: Workload, vocab_size: int, seed: int) -> list:
             for _ in range(workload.num_requests)]
 
 
-def run_model(model: str, workload: Workload, contestants: list[str], device, seed: int) -> dict:
+def run_model(model: str, workload: Workload, contestants: list[str], device, seed: int, repeats: int = 1) -> dict:
     from engine.bench_report import bandwidth_ceiling
     from engine.loader import resolve_model
 
     source = resolve_model(model, seed=seed)
     m = ModelRun(source, make_requests(workload, source.config.vocab_size, seed), workload, device)
-    results = {}
-    for name in contestants:
-        results[name] = summarize(m, RUNNERS[name](m))
-        # A CPU run takes an hour on a busy machine: what finished must be visible if the rest never does.
-        print(f"{model} {name}: {json.dumps(results[name])}", flush=True)
+    rounds: dict[str, list[dict]] = {name: [] for name in contestants}
+    for round_no in range(1, repeats + 1):
+        for name in contestants:
+            rounds[name].append(summarize(m, RUNNERS[name](m)))
+            # A CPU run takes an hour on a busy machine: what finished must be visible if the rest never does.
+            print(f"{model} round {round_no}/{repeats} {name}: {json.dumps(rounds[name][-1])}", flush=True)
+    results = {name: median_round(r) if repeats > 1 else r[0] for name, r in rounds.items()}
     entry = {"contestants": results, "ratios": ratios(results)}
+    if {"kvfleet_continuous", "kvfleet_static"} <= results.keys():
+        # What continuous batching could gain over static on these requests if a step cost the same whatever
+        # it carries (the GPU regime); on a CPU a step's cost grows with its batch, so the gain is smaller.
+        entry["step_ratio"] = results["kvfleet_static"]["steps"] / results["kvfleet_continuous"]["steps"]
     if workload.name == "W-GPU":
         entry.update(bandwidth_ceiling(m))
         if "kvfleet_continuous" in results:
@@ -156,6 +173,8 @@ def summarize(m: ModelRun, result) -> dict:
                "requests": len(result.output_token_ids), "requests_with_wrong_length": wrong,
                # On a shared CPU the contestants run at different loads; this shows how different.
                "load_avg_after": [round(x, 1) for x in os.getloadavg()]}
+    if result.steps is not None:
+        summary["steps"] = result.steps
     if result.notes:
         summary["notes"] = result.notes
     return summary
@@ -181,10 +200,11 @@ def run_kvfleet(m: ModelRun, scheduling: str):
     llm.generate([m.requests[0].prompt_ids[:8]], [warmup], use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in m.requests]
     synchronize(m.device)
-    start = time.perf_counter()
+    steps_before, start = llm.engine.steps, time.perf_counter()
     outputs = llm.generate([r.prompt_ids for r in m.requests], params, use_tqdm=True)
     synchronize(m.device)
-    result = RunResult([list(o.token_ids) for o in outputs], time.perf_counter() - start)
+    result = RunResult([list(o.token_ids) for o in outputs], time.perf_counter() - start,
+                       steps=llm.engine.steps - steps_before)
     del llm
     free_memory()
     return result

@@ -21,6 +21,7 @@ class RunResult:
     output_token_ids: list[list[int]]
     elapsed_s: float
     notes: str = ""
+    steps: int | None = None  # engine iterations (kvfleet's contestants)
 
     @property
     def output_tokens(self) -> int:

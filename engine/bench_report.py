@@ -120,9 +120,14 @@ def print_model_result(model: str, entry: dict) -> None:
     print(f"\n{model}")
     print(f"  {'contestant':<20} {'output tok/s':>12} {'tokens':>8} {'seconds':>8}")
     for name, r in entry["contestants"].items():
-        print(f"  {name:<20} {r['output_tok_s']:>12.1f} {r['output_tokens']:>8} {r['elapsed_s']:>8.1f}")
+        rounds = f"  rounds {', '.join(f'{x:.1f}' for x in r['rounds_tok_s'])}" if "rounds_tok_s" in r else ""
+        print(f"  {name:<20} {r['output_tok_s']:>12.1f} {r['output_tokens']:>8} {r['elapsed_s']:>8.1f}{rounds}")
     for name, ratio in entry["ratios"].items():
         print(f"  {name:<40} {ratio:.2f}x")
+    if "step_ratio" in entry:
+        steps = {name: r["steps"] for name, r in entry["contestants"].items() if "steps" in r}
+        print(f"  engine steps {steps}: static / continuous {entry['step_ratio']:.2f}x, the most continuous "
+              "batching can gain here when a step costs the same whatever its batch")
     if "bandwidth_ceiling_tok_s" in entry:
         print(f"  bandwidth ceiling {entry['bandwidth_ceiling_tok_s']:.0f} tok/s "
               f"({entry['ceiling_inputs']['copy_bandwidth_gb_s']:.0f} GB/s copy)")

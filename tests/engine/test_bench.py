@@ -56,6 +56,27 @@ def test_gpu_workload_code_path_runs_scaled_down_on_cpu_with_a_ceiling(tiny_mode
     assert entry["bandwidth_ceiling_tok_s"] > 0 and entry["fraction_of_ceiling"] > 0
 
 
+def test_repeats_interleave_rounds_and_report_the_median_round_and_engine_steps(tiny_model, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "engine", "--model", tiny_model, "--num-requests", "6", "--max-prompt", "20",
+                 "--max-output", "40", "--max-num-seqs", "2", "--repeats", "3", "--json", str(out),
+                 "--contestants", "kvfleet_continuous,kvfleet_static"]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["repeats"] == 3
+    results = report["contestants"]
+    for result in results.values():
+        assert len(result["rounds_tok_s"]) == 3
+        assert result["output_tok_s"] == sorted(result["rounds_tok_s"])[1]
+    # static waits for each batch's longest request before refilling, so it needs more iterations
+    assert results["kvfleet_static"]["steps"] > results["kvfleet_continuous"]["steps"] > 0
+    assert report["step_ratio"] == results["kvfleet_static"]["steps"] / results["kvfleet_continuous"]["steps"]
+
+
+def test_zero_repeats_are_refused(tiny_model):
+    with pytest.raises(SystemExit, match="--repeats 0"):
+        main(["bench", "engine", "--model", tiny_model, "--repeats", "0"])
+
+
 def test_unknown_contestant_is_refused_by_name(tiny_model):
     with pytest.raises(SystemExit, match="vllm"):
         main(["bench", "engine", "--model", tiny_model, "--contestants", "kvfleet_continuous,vllm"])
