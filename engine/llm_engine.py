@@ -175,10 +175,9 @@ class LLMEngine:
             return []
         seqs, tokens, logprobs = self.runner.run(batch)
         for seq, n in batch:
+            self._count_prefill(seq, n)
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
-            if seq.num_output_tokens == 0:
-                self.prompt_tokens += n
         now = time.monotonic()
         outputs = []
         for seq, token, lp in zip(seqs, tokens, logprobs):
@@ -186,6 +185,15 @@ class LLMEngine:
             outputs.append(self._append_token(seq, token, lp))
         self.generation_tokens += len(tokens)
         return outputs
+
+    def _count_prefill(self, seq: Sequence, n: int) -> None:
+        """Each prompt token once: prefix-cache hits are never computed, and recomputation after a preemption
+        is not new prompt work."""
+        end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
+        start = max(seq.num_computed_tokens, seq.num_prefilled_tokens)
+        if end > start:
+            self.prompt_tokens += end - start
+            seq.num_prefilled_tokens = end
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> StepOutput:
         seq.token_ids.append(token)

@@ -17,6 +17,12 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
+def kv_budget(total: int, free: int, activation_peak: int, utilization: float) -> int:
+    """Bytes left for the KV cache: our share of the device, less what is in use now (our weights and other
+    processes alike) and the activation peak a forward needs on top; never negative."""
+    return max(int(total * utilization) - (total - free) - activation_peak, 0)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device, seed: int = 0) -> None:
         self.model = model
@@ -41,7 +47,7 @@ class ModelRunner:
             kv_cache_memory = self._profile_free_cuda_memory(gpu_memory_utilization, max_num_batched_tokens,
                                                              max_model_len)
         elif kv_cache_memory is None:
-            wanted = -(-max_num_seqs * max_model_len // self.block_size) * self.bytes_per_block
+            wanted = max_num_seqs * -(-max_model_len // self.block_size) * self.bytes_per_block
             kv_cache_memory = min(GiB, wanted)
         return int(kv_cache_memory // self.bytes_per_block)
 
@@ -74,11 +80,10 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # what others and our weights hold now, plus the activation peak the forward needs on top
-        budget = int(total * utilization) - (total - free) - activations
+        budget = kv_budget(total, free, activations, utilization)
         logger.info("profiling forward of %d tokens: activations peak %.2f GiB, %.2f GiB in use; %.2f GiB for the "
                     "KV cache", num_tokens, activations / GiB, (total - free) / GiB, budget / GiB)
-        return max(budget, 0)
+        return budget
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size

@@ -30,6 +30,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prefix-cache hit tokens at the first admission
+    num_prefilled_tokens: int = 0  # prompt tokens counted as computed; recomputation after preemption is not
     admitted: bool = False  # has been scheduled at least once
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, filled lazily

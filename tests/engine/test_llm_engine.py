@@ -183,6 +183,17 @@ def test_reserve_ratio_rises_after_a_preemption_and_decays_while_none_happen(sou
     assert tight.reserve_ratio < before
 
 
+def test_prompt_tokens_count_each_prompt_token_once_despite_chunking_and_preemption(source):
+    tight = LLMEngine(source, kv_cache_memory=6 * BLOCK_BYTES, max_num_seqs=8, max_model_len=128,
+                      max_num_batched_tokens=8, enable_prefix_caching=False)
+    prompts = [[i + 1] * (20 + i) for i in range(6)]
+    for i, prompt in enumerate(prompts):
+        tight.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    drain(tight)
+    assert tight.stats.preemptions > 0
+    assert tight.stats.prompt_tokens == sum(map(len, prompts))
+
+
 def test_generate_with_one_bad_prompt_raises_and_leaves_nothing_queued(source):
     from engine import LLM
     llm = LLM(source, kv_cache_memory=1 << 20, max_model_len=64)
