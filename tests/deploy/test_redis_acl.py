@@ -11,6 +11,7 @@ import redis
 
 from producer.protocol import Keys
 from producer.queue_stats import read_queue_stats
+from tests.support import free_port
 
 ACL = Path(__file__).parents[2] / "deploy/redis/acl.conf"
 
@@ -28,11 +29,7 @@ pytestmark = pytest.mark.skipif(_redis7() is None, reason="ACL selectors need re
 
 @pytest.fixture
 def acl_server(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     shutil.copy(ACL, tmp_path / "acl.conf")
     args = [_redis7(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path),
             "--aclfile", str(tmp_path / "acl.conf")]

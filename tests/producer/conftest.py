@@ -1,7 +1,6 @@
 """Producer test helpers: a fake worker made of real Redis commands, and a Redis 6.2 server."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -22,12 +21,7 @@ import redis  # noqa: E402
 
 from producer import Client  # noqa: E402
 from producer.protocol import FIELD, PROTOCOL_VERSION, Delta, Final, Job, Keys, Timings, Usage, decode_job, encode  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support import free_port  # noqa: E402
 
 
 @dataclass

@@ -24,19 +24,12 @@ import pytest
 from chaos_harness import spawn_worker, stop_all
 from producer import Client
 from producer.protocol import Keys
+from tests.support import free_port
 
 MAX_SEQS, LOCAL_QUEUE = 16, 4
 HOLD_BOUND = MAX_SEQS + LOCAL_QUEUE + 3  # running + local queue + one blocking read's worth per stream
 CAPACITY = 2 * HOLD_BOUND
 ENV = {"KVFLEET_RESULT_TTL_S": "30", "KVFLEET_REPLY_MAXLEN": "2000", "KVFLEET_TRIM_INTERVAL_S": "2"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -27,6 +27,7 @@ from producer.idempotency import owner_tag
 from producer.protocol import MAX_PAYLOAD_BYTES, PRIORITIES, Keys
 from worker.settings import WorkerSettings
 from worker.worker import Worker
+from tests.support import free_port
 
 ACL = ROOT / "deploy/redis/acl.conf"
 REDIS = shutil.which("redis-server")
@@ -48,14 +49,6 @@ def start_redis(tmp_path: Path, *args: str, probe=None) -> subprocess.Popen:
     return proc
 
 
-def port_of(tmp_path: Path) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_jobs(worker_url: str, producer_url: str, ns: str = "kvfleet", n: int = 3) -> list[str]:
     """A real Worker (thread) and a real Client, each given only its URL; returns the jobs' statuses."""
     settings = WorkerSettings(redis_url=worker_url, namespace=ns, heartbeat_interval_s=0.1)
@@ -74,7 +67,7 @@ def serve_jobs(worker_url: str, producer_url: str, ns: str = "kvfleet", n: int =
 
 # ---- AUTH (requirepass) ------------------------------------------------------------------------------------
 def test_requirepass_in_the_url_lets_the_sdk_and_worker_serve_and_a_wrong_one_is_refused_masked(tmp_path):
-    port = port_of(tmp_path)
+    port = free_port()
     proc = start_redis(tmp_path, "--port", str(port), "--requirepass", "s3cret-pw",
                        probe=lambda: redis.Redis(port=port, password="s3cret-pw"))
     try:
@@ -119,7 +112,7 @@ def make_certs(d: Path) -> dict[str, Path]:
 @pytest.mark.skipif(tls_supported() is not None, reason=str(tls_supported()))
 def test_rediss_url_with_mutual_tls_serves_the_sdk_and_worker_and_unverified_peers_are_refused(tmp_path):
     certs = make_certs(tmp_path)
-    port = port_of(tmp_path)
+    port = free_port()
     query = f"ssl_ca_certs={certs['ca.crt']}&ssl_certfile={certs['client.crt']}&ssl_keyfile={certs['client.key']}"
     url = f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&{query}"
     proc = start_redis(tmp_path, "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(certs["server.crt"]),
@@ -145,7 +138,7 @@ def acl(tmp_path):
     if " v=7" not in version and " v=8" not in version:
         pytest.skip("ACL selectors need redis-server >= 7 on PATH")
     shutil.copy(ACL, tmp_path / "acl.conf")
-    port = port_of(tmp_path)
+    port = free_port()
     url = lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0"
     proc = start_redis(tmp_path, "--port", str(port), "--aclfile", str(tmp_path / "acl.conf"),
                        probe=lambda: redis.Redis.from_url(url("worker")))

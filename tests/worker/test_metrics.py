@@ -1,11 +1,11 @@
 """WorkerMetrics: hooks turn engine figures into the Prometheus series the dashboard and alerts read."""
 from __future__ import annotations
 
-import socket
 import urllib.request
 from dataclasses import dataclass
 
 from worker.metrics import WorkerMetrics
+from tests.support import free_port
 
 
 @dataclass
@@ -80,9 +80,7 @@ def test_two_workers_in_one_process_keep_separate_registries():
 
 
 def test_serve_exposes_the_registry_over_http():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     m = WorkerMetrics("w-http", "tiny")
     m.on_admitted(0.5)
     m.serve(port)

@@ -3,7 +3,6 @@ subprocess) generates, the SDK reads results and streams. One worker serves the 
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 

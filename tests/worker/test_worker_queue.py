@@ -6,7 +6,7 @@ import time
 import msgspec
 
 from engine.simulated import SimulatedEngine
-from producer.protocol import MAX_PAYLOAD_BYTES, PROTOCOL_VERSION, Keys, encode
+from producer.protocol import MAX_PAYLOAD_BYTES, PROTOCOL_VERSION, encode
 
 
 def test_every_job_gets_one_done_result_with_usage_timings_and_the_stored_copy(queue, thread_worker):
