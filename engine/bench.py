@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -154,7 +155,7 @@ def run_model(model: str, workload: Workload, contestants: list[str], device, se
             # A CPU run takes an hour on a busy machine: what finished must be visible if the rest never does.
             print(f"{model} round {round_no}/{repeats} {name}: {json.dumps(rounds[name][-1])}", flush=True)
     results = {name: median_round(r) if repeats > 1 else r[0] for name, r in rounds.items()}
-    entry = {"contestants": results, "ratios": ratios(results)}
+    entry = {"contestants": results, "ratios": median_ratios(rounds)}
     if {"kvfleet_continuous", "kvfleet_static"} <= results.keys():
         # What continuous batching could gain over static on these requests if a step cost the same whatever
         # it carries (the GPU regime); on a CPU a step's cost grows with its batch, so the gain is smaller.
@@ -178,6 +179,12 @@ def summarize(m: ModelRun, result) -> dict:
     if result.notes:
         summary["notes"] = result.notes
     return summary
+
+
+def median_ratios(rounds: dict[str, list[dict]]) -> dict:
+    """Each ratio taken within a round (contestants minutes apart, not a whole run apart), then the median."""
+    per_round = [ratios({name: r[i] for name, r in rounds.items()}) for i in range(len(next(iter(rounds.values()))))]
+    return {key: statistics.median(rr[key] for rr in per_round) for key in per_round[0]}
 
 
 def ratios(results: dict) -> dict:

@@ -70,6 +70,9 @@ def test_repeats_interleave_rounds_and_report_the_median_round_and_engine_steps(
     # static waits for each batch's longest request before refilling, so it needs more iterations
     assert results["kvfleet_static"]["steps"] > results["kvfleet_continuous"]["steps"] > 0
     assert report["step_ratio"] == results["kvfleet_static"]["steps"] / results["kvfleet_continuous"]["steps"]
+    per_round = sorted(c / s for c, s in zip(results["kvfleet_continuous"]["rounds_tok_s"],
+                                             results["kvfleet_static"]["rounds_tok_s"]))
+    assert report["ratios"]["kvfleet_continuous/kvfleet_static"] == pytest.approx(per_round[1])
 
 
 def test_zero_repeats_are_refused(tiny_model):
