@@ -35,7 +35,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(VENV)/bin/kvfleet bench engine --json bench-engine.json
+	$(VENV)/bin/kvfleet bench engine --repeats 3 --json bench-engine.json
 	$(VENV)/bin/kvfleet bench queue --json bench-queue.json
 	$(VENV)/bin/kvfleet bench fleet --json bench-fleet.json --plot deploy/w-fleet.png
 
