@@ -183,8 +183,8 @@ def summarize(m: ModelRun, result) -> dict:
 
 def median_ratios(rounds: dict[str, list[dict]]) -> dict:
     """Each ratio taken within a round (contestants minutes apart, not a whole run apart), then the median."""
-    per_round = [ratios({name: r[i] for name, r in rounds.items()}) for i in range(len(next(iter(rounds.values()))))]
-    return {key: statistics.median(rr[key] for rr in per_round) for key in per_round[0]}
+    per_round = [ratios(dict(zip(rounds, results))) for results in zip(*rounds.values())]
+    return {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
 
 
 def ratios(results: dict) -> dict:
