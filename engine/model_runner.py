@@ -53,7 +53,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         dtype = self.model.model.embed_tokens.weight.dtype
-        # zeros, not empty: padded block-table entries read real blocks and must never hold NaN
+        # zeros, not empty: slots past a sequence's length are read and weighted by zero, and 0 * NaN is NaN
         self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, *self.kv_shape, dtype=dtype,
                                     device=self.device)
         for i, layer in enumerate(self.model.model.layers):

@@ -24,6 +24,8 @@ class TinySource:
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+# one KV block of these models: K and V, 2 layers, 16 tokens, 2 kv heads, head size 16, float32
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
 
 
 def tiny_config(variant: str):

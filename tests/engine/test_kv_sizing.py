@@ -8,9 +8,7 @@ import torch
 
 from engine import LLMEngine
 from engine.model_runner import GiB, kv_budget
-from helpers import tiny_source
-
-BLOCK_BYTES = 8192  # tiny llama: K and V, 2 layers, 16 tokens, 2 kv heads, head size 16, float32
+from helpers import BLOCK_BYTES, tiny_source
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,9 @@ import pytest
 from engine import LLMEngine, RequestRejected, SamplingParams
 from engine.llm_engine import detokenize_increment, held_back
 from engine.sequence import Sequence
-from helpers import tiny_source
+from helpers import BLOCK_BYTES, tiny_source
 
 E_ACUTE = (95, 96)  # the two UTF-8 bytes of "é"
-BLOCK_BYTES = 8192  # tiny llama: K and V, 2 layers, 16 tokens, 2 kv heads, head size 16, float32
 
 
 class ByteTokenizer:

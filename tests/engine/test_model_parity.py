@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from helpers import hf_greedy, random_prompts, tiny_source
+from helpers import BLOCK_BYTES, hf_greedy, random_prompts, tiny_source
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 kv heads, head size 16, float32
 VARIANTS = ["llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "qwen3"]
 
 
