@@ -59,7 +59,7 @@ class LLMEngine:
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         model_ = build_model(hf_config, self.dtype, self.device, source.weights(self.dtype), self.max_model_len)
-        self.runner = ModelRunner(model_, config.block_size, self.device, config.seed)
+        self.runner = ModelRunner(model_, config.block_size, self.device, config.seed, config.max_num_seqs)
         num_blocks = self.runner.size_kv_cache(config.kv_cache_memory, config.gpu_memory_utilization,
                                                config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens)
         if num_blocks < 1:

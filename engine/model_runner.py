@@ -24,8 +24,11 @@ def kv_budget(total: int, free: int, activation_peak: int, utilization: float) -
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device, seed: int = 0,
+                 max_num_seqs: int = 32) -> None:
         self.model = model
+        if device.type == "cpu":  # a decode step has a row per running sequence
+            logger.info("%d CPU GEMMs prepacked for oneDNN", model.pack_linears(rows_hint=max_num_seqs))
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed, device)

@@ -9,6 +9,8 @@
 | rms_norm        | rmsnorm.py: fused residual add, fp32 statistics                  | rms_norm            |
 | rotary          | rotary.py: neox style, q and k in one launch                     | rotary              |
 | silu_and_mul    | activation.py                                                    | silu_and_mul        |
+Not dispatched here: on CPU in float32 the model's projections and lm_head are swapped at load for
+cpu_linear.py's oneDNN-prepacked GEMMs (bench_cpu_linear.py times them against F.linear).
 Shared: paged_kv.py (KV gather through block tables, online softmax), config.py (tiles, warps,
 stages per GPU generation and dtype; steps down if shared memory runs out), bench.py (timings).
 

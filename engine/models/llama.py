@@ -10,7 +10,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from kernels import ops
+from kernels import cpu_linear, ops
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -127,8 +127,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # tied: the logits reuse the embedding, until `pack_linears` gives them a packed copy of it
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cos = self.sin = torch.empty(0)
 
     def init_rope(self, max_positions: int) -> None:
@@ -138,9 +138,14 @@ class LlamaForCausalLM(nn.Module):
         device = self.model.embed_tokens.weight.device
         self.cos, self.sin = (freqs.cos() * scaling).to(device), (freqs.sin() * scaling).to(device)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+    def pack_linears(self, rows_hint: int) -> int:
+        """On CPU in float32, every projection and the lm_head through oneDNN (kernels/cpu_linear.py)."""
+        packed = cpu_linear.pack_linears(self, rows_hint)
+        embedding = self.model.embed_tokens.weight
+        if self.lm_head is None and cpu_linear.can_pack(embedding):
+            self.lm_head = cpu_linear.PackedLinear(embedding, None, rows_hint)
+            packed += 1
+        return packed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
@@ -151,7 +156,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered exactly."""

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch import nn
+
 from engine import LLM, SamplingParams
 from helpers import BLOCK_BYTES, hf_greedy, random_prompts, tiny_source
+from kernels.cpu_linear import PackedLinear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 VARIANTS = ["llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "qwen3"]
@@ -68,6 +71,17 @@ def test_prefix_cache_hits_on_a_second_run_and_changes_nothing(llama_reference):
     assert llm.engine.stats.prefix_hit_tokens > hits_before
     assert sum(o.cached_tokens for o in second) > 0
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == expected
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("variant", ["llama", "llama_tied"])
+def test_the_cpu_engine_runs_every_projection_and_the_lm_head_packed(variant):
+    source, hf = tiny_source(variant, seed=4)
+    model = LLM(source, kv_cache_memory=1 << 20).engine.runner.model
+    assert not [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    assert isinstance(model.lm_head, PackedLinear)  # tied too: a packed copy of the embedding
+    hidden = torch.randn(3, hf.config.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), hf.lm_head(hidden), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
