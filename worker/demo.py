@@ -61,14 +61,28 @@ def start_worker(stack: ExitStack, console, url: str, args: argparse.Namespace) 
 
     settings = WorkerSettings(redis_url=url, namespace=args.namespace, model=args.model, max_num_seqs=8,
                               drain_timeout_s=2.0, worker_id="demo-worker")
+    stop, loaded, box = threading.Event(), threading.Event(), {}
+
+    def serve() -> None:
+        # load and step the model on this one thread: torch work on a second thread would give it a second
+        # OpenMP pool, and with more OpenMP threads than cores libgomp stops spinning and every step slows ~50%
+        try:
+            box["worker"] = Worker(url, build_engine(settings), namespace=args.namespace, settings=settings)
+        except BaseException as e:
+            box["error"] = e
+            return
+        finally:
+            loaded.set()
+        box["worker"].run(stop)
+
     started = time.monotonic()
-    with console.status(f"loading {args.model} (first run converts the bundled GGUF once)..."):
-        engine = build_engine(settings)
-    console.print(f"[bold]worker[/]  {args.model} loaded in {time.monotonic() - started:.1f}s")
-    worker = Worker(url, engine, namespace=args.namespace, settings=settings)
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), name="demo-worker", daemon=True)
+    thread = threading.Thread(target=serve, name="demo-worker", daemon=True)
     thread.start()
+    with console.status(f"loading {args.model} (first run converts the bundled GGUF once)..."):
+        loaded.wait()
+    if "error" in box:
+        raise box["error"]
+    console.print(f"[bold]worker[/]  {args.model} loaded in {time.monotonic() - started:.1f}s")
 
     def stop_worker() -> None:
         stop.set()
