@@ -5,6 +5,7 @@ One forward handles any mix of prefill chunks and decodes: the new tokens of all
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -36,6 +37,7 @@ class ModelRunner:
         self.num_layers = len(model.model.layers)
         self.kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.kv_cache = torch.empty(0)
+        self.home_thread: int | None = threading.get_ident() if device.type == "cpu" else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -119,6 +121,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
         """Compute the batch's new tokens; sample for the sequences whose whole context is now computed."""
+        if self.home_thread not in (None, threading.get_ident()):
+            self._warn_foreign_thread()
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.forward(input_ids, positions, meta)
         seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
@@ -127,6 +131,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         tokens, logprobs = self.sampler(logits, seqs)
         return seqs, tokens, logprobs
+
+    def _warn_foreign_thread(self) -> None:
+        logger.warning("this CPU engine was loaded on one thread and is stepped on another: torch gives the second "
+                       "thread an OpenMP pool of its own, and with more OpenMP threads than cores every step can run "
+                       "~50%% slower; load and step it on the same thread, as `kvfleet worker` does")
+        self.home_thread = None  # said once
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # The place for CUDA graphs: a decode-only batch (one row per sequence) of a captured size would copy

@@ -2,6 +2,9 @@
 is independent of how the engine batches, chunks, caches or preempts."""
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 import torch
 
@@ -92,3 +95,18 @@ def test_greedy_tokens_match_hf_on_cuda_through_the_triton_kernels(variant):
     llm = LLM(source, device="cuda", dtype="float32", kv_cache_memory=1 << 20, max_num_seqs=3)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens, eos_token_id=[]) for p in prompts]
+
+
+def test_stepping_a_cpu_engine_on_another_thread_than_its_loader_warns_once(caplog):
+    source, _ = tiny_source("llama", seed=5)
+    llm = LLM(source, kv_cache_memory=1 << 20)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        assert not caplog.records  # the loading thread itself
+        for _ in range(2):
+            thread = threading.Thread(target=llm.generate, args=([[1, 2, 3]], params), kwargs={"use_tqdm": False})
+            thread.start()
+            thread.join()
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "this CPU engine was loaded on one thread and is stepped on another"]
