@@ -10,7 +10,7 @@
 | rotary          | rotary.py: neox style, q and k in one launch                     | rotary              |
 | silu_and_mul    | activation.py                                                    | silu_and_mul        |
 Not dispatched here: on CPU in float32 the model's projections and lm_head are swapped at load for
-cpu_linear.py's oneDNN-prepacked GEMMs (bench_cpu_linear.py times them against F.linear).
+cpu_linear.py's oneDNN-prepacked GEMMs (engine/bench_cpu_linear.py times them against F.linear).
 Shared: paged_kv.py (KV gather through block tables, online softmax), config.py (tiles, warps,
 stages per GPU generation and dtype; steps down if shared memory runs out), bench.py (timings).
 

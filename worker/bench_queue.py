@@ -146,9 +146,8 @@ def warm_up(engine, request) -> None:
 
 
 def run_in_process(engine, requests) -> dict:
-    """On the main thread, where the model was loaded and where `kvfleet worker` steps it: a second thread
-    stepping torch gets an OpenMP pool of its own, and with more OpenMP threads than cores libgomp stops
-    spinning between parallel regions, which made every step ~50% slower on a 2-core VM."""
+    """On the main thread, where the model was loaded and where `kvfleet worker` steps it: stepped on another,
+    every step ran ~50% slower on a 2-core VM (ModelRunner warns why)."""
     tag = uuid.uuid4().hex[:6]
     start = time.perf_counter()
     for i, r in enumerate(requests):

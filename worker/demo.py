@@ -64,8 +64,7 @@ def start_worker(stack: ExitStack, console, url: str, args: argparse.Namespace) 
     stop, loaded, box = threading.Event(), threading.Event(), {}
 
     def serve() -> None:
-        # load and step the model on this one thread: torch work on a second thread would give it a second
-        # OpenMP pool, and with more OpenMP threads than cores libgomp stops spinning and every step slows ~50%
+        # load and step the model on this one thread: stepped on another it runs ~50% slower (ModelRunner warns why)
         try:
             box["worker"] = Worker(url, build_engine(settings), namespace=args.namespace, settings=settings)
         except BaseException as e:

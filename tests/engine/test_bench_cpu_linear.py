@@ -1,4 +1,4 @@
-"""kernels.bench_cpu_linear runs end to end and reports every projection with a matching result."""
+"""engine.bench_cpu_linear runs end to end and reports every projection with a matching result."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from kernels import bench_cpu_linear
+from engine import bench_cpu_linear
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")

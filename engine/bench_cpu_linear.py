@@ -1,13 +1,12 @@
 """CPU GEMM micro-benchmark: PyTorch's default `F.linear` (MKL) against the oneDNN-packed `PackedLinear` on
 W-CPU's model (SmolLM2-135M) projections, float32, interleaved and reported as the median of N calls.
 
-    python -m kernels.bench_cpu_linear [--rows 1,32,256] [--repeats 50] [--json PATH]
+    python -m engine.bench_cpu_linear [--rows 1,32,256] [--repeats 50] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -26,14 +25,6 @@ class Result:
     onednn_ms: float
     speedup: float
     max_abs_diff: float
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def medians_ms(fns, repeats: int) -> list[float]:
@@ -58,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
+    from engine.bench_report import cpu_model
     from kernels.cpu_linear import PackedLinear
 
     print(f"# {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, float32")
