@@ -32,7 +32,8 @@ WORKLOADS = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload and its scaling, shared with `kvfleet bench steps`."""
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu", help="cpu: W-CPU, gpu: W-GPU")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.add_argument("--model", action="append", help="model(s) instead of the workload's (repeatable)")
@@ -40,19 +41,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt", type=int, help="cap the prompt length range")
     parser.add_argument("--max-output", type=int, help="cap the output length range")
     parser.add_argument("--max-num-seqs", type=int, help="kvfleet's cap and the static batch size")
-    parser.add_argument("--contestants", default=",".join(CONTESTANTS), help="comma-separated subset")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of random weights")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument("--contestants", default=",".join(CONTESTANTS), help="comma-separated subset")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of every contestant, interleaved; each figure is its median round (a shared "
                              "machine drifts between contestants run minutes apart)")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from engine.bench_report import machine_info, print_header, print_model_result, versions
+    from engine.llm_engine import resolve_device
 
     workload = scaled_workload(args)
     contestants = [c.strip() for c in args.contestants.split(",") if c.strip()]
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown contestants {sorted(unknown)}; choose from {', '.join(CONTESTANTS)}")
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: pass 1 or more rounds")
-    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     report = {"workload": workload.name, "machine": machine_info(device), "versions": versions(),
               "settings": {**settings_of(workload, device), "repeats": args.repeats}, "notes": notes_of(device)}
     print_header(report)

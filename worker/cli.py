@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("engine.bench", "W-CPU / W-GPU: kvfleet continuous vs static vs HF transformers"),
+    "steps": ("engine.bench_steps", "W-CPU once per scheduling policy, every engine step timed; --profile N"),
     "queue": ("worker.bench_queue", "W-QUEUE: throughput and per-job overhead through Redis"),
     "fleet": ("worker.bench_fleet", "W-FLEET: simulated fleet, capacity admission vs fixed prefetch"),
 }

@@ -132,3 +132,18 @@ def test_hf_static_on_gpu_workload_halves_its_batch_until_it_fits(tiny_model, mo
     m = bench.ModelRun(resolve_model(tiny_model), [BenchRequest([1, 2, 3], 2)] * 3, workload, torch.device("cpu"))
     result = bench.run_hf_static(m)
     assert tried == [1, 8, 4, 2] and result.notes == "batch 2"
+
+
+def test_steps_bench_times_every_step_of_each_policy_and_profiles_decode(tiny_model, tmp_path):
+    out = tmp_path / "steps.json"
+    assert main(["bench", "steps", "--model", tiny_model, "--num-requests", "5", "--max-prompt", "24",
+                 "--max-output", "7", "--max-num-seqs", "2", "--profile", "2", "--json", str(out)]) == 0
+    entry = json.loads(out.read_text())["models"][tiny_model]
+    assert set(entry) == {"continuous", "static", "profile"}
+    for policy in ("continuous", "static"):
+        r = entry[policy]
+        assert r["prefill_or_mixed"]["steps"] + r["decode"]["steps"] == r["steps"] >= 7
+        assert r["seconds"] == pytest.approx(r["prefill_or_mixed"]["seconds"] + r["decode"]["seconds"])
+        assert 1 <= r["decode"]["mean_seqs"] <= 2 and set(r["decode"]["mean_ms_by_seqs"]) == {"4"}
+    assert entry["continuous"]["steps"] <= entry["static"]["steps"]  # refills never wait for a whole batch
+    assert "Self CPU" in entry["profile"]
