@@ -36,6 +36,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvfleet bench engine --repeats 3 --json bench-engine.json
+	$(VENV)/bin/kvfleet bench steps --profile 10 --json bench-steps.json
 	$(VENV)/bin/kvfleet bench queue --json bench-queue.json
 	$(VENV)/bin/kvfleet bench fleet --json bench-fleet.json --plot deploy/w-fleet.png
 
