@@ -10,8 +10,14 @@ import torch
 from torch import nn
 
 
+def onednn_linear_available() -> bool:
+    """The two ops are private to torch: a build without them keeps `F.linear` rather than failing to load."""
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_linear_available()
 
 
 class PackedLinear(nn.Module):

@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from engine import bench_cpu_linear
+from kernels.cpu_linear import onednn_linear_available
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear")
 def test_cpu_linear_bench_reports_each_layer_matching_f_linear(tmp_path, capsys):
     path = tmp_path / "gemm.json"
     assert bench_cpu_linear.main(["--rows", "1,3", "--repeats", "2", "--json", str(path)]) == 0

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from helpers import BLOCK_BYTES, hf_greedy, random_prompts, tiny_source
-from kernels.cpu_linear import PackedLinear
+from kernels.cpu_linear import PackedLinear, onednn_linear_available
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 VARIANTS = ["llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "qwen3"]
@@ -76,7 +76,7 @@ def test_prefix_cache_hits_on_a_second_run_and_changes_nothing(llama_reference):
     assert [o.token_ids for o in first] == [o.token_ids for o in second] == expected
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear")
 @pytest.mark.parametrize("variant", ["llama", "llama_tied"])
 def test_the_cpu_engine_runs_every_projection_and_the_lm_head_packed(variant):
     source, hf = tiny_source(variant, seed=4)

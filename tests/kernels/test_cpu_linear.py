@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_linear
 from kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+pytestmark = pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="this torch build has no oneDNN linear")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32, 300])
@@ -32,3 +33,9 @@ def test_pack_linears_replaces_float32_cpu_layers_only():
     assert type(model[3]) is nn.Linear and not can_pack(model[3].weight)  # float64 keeps the BLAS path
     torch.testing.assert_close(model[:3](x), expected, rtol=1e-5, atol=1e-5)
 
+
+
+def test_a_torch_build_without_the_onednn_ops_keeps_f_linear(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "onednn_linear_available", lambda: False)
+    model = nn.Sequential(nn.Linear(8, 16))
+    assert pack_linears(model, rows_hint=4) == 0 and type(model[0]) is nn.Linear
