@@ -199,17 +199,31 @@ def ratios(results: dict) -> dict:
             if name != "kvfleet_continuous"}
 
 
+def kvfleet_llm(m: ModelRun, scheduling: str):
+    """The kvfleet engine as every kvfleet contestant runs it (also `kvfleet bench steps`)."""
+    from engine import LLM
+
+    return LLM(m.source, device=str(m.device), dtype=m.workload.dtype, max_num_seqs=m.workload.max_num_seqs,
+               max_model_len=m.max_model_len, scheduling=scheduling, seed=0)
+
+
+def greedy_params(requests) -> list:
+    """Greedy, each request exactly its own number of tokens."""
+    from engine import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+
+
 def run_kvfleet(m: ModelRun, scheduling: str):
     import time
 
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
     from engine.bench_hf import RunResult, synchronize
 
-    llm = LLM(m.source, device=str(m.device), dtype=m.workload.dtype, max_num_seqs=m.workload.max_num_seqs,
-              max_model_len=m.max_model_len, scheduling=scheduling, seed=0)
+    llm = kvfleet_llm(m, scheduling)
     warmup = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([m.requests[0].prompt_ids[:8]], [warmup], use_tqdm=False)
-    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in m.requests]
+    params = greedy_params(m.requests)
     synchronize(m.device)
     steps_before, start = llm.engine.steps, time.perf_counter()
     outputs = llm.generate([r.prompt_ids for r in m.requests], params, use_tqdm=True)

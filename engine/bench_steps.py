@@ -10,6 +10,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from engine.bench import (ModelRun, add_workload_arguments, greedy_params, kvfleet_llm, make_requests,
+                          scaled_workload, settings_of)
+
 POLICIES = ("continuous", "static")
 
 
@@ -25,15 +28,12 @@ class StepTime:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.bench import add_workload_arguments
-
     add_workload_arguments(parser)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N decode steps at the full batch (continuous) and print the top ops")
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.bench import make_requests, scaled_workload, settings_of
     from engine.bench_report import machine_info, print_header, versions
     from engine.llm_engine import resolve_device
     from engine.loader import resolve_model
@@ -45,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     print_header(report)
     for model in workload.models:
         source = resolve_model(model, seed=args.seed)
-        requests = make_requests(workload, source.config.vocab_size, args.seed)
-        entry = {policy: summarize(timed_pass(source, requests, workload, device, policy)) for policy in POLICIES}
+        m = ModelRun(source, make_requests(workload, source.config.vocab_size, args.seed), workload, device)
+        entry = {policy: summarize(timed_pass(m, policy)) for policy in POLICIES}
         if args.profile:
-            entry["profile"] = profile_decode(source, requests, workload, device, args.profile)
+            entry["profile"] = profile_decode(m, args.profile)
         report["models"][model] = entry
         print_entry(model, entry)
     if args.json:
@@ -57,33 +57,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_llm(source, workload, device, policy: str):
-    from engine import LLM
-
-    return LLM(source, device=str(device), dtype=workload.dtype, max_num_seqs=workload.max_num_seqs,
-               max_model_len=workload.prompt_len[1] + workload.output_len[1], scheduling=policy, seed=0)
-
-
-def timed_pass(source, requests, workload, device, policy: str) -> list[StepTime]:
+def timed_pass(m: ModelRun, policy: str) -> list[StepTime]:
     """Every request to completion under `policy`, each `ModelRunner.run` (one engine step's forward and
     sampling) timed."""
-    from engine import SamplingParams
     from engine.bench_hf import synchronize
 
-    llm = build_llm(source, workload, device, policy)
+    llm = kvfleet_llm(m, policy)
     runner, steps = llm.engine.runner, []
     forward = runner.run
 
     def timed(batch):
         start = time.perf_counter()
         out = forward(batch)
-        synchronize(device)
+        synchronize(m.device)
         steps.append(StepTime(time.perf_counter() - start, len(batch), sum(n for _, n in batch)))
         return out
 
     runner.run = timed
-    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
-    llm.generate([r.prompt_ids for r in requests], params, use_tqdm=True)
+    llm.generate([r.prompt_ids for r in m.requests], greedy_params(m.requests), use_tqdm=True)
     return steps
 
 
@@ -100,14 +91,13 @@ def summarize(steps: list[StepTime]) -> dict:
                        "mean_ms_by_seqs": {k: 1e3 * statistics.fmean(v) for k, v in sorted(by_batch.items())}}}
 
 
-def profile_decode(source, requests, workload, device, steps: int) -> str:
+def profile_decode(m: ModelRun, steps: int) -> str:
     """The top ops of `steps` decode steps once the first full batch is prefilled."""
     from torch.profiler import profile
 
     from engine import SamplingParams
 
-    llm = build_llm(source, workload, device, "continuous")
-    engine, batch = llm.engine, requests[: workload.max_num_seqs]
+    engine, batch = kvfleet_llm(m, "continuous").engine, m.requests[: m.workload.max_num_seqs]
     for i, r in enumerate(batch):
         engine.add_request(str(i), r.prompt_ids, SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
     while len(engine.step()) < len(batch):  # until every prompt is prefilled, in chunks or not
