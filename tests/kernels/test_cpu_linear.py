@@ -34,7 +34,6 @@ def test_pack_linears_replaces_float32_cpu_layers_only():
     torch.testing.assert_close(model[:3](x), expected, rtol=1e-5, atol=1e-5)
 
 
-
 def test_a_torch_build_without_the_onednn_ops_keeps_f_linear(monkeypatch):
     monkeypatch.setattr(cpu_linear, "onednn_linear_available", lambda: False)
     model = nn.Sequential(nn.Linear(8, 16))
