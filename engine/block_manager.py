@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from kvgate.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    """$KVFLEET_CACHE/models, or ~/.cache/kvfleet/models."""
-    return Path(os.environ.get("KVFLEET_CACHE", "~/.cache/kvfleet")).expanduser() / "models"
+    """$KVGATE_CACHE/models, or ~/.cache/kvgate/models."""
+    return Path(os.environ.get("KVGATE_CACHE", "~/.cache/kvgate")).expanduser() / "models"
 
 
 def cache_name(gguf_path: Path) -> str:

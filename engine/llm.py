@@ -6,9 +6,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.models import build_model
-from engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.model_runner import ModelRunner
+from kvgate.engine.models import build_model
+from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.scheduler import Scheduler
+from kvgate.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class LLMEngine:
     def _resolve(model: Any, seed: int) -> Any:
         if not isinstance(model, str):
             return model
-        from engine.loader import resolve_model  # heavy: transformers, gguf
+        from kvgate.engine.loader import resolve_model  # heavy: transformers, gguf
         return resolve_model(model, seed=seed)
 
     def _eos_ids(self, hf_config: Any) -> set[int]:

@@ -56,7 +56,7 @@ def resolve_model(name: str, *, seed: int = 0) -> ModelSource:
         return _folder_source(name, _bundled_folder(name), seed)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        from engine.gguf_convert import converted_folder
+        from kvgate.engine.gguf_convert import converted_folder
 
         return _folder_source(name, converted_folder(path), seed)
     if path.is_dir():
@@ -81,7 +81,7 @@ def _random_source(name: str, seed: int) -> ModelSource:
 
 
 def _bundled_folder(alias: str) -> Path:
-    from engine.gguf_convert import converted_folder
+    from kvgate.engine.gguf_convert import converted_folder
 
     package, file_name = ALIASES[alias]
     # find_spec, not import: the package's __init__ imports llama_cpp, which we neither need nor install.

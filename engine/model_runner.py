@@ -9,10 +9,10 @@ import threading
 
 import torch
 
-from engine.models import AttentionMetadata, LlamaForCausalLM
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM
+from kvgate.engine.sampler import Sampler
+from kvgate.engine.scheduler import ScheduledBatch
+from kvgate.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -135,7 +135,7 @@ class ModelRunner:
     def _warn_foreign_thread(self) -> None:
         logger.warning("this CPU engine was loaded on one thread and is stepped on another: torch gives the second "
                        "thread an OpenMP pool of its own, and with more OpenMP threads than cores every step can run "
-                       "~50%% slower; load and step it on the same thread, as `kvfleet worker` does")
+                       "~50%% slower; load and step it on the same thread, as `kvgate worker` does")
         self.home_thread = None  # said once
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import Sequence
+from kvgate.engine.sequence import Sequence
 
 
 def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.sequence import Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute this step)
 

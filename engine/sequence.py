@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from kvgate.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -11,8 +11,8 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
-from engine.sampling_params import SamplingParams
+from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
+from kvgate.engine.sampling_params import SamplingParams
 
 
 def _cdiv(a: int, b: int) -> int:

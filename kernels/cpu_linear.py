@@ -3,7 +3,7 @@
 PyTorch sends a float32 `F.linear` on CPU to MKL's sgemm, known to give non-Intel processors (this project's
 CI VMs are AMD EPYCs) slower code paths. oneDNN chooses its kernels from the CPU's own features, and a
 prepacked weight is not repacked on every call. On W-CPU's shapes at 32 rows this is 1.3-2.7x faster per GEMM
-(`python -m engine.bench_cpu_linear`), and a 32-sequence decode step's GEMMs take 53 ms instead of 95."""
+(`python -m kvgate.bench.cpu_linear`), and a 32-sequence decode step's GEMMs take 53 ms instead of 95."""
 from __future__ import annotations
 
 import torch

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.config import AttentionConfig, decode_config, launch_fitted
-from kernels.paged_kv import LOG2E, dot_precision, kv_tile_offsets, online_softmax_step
+from kvgate.kernels.config import AttentionConfig, decode_config, launch_fitted
+from kvgate.kernels.paged_kv import LOG2E, dot_precision, kv_tile_offsets, online_softmax_step
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32

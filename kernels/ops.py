@@ -10,7 +10,7 @@
 | rotary          | rotary.py: neox style, q and k in one launch                     | rotary              |
 | silu_and_mul    | activation.py                                                    | silu_and_mul        |
 Not dispatched here: on CPU in float32 the model's projections and lm_head are swapped at load for
-cpu_linear.py's oneDNN-prepacked GEMMs (engine/bench_cpu_linear.py times them against F.linear).
+cpu_linear.py's oneDNN-prepacked GEMMs (kvgate/bench/cpu_linear.py times them against F.linear).
 Shared: paged_kv.py (KV gather through block tables, online softmax), config.py (tiles, warps,
 stages per GPU generation and dtype; steps down if shared memory runs out), bench.py (timings).
 
@@ -19,13 +19,13 @@ in float32 (norm/activation/store also fp16) on small shapes: GQA groups 1/3/7, 
 page-boundary lengths, -1 slots and block-table padding, 1..8 decode splits with empty splits,
 zero-context padding rows, cached prefixes, chunks beside decode rows, head size 24, strided
 per-layer cache views; this dispatch;
-the config fallback; `python -m kernels.bench --tiny`.
+the config fallback; `python -m kvgate.bench.kernels --tiny`.
 Owed on a GPU: tests/kernels/test_kernel_gpu.py (compiled; bf16, fp16, fp32; Qwen2.5/Qwen3/Llama
-head layouts, pages 16/256, contexts to 4096, CUDA-graph replay) and `python -m kernels.bench`
+head layouts, pages 16/256, contexts to 4096, CUDA-graph replay) and `python -m kvgate.bench.kernels`
 (time vs the twin, GB/s vs a same-run copy).
 
-Dispatch: KVFLEET_KERNELS=triton forces the kernels (with TRITON_INTERPRET=1 they run on CPU),
-KVFLEET_KERNELS=reference forces the twins; unset, CUDA tensors take Triton when it imports.
+Dispatch: KVGATE_KERNELS=triton forces the kernels (with TRITON_INTERPRET=1 they run on CPU),
+KVGATE_KERNELS=reference forces the twins; unset, CUDA tensors take Triton when it imports.
 The decode choice needs no host sync: each scheduled sequence has at least one new query, so
 "one query each" is exactly "as many query rows as sequences".
 """
@@ -37,7 +37,7 @@ from functools import lru_cache
 
 import torch
 
-from kernels import reference
+from kvgate.kernels import reference
 
 __all__ = ["store_kvcache", "paged_attention", "rms_norm", "rotary", "silu_and_mul"]
 
@@ -48,7 +48,7 @@ def _triton_importable() -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    forced = os.environ.get("KVFLEET_KERNELS", "")
+    forced = os.environ.get("KVGATE_KERNELS", "")
     if forced == "reference":
         return False
     if forced == "triton":
@@ -60,7 +60,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     if not use_triton(key):
         return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    from kernels.store_kvcache import store_kvcache as kernel
+    from kvgate.kernels.store_kvcache import store_kvcache as kernel
     kernel(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -69,9 +69,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not use_triton(q):
         return reference.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     if q.shape[0] == cu_seqlens_q.numel() - 1:
-        from kernels.decode_attention import decode_attention as kernel
+        from kvgate.kernels.decode_attention import decode_attention as kernel
     else:
-        from kernels.prefill_attention import prefill_attention as kernel
+        from kvgate.kernels.prefill_attention import prefill_attention as kernel
     return kernel(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
@@ -79,19 +79,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not use_triton(x):
         return reference.rms_norm(x, weight, eps, residual)
-    from kernels.rmsnorm import rms_norm as kernel
+    from kvgate.kernels.rmsnorm import rms_norm as kernel
     return kernel(x, weight, eps, residual)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not use_triton(q):
         return reference.rotary(q, k, cos, sin)
-    from kernels.rotary import rotary as kernel
+    from kvgate.kernels.rotary import rotary as kernel
     return kernel(q, k, cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if not use_triton(x):
         return reference.silu_and_mul(x)
-    from kernels.activation import silu_and_mul as kernel
+    from kvgate.kernels.activation import silu_and_mul as kernel
     return kernel(x)

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.config import AttentionConfig, launch_fitted, prefill_config
-from kernels.paged_kv import LOG2E, dot_precision, kv_tile_offsets, online_softmax_step
+from kvgate.kernels.config import AttentionConfig, launch_fitted, prefill_config
+from kvgate.kernels.paged_kv import LOG2E, dot_precision, kv_tile_offsets, online_softmax_step
 
 
 @triton.jit

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.config import elementwise_warps
+from kvgate.kernels.config import elementwise_warps
 
 
 @triton.jit

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class AsyncClient:
     """Like Client, for asyncio: `async with AsyncClient(url) as c: r = await (await c.submit(...)).result()`."""
 
-    def __init__(self, redis_url: str | None = None, namespace: str = "kvfleet", *, max_backlog: int | None = None,
+    def __init__(self, redis_url: str | None = None, namespace: str = "kvgate", *, max_backlog: int | None = None,
                  backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
                  reply_ttl_s: int = 3600):
         self.url = resolve_url(redis_url)
@@ -54,7 +54,7 @@ class AsyncClient:
             group_commands(pipe, self.keys)
             check_group_replies(await pipe.execute(raise_on_error=False))
         conn = aioredis.Redis.from_url(self.url, socket_timeout=self._state.block_ms / 1000 + 10)
-        self._reader = asyncio.create_task(self._read(conn), name=f"kvfleet-reply-{self.client_id[:6]}")
+        self._reader = asyncio.create_task(self._read(conn), name=f"kvgate-reply-{self.client_id[:6]}")
         return self
 
     # -- submitting -------------------------------------------------------------------------------

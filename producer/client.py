@@ -36,7 +36,7 @@ def check_client_id(client_id: str) -> str:
 class Client:
     """A producer bound to one Redis namespace, with its own unguessable reply stream and reader thread."""
 
-    def __init__(self, redis_url: str | None = None, namespace: str = "kvfleet", *, max_backlog: int | None = None,
+    def __init__(self, redis_url: str | None = None, namespace: str = "kvgate", *, max_backlog: int | None = None,
                  backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
                  reply_ttl_s: int = 3600):
         self.url = resolve_url(redis_url)

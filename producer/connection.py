@@ -7,17 +7,17 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from .errors import ConnectionFailed, KvfleetError
+from .errors import ConnectionFailed, KvgateError
 
-URL_ENV = "KVFLEET_REDIS_URL"
+URL_ENV = "KVGATE_REDIS_URL"
 
 
 def resolve_url(redis_url: str | None) -> str:
     url = redis_url or os.environ.get(URL_ENV)
     if not url:
-        raise KvfleetError(f"no Redis URL: pass redis_url=..., set {URL_ENV}, or start one with `kvfleet redis`")
+        raise KvgateError(f"no Redis URL: pass redis_url=..., set {URL_ENV}, or start one with `kvgate redis`")
     if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise KvfleetError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss:// or unix://")
+        raise KvgateError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss:// or unix://")
     return url
 
 

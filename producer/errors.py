@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-class KvfleetError(Exception):
+class KvgateError(Exception):
     """Base class of every error the SDK raises on purpose."""
 
 
@@ -20,7 +20,7 @@ class FieldError:
         return f"{self.field}={shown}: {self.reason}"
 
 
-class InvalidRequest(KvfleetError, ValueError):
+class InvalidRequest(KvgateError, ValueError):
     """A submit argument failed validation; nothing was enqueued."""
 
     def __init__(self, errors: list[FieldError]):
@@ -31,7 +31,7 @@ class InvalidRequest(KvfleetError, ValueError):
         super().__init__(f"invalid request ({listed}); fix the argument and submit again, nothing was enqueued")
 
 
-class Backpressure(KvfleetError):
+class Backpressure(KvgateError):
     """The fleet's backlog is at or over the client's max_backlog."""
 
     def __init__(self, backlog: int, max_backlog: int):
@@ -40,7 +40,7 @@ class Backpressure(KvfleetError):
                          "add workers, or create the Client with backpressure='wait'")
 
 
-class IdempotencyConflict(KvfleetError):
+class IdempotencyConflict(KvgateError):
     """An idempotency key was reused with a different request body."""
 
     def __init__(self, key: str, job_id: str):
@@ -49,7 +49,7 @@ class IdempotencyConflict(KvfleetError):
                          "use a new key for a different request")
 
 
-class ResultTimeout(KvfleetError, TimeoutError):
+class ResultTimeout(KvgateError, TimeoutError):
     """No final result arrived in time; the job may still finish (see Client.get)."""
 
     def __init__(self, job_id: str, timeout: float):
@@ -58,10 +58,10 @@ class ResultTimeout(KvfleetError, TimeoutError):
                          "with Client.get(job_id)")
 
 
-class ConnectionFailed(KvfleetError, ConnectionError):
+class ConnectionFailed(KvgateError, ConnectionError):
     """Redis could not be reached; the URL is shown with its password masked."""
 
     def __init__(self, url: str, cause: BaseException | str):
         self.url, self.cause = url, cause
-        super().__init__(f"cannot reach Redis at {url}: {cause}; check that it runs (`kvfleet redis` starts one) "
+        super().__init__(f"cannot reach Redis at {url}: {cause}; check that it runs (`kvgate redis` starts one) "
                          "and that the URL and credentials are right")

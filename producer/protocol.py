@@ -215,7 +215,7 @@ class Keys:
 
     GROUP = "workers"
 
-    def __init__(self, namespace: str = "kvfleet"):
+    def __init__(self, namespace: str = "kvgate"):
         if not namespace or any(c in namespace for c in " \n\r\t{}"):
             raise ValueError(f"namespace {namespace!r} must be non-empty with no whitespace or braces")
         self.ns = namespace
@@ -248,7 +248,7 @@ class Keys:
         return f"{self.ns}:worker:*"
 
 
-# Fields of the `{ns}:worker:<id>` heartbeat hash; shared by the worker, `kvfleet stats/top` and the exporter.
+# Fields of the `{ns}:worker:<id>` heartbeat hash; shared by the worker, `kvgate stats/top` and the exporter.
 HEARTBEAT_FIELDS = (
     "worker_id", "model", "started_at", "updated_at", "state",  # state: serving | draining
     "running", "waiting", "max_num_seqs", "free_blocks", "total_blocks", "block_size",

@@ -1,6 +1,6 @@
 """Backlog, pending and live workers per queue, read from Redis by any process.
 
-Shared by Client.stats(), `kvfleet stats`, `kvfleet top` and the exporter: plain functions over a
+Shared by Client.stats(), `kvgate stats`, `kvgate top` and the exporter: plain functions over a
 redis.Redis and Keys. Lag (entries not yet delivered to the group) comes from XINFO GROUPS on
 Redis 7. Redis 6.2 has no `lag` there (and 7 reports none after some deletions), so it is counted
 from the group's last-delivered-id: lag = XLEN - entries with id <= last-delivered-id when that side

@@ -102,7 +102,7 @@ class ReplyReader(threading.Thread):
     """The Client's reader thread; its own connection, so a blocking read never holds the client's pool."""
 
     def __init__(self, conn: redis.Redis, state: ReaderState):
-        super().__init__(name=f"kvfleet-reply-{state.client_id[:6]}", daemon=True)
+        super().__init__(name=f"kvgate-reply-{state.client_id[:6]}", daemon=True)
         self.conn, self.state = conn, state
         self._stopping = threading.Event()
 

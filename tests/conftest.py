@@ -94,10 +94,10 @@ def namespace(request) -> str:
 
 def pytest_collection_modifyitems(config, items):
     """Heavy and GPU-only tests are skipped with a stated reason, never silently."""
-    run_slow = os.environ.get("KVFLEET_SLOW") == "1"
+    run_slow = os.environ.get("KVGATE_SLOW") == "1"
     has_gpu = torch.cuda.is_available()
     for item in items:
         if "slow" in item.keywords and not run_slow:
-            item.add_marker(pytest.mark.skip(reason="slow test: set KVFLEET_SLOW=1 to run it"))
+            item.add_marker(pytest.mark.skip(reason="slow test: set KVGATE_SLOW=1 to run it"))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none on this machine"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from producer.protocol import Job
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.producer.protocol import Job
 
 
 @dataclass(slots=True)

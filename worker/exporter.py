@@ -1,7 +1,7 @@
-"""`kvfleet exporter`: queue and fleet gauges read from Redis at scrape time.
+"""`kvgate exporter`: queue and fleet gauges read from Redis at scrape time.
 
-One process per kvfleet namespace is enough; it holds no state, so any number of replicas agree. The label is
-`kvfleet_namespace` because Prometheus already puts the Kubernetes `namespace` on every target. The figures
+One process per kvgate namespace is enough; it holds no state, so any number of replicas agree. The label is
+`kvgate_namespace` because Prometheus already puts the Kubernetes `namespace` on every target. The figures
 come from producer.queue_stats, which also counts lag on Redis 6.2 (no `lag` in XINFO GROUPS).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import redis
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from producer.protocol import Keys
-from producer.queue_stats import PriorityStats, QueueStats, read_queue_stats
+from kvgate.producer.protocol import Keys
+from kvgate.producer.queue_stats import PriorityStats, QueueStats, read_queue_stats
 
 
 class FleetCollector:
@@ -28,8 +28,8 @@ class FleetCollector:
 
     def collect(self):
         ns = self.keys.ns
-        up = GaugeMetricFamily("kvfleet_exporter_redis_up", "1 if the last scrape could read Redis",
-                               labels=["kvfleet_namespace"])
+        up = GaugeMetricFamily("kvgate_exporter_redis_up", "1 if the last scrape could read Redis",
+                               labels=["kvgate_namespace"])
         started = time.perf_counter()
         try:
             snap = read_queue_stats(self.client, self.keys)
@@ -41,8 +41,8 @@ class FleetCollector:
         yield up
         yield from _stream_families(ns, list(snap.priorities.values()))
         yield from _fleet_families(ns, snap)
-        took = GaugeMetricFamily("kvfleet_exporter_scrape_seconds", "Time to read the fleet from Redis",
-                                 labels=["kvfleet_namespace"])
+        took = GaugeMetricFamily("kvgate_exporter_scrape_seconds", "Time to read the fleet from Redis",
+                                 labels=["kvgate_namespace"])
         took.add_metric([ns], time.perf_counter() - started)
         yield took
 
@@ -53,7 +53,7 @@ def _stream_families(ns: str, streams: list[PriorityStats]):
              ("queue_length", "Entries in the job stream (XLEN)", "length"),
              ("queue_oldest_job_age_seconds", "Age of the oldest job not yet acknowledged", "oldest_age_s"))
     for name, doc, attr in specs:
-        family = GaugeMetricFamily(f"kvfleet_{name}", doc, labels=["kvfleet_namespace", "priority"])
+        family = GaugeMetricFamily(f"kvgate_{name}", doc, labels=["kvgate_namespace", "priority"])
         for s in streams:
             family.add_metric([ns, s.priority], getattr(s, attr) or 0)  # no age: nothing waits
         yield family
@@ -73,7 +73,7 @@ def _fleet_families(ns: str, snap: QueueStats):
              ("fleet_running_jobs", "Jobs running on live workers", sum(w.running for w in snap.workers)),
              ("dead_stream_length", "Entries in the dead-letter stream", snap.dead))
     for name, doc, value in specs:
-        family = GaugeMetricFamily(f"kvfleet_{name}", doc, labels=["kvfleet_namespace"])
+        family = GaugeMetricFamily(f"kvgate_{name}", doc, labels=["kvgate_namespace"])
         family.add_metric([ns], value)
         yield family
 
@@ -85,9 +85,9 @@ def build_registry(client: redis.Redis, keys: Keys) -> CollectorRegistry:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=int(os.environ.get("KVFLEET_EXPORTER_PORT", "9400")),
-                        help="HTTP port for /metrics (env KVFLEET_EXPORTER_PORT, default 9400)")
-    parser.add_argument("--addr", default=os.environ.get("KVFLEET_EXPORTER_ADDR", "0.0.0.0"),
+    parser.add_argument("--port", type=int, default=int(os.environ.get("KVGATE_EXPORTER_PORT", "9400")),
+                        help="HTTP port for /metrics (env KVGATE_EXPORTER_PORT, default 9400)")
+    parser.add_argument("--addr", default=os.environ.get("KVGATE_EXPORTER_ADDR", "0.0.0.0"),
                         help="address to bind (default 0.0.0.0)")
 
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     url = args.redis_url or "redis://localhost:6379/0"
     client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
     server, _ = start_http_server(args.port, addr=args.addr, registry=build_registry(client, Keys(args.namespace)))
-    print(f"kvfleet exporter: http://{args.addr}:{server.server_port}/metrics for namespace {args.namespace}",
+    print(f"kvgate exporter: http://{args.addr}:{server.server_port}/metrics for namespace {args.namespace}",
           flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

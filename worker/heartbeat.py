@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer.protocol import HEARTBEAT_FIELDS, Keys
+from kvgate.producer.protocol import HEARTBEAT_FIELDS, Keys
 
 
 @dataclass(slots=True)

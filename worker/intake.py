@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
-from producer.protocol import FIELD, Job, Sampling
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.producer.protocol import FIELD, Job, Sampling
 
 FIELD_BYTES = FIELD.encode()
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import redis
 
-from producer.protocol import Keys
-from worker.reader import as_str
+from kvgate.producer.protocol import Keys
+from kvgate.worker.reader import as_str
 
 HANDBACK_IDLE_MS = 10**12  # an entry this idle is past every worker's reclaim timeout: reclaimable at once
 # Renew only what is still pending to us, atomically; return the ids that are not.

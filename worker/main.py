@@ -1,4 +1,4 @@
-"""`kvfleet worker`: load a model (or the simulated engine), then serve jobs from Redis until SIGTERM/SIGINT.
+"""`kvgate worker`: load a model (or the simulated engine), then serve jobs from Redis until SIGTERM/SIGINT.
 
 Imports stay light at module level: torch loads inside `run`, only when a real engine is built.
 """
@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from worker.settings import WorkerSettings
+from kvgate.worker.settings import WorkerSettings
 
 ENGINE_FLAGS = ("model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                 "kv_cache_memory", "scheduling", "seed")
@@ -21,13 +21,13 @@ WORKER_FLAGS = ("worker_id", "metrics_port", "drain_timeout_s", "reclaim_idle_ms
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", help="model alias, HF folder or GGUF file (env KVFLEET_MODEL; default smollm2-135m)")
+    add("--model", help="model alias, HF folder or GGUF file (env KVGATE_MODEL; default smollm2-135m)")
     add("--device"), add("--dtype")
     add("--max-num-seqs", type=int), add("--max-num-batched-tokens", type=int), add("--max-model-len", type=int)
     add("--block-size", type=int), add("--kv-cache-memory", help="KV cache size, e.g. 2GiB")
     add("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None)
     add("--scheduling", choices=("continuous", "static")), add("--seed", type=int)
-    add("--worker-id", help="stable consumer name (env KVFLEET_WORKER_ID; default hostname-pid)")
+    add("--worker-id", help="stable consumer name (env KVGATE_WORKER_ID; default hostname-pid)")
     add("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     add("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds to finish running jobs on SIGTERM")
     add("--reclaim-idle-ms", type=int, help="pending entries idle this long are taken over from dead workers")
@@ -46,21 +46,21 @@ def settings_from(args: argparse.Namespace) -> WorkerSettings:
 
 def build_engine(s: WorkerSettings):
     if s.simulated:
-        from engine.simulated import SimulatedEngine
+        from kvgate.engine.simulated import SimulatedEngine
 
         return SimulatedEngine(s.sim_num_blocks, s.block_size, s.max_num_seqs, s.sim_step_ms / 1000,
                                s.sim_per_token_ms / 1000, s.seed)
-    print(f"kvfleet worker: loading {s.model} (importing torch)...", file=sys.stderr, flush=True)
+    print(f"kvgate worker: loading {s.model} (importing torch)...", file=sys.stderr, flush=True)
     started = time.monotonic()
-    from engine import LLMEngine
+    from kvgate.engine import LLMEngine
 
-    print(f"kvfleet worker: building the engine for {s.model} on device={s.device}...", file=sys.stderr, flush=True)
+    print(f"kvgate worker: building the engine for {s.model} on device={s.device}...", file=sys.stderr, flush=True)
     engine = LLMEngine(s.model, device=s.device, dtype=s.dtype, max_num_seqs=s.max_num_seqs,
                        max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
                        block_size=s.block_size, kv_cache_memory=s.kv_cache_memory,
                        enable_prefix_caching=s.prefix_caching, scheduling=s.scheduling, seed=s.seed)
     stats = engine.stats
-    print(f"kvfleet worker: {s.model} ready in {time.monotonic() - started:.1f}s "
+    print(f"kvgate worker: {s.model} ready in {time.monotonic() - started:.1f}s "
           f"({stats.total_blocks} KV blocks of {stats.block_size} tokens)", file=sys.stderr, flush=True)
     return engine
 
@@ -69,7 +69,7 @@ def install_signals(stop: threading.Event) -> None:
     def on_signal(signum, _frame):
         if stop.is_set():  # a second signal: stop waiting for running jobs
             raise KeyboardInterrupt
-        logging.getLogger("kvfleet.worker").info("signal %s: draining", signal.Signals(signum).name)
+        logging.getLogger("kvgate.worker").info("signal %s: draining", signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -83,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     install_signals(stop)
     engine = build_engine(s)
-    from worker.worker import Worker
+    from kvgate.worker.worker import Worker
 
     worker = Worker(s.redis_url, engine, namespace=s.namespace, worker_id=s.worker_id, settings=s)
     if s.metrics_port:
         worker.metrics.serve(s.metrics_port)
-    print(f"kvfleet worker {worker.worker_id}: serving {s.redis_url} namespace {s.namespace}",
+    print(f"kvgate worker {worker.worker_id}: serving {s.redis_url} namespace {s.namespace}",
           file=sys.stderr, flush=True)
     return worker.run(stop)

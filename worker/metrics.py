@@ -1,4 +1,4 @@
-"""Per-worker Prometheus metrics (prefix `kvfleet_`), fed by hooks the worker calls.
+"""Per-worker Prometheus metrics (prefix `kvgate_`), fed by hooks the worker calls.
 
 Each WorkerMetrics owns its registry by default, so several workers can live in one process (tests, the
 fleet simulation) without clashing on metric names.
@@ -67,13 +67,13 @@ class WorkerMetrics:
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"kvfleet_{name}", doc, LABELS, registry=r).labels(**self.labels)
+            return Gauge(f"kvgate_{name}", doc, LABELS, registry=r).labels(**self.labels)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"kvfleet_{name}", doc, LABELS, registry=r).labels(**self.labels)
+            return Counter(f"kvgate_{name}", doc, LABELS, registry=r).labels(**self.labels)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"kvfleet_{name}", doc, LABELS, buckets=buckets, registry=r).labels(**self.labels)
+            return Histogram(f"kvgate_{name}", doc, LABELS, buckets=buckets, registry=r).labels(**self.labels)
 
         self.running = gauge("requests_running", "Sequences the engine is running now")
         self.waiting = gauge("requests_waiting", "Sequences admitted to the engine but not yet scheduled")
@@ -98,10 +98,10 @@ class WorkerMetrics:
         self.request_completion_tokens = histogram("request_completion_tokens", "Completion tokens per finished job",
                                                    TOKEN_COUNT_BUCKETS)
         self.cached_tokens = counter("request_cached_tokens", "Prompt tokens of finished jobs served from cache")
-        self._finished = Counter("kvfleet_jobs_finished", "Jobs answered with a final event, by status",
+        self._finished = Counter("kvgate_jobs_finished", "Jobs answered with a final event, by status",
                                  (*LABELS, "status"), registry=r)
         self.redeliveries = counter("redeliveries", "Jobs this worker received that were delivered before")
-        self._dead = Counter("kvfleet_dead_letters", "Jobs this worker moved to the dead stream, by reason",
+        self._dead = Counter("kvgate_dead_letters", "Jobs this worker moved to the dead stream, by reason",
                              (*LABELS, "reason"), registry=r)
         for status in ("done", "error", "expired", "cancelled"):  # so rate() works before the first of each
             self._finished.labels(**self.labels, status=status)

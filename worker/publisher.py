@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer.protocol import FIELD, Delta, Final, Keys, encode
+from kvgate.producer.protocol import FIELD, Delta, Final, Keys, encode
 
 # KEYS: result, reply stream, job stream, dead stream
 # ARGV: payload, result ttl, group, entry id, reply maxlen, reply ttl, field, dead reason ('' = none), dead maxlen,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import redis
 
-from producer.protocol import Keys
+from kvgate.producer.protocol import Keys
 
 # KEYS: job streams, highest priority first; ARGV: group, consumer, count
 READ_LUA = """

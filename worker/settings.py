@@ -1,4 +1,4 @@
-"""Worker settings: flags win over KVFLEET_* environment variables, which win over these defaults."""
+"""Worker settings: flags win over KVGATE_* environment variables, which win over these defaults."""
 from __future__ import annotations
 
 from pydantic import Field
@@ -6,10 +6,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KVFLEET_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "kvfleet"
+    namespace: str = "kvgate"
     worker_id: str | None = None
 
     # engine

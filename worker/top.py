@@ -1,4 +1,4 @@
-"""`kvfleet top`: a live terminal view of the fleet (workers and their KV room, streams and their backlog)."""
+"""`kvgate top`: a live terminal view of the fleet (workers and their KV room, streams and their backlog)."""
 from __future__ import annotations
 
 import argparse
@@ -13,8 +13,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from producer.protocol import Keys
-from producer.queue_stats import QueueStats, read_queue_stats
+from kvgate.producer.protocol import Keys
+from kvgate.producer.queue_stats import QueueStats, read_queue_stats
 
 
 def _age(seconds: float) -> str:
@@ -50,7 +50,7 @@ def _streams_table(snap: QueueStats) -> Table:
 
 def render(snap: QueueStats, namespace: str) -> Group:
     tokens = sum(w.tokens_per_s for w in snap.workers)
-    header = Text.assemble(("kvfleet top", "bold"), f"  namespace {namespace}  ",
+    header = Text.assemble(("kvgate top", "bold"), f"  namespace {namespace}  ",
                            f"free KV {snap.free_kv_tokens:,} tokens  {tokens:,.0f} tokens/s  ",
                            time.strftime("%H:%M:%S"), ("   q to quit", "dim"))
     return Group(header, _workers_table(snap), _streams_table(snap))
@@ -60,7 +60,7 @@ def _frame(client: redis.Redis, keys: Keys):
     try:
         return render(read_queue_stats(client, keys), keys.ns)
     except redis.RedisError as e:
-        return Text(f"kvfleet top: cannot read Redis ({e}); retrying", style="bold red")
+        return Text(f"kvgate top: cannot read Redis ({e}); retrying", style="bold red")
 
 
 @contextlib.contextmanager

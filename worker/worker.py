@@ -16,18 +16,18 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from engine.outputs import RequestRejected, StepOutput
-from producer.protocol import PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job
-from worker.admission import AdmissionQueue, Ticket
-from worker.heartbeat import Heartbeat
-from worker.intake import identify, payload_of, prompt_ids, sampling_params
-from worker.leases import Leases
-from worker.publisher import Finish, Publisher
-from worker.reader import Reader, as_str
-from worker.settings import WorkerSettings
-from worker.trim import trim
+from kvgate.engine.outputs import RequestRejected, StepOutput
+from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job
+from kvgate.worker.admission import AdmissionQueue, Ticket
+from kvgate.worker.heartbeat import Heartbeat
+from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
+from kvgate.worker.leases import Leases
+from kvgate.worker.publisher import Finish, Publisher
+from kvgate.worker.reader import Reader, as_str
+from kvgate.worker.settings import WorkerSettings
+from kvgate.worker.trim import trim
 
-log = logging.getLogger("kvfleet.worker")
+log = logging.getLogger("kvgate.worker")
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
@@ -47,19 +47,19 @@ class NullMetrics:
 
 
 def default_worker_id() -> str:
-    return os.environ.get("KVFLEET_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
+    return os.environ.get("KVGATE_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
 
 
 def make_metrics(worker_id: str, model: str):
     try:
-        from worker.metrics import WorkerMetrics
+        from kvgate.worker.metrics import WorkerMetrics
     except ImportError:
         return NullMetrics()
     return WorkerMetrics(worker_id, model)
 
 
 class Worker:
-    def __init__(self, redis_url: str, engine, *, namespace: str = "kvfleet", worker_id: str | None = None,
+    def __init__(self, redis_url: str, engine, *, namespace: str = "kvgate", worker_id: str | None = None,
                  settings: WorkerSettings | None = None, metrics=None):
         self.engine = engine
         self.settings = s = settings or WorkerSettings(redis_url=redis_url, namespace=namespace)

@@ -1,4 +1,4 @@
-"""`kvfleet batch in.jsonl -o out.jsonl`: an OpenAI Batch file through the fleet, resumable.
+"""`kvgate batch in.jsonl -o out.jsonl`: an OpenAI Batch file through the fleet, resumable.
 
 Lines already answered in the output file are skipped on restart; the rest are submitted with
 idempotency keys derived from the input file's digest and their custom_id, so lines whose jobs are
@@ -15,7 +15,7 @@ from typing import IO
 from tqdm.auto import tqdm
 
 from ..client import Client
-from ..errors import InvalidRequest, KvfleetError, ResultTimeout
+from ..errors import InvalidRequest, KvgateError, ResultTimeout
 from ..openai_batch import (BadLine, BatchRequest, error_line, failed_result_line, file_digest,
                             invalid_request_line, parse_line, success_line)
 from ..submission import prepare
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         data = args.input.read_bytes()
     except OSError as e:
-        print(f"kvfleet batch: cannot read {args.input}: {e}", file=sys.stderr)
+        print(f"kvgate batch: cannot read {args.input}: {e}", file=sys.stderr)
         return 2
     done = answered_ids(args.output)
     try:
@@ -105,10 +105,10 @@ def run(args: argparse.Namespace) -> int:
             todo = read_requests(data, done, args.priority, out, client)
             return _process(client, todo, out, args)
     except ResultTimeout as e:
-        print(f"kvfleet batch: {e}; run the same command again to resume", file=sys.stderr)
+        print(f"kvgate batch: {e}; run the same command again to resume", file=sys.stderr)
         return 3
-    except KvfleetError as e:
-        print(f"kvfleet batch: {e}", file=sys.stderr)
+    except KvgateError as e:
+        print(f"kvgate batch: {e}", file=sys.stderr)
         return 2
 
 
@@ -124,6 +124,6 @@ def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argpa
             failed += result.status != "done"
             _write(out, success_line(req, result) if result.status == "done" else failed_result_line(req, result))
             bar.update(1)
-    print(f"kvfleet batch: {len(handles)} requests answered, {failed} failed; output in {args.output}",
+    print(f"kvgate batch: {len(handles)} requests answered, {failed} failed; output in {args.output}",
           file=sys.stderr)
     return 0

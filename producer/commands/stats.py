@@ -1,4 +1,4 @@
-"""`kvfleet stats`: backlog, pending and oldest age per priority, and the live workers."""
+"""`kvgate stats`: backlog, pending and oldest age per priority, and the live workers."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 import redis
 
 from ..connection import resolve_url, translated
-from ..errors import KvfleetError
+from ..errors import KvgateError
 from ..protocol import Keys
 from ..queue_stats import QueueStats, read_queue_stats
 
@@ -24,8 +24,8 @@ def run(args: argparse.Namespace) -> int:
             r = redis.Redis.from_url(url)
             stats = read_queue_stats(r, Keys(args.namespace))
             r.close()
-    except KvfleetError as e:
-        print(f"kvfleet stats: {e}", file=sys.stderr)
+    except KvgateError as e:
+        print(f"kvgate stats: {e}", file=sys.stderr)
         return 2
     print(json.dumps(stats.to_dict()) if args.json else render(stats, args.namespace))
     return 0

@@ -1,4 +1,4 @@
-"""`kvfleet submit "prompt"`: submit one prompt and print (or stream) its answer."""
+"""`kvgate submit "prompt"`: submit one prompt and print (or stream) its answer."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ import sys
 import msgspec
 
 from ..client import Client
-from ..errors import KvfleetError, ResultTimeout
+from ..errors import KvgateError, ResultTimeout
 
 EXIT_BY_STATUS = {"done": 0, "error": 1, "expired": 1, "cancelled": 1}
 
@@ -38,7 +38,7 @@ def request_from(args: argparse.Namespace) -> dict:
                     stream=args.stream and not args.json)
     if args.raw:
         if args.system:
-            raise SystemExit("kvfleet submit: --system needs the chat template; drop --raw")
+            raise SystemExit("kvgate submit: --system needs the chat template; drop --raw")
         return {"prompt": prompt, **sampling}
     system = [{"role": "system", "content": args.system}] if args.system else []
     return {"messages": [*system, {"role": "user", "content": prompt}], **sampling}
@@ -55,10 +55,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"\ncancelled job {handle.job_id}", file=sys.stderr)
                 return 130
     except ResultTimeout as e:
-        print(f"kvfleet submit: {e}", file=sys.stderr)
+        print(f"kvgate submit: {e}", file=sys.stderr)
         return 3
-    except KvfleetError as e:
-        print(f"kvfleet submit: {e}", file=sys.stderr)
+    except KvgateError as e:
+        print(f"kvgate submit: {e}", file=sys.stderr)
         return 2
 
 

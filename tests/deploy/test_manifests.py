@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from producer.protocol import Keys
+from kvgate.producer.protocol import Keys
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
@@ -61,42 +61,42 @@ def test_workload_selectors_match_their_pod_labels_and_containers_have_images(ki
 
 
 def test_worker_requests_a_gpu_and_its_grace_period_covers_the_drain_timeout():
-    spec = named("Deployment", "kvfleet-worker")["spec"]
+    spec = named("Deployment", "kvgate-worker")["spec"]
     pod, = [spec["template"]["spec"]]
     worker = pod["containers"][0]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == worker["resources"]["requests"]["nvidia.com/gpu"] == "1"
     env = env_of(worker)
-    assert {"KVFLEET_REDIS_URL", "KVFLEET_NAMESPACE", "KVFLEET_WORKER_ID", "KVFLEET_METRICS_PORT"} <= env.keys()
-    drain = float(env["KVFLEET_DRAIN_TIMEOUT_S"])
+    assert {"KVGATE_REDIS_URL", "KVGATE_NAMESPACE", "KVGATE_WORKER_ID", "KVGATE_METRICS_PORT"} <= env.keys()
+    drain = float(env["KVGATE_DRAIN_TIMEOUT_S"])
     assert drain < pod["terminationGracePeriodSeconds"] <= drain + 60
     assert "replicas" not in spec  # KEDA owns the replica count
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert probe in worker
-    metrics_port = int(env["KVFLEET_METRICS_PORT"])
+    metrics_port = int(env["KVGATE_METRICS_PORT"])
     assert {"name": "metrics", "containerPort": metrics_port} in worker["ports"]
     assert worker["livenessProbe"]["httpGet"]["port"] == "metrics"
 
 
 def test_readiness_probe_reads_the_heartbeat_key_the_worker_writes():
-    probe = named("Deployment", "kvfleet-worker")["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    probe = named("Deployment", "kvgate-worker")["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     script = probe["exec"]["command"][-1]
     assert Keys("NS").worker("ID") == "NS:worker:ID"  # the probe builds the key the same way
-    assert ':worker:{os.environ["KVFLEET_WORKER_ID"]}' in script and '"state"' in script
+    assert ':worker:{os.environ["KVGATE_WORKER_ID"]}' in script and '"state"' in script
     compile(script, "readiness", "exec")
 
 
 def test_redis_runs_with_append_only_persistence_and_no_eviction():
-    conf = named("ConfigMap", "kvfleet-redis-config")["data"]["redis.conf"]
+    conf = named("ConfigMap", "kvgate-redis-config")["data"]["redis.conf"]
     assert "appendonly yes" in conf and "maxmemory-policy noeviction" in conf
-    sts = named("StatefulSet", "kvfleet-redis")
+    sts = named("StatefulSet", "kvgate-redis")
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
 
 
 def test_keda_scales_the_worker_to_zero_on_lag_of_every_job_stream():
-    so = named("ScaledObject", "kvfleet-worker")["spec"]
-    assert so["scaleTargetRef"]["name"] == "kvfleet-worker" and so["minReplicaCount"] == 0
+    so = named("ScaledObject", "kvgate-worker")["spec"]
+    assert so["scaleTargetRef"]["name"] == "kvgate-worker" and so["minReplicaCount"] == 0
     assert so["maxReplicaCount"] >= 1
-    keys = Keys("kvfleet")
+    keys = Keys("kvgate")
     streams = set()
     for trigger in so["triggers"]:
         meta = trigger["metadata"]
@@ -109,28 +109,28 @@ def test_keda_scales_the_worker_to_zero_on_lag_of_every_job_stream():
 
 
 def test_pod_and_service_monitors_select_the_worker_and_exporter_ports():
-    worker = named("Deployment", "kvfleet-worker")["spec"]["template"]
-    pm = named("PodMonitor", "kvfleet-worker")["spec"]
+    worker = named("Deployment", "kvgate-worker")["spec"]["template"]
+    pm = named("PodMonitor", "kvgate-worker")["spec"]
     assert pm["selector"]["matchLabels"].items() <= worker["metadata"]["labels"].items()
     assert pm["podMetricsEndpoints"][0]["port"] in {p["name"] for p in worker["spec"]["containers"][0]["ports"]}
-    svc = named("Service", "kvfleet-exporter")
-    sm = named("ServiceMonitor", "kvfleet-exporter")["spec"]
+    svc = named("Service", "kvgate-exporter")
+    sm = named("ServiceMonitor", "kvgate-exporter")["spec"]
     assert sm["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
 
 
 def test_prometheus_rule_carries_exactly_the_alerts_file():
     alerts = yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())
-    assert named("PrometheusRule", "kvfleet")["spec"]["groups"] == alerts["groups"]
+    assert named("PrometheusRule", "kvgate")["spec"]["groups"] == alerts["groups"]
     names = {r["alert"] for g in alerts["groups"] for r in g["rules"]}
-    assert {"KvfleetBacklogGrowing", "KvfleetOldestJobTooOld", "KvfleetDeadLetters", "KvfleetNoLiveWorkers"} <= names
+    assert {"KvGateBacklogGrowing", "KvGateOldestJobTooOld", "KvGateDeadLetters", "KvGateNoLiveWorkers"} <= names
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None,
                     reason="promtool not installed (apt-get install prometheus ships it)")
 def test_alert_rules_pass_promtool_check_rules(tmp_path):
     rule = tmp_path / "prometheusrule.yml"
-    rule.write_text(yaml.safe_dump({"groups": named("PrometheusRule", "kvfleet")["spec"]["groups"]}))
+    rule.write_text(yaml.safe_dump({"groups": named("PrometheusRule", "kvgate")["spec"]["groups"]}))
     for path in (DEPLOY / "prometheus/alerts.yml", rule):
         done = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
@@ -141,34 +141,34 @@ def test_alert_rules_pass_promtool_check_rules(tmp_path):
 def test_no_live_workers_alert_fires_only_with_jobs_waiting(tmp_path):
     """promtool's rule unit tests: zero workers while idle is scale-to-zero, not an outage."""
     (tmp_path / "alerts.yml").write_text((DEPLOY / "prometheus/alerts.yml").read_text())
-    series = lambda name, lbl, values: {"series": f"{name}{{kvfleet_namespace=\"kvfleet\"{lbl}}}", "values": values}
+    series = lambda name, lbl, values: {"series": f"{name}{{kvgate_namespace=\"kvgate\"{lbl}}}", "values": values}
     case = {"rule_files": ["alerts.yml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
-        "input_series": [series("kvfleet_live_workers", "", "0x30"),
-                         series("kvfleet_queue_lag", ',priority="normal"', "0x10 5x20"),
-                         series("kvfleet_queue_pending", ',priority="normal"', "0x30"),
-                         series("kvfleet_exporter_redis_up", "", "1x30")],
+        "input_series": [series("kvgate_live_workers", "", "0x30"),
+                         series("kvgate_queue_lag", ',priority="normal"', "0x10 5x20"),
+                         series("kvgate_queue_pending", ',priority="normal"', "0x30"),
+                         series("kvgate_exporter_redis_up", "", "1x30")],
         "alert_rule_test": [
-            {"eval_time": "9m", "alertname": "KvfleetNoLiveWorkers", "exp_alerts": []},
-            {"eval_time": "25m", "alertname": "KvfleetNoLiveWorkers",
-             "exp_alerts": [{"exp_labels": {"severity": "critical", "kvfleet_namespace": "kvfleet"},
-                             "exp_annotations": {"summary": "kvfleet has jobs waiting and no live worker"}}]}]}]}
+            {"eval_time": "9m", "alertname": "KvGateNoLiveWorkers", "exp_alerts": []},
+            {"eval_time": "25m", "alertname": "KvGateNoLiveWorkers",
+             "exp_alerts": [{"exp_labels": {"severity": "critical", "kvgate_namespace": "kvgate"},
+                             "exp_annotations": {"summary": "kvgate has jobs waiting and no live worker"}}]}]}]}
     (tmp_path / "test.yml").write_text(yaml.safe_dump(case))
     done = subprocess.run(["promtool", "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_grafana_dashboard_has_the_backpressure_and_latency_panels():
-    dash = json.loads((DEPLOY / "grafana/dashboards/kvfleet.json").read_text())
+    dash = json.loads((DEPLOY / "grafana/dashboards/kvgate.json").read_text())
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)) and dash["uid"]
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
-    for needed in ("kvfleet_queue_lag", "kvfleet_jobs_admitted_total", "kvfleet_jobs_finished_total",
-                   "kvfleet_kv_cache_usage_ratio", "kvfleet_kv_free_blocks", "kvfleet_preemptions_total",
-                   "kvfleet_redeliveries_total", "kvfleet_dead_letters_total"):
+    for needed in ("kvgate_queue_lag", "kvgate_jobs_admitted_total", "kvgate_jobs_finished_total",
+                   "kvgate_kv_cache_usage_ratio", "kvgate_kv_free_blocks", "kvgate_preemptions_total",
+                   "kvgate_redeliveries_total", "kvgate_dead_letters_total"):
         assert needed in exprs
     for hist in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
-        assert f"histogram_quantile(0.99, sum by (le) (rate(kvfleet_{hist}_seconds_bucket" in exprs
+        assert f"histogram_quantile(0.99, sum by (le) (rate(kvgate_{hist}_seconds_bucket" in exprs
     for p in dash["panels"]:
         assert {"x", "y", "w", "h"} <= p["gridPos"].keys() and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
 
@@ -186,18 +186,18 @@ def test_compose_stack_has_every_service_and_its_mounted_files_exist():
     prom = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     assert targets == {"worker:9300", "exporter:9400"}
-    assert compose["services"]["worker"]["environment"]["KVFLEET_METRICS_PORT"] == "9300"
+    assert compose["services"]["worker"]["environment"]["KVGATE_METRICS_PORT"] == "9300"
     assert (DEPLOY / "Dockerfile").exists() and (DEPLOY / "README.md").exists()
 
 
-def test_every_kvfleet_variable_in_deploy_is_a_setting_the_worker_reads():
+def test_every_kvgate_variable_in_deploy_is_a_setting_the_worker_reads():
     import re
 
-    from worker.settings import WorkerSettings
+    from kvgate.worker.settings import WorkerSettings
 
-    known = {f"KVFLEET_{name.upper()}" for name in WorkerSettings.model_fields}
-    known |= {"KVFLEET_EXPORTER_PORT", "KVFLEET_EXPORTER_ADDR"}  # read by `kvfleet exporter`
+    known = {f"KVGATE_{name.upper()}" for name in WorkerSettings.model_fields}
+    known |= {"KVGATE_EXPORTER_PORT", "KVGATE_EXPORTER_ADDR"}  # read by `kvgate exporter`
     used = set()
     for path in [*K8S.glob("*.yaml"), DEPLOY / "compose.yaml"]:
-        used |= set(re.findall(r"\bKVFLEET_[A-Z0-9_]+", path.read_text()))
+        used |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", path.read_text()))
     assert used and not used - known, f"unknown settings: {sorted(used - known)}"

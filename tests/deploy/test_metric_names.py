@@ -8,17 +8,17 @@ from types import SimpleNamespace
 
 import yaml
 
-from producer.protocol import Keys
-from worker.exporter import build_registry
-from worker.metrics import WorkerMetrics
+from kvgate.producer.protocol import Keys
+from kvgate.worker.exporter import build_registry
+from kvgate.worker.metrics import WorkerMetrics
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
-NAME = re.compile(r"\bkvfleet_[a-z0-9_]+")
+NAME = re.compile(r"\bkvgate_[a-z0-9_]+")
 BY = re.compile(r"\bby \(([^)]*)\)")
 
 
 def queried_expressions() -> list[str]:
-    dash = json.loads((DEPLOY / "grafana/dashboards/kvfleet.json").read_text())
+    dash = json.loads((DEPLOY / "grafana/dashboards/kvgate.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
     alerts = yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())
@@ -50,8 +50,8 @@ def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
 def test_every_queried_metric_and_grouping_label_is_exported(shared_redis, namespace):
     names, labels = exported(shared_redis, namespace)
     exprs = queried_expressions()
-    queried = {n for e in exprs for n in NAME.findall(e)} - labels  # kvfleet_namespace is a label
-    assert queried, "no kvfleet_ metric found in the dashboard or alerts"
+    queried = {n for e in exprs for n in NAME.findall(e)} - labels  # kvgate_namespace is a label
+    assert queried, "no kvgate_ metric found in the dashboard or alerts"
     assert not queried - names, f"queried but never exported: {sorted(queried - names)}"
     grouped = {label.strip() for e in exprs for group in BY.findall(e) for label in group.split(",")}
     assert not grouped - labels, f"grouped by labels nothing exports: {sorted(grouped - labels)}"
@@ -69,14 +69,14 @@ def test_every_design_metric_is_exported(shared_redis, namespace):
               "preemptions_total", "redeliveries_total", "dead_letters_total",
               "queue_lag", "queue_pending", "queue_length", "queue_oldest_job_age_seconds", "live_workers",
               "fleet_free_kv_blocks", "fleet_free_kv_tokens", "dead_stream_length"]
-    assert not {f"kvfleet_{d}" for d in design} - names
+    assert not {f"kvgate_{d}" for d in design} - names
 
 
 def test_a_real_worker_feeds_the_series_the_dashboard_plots(shared_redis, namespace):
     """Through the production Worker loop, not hand-called hooks: the latency panels would be empty otherwise."""
     import time
 
-    from worker import fleet_sim
+    from kvgate.bench import fleet_sim
 
     keys, client = Keys(namespace), shared_redis.client()
     jobs = fleet_sim.make_jobs(3, fleet_sim.JobMix(max_tokens=(4, 4)), seed=0, clients=1)
@@ -92,9 +92,9 @@ def test_a_real_worker_feeds_the_series_the_dashboard_plots(shared_redis, namesp
         fleet.stop()
     metrics = fleet.workers[0].metrics
     value = lambda name, **kw: metrics.registry.get_sample_value(name, {**metrics.labels, **kw})
-    assert value("kvfleet_jobs_admitted_total") == 3
-    assert value("kvfleet_jobs_finished_total", status="done") == 3
+    assert value("kvgate_jobs_admitted_total") == 3
+    assert value("kvgate_jobs_finished_total", status="done") == 3
     for hist in ("queue_wait", "time_to_first_token", "time_per_output_token", "e2e_request_latency"):
-        assert value(f"kvfleet_{hist}_seconds_count") == 3, hist
-    assert value("kvfleet_generation_tokens_total") == 12
-    assert value("kvfleet_kv_free_blocks") > 0
+        assert value(f"kvgate_{hist}_seconds_count") == 3, hist
+    assert value("kvgate_generation_tokens_total") == 12
+    assert value("kvgate_kv_free_blocks") > 0

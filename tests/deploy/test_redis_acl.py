@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.protocol import Keys
-from producer.queue_stats import read_queue_stats
+from kvgate.producer.protocol import Keys
+from kvgate.producer.queue_stats import read_queue_stats
 from tests.support import free_port
 
 ACL = Path(__file__).parents[2] / "deploy/redis/acl.conf"
@@ -67,21 +67,21 @@ def test_the_default_user_is_off(acl_server):
 
 
 def test_producer_adds_jobs_but_cannot_read_the_job_stream_or_list_keys(acl_server):
-    keys, producer, worker = Keys("kvfleet"), acl_server("producer"), acl_server("worker")
+    keys, producer, worker = Keys("kvgate"), acl_server("producer"), acl_server("worker")
     worker.xgroup_create(keys.jobs("normal"), Keys.GROUP, id="0", mkstream=True)
     producer.xadd(keys.jobs("normal"), {"p": b"job"})
     assert producer.xlen(keys.jobs("normal")) == 1 and producer.xinfo_groups(keys.jobs("normal"))
     assert denied(lambda: producer.xrange(keys.jobs("normal")))
     assert denied(lambda: producer.xread({keys.jobs("normal"): "0"}))
     assert denied(lambda: producer.xreadgroup(Keys.GROUP, "x", {keys.jobs("normal"): ">"}))
-    assert denied(lambda: producer.scan(match="kvfleet:reply:*"))
+    assert denied(lambda: producer.scan(match="kvgate:reply:*"))
     assert denied(lambda: producer.keys("*"))
     assert denied(lambda: producer.xadd(keys.dead(), {"p": b"x"}))
     assert denied(lambda: producer.flushall())
 
 
 def test_producer_reads_a_reply_stream_and_result_it_knows_the_name_of(acl_server):
-    keys, producer, worker = Keys("kvfleet"), acl_server("producer"), acl_server("worker")
+    keys, producer, worker = Keys("kvgate"), acl_server("producer"), acl_server("worker")
     worker.xadd(keys.reply("c-7f3a"), {"p": b"delta"})
     worker.set(keys.result("j1"), b"final")
     assert producer.xread({keys.reply("c-7f3a"): "0"})[0][1][0][1] == {b"p": b"delta"}
@@ -92,7 +92,7 @@ def test_producer_reads_a_reply_stream_and_result_it_knows_the_name_of(acl_serve
 
 
 def test_worker_reads_acks_publishes_and_heartbeats_but_cannot_administer(acl_server):
-    keys, producer, worker = Keys("kvfleet"), acl_server("producer"), acl_server("worker")
+    keys, producer, worker = Keys("kvgate"), acl_server("producer"), acl_server("worker")
     stream = keys.jobs("high")
     worker.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
     producer.xadd(stream, {"p": b"job"})
@@ -112,7 +112,7 @@ def test_worker_reads_acks_publishes_and_heartbeats_but_cannot_administer(acl_se
 
 
 def test_monitor_user_serves_the_exporter_but_writes_nothing(acl_server):
-    keys, producer, monitor = Keys("kvfleet"), acl_server("producer"), acl_server("monitor")
+    keys, producer, monitor = Keys("kvgate"), acl_server("producer"), acl_server("monitor")
     producer.xadd(keys.jobs("low"), {"p": b"job"})
     acl_server("worker").hset(keys.worker("w1"), mapping={"worker_id": "w1", "free_blocks": 7})
     snap = read_queue_stats(monitor, keys)
@@ -122,7 +122,7 @@ def test_monitor_user_serves_the_exporter_but_writes_nothing(acl_server):
 
 
 def test_keda_user_reads_group_lag_only(acl_server):
-    keys, keda = Keys("kvfleet"), acl_server("keda")
+    keys, keda = Keys("kvgate"), acl_server("keda")
     acl_server("worker").xgroup_create(keys.jobs("normal"), Keys.GROUP, id="0", mkstream=True)
     assert keda.xinfo_groups(keys.jobs("normal"))[0]["name"] == Keys.GROUP.encode()
     assert denied(lambda: keda.xrange(keys.jobs("normal")))
@@ -132,21 +132,21 @@ def test_the_real_sdk_and_worker_serve_a_job_under_their_least_privilege_users(a
     """The production code paths, not hand-picked commands: a command missing from acl.conf fails here."""
     import threading
 
-    from engine.simulated import SimulatedEngine
-    from producer.client import Client
-    from worker.settings import WorkerSettings
-    from worker.worker import Worker
+    from kvgate.engine.simulated import SimulatedEngine
+    from kvgate.producer.client import Client
+    from kvgate.worker.settings import WorkerSettings
+    from kvgate.worker.worker import Worker
 
     port = acl_server("monitor").connection_pool.connection_kwargs["port"]
     url = lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0"
-    settings = WorkerSettings(redis_url=url("worker"), namespace="kvfleet", heartbeat_interval_s=0.1)
+    settings = WorkerSettings(redis_url=url("worker"), namespace="kvgate", heartbeat_interval_s=0.1)
     worker = Worker(url("worker"), SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0),
-                    namespace="kvfleet", worker_id="acl-w", settings=settings)
+                    namespace="kvgate", worker_id="acl-w", settings=settings)
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()
     try:
-        with Client(url("producer"), namespace="kvfleet") as client:
+        with Client(url("producer"), namespace="kvgate") as client:
             results = [client.submit(f"hello {i}", max_tokens=4).result(timeout=20) for i in range(3)]
             assert [r.status for r in results] == ["done"] * 3, [r.error for r in results]
     finally:

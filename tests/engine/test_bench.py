@@ -1,4 +1,4 @@
-"""`kvfleet bench engine`, scaled down to a tiny model: the JSON has the agreed shape and every contestant produced
+"""`kvgate bench engine`, scaled down to a tiny model: the JSON has the agreed shape and every contestant produced
 exactly the output tokens each request asked for."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine import bench, bench_report
-from engine.bench_hf import BenchRequest
-from worker.cli import main
+from kvgate.bench import engine as bench, report as bench_report
+from kvgate.bench.hf import BenchRequest
+from kvgate.cli import main
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
@@ -33,25 +33,25 @@ def test_cpu_workload_scaled_down_gives_every_request_exactly_its_tokens(tiny_mo
     assert {"cpu", "cores", "gpu"} <= report["machine"].keys()
     assert {"torch", "transformers", "triton", "redis_server"} <= report["versions"].keys()
     assert set(report["contestants"]) == set(bench.CONTESTANTS)
-    requested = report["contestants"]["kvfleet_continuous"]["requested_tokens"]
+    requested = report["contestants"]["kvgate_continuous"]["requested_tokens"]
     assert requested >= 5
     for name, result in report["contestants"].items():
         assert result["requests"] == 5, name
         assert result["requests_with_wrong_length"] == 0, name
         assert result["output_tokens"] == requested, name
         assert result["output_tok_s"] > 0, name
-    assert set(report["ratios"]) == {f"kvfleet_continuous/{n}" for n in bench.CONTESTANTS[1:]}
+    assert set(report["ratios"]) == {f"kvgate_continuous/{n}" for n in bench.CONTESTANTS[1:]}
 
 
 def test_gpu_workload_code_path_runs_scaled_down_on_cpu_with_a_ceiling(tiny_model, tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "engine", "--workload", "gpu", "--device", "cpu", "--dtype", "float32", "--model",
                  tiny_model, "--num-requests", "3", "--max-prompt", "12", "--max-output", "4", "--json", str(out),
-                 "--contestants", "kvfleet_continuous,hf_static"]) == 0
+                 "--contestants", "kvgate_continuous,hf_static"]) == 0
     report = json.loads(out.read_text())
     assert report["workload"] == "W-GPU" and report["settings"]["output_len"] == [4, 4]
     entry = report["models"][tiny_model]
-    assert set(entry["contestants"]) == {"kvfleet_continuous", "hf_static"}
+    assert set(entry["contestants"]) == {"kvgate_continuous", "hf_static"}
     assert all(r["output_tokens"] == 12 for r in entry["contestants"].values())
     assert entry["bandwidth_ceiling_tok_s"] > 0 and entry["fraction_of_ceiling"] > 0
 
@@ -60,7 +60,7 @@ def test_repeats_interleave_rounds_and_report_the_median_round_and_engine_steps(
     out = tmp_path / "bench.json"
     assert main(["bench", "engine", "--model", tiny_model, "--num-requests", "6", "--max-prompt", "20",
                  "--max-output", "40", "--max-num-seqs", "2", "--repeats", "3", "--json", str(out),
-                 "--contestants", "kvfleet_continuous,kvfleet_static"]) == 0
+                 "--contestants", "kvgate_continuous,kvgate_static"]) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["repeats"] == 3
     results = report["contestants"]
@@ -68,11 +68,11 @@ def test_repeats_interleave_rounds_and_report_the_median_round_and_engine_steps(
         assert len(result["rounds_tok_s"]) == 3
         assert result["output_tok_s"] == sorted(result["rounds_tok_s"])[1]
     # static waits for each batch's longest request before refilling, so it needs more iterations
-    assert results["kvfleet_static"]["steps"] > results["kvfleet_continuous"]["steps"] > 0
-    assert report["step_ratio"] == results["kvfleet_static"]["steps"] / results["kvfleet_continuous"]["steps"]
-    per_round = sorted(c / s for c, s in zip(results["kvfleet_continuous"]["rounds_tok_s"],
-                                             results["kvfleet_static"]["rounds_tok_s"]))
-    assert report["ratios"]["kvfleet_continuous/kvfleet_static"] == pytest.approx(per_round[1])
+    assert results["kvgate_static"]["steps"] > results["kvgate_continuous"]["steps"] > 0
+    assert report["step_ratio"] == results["kvgate_static"]["steps"] / results["kvgate_continuous"]["steps"]
+    per_round = sorted(c / s for c, s in zip(results["kvgate_continuous"]["rounds_tok_s"],
+                                             results["kvgate_static"]["rounds_tok_s"]))
+    assert report["ratios"]["kvgate_continuous/kvgate_static"] == pytest.approx(per_round[1])
 
 
 def test_zero_repeats_are_refused(tiny_model):
@@ -82,7 +82,7 @@ def test_zero_repeats_are_refused(tiny_model):
 
 def test_unknown_contestant_is_refused_by_name(tiny_model):
     with pytest.raises(SystemExit, match="vllm"):
-        main(["bench", "engine", "--model", tiny_model, "--contestants", "kvfleet_continuous,vllm"])
+        main(["bench", "engine", "--model", tiny_model, "--contestants", "kvgate_continuous,vllm"])
 
 
 def test_length_caps_scale_the_ranges_down_but_never_up():
@@ -100,7 +100,7 @@ def test_prompts_and_lengths_are_the_same_for_every_contestant_and_seeded():
 
 
 def test_bandwidth_ceiling_counts_weights_once_and_each_sequences_kv(tiny_model, monkeypatch):
-    from engine.loader import resolve_model
+    from kvgate.engine.loader import resolve_model
 
     monkeypatch.setattr(bench_report, "measure_copy_bandwidth", lambda device: 1e9)
     workload = bench.WORKLOADS["gpu"]
@@ -116,8 +116,8 @@ def test_bandwidth_ceiling_counts_weights_once_and_each_sequences_kv(tiny_model,
 def test_hf_static_on_gpu_workload_halves_its_batch_until_it_fits(tiny_model, monkeypatch):
     from dataclasses import replace
 
-    from engine import bench_hf
-    from engine.loader import resolve_model
+    from kvgate.bench import hf as bench_hf
+    from kvgate.engine.loader import resolve_model
 
     tried = []
 

@@ -1,12 +1,12 @@
-"""engine.bench_cpu_linear runs end to end and reports every projection with a matching result."""
+"""kvgate.bench.cpu_linear runs end to end and reports every projection with a matching result."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from engine import bench_cpu_linear
-from kernels.cpu_linear import onednn_linear_available
+from kvgate.bench import cpu_linear as bench_cpu_linear
+from kvgate.kernels.cpu_linear import onednn_linear_available
 
 
 @pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear")

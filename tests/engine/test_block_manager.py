@@ -5,9 +5,9 @@ from collections import Counter
 
 from hypothesis import given, settings, strategies as st
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.sequence import Sequence
 
 BS = 4
 

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from engine import LLMEngine, RequestRejected, SamplingParams
-from engine.llm_engine import detokenize_increment, held_back
-from engine.sequence import Sequence
-from helpers import BLOCK_BYTES, tiny_source
+from kvgate.engine import LLMEngine, RequestRejected, SamplingParams
+from kvgate.engine.llm_engine import detokenize_increment, held_back
+from kvgate.engine.sequence import Sequence
+from tests.engine.helpers import BLOCK_BYTES, tiny_source
 
 E_ACUTE = (95, 96)  # the two UTF-8 bytes of "é"
 
@@ -161,9 +161,9 @@ def test_stats_count_steps_tokens_and_prefix_hits(engine):
 
 
 def test_importing_engine_does_not_import_torch():
-    code = ("import sys, engine; from engine import SamplingParams, RequestRejected, StepOutput, Admission, "
-            "EngineStats; assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    code = ("import sys, kvgate.engine; from kvgate.engine import SamplingParams, RequestRejected, StepOutput, "
+            "Admission, EngineStats; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_reserve_ratio_rises_after_a_preemption_and_decays_while_none_happen(source):
@@ -194,7 +194,7 @@ def test_prompt_tokens_count_each_prompt_token_once_despite_chunking_and_preempt
 
 
 def test_generate_with_one_bad_prompt_raises_and_leaves_nothing_queued(source):
-    from engine import LLM
+    from kvgate.engine import LLM
     llm = LLM(source, kv_cache_memory=1 << 20, max_model_len=64)
     with pytest.raises(RequestRejected, match="max_model_len=64"):
         llm.generate([[1, 2, 3], [4] * 65], SamplingParams(), use_tqdm=False)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from engine import gguf_convert
-from engine.loader import ModelLoadError, ModelSource, hf_reference_model, parameter_shapes, resolve_model
+from kvgate.engine import gguf_convert
+from kvgate.engine.loader import ModelLoadError, ModelSource, hf_reference_model, parameter_shapes, resolve_model
 
 TINY_LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -132,7 +132,7 @@ def test_missing_shard_is_an_error_naming_it(tmp_path):
 
 
 def test_interrupted_gguf_conversion_leaves_no_folder(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVFLEET_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVGATE_CACHE", str(tmp_path))
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt

@@ -10,9 +10,9 @@ import torch
 
 from torch import nn
 
-from engine import LLM, SamplingParams
-from helpers import BLOCK_BYTES, hf_greedy, random_prompts, tiny_source
-from kernels.cpu_linear import PackedLinear, onednn_linear_available
+from kvgate.engine import LLM, SamplingParams
+from tests.engine.helpers import BLOCK_BYTES, hf_greedy, random_prompts, tiny_source
+from kvgate.kernels.cpu_linear import PackedLinear, onednn_linear_available
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 VARIANTS = ["llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "qwen3"]
@@ -101,7 +101,7 @@ def test_stepping_a_cpu_engine_on_another_thread_than_its_loader_warns_once(capl
     source, _ = tiny_source("llama", seed=5)
     llm = LLM(source, kv_cache_memory=1 << 20)
     params = SamplingParams(temperature=0, max_tokens=3)
-    with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="kvgate.engine.model_runner"):
         llm.generate([[1, 2, 3]], params, use_tqdm=False)
         assert not caplog.records  # the loading thread itself
         for _ in range(2):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference as R
+from kvgate.kernels import reference as R
 
 
 def naive(q, k_cache, v_cache, tables, q_lens, ctx, scale):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampler import apply_repetition_penalty, apply_top_k_top_p
-from helpers import random_prompts, tiny_source
+from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.sampler import apply_repetition_penalty, apply_top_k_top_p
+from tests.engine.helpers import random_prompts, tiny_source
 
 
 @pytest.fixture(scope="module")

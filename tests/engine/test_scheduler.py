@@ -1,10 +1,10 @@
 """Iteration-level scheduling without a model: budgets, caps, decode priority, preemption, static batches."""
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.scheduler import Scheduler
+from kvgate.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from kvgate.engine import LLM, SamplingParams
 
 SHARED = ("You are a meticulous assistant. Answer in one short paragraph, cite no sources, and keep a friendly, "
           "plain tone. The user writes about everyday topics such as cooking, travel and small repairs. ")
@@ -24,7 +24,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf_expected():
-    from engine.loader import resolve_model
+    from kvgate.engine.loader import resolve_model
     from transformers import AutoModelForCausalLM
     source = resolve_model("smollm2-135m")
     hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
@@ -62,7 +62,7 @@ def test_chat_applies_the_template_and_answers():
 
 
 def test_streamed_text_equals_the_decoded_ids_with_multibyte_characters():
-    from engine import LLMEngine
+    from kvgate.engine import LLMEngine
     engine = LLMEngine("smollm2-135m", kv_cache_memory=16 << 20)
     ids = engine.tokenizer.encode("Les crêpes à la française 🥞🍓 sont délicieuses, 日本語も")
     engine.add_request("r", ids, SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear
-from kernels.cpu_linear import PackedLinear, can_pack, pack_linears
+from kvgate.kernels import cpu_linear
+from kvgate.kernels.cpu_linear import PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="this torch build has no oneDNN linear")
 

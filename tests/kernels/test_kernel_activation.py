@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testing import DEVICE, assert_close
-from kernels import activation, reference
+from tests.kernels.kernel_testing import DEVICE, assert_close
+from kvgate.kernels import activation, reference
 
 
 @pytest.mark.parametrize("inner", [8, 100])

@@ -1,15 +1,15 @@
-"""kernels.bench runs end to end (tiny shapes, interpreter) and reports every kernel with a correct result."""
+"""kvgate.bench.kernels runs end to end (tiny shapes, interpreter) and reports every kernel with a correct result."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from kernel_testing import HAS_CUDA
-from kernels import bench
+from tests.kernels.kernel_testing import HAS_CUDA
+from kvgate.bench import kernels as bench
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="--tiny runs in the CPU interpreter; on a GPU run `python -m kernels.bench`")
+@pytest.mark.skipif(HAS_CUDA, reason="--tiny runs in the CPU interpreter; on a GPU run `python -m kvgate.bench.kernels`")
 def test_tiny_bench_reports_each_kernel_matching_its_reference(tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert bench.main(["--tiny", "--models", "qwen2.5-0.5b", "--json", str(path)]) == 0

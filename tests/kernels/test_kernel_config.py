@@ -5,7 +5,7 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernels import config as cfg
+from kvgate.kernels import config as cfg
 
 
 def test_a_config_too_big_for_shared_memory_steps_down_and_is_remembered(monkeypatch):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testing import DEVICE, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
-from kernels import reference
-from kernels.decode_attention import choose_num_splits, decode_attention
+from tests.kernels.kernel_testing import DEVICE, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
+from kvgate.kernels import reference
+from kvgate.kernels.decode_attention import choose_num_splits, decode_attention
 
 
 def run_decode(context: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,

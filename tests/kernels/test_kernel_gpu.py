@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from kernel_testing import context_lens_tensor, cu_seqlens, make_paged_kv
-from kernels import ops, reference
+from tests.kernels.kernel_testing import context_lens_tensor, cu_seqlens, make_paged_kv
+from kvgate.kernels import ops, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -37,8 +37,8 @@ def attention_case(q_lens: list[int], context: list[int], heads: tuple[int, int,
 
 
 def check_attention(q_lens, context, heads, page_size, dtype, **kernel_kwargs) -> None:
-    from kernels.decode_attention import decode_attention
-    from kernels.prefill_attention import prefill_attention
+    from kvgate.kernels.decode_attention import decode_attention
+    from kvgate.kernels.prefill_attention import prefill_attention
 
     q, k_cache, v_cache, *rest = attention_case(q_lens, context, heads, page_size, dtype)
     decode = len(q_lens) == q.shape[0]
@@ -84,7 +84,7 @@ def test_gpu_prefill_attention(dtype, heads, page_size, case):
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float32])
 def test_gpu_store_kvcache_is_exact_and_skips_padding(dtype):
-    from kernels.store_kvcache import store_kvcache
+    from kvgate.kernels.store_kvcache import store_kvcache
 
     num_tokens, num_kv_heads, head_dim = 4096, 8, 128
     qkv = torch.randn(num_tokens, 32 + 2 * num_kv_heads, head_dim, device="cuda").to(dtype)
@@ -102,7 +102,7 @@ def test_gpu_store_kvcache_is_exact_and_skips_padding(dtype):
 @pytest.mark.parametrize("hidden", [896, 1024, 2048, 3584, 4096])
 @pytest.mark.parametrize("num_tokens", [1, 37, 4096])
 def test_gpu_rms_norm_with_and_without_residual(dtype, hidden, num_tokens):
-    from kernels.rmsnorm import rms_norm
+    from kvgate.kernels.rmsnorm import rms_norm
 
     x, r = (torch.randn(num_tokens, hidden, device="cuda").to(dtype) for _ in range(2))
     weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
@@ -119,7 +119,7 @@ def test_gpu_rms_norm_with_and_without_residual(dtype, hidden, num_tokens):
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("num_tokens", [1, 513])
 def test_gpu_rotary(dtype, heads, num_tokens):
-    from kernels.rotary import rotary
+    from kvgate.kernels.rotary import rotary
 
     num_heads, num_kv_heads, head_dim = heads
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, device="cuda").to(dtype)
@@ -136,7 +136,7 @@ def test_gpu_rotary(dtype, heads, num_tokens):
 @pytest.mark.parametrize("inner", [3072, 4864, 8192])
 @pytest.mark.parametrize("num_tokens", [1, 300])
 def test_gpu_silu_and_mul(dtype, inner, num_tokens):
-    from kernels.activation import silu_and_mul
+    from kvgate.kernels.activation import silu_and_mul
 
     x = (3 * torch.randn(num_tokens, 2 * inner, device="cuda")).to(dtype)
     assert_as_accurate_as_reference(silu_and_mul(x), reference.silu_and_mul(x),
@@ -144,11 +144,11 @@ def test_gpu_silu_and_mul(dtype, inner, num_tokens):
 
 
 def test_gpu_ops_take_triton_for_cuda_tensors(monkeypatch):
-    import kernels.activation
+    from kvgate.kernels import activation
 
-    monkeypatch.delenv("KVFLEET_KERNELS", raising=False)
+    monkeypatch.delenv("KVGATE_KERNELS", raising=False)
     called = []
-    monkeypatch.setattr(kernels.activation, "silu_and_mul", lambda x: called.append(1) or x[..., : x.shape[-1] // 2])
+    monkeypatch.setattr(activation, "silu_and_mul", lambda x: called.append(1) or x[..., : x.shape[-1] // 2])
     ops.silu_and_mul(torch.randn(2, 8, device="cuda"))
     assert called == [1]
 

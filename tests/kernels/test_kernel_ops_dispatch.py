@@ -1,13 +1,11 @@
-"""kernels.ops: which implementation runs, and that the forced-Triton path equals the reference path."""
+"""kvgate.kernels.ops: which implementation runs, and that the forced-Triton path equals the reference path."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kernels.decode_attention
-import kernels.prefill_attention
-from kernel_testing import DEVICE, HAS_CUDA, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
-from kernels import ops, reference
+from kvgate.kernels import decode_attention, ops, prefill_attention, reference
+from tests.kernels.kernel_testing import DEVICE, HAS_CUDA, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
 
 
 def spy(monkeypatch, module, name: str) -> list[int]:
@@ -30,32 +28,32 @@ def attention_batch(q_lens: list[int], context: list[int]):
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU-tensor default only testable without CUDA tensors in play")
 def test_cpu_tensors_take_the_reference_unless_triton_is_forced(monkeypatch):
-    monkeypatch.delenv("KVFLEET_KERNELS", raising=False)
+    monkeypatch.delenv("KVGATE_KERNELS", raising=False)
     calls = spy(monkeypatch, reference, "silu_and_mul")
     ops.silu_and_mul(torch.randn(2, 8))
     assert calls == [1]
 
 
 def test_reference_can_be_forced(monkeypatch):
-    monkeypatch.setenv("KVFLEET_KERNELS", "reference")
+    monkeypatch.setenv("KVGATE_KERNELS", "reference")
     calls = spy(monkeypatch, reference, "paged_attention")
     ops.paged_attention(*attention_batch([1, 1], [5, 9]))
     assert calls == [1]
 
 
 def test_one_query_per_sequence_takes_the_decode_kernel(monkeypatch):
-    monkeypatch.setenv("KVFLEET_KERNELS", "triton")
-    decode = spy(monkeypatch, kernels.decode_attention, "decode_attention")
-    prefill = spy(monkeypatch, kernels.prefill_attention, "prefill_attention")
+    monkeypatch.setenv("KVGATE_KERNELS", "triton")
+    decode = spy(monkeypatch, decode_attention, "decode_attention")
+    prefill = spy(monkeypatch, prefill_attention, "prefill_attention")
     batch = attention_batch([1, 1, 1], [5, 9, 30])
     assert_close(ops.paged_attention(*batch), reference.paged_attention(*batch))
     assert (decode, prefill) == ([1], [])
 
 
 def test_a_batch_with_any_multi_token_sequence_takes_the_prefill_kernel(monkeypatch):
-    monkeypatch.setenv("KVFLEET_KERNELS", "triton")
-    decode = spy(monkeypatch, kernels.decode_attention, "decode_attention")
-    prefill = spy(monkeypatch, kernels.prefill_attention, "prefill_attention")
+    monkeypatch.setenv("KVGATE_KERNELS", "triton")
+    decode = spy(monkeypatch, decode_attention, "decode_attention")
+    prefill = spy(monkeypatch, prefill_attention, "prefill_attention")
     batch = attention_batch([1, 6, 1], [5, 9, 30])
     assert_close(ops.paged_attention(*batch), reference.paged_attention(*batch))
     assert (decode, prefill) == ([], [1])
@@ -63,7 +61,7 @@ def test_a_batch_with_any_multi_token_sequence_takes_the_prefill_kernel(monkeypa
 
 def test_forced_triton_layer_step_equals_the_reference_step(monkeypatch):
     """store -> attention -> norm -> rotary -> activation through ops, as one model layer would call them."""
-    monkeypatch.setenv("KVFLEET_KERNELS", "triton")
+    monkeypatch.setenv("KVGATE_KERNELS", "triton")
     q_lens, context = [3, 1], [3, 6]
     k_cache, v_cache, block_tables = make_paged_kv(context, 2, 16, 4, device=DEVICE)
     slots = torch.cat([block_tables[i, (torch.arange(c - n, c) // 4)].long() * 4 + torch.arange(c - n, c) % 4

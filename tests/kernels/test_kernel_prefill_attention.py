@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testing import DEVICE, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
-from kernels import reference
-from kernels.prefill_attention import prefill_attention
+from tests.kernels.kernel_testing import DEVICE, assert_close, context_lens_tensor, cu_seqlens, make_paged_kv
+from kvgate.kernels import reference
+from kvgate.kernels.prefill_attention import prefill_attention
 
 
 def run_prefill(q_lens: list[int], context: list[int], num_heads: int = 4, num_kv_heads: int = 2,

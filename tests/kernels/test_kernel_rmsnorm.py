@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testing import DEVICE, assert_close
-from kernels import reference
-from kernels.rmsnorm import rms_norm
+from tests.kernels.kernel_testing import DEVICE, assert_close
+from kvgate.kernels import reference
+from kvgate.kernels.rmsnorm import rms_norm
 
 
 @pytest.mark.parametrize("hidden", [64, 100])

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from kernel_testing import DEVICE, assert_close
-from kernels import reference
-from kernels.rotary import rotary
+from tests.kernels.kernel_testing import DEVICE, assert_close
+from kvgate.kernels import reference
+from kvgate.kernels.rotary import rotary
 
 
 def cos_sin(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from kernel_testing import DEVICE
-from kernels import reference
-from kernels.store_kvcache import store_kvcache
+from tests.kernels.kernel_testing import DEVICE
+from kvgate.kernels import reference
+from kvgate.kernels.store_kvcache import store_kvcache
 
 
 def test_store_writes_each_token_to_its_slot_and_skips_minus_one_slots():

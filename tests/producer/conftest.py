@@ -7,21 +7,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+import redis
+
+from kvgate.producer import Client
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Delta, Final, Job, Keys, Timings, Usage, decode_job, encode
+from tests.support import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-# tests/ holds a folder named producer/ too: with `pytest` (not `python -m pytest`) and tests/ on sys.path,
-# `import producer` would find that folder as a namespace package. Put the repository first.
-if str(ROOT) not in sys.path[:1]:
-    sys.path.insert(0, str(ROOT))
-for _name in [m for m in sys.modules if m == "producer" or m.startswith("producer.")]:
-    if getattr(sys.modules[_name], "__file__", None) is None:
-        del sys.modules[_name]
-
-import pytest  # noqa: E402
-import redis  # noqa: E402
-
-from producer import Client  # noqa: E402
-from producer.protocol import FIELD, PROTOCOL_VERSION, Delta, Final, Job, Keys, Timings, Usage, decode_job, encode  # noqa: E402
-from tests.support import free_port  # noqa: E402
 
 
 @dataclass

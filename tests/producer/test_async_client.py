@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from producer import AsyncClient, ResultTimeout
+from kvgate.producer import AsyncClient, ResultTimeout
 
 
 def test_async_client_submits_streams_and_awaits_results(redis_url, namespace, worker):

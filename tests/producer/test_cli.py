@@ -1,4 +1,4 @@
-"""`kvfleet submit`, `kvfleet batch` (OpenAI Batch format, resumable, bad lines) and `kvfleet stats`."""
+"""`kvgate submit`, `kvgate batch` (OpenAI Batch format, resumable, bad lines) and `kvgate stats`."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from producer.protocol import PRIORITIES
-from worker.cli import main
+from kvgate.producer.protocol import PRIORITIES
+from kvgate.cli import main
 
 
 class EchoWorker(threading.Thread):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer import Client, IdempotencyConflict
+from kvgate.producer import Client, IdempotencyConflict
 
 
 def test_same_key_and_body_returns_the_same_job_enqueued_once(client, redis_server, keys):

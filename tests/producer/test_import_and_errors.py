@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from producer import Client, ConnectionFailed, KvfleetError
-from producer.connection import mask_url
+from kvgate.producer import Client, ConnectionFailed, KvgateError
+from kvgate.producer.connection import mask_url
 
 
 def test_importing_producer_does_not_import_torch(repo_root):
@@ -15,9 +15,9 @@ def test_importing_producer_does_not_import_torch(repo_root):
     subprocess.run([sys.executable, "-c", code], cwd=repo_root, check=True)
 
 
-def test_missing_url_tells_the_user_to_run_kvfleet_redis(monkeypatch):
-    monkeypatch.delenv("KVFLEET_REDIS_URL", raising=False)
-    with pytest.raises(KvfleetError, match="kvfleet redis"):
+def test_missing_url_tells_the_user_to_run_kvgate_redis(monkeypatch):
+    monkeypatch.delenv("KVGATE_REDIS_URL", raising=False)
+    with pytest.raises(KvgateError, match="kvgate redis"):
         Client()
 
 

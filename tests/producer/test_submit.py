@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from producer import ResultTimeout
-from producer.protocol import FIELD, Keys, decode_job
+from kvgate.producer import ResultTimeout
+from kvgate.producer.protocol import FIELD, Keys, decode_job
 
 
 @pytest.mark.parametrize("priority", ["high", "normal", "low"])
@@ -34,7 +34,7 @@ def test_group_exists_at_id_zero_so_jobs_before_any_worker_are_delivered(client,
 
 
 def test_client_ids_and_job_ids_are_unguessable_and_distinct(redis_url, namespace):
-    from producer import Client
+    from kvgate.producer import Client
     with Client(redis_url, namespace) as a, Client(redis_url, namespace) as b:
         assert a.client_id != b.client_id and len(a.client_id) >= 22
         ids = {a.submit("x").job_id for _ in range(20)}
@@ -125,7 +125,7 @@ def test_events_that_arrive_before_a_handle_exists_are_kept_for_it(client, worke
 
 
 def test_reply_stream_is_kept_alive_with_a_ttl_and_expires_soon_after_close(redis_url, namespace, redis_server):
-    from producer import Client
+    from kvgate.producer import Client
     r = redis_server.client()
     with Client(redis_url, namespace) as c:
         stream = Keys(namespace).reply(c.client_id)
@@ -138,7 +138,7 @@ def test_reply_stream_is_kept_alive_with_a_ttl_and_expires_soon_after_close(redi
 
 
 def test_close_stops_the_reader_thread_promptly(redis_url, namespace):
-    from producer import Client
+    from kvgate.producer import Client
     c = Client(redis_url, namespace)
     started = time.monotonic()
     c.close()

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from producer import InvalidRequest
-from producer.protocol import PRIORITIES
+from kvgate.producer import InvalidRequest
+from kvgate.producer.protocol import PRIORITIES
 
 BAD = [
     ("temperature", {"prompt": "x", "temperature": math.nan}, math.nan),

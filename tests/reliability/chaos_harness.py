@@ -1,5 +1,5 @@
 """Shared by the reliability tests: raw job injection, the raw reply-stream ledger (XRANGE, not the SDK),
-`kvfleet worker` subprocesses, and the fault timeline of the chaos runs."""
+`kvgate worker` subprocesses, and the fault timeline of the chaos runs."""
 from __future__ import annotations
 
 import os
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import redis
 
-from producer.request import build_job, encode_job, validate_request
-from producer.protocol import FIELD, PRIORITIES, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
+from kvgate.producer.request import build_job, encode_job, validate_request
+from kvgate.producer.protocol import FIELD, PRIORITIES, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,13 +96,13 @@ class RawQueue:
 
 
 def worker_command(url: str, ns: str, worker_id: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "worker.cli", "worker", "--redis-url", url, "--namespace", ns,
+    return [sys.executable, "-m", "kvgate.cli", "worker", "--redis-url", url, "--namespace", ns,
             "--worker-id", worker_id, *args]
 
 
 def spawn_worker(url: str, ns: str, worker_id: str, *args: str, log: Path | None = None,
                  env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`kvfleet worker` in its own process, so SIGKILL is a real crash; its log goes to `log`."""
+    """`kvgate worker` in its own process, so SIGKILL is a real crash; its log goes to `log`."""
     out = open(log, "ab") if log else subprocess.DEVNULL
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(worker_command(url, ns, worker_id, *args), cwd=ROOT, env=env, stdout=out,

@@ -12,12 +12,12 @@ import time
 import msgspec
 import pytest
 
-from chaos_harness import Ledger, RawQueue, wait_for
-from engine.simulated import SimulatedEngine
-from producer.protocol import MAX_PAYLOAD_BYTES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, Keys, encode
-from worker.intake import identify
-from worker.settings import WorkerSettings
-from worker.worker import Worker
+from tests.reliability.chaos_harness import Ledger, RawQueue, wait_for
+from kvgate.engine.simulated import SimulatedEngine
+from kvgate.producer.protocol import MAX_PAYLOAD_BYTES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, Keys, encode
+from kvgate.worker.intake import identify
+from kvgate.worker.settings import WorkerSettings
+from kvgate.worker.worker import Worker
 
 
 def _raw(q: RawQueue, job_id: str, **changes) -> bytes:

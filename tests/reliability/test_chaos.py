@@ -1,4 +1,4 @@
-"""Chaos: two `kvfleet worker` processes serve a few hundred jobs while a seeded fault timeline SIGKILLs a
+"""Chaos: two `kvgate worker` processes serve a few hundred jobs while a seeded fault timeline SIGKILLs a
 worker three times (each replaced at once), SIGKILLs Redis once (append-only, appendfsync always) and freezes
 it with SIGSTOP for 5 s. Invariant 1, read from Redis itself at the end: every job has exactly one final event
 in its reply stream (raw XRANGE), nothing is pending, nothing lost, nothing answered twice; and the workers
@@ -6,8 +6,8 @@ that were not killed rode out the outages in the same process.
 
 The CI run uses the simulated engine (real paged-KV block accounting, step time from a cost model: 10 ms a
 decode step, so a job of 20-200 tokens takes about 0.2-2 s). The slow run does the same with SmolLM2-135M.
-Reproduce: `.venv/bin/pytest -m chaos -s tests/reliability` (KVFLEET_SLOW=1 adds the SmolLM2 run;
-KVFLEET_CHAOS_SEED=<n> picks another fault timeline)."""
+Reproduce: `.venv/bin/pytest -m chaos -s tests/reliability` (KVGATE_SLOW=1 adds the SmolLM2 run;
+KVGATE_CHAOS_SEED=<n> picks another fault timeline)."""
 from __future__ import annotations
 
 import json
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from chaos_harness import Fault, Ledger, RawQueue, fault_plan, spawn_worker, stop_all, wait_for
-from producer import Client
-from producer.protocol import Keys
+from tests.reliability.chaos_harness import Fault, Ledger, RawQueue, fault_plan, spawn_worker, stop_all, wait_for
+from kvgate.producer import Client
+from kvgate.producer.protocol import Keys
 
 pytestmark = pytest.mark.chaos
 
@@ -204,7 +204,7 @@ def check(report: dict, jobs: int) -> None:
 
 
 def seed() -> int:
-    return int(os.environ.get("KVFLEET_CHAOS_SEED", "6"))
+    return int(os.environ.get("KVGATE_CHAOS_SEED", "6"))
 
 
 def test_300_jobs_survive_3_worker_kills_a_redis_kill_and_a_5s_freeze_with_one_final_each(redis_server, namespace,

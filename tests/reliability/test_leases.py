@@ -6,11 +6,11 @@ from __future__ import annotations
 import threading
 import time
 
-from chaos_harness import RawQueue, wait_for
-from engine.simulated import SimulatedEngine
-from producer.protocol import Keys
-from worker.settings import WorkerSettings
-from worker.worker import Worker
+from tests.reliability.chaos_harness import RawQueue, wait_for
+from kvgate.engine.simulated import SimulatedEngine
+from kvgate.producer.protocol import Keys
+from kvgate.worker.settings import WorkerSettings
+from kvgate.worker.worker import Worker
 
 
 def test_a_renewal_does_not_take_back_an_entry_another_worker_reclaimed(redis_server, namespace):

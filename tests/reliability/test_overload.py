@@ -1,12 +1,12 @@
-"""Overload: a producer keeps ten times more jobs waiting than two `kvfleet worker --simulated` processes can
+"""Overload: a producer keeps ten times more jobs waiting than two `kvgate worker --simulated` processes can
 hold, for minutes. Worker RSS stays flat, Redis memory levels off under the trimming policies (job streams
 trimmed behind acks, reply streams capped and trimmed by their reader, results with a TTL), preemptions per 1000
 generated tokens are reported from the workers' own Prometheus counters, the backlog is visible in
 Client.stats() the whole time while each worker holds no more than its bound (invariant 4), and every job is
 answered once at the end.
 
-`KVFLEET_SLOW=1 .venv/bin/pytest -s -m slow tests/reliability/test_overload.py` runs the 120 s version
-(KVFLEET_OVERLOAD_S to change it); the default run has a 20 s version with the same checks but RSS and memory."""
+`KVGATE_SLOW=1 .venv/bin/pytest -s -m slow tests/reliability/test_overload.py` runs the 120 s version
+(KVGATE_OVERLOAD_S to change it); the default run has a 20 s version with the same checks but RSS and memory."""
 from __future__ import annotations
 
 import json
@@ -21,21 +21,21 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
-from chaos_harness import spawn_worker, stop_all
-from producer import Client
-from producer.protocol import Keys
+from tests.reliability.chaos_harness import spawn_worker, stop_all
+from kvgate.producer import Client
+from kvgate.producer.protocol import Keys
 from tests.support import free_port
 
 MAX_SEQS, LOCAL_QUEUE = 16, 4
 HOLD_BOUND = MAX_SEQS + LOCAL_QUEUE + 3  # running + local queue + one blocking read's worth per stream
 CAPACITY = 2 * HOLD_BOUND
-ENV = {"KVFLEET_RESULT_TTL_S": "30", "KVFLEET_REPLY_MAXLEN": "2000", "KVFLEET_TRIM_INTERVAL_S": "2"}
+ENV = {"KVGATE_RESULT_TTL_S": "30", "KVGATE_REPLY_MAXLEN": "2000", "KVGATE_TRIM_INTERVAL_S": "2"}
 
 
 def scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out: dict[str, float] = {}
-    for name in ("kvfleet_preemptions_total", "kvfleet_generation_tokens_total"):
+    for name in ("kvgate_preemptions_total", "kvgate_generation_tokens_total"):
         out[name] = sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
     return out
 
@@ -90,8 +90,8 @@ def overload(server, ns, tmp_path, duration_s: float) -> tuple[dict, Samples]:
     finally:
         client.close()
         stop_all(workers)
-    preempt = sum(c["kvfleet_preemptions_total"] for c in counters)
-    tokens = sum(c["kvfleet_generation_tokens_total"] for c in counters)
+    preempt = sum(c["kvgate_preemptions_total"] for c in counters)
+    tokens = sum(c["kvgate_generation_tokens_total"] for c in counters)
     report = dict(seconds=duration_s, jobs=len(handles), done=statuses.count("done"), drained_s=round(drained_s, 1),
                   fleet_holds=CAPACITY, backlog_min=min(samples.backlog[2:]), backlog_max=max(samples.backlog),
                   max_held_by_one_worker=max(samples.held), generated_tokens=int(tokens), preemptions=int(preempt),
@@ -119,7 +119,7 @@ def test_a_20s_overload_keeps_the_backlog_in_redis_and_answers_every_job(redis_s
 
 @pytest.mark.slow
 def test_minutes_of_overload_keep_worker_rss_flat_and_redis_memory_bounded(redis_server, namespace, tmp_path):
-    duration = float(os.environ.get("KVFLEET_OVERLOAD_S", "120"))
+    duration = float(os.environ.get("KVGATE_OVERLOAD_S", "120"))
     report, samples = overload(redis_server, namespace, tmp_path, duration)
     check_common(report)
     for i in range(2):

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from producer import Client, IdempotencyConflict, InvalidRequest
-from producer.protocol import PRIORITIES
+from kvgate.producer import Client, IdempotencyConflict, InvalidRequest
+from kvgate.producer.protocol import PRIORITIES
 
 USER = {"role": "user", "content": "x"}
 BAD = {

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from chaos_harness import ROOT, wait_for
-from engine.simulated import SimulatedEngine
-from producer import Client, ConnectionFailed, InvalidRequest
-from producer.client import check_client_id
-from producer.idempotency import owner_tag
-from producer.protocol import MAX_PAYLOAD_BYTES, PRIORITIES, Keys
-from worker.settings import WorkerSettings
-from worker.worker import Worker
+from tests.reliability.chaos_harness import ROOT, wait_for
+from kvgate.engine.simulated import SimulatedEngine
+from kvgate.producer import Client, ConnectionFailed, InvalidRequest
+from kvgate.producer.client import check_client_id
+from kvgate.producer.idempotency import owner_tag
+from kvgate.producer.protocol import MAX_PAYLOAD_BYTES, PRIORITIES, Keys
+from kvgate.worker.settings import WorkerSettings
+from kvgate.worker.worker import Worker
 from tests.support import free_port
 
 ACL = ROOT / "deploy/redis/acl.conf"
@@ -49,7 +49,7 @@ def start_redis(tmp_path: Path, *args: str, probe=None) -> subprocess.Popen:
     return proc
 
 
-def serve_jobs(worker_url: str, producer_url: str, ns: str = "kvfleet", n: int = 3) -> list[str]:
+def serve_jobs(worker_url: str, producer_url: str, ns: str = "kvgate", n: int = 3) -> list[str]:
     """A real Worker (thread) and a real Client, each given only its URL; returns the jobs' statuses."""
     settings = WorkerSettings(redis_url=worker_url, namespace=ns, heartbeat_interval_s=0.1)
     worker = Worker(worker_url, SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0), namespace=ns,
@@ -98,7 +98,7 @@ def make_certs(d: Path) -> dict[str, Path]:
     def openssl(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvfleet-test-ca",
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvgate-test-ca",
             "-keyout", "ca.key", "-out", "ca.crt")
     for name in ("server", "client"):
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
@@ -161,7 +161,7 @@ def nopermission(call) -> bool:
 def test_a_producer_cannot_discover_or_read_another_clients_reply_stream(acl):
     """Reply stream names are the secret; every way a producer might learn one, or reach the data behind the
     job stream (which names them all), is refused, including through a Lua script."""
-    keys = Keys("kvfleet")
+    keys = Keys("kvgate")
     victim = Client(acl("producer"))
     try:
         victim.submit("private prompt", idempotency_key="order-42")
@@ -172,7 +172,7 @@ def test_a_producer_cannot_discover_or_read_another_clients_reply_stream(acl):
             "XINFO STREAM (first/last entry payloads)": lambda: attacker.xinfo_stream(stream),
             "XREVRANGE on jobs": lambda: attacker.xrevrange(stream),
             "EVAL XRANGE on jobs": lambda: attacker.eval("return redis.call('XRANGE', KEYS[1], '-', '+')", 1, stream),
-            "EVAL SCAN": lambda: attacker.eval("return redis.call('SCAN', 0, 'MATCH', 'kvfleet:reply:*')", 0),
+            "EVAL SCAN": lambda: attacker.eval("return redis.call('SCAN', 0, 'MATCH', 'kvgate:reply:*')", 0),
             "MONITOR": lambda: attacker.execute_command("MONITOR"),
             "CLIENT LIST": lambda: attacker.client_list(),
             "SUBSCRIBE to keyspace events": lambda: attacker.execute_command("PSUBSCRIBE", "__key*__:*"),
@@ -191,7 +191,7 @@ def test_a_producer_cannot_discover_or_read_another_clients_reply_stream(acl):
 def test_the_worker_user_serves_jobs_but_cannot_read_idempotency_claims_or_administer(acl):
     assert serve_jobs(acl("worker"), acl("producer")) == ["done"] * 3
     worker = redis.Redis.from_url(acl("worker"))
-    assert nopermission(lambda: worker.get(Keys("kvfleet").idempotency("order-42")))
+    assert nopermission(lambda: worker.get(Keys("kvgate").idempotency("order-42")))
     assert nopermission(lambda: worker.execute_command("MONITOR"))
     assert nopermission(lambda: worker.acl_list())
 
@@ -204,9 +204,9 @@ def test_an_idempotent_submit_is_allowed_under_the_producer_acl_and_a_script_sti
         first = client.submit("same body", idempotency_key="order-7")
         assert client.submit("same body", idempotency_key="order-7").job_id == first.job_id
     producer = redis.Redis.from_url(acl("producer"))
-    stream = Keys("kvfleet").jobs("normal")
+    stream = Keys("kvgate").jobs("normal")
     script = "return redis.call('XRANGE', KEYS[2], '-', '+')"
-    assert nopermission(lambda: producer.eval(script, 2, Keys("kvfleet").idempotency("k"), stream))
+    assert nopermission(lambda: producer.eval(script, 2, Keys("kvgate").idempotency("k"), stream))
     assert nopermission(lambda: producer.eval("return redis.call('XTRIM', KEYS[1], 'MAXLEN', 0)", 1, stream))
 
 

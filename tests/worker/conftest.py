@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
 from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,9 +82,9 @@ class ThreadWorker:
     """A Worker with a SimulatedEngine in a thread of this process."""
 
     def __init__(self, queue: Queue, engine=None, worker_id: str | None = None, **settings):
-        from engine.simulated import SimulatedEngine
-        from worker.settings import WorkerSettings
-        from worker.worker import Worker
+        from kvgate.engine.simulated import SimulatedEngine
+        from kvgate.worker.settings import WorkerSettings
+        from kvgate.worker.worker import Worker
 
         settings.setdefault("reclaim_idle_ms", 2000)
         s = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, **settings)
@@ -112,7 +112,7 @@ def thread_worker(queue):
 
 @pytest.fixture
 def spawn():
-    """Factory for `kvfleet worker` subprocesses, killed at the end of the test if still alive."""
+    """Factory for `kvgate worker` subprocesses, killed at the end of the test if still alive."""
     procs = []
 
     def start(url, ns, *args, worker_id=None):
@@ -128,8 +128,8 @@ def spawn():
 
 
 def spawn_worker(url: str, ns: str, *args: str, worker_id: str | None = None) -> subprocess.Popen:
-    """`kvfleet worker` in a subprocess (where signals matter); its log goes to a file next to nothing."""
-    cmd = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", url, "--namespace", ns, *args]
+    """`kvgate worker` in a subprocess (where signals matter); its log goes to a file next to nothing."""
+    cmd = [sys.executable, "-m", "kvgate.cli", "worker", "--redis-url", url, "--namespace", ns, *args]
     if worker_id:
         cmd += ["--worker-id", worker_id]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

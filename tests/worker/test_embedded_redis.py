@@ -5,11 +5,11 @@ import sys
 
 import redis
 
-from worker.embedded_redis import EmbeddedRedis
+from kvgate.worker.embedded_redis import EmbeddedRedis
 
 
-def test_kvfleet_redis_starts_answers_ping_and_stops_cleanly(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "redis", "--dir", str(tmp_path / "data")],
+def test_kvgate_redis_starts_answers_ping_and_stops_cleanly(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "redis", "--dir", str(tmp_path / "data")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().strip()
@@ -27,7 +27,7 @@ def test_kvfleet_redis_starts_answers_ping_and_stops_cleanly(tmp_path):
     assert any(p.name.startswith("appendonly") for p in (tmp_path / "data").iterdir())
     try:
         redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
-        raise AssertionError("the server still answers after kvfleet redis exited")
+        raise AssertionError("the server still answers after kvgate redis exited")
     except redis.ConnectionError:
         pass
 

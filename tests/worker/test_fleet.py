@@ -7,9 +7,9 @@ from argparse import Namespace
 
 import pytest
 
-from producer.protocol import Keys
-from worker import fleet_sim
-from worker.bench_fleet import fleet_capacity, percentile, run_latency, summarise
+from kvgate.producer.protocol import Keys
+from kvgate.bench import fleet_sim
+from kvgate.bench.fleet import fleet_capacity, percentile, run_latency, summarise
 
 
 def _args(**kw) -> Namespace:
@@ -61,7 +61,7 @@ def test_capacity_estimate_grows_with_the_fleet_and_percentiles_pick_the_tail():
 
 
 def test_backlog_drain_by_worker_processes_answers_every_job_once_and_counts_redis_cpu():
-    from worker.bench_fleet import run_throughput
+    from kvgate.bench.fleet import run_throughput
 
     with fleet_sim.RedisProcess() as server:
         # 3,000 jobs: Redis spends ~70 ms of CPU on them, well above /proc's 10 ms tick (300 read as 0.0)

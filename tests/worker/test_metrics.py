@@ -4,7 +4,7 @@ from __future__ import annotations
 import urllib.request
 from dataclasses import dataclass
 
-from worker.metrics import WorkerMetrics
+from kvgate.worker.metrics import WorkerMetrics
 from tests.support import free_port
 
 
@@ -32,22 +32,22 @@ def test_cumulative_engine_figures_become_counter_increments_without_double_coun
                     generation_tokens=10, prefix_hit_tokens=32, prefix_query_tokens=64), 0.01, waiting_local=4)
     m.on_step(Stats(running=2, free_blocks=50, kv_usage=0.5, preemptions=2, prompt_tokens=100,
                     generation_tokens=13, prefix_hit_tokens=32, prefix_query_tokens=128), 0.02, waiting_local=0)
-    assert value(m, "kvfleet_preemptions_total") == 2
-    assert value(m, "kvfleet_generation_tokens_total") == 13
-    assert value(m, "kvfleet_prompt_tokens_total") == 100
-    assert value(m, "kvfleet_prefix_cache_hit_ratio") == 0.25
-    assert value(m, "kvfleet_requests_running") == 2
-    assert value(m, "kvfleet_requests_waiting_local") == 0
-    assert value(m, "kvfleet_kv_free_blocks") == 50
-    assert value(m, "kvfleet_kv_cache_usage_ratio") == 0.5
-    assert value(m, "kvfleet_engine_step_seconds_count") == 2
+    assert value(m, "kvgate_preemptions_total") == 2
+    assert value(m, "kvgate_generation_tokens_total") == 13
+    assert value(m, "kvgate_prompt_tokens_total") == 100
+    assert value(m, "kvgate_prefix_cache_hit_ratio") == 0.25
+    assert value(m, "kvgate_requests_running") == 2
+    assert value(m, "kvgate_requests_waiting_local") == 0
+    assert value(m, "kvgate_kv_free_blocks") == 50
+    assert value(m, "kvgate_kv_cache_usage_ratio") == 0.5
+    assert value(m, "kvgate_engine_step_seconds_count") == 2
 
 
 def test_an_engine_restart_resets_cumulative_figures_without_negative_increments():
     m = WorkerMetrics("w1", "tiny")
     m.on_step(Stats(generation_tokens=50), 0.01, 0)
     m.on_step(Stats(generation_tokens=5), 0.01, 0)
-    assert value(m, "kvfleet_generation_tokens_total") == 55
+    assert value(m, "kvgate_generation_tokens_total") == 55
 
 
 def test_latency_hooks_fill_histograms_and_status_counters():
@@ -58,25 +58,25 @@ def test_latency_hooks_fill_histograms_and_status_counters():
     m.on_finished("error", 0.01, None, prompt_tokens=0, completion_tokens=0, cached_tokens=0)
     m.on_redelivery()
     m.on_dead_letter("max_deliveries")
-    assert value(m, "kvfleet_jobs_admitted_total") == 1
-    assert value(m, "kvfleet_queue_wait_seconds_bucket", le="0.005") == 1
-    assert value(m, "kvfleet_time_to_first_token_seconds_bucket", le="0.1") == 0
-    assert value(m, "kvfleet_time_to_first_token_seconds_bucket", le="0.25") == 1
-    assert value(m, "kvfleet_time_per_output_token_seconds_count") == 1
-    assert value(m, "kvfleet_e2e_request_latency_seconds_count") == 2
-    assert value(m, "kvfleet_jobs_finished_total", status="done") == 1
-    assert value(m, "kvfleet_jobs_finished_total", status="error") == 1
-    assert value(m, "kvfleet_jobs_finished_total", status="cancelled") == 0
-    assert value(m, "kvfleet_redeliveries_total") == 1
-    assert value(m, "kvfleet_dead_letters_total", reason="max_deliveries") == 1
-    assert value(m, "kvfleet_request_cached_tokens_total") == 8
+    assert value(m, "kvgate_jobs_admitted_total") == 1
+    assert value(m, "kvgate_queue_wait_seconds_bucket", le="0.005") == 1
+    assert value(m, "kvgate_time_to_first_token_seconds_bucket", le="0.1") == 0
+    assert value(m, "kvgate_time_to_first_token_seconds_bucket", le="0.25") == 1
+    assert value(m, "kvgate_time_per_output_token_seconds_count") == 1
+    assert value(m, "kvgate_e2e_request_latency_seconds_count") == 2
+    assert value(m, "kvgate_jobs_finished_total", status="done") == 1
+    assert value(m, "kvgate_jobs_finished_total", status="error") == 1
+    assert value(m, "kvgate_jobs_finished_total", status="cancelled") == 0
+    assert value(m, "kvgate_redeliveries_total") == 1
+    assert value(m, "kvgate_dead_letters_total", reason="max_deliveries") == 1
+    assert value(m, "kvgate_request_cached_tokens_total") == 8
 
 
 def test_two_workers_in_one_process_keep_separate_registries():
     a, b = WorkerMetrics("a", "m"), WorkerMetrics("b", "m")
     a.on_redelivery()
-    assert value(a, "kvfleet_redeliveries_total") == 1
-    assert value(b, "kvfleet_redeliveries_total") == 0
+    assert value(a, "kvgate_redeliveries_total") == 1
+    assert value(b, "kvgate_redeliveries_total") == 0
 
 
 def test_serve_exposes_the_registry_over_http():
@@ -88,4 +88,4 @@ def test_serve_exposes_the_registry_over_http():
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         m.close()
-    assert 'kvfleet_jobs_admitted_total{model="tiny",worker="w-http"} 1.0' in body
+    assert 'kvgate_jobs_admitted_total{model="tiny",worker="w-http"} 1.0' in body

@@ -1,4 +1,4 @@
-"""End to end with the real engine: the SDK submits, `kvfleet worker` (bundled SmolLM2-135M, CPU, in a
+"""End to end with the real engine: the SDK submits, `kvgate worker` (bundled SmolLM2-135M, CPU, in a
 subprocess) generates, the SDK reads results and streams. One worker serves the whole module (model load ~15 s)."""
 from __future__ import annotations
 
@@ -6,15 +6,14 @@ import os
 
 import pytest
 
-from producer.client import Client  # `from producer import` breaks when tests/ (with tests/producer) is on sys.path
+from kvgate import Client
+from tests.worker.conftest import spawn_worker
 
 
 @pytest.fixture(scope="module")
 def fleet(shared_redis):
-    import conftest as helpers  # tests/worker/conftest.py, importable because pytest prepends its folder
-
     ns = f"e2e{os.getpid()}"
-    proc = helpers.spawn_worker(shared_redis.url, ns, "--model", "smollm2-135m", "--max-model-len", "512",
+    proc = spawn_worker(shared_redis.url, ns, "--model", "smollm2-135m", "--max-model-len", "512",
                                 "--max-num-seqs", "8", "--worker-id", "e2e-worker")
     client = Client(shared_redis.url, namespace=ns)
     yield client

@@ -7,8 +7,8 @@ import signal
 import time
 from collections import Counter
 
-from engine.simulated import SimulatedEngine
-from producer.protocol import Keys
+from kvgate.engine.simulated import SimulatedEngine
+from kvgate.producer.protocol import Keys
 
 SIM = ("--simulated", "--sim-num-blocks", "1024", "--max-num-seqs", "16", "--sim-per-token-ms", "0.01")
 

@@ -1,4 +1,4 @@
-"""The HF transformers contestants of `kvfleet bench engine`: static padded `generate`, and transformers' own
+"""The HF transformers contestants of `kvgate bench engine`: static padded `generate`, and transformers' own
 continuous batching (the manager behind `generate_batch`)."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class RunResult:
     output_token_ids: list[list[int]]
     elapsed_s: float
     notes: str = ""
-    steps: int | None = None  # engine iterations (kvfleet's contestants)
+    steps: int | None = None  # engine iterations (kvgate's contestants)
 
     @property
     def output_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """Kernel micro-benchmark: each Triton kernel against its reference twin on model-sized shapes, with
 achieved memory bandwidth next to a device-to-device copy measured in the same run.
 
-    python -m kernels.bench [--models qwen2.5-0.5b,qwen3-0.6b,llama-3.2-1b] [--dtype bf16] [--json PATH]
-    python -m kernels.bench --tiny   # no GPU: tiny shapes in the Triton interpreter, checks the script only
+    python -m kvgate.bench.kernels [--models qwen2.5-0.5b,qwen3-0.6b,llama-3.2-1b] [--dtype bf16] [--json PATH]
+    python -m kvgate.bench.kernels --tiny   # no GPU: tiny shapes in the Triton interpreter, checks the script only
 
 Bytes are the minimum a kernel must move (inputs read once, outputs written once), so GB/s is a lower
 bound on what the kernel achieves and comparable with the copy's figure.
@@ -75,13 +75,13 @@ def attention_inputs(torch, q_lens, context, heads, page_size, dtype, device):
 
 def cases(torch, dims, tiny: bool, dtype, device):
     """(kernel, shape label, triton fn, reference fn, bytes moved) for one model's dimensions."""
-    from kernels import reference
-    from kernels.activation import silu_and_mul
-    from kernels.decode_attention import decode_attention
-    from kernels.prefill_attention import prefill_attention
-    from kernels.rmsnorm import rms_norm
-    from kernels.rotary import rotary
-    from kernels.store_kvcache import store_kvcache
+    from kvgate.kernels import reference
+    from kvgate.kernels.activation import silu_and_mul
+    from kvgate.kernels.decode_attention import decode_attention
+    from kvgate.kernels.prefill_attention import prefill_attention
+    from kvgate.kernels.rmsnorm import rms_norm
+    from kvgate.kernels.rotary import rotary
+    from kvgate.kernels.store_kvcache import store_kvcache
 
     num_heads, num_kv_heads, head_dim, hidden, inner = dims
     heads = (num_heads, num_kv_heads, head_dim)

@@ -1,4 +1,4 @@
-"""`kvfleet bench engine`: W-CPU / W-GPU from shared/benchmarks.md. kvfleet continuous vs kvfleet static vs HF static
+"""`kvgate bench engine`: W-CPU / W-GPU from shared/benchmarks.md. kvgate continuous vs kvgate static vs HF static
 `generate` vs HF continuous batching, same prompts and output lengths, side by side in one run."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-CONTESTANTS = ("kvfleet_continuous", "kvfleet_static", "hf_static", "hf_generate_batch")
+CONTESTANTS = ("kvgate_continuous", "kvgate_static", "hf_static", "hf_generate_batch")
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,7 +21,7 @@ class Workload:
     num_requests: int
     prompt_len: tuple[int, int]  # inclusive uniform range
     output_len: tuple[int, int]
-    max_num_seqs: int  # kvfleet continuous cap, and the static batch of kvfleet static and HF static
+    max_num_seqs: int  # kvgate continuous cap, and the static batch of kvgate static and HF static
     find_largest_hf_batch: bool  # W-GPU: HF static with the largest batch that fits, halving on OOM
 
 
@@ -33,14 +33,14 @@ WORKLOADS = {
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """The workload and its scaling, shared with `kvfleet bench steps`."""
+    """The workload and its scaling, shared with `kvgate bench steps`."""
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="cpu", help="cpu: W-CPU, gpu: W-GPU")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.add_argument("--model", action="append", help="model(s) instead of the workload's (repeatable)")
     parser.add_argument("--num-requests", type=int, help="scale the workload down (or up)")
     parser.add_argument("--max-prompt", type=int, help="cap the prompt length range")
     parser.add_argument("--max-output", type=int, help="cap the output length range")
-    parser.add_argument("--max-num-seqs", type=int, help="kvfleet's cap and the static batch size")
+    parser.add_argument("--max-num-seqs", type=int, help="kvgate's cap and the static batch size")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of random weights")
@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.bench_report import machine_info, print_header, print_model_result, versions
-    from engine.llm_engine import resolve_device
+    from kvgate.bench.report import machine_info, print_header, print_model_result, versions
+    from kvgate.engine.llm_engine import resolve_device
 
     workload = scaled_workload(args)
     contestants = [c.strip() for c in args.contestants.split(",") if c.strip()]
@@ -138,7 +138,7 @@ class ModelRun:
 
 
 def make_requests(workload: Workload, vocab_size: int, seed: int) -> list:
-    from engine.bench_hf import BenchRequest
+    from kvgate.bench.hf import BenchRequest
 
     rng = random.Random(seed)
     return [BenchRequest(prompt_ids=[rng.randrange(vocab_size) for _ in range(rng.randint(*workload.prompt_len))],
@@ -147,8 +147,8 @@ def make_requests(workload: Workload, vocab_size: int, seed: int) -> list:
 
 
 def run_model(model: str, workload: Workload, contestants: list[str], device, seed: int, repeats: int = 1) -> dict:
-    from engine.bench_report import bandwidth_ceiling
-    from engine.loader import resolve_model
+    from kvgate.bench.report import bandwidth_ceiling
+    from kvgate.engine.loader import resolve_model
 
     source = resolve_model(model, seed=seed)
     m = ModelRun(source, make_requests(workload, source.config.vocab_size, seed), workload, device)
@@ -160,14 +160,14 @@ def run_model(model: str, workload: Workload, contestants: list[str], device, se
             print(f"{model} round {round_no}/{repeats} {name}: {json.dumps(rounds[name][-1])}", flush=True)
     results = {name: median_round(r) if repeats > 1 else r[0] for name, r in rounds.items()}
     entry = {"contestants": results, "ratios": median_ratios(rounds)}
-    if {"kvfleet_continuous", "kvfleet_static"} <= results.keys():
+    if {"kvgate_continuous", "kvgate_static"} <= results.keys():
         # What continuous batching could gain over static on these requests if a step cost the same whatever
         # it carries (the GPU regime); on a CPU a step's cost grows with its batch, so the gain is smaller.
-        entry["step_ratio"] = results["kvfleet_static"]["steps"] / results["kvfleet_continuous"]["steps"]
+        entry["step_ratio"] = results["kvgate_static"]["steps"] / results["kvgate_continuous"]["steps"]
     if workload.name == "W-GPU":
         entry.update(bandwidth_ceiling(m))
-        if "kvfleet_continuous" in results:
-            entry["fraction_of_ceiling"] = results["kvfleet_continuous"]["output_tok_s"] / entry["bandwidth_ceiling_tok_s"]
+        if "kvgate_continuous" in results:
+            entry["fraction_of_ceiling"] = results["kvgate_continuous"]["output_tok_s"] / entry["bandwidth_ceiling_tok_s"]
     return entry
 
 
@@ -192,16 +192,16 @@ def median_ratios(rounds: dict[str, list[dict]]) -> dict:
 
 
 def ratios(results: dict) -> dict:
-    if "kvfleet_continuous" not in results:
+    if "kvgate_continuous" not in results:
         return {}
-    ours = results["kvfleet_continuous"]["output_tok_s"]
-    return {f"kvfleet_continuous/{name}": ours / r["output_tok_s"] for name, r in results.items()
-            if name != "kvfleet_continuous"}
+    ours = results["kvgate_continuous"]["output_tok_s"]
+    return {f"kvgate_continuous/{name}": ours / r["output_tok_s"] for name, r in results.items()
+            if name != "kvgate_continuous"}
 
 
-def kvfleet_llm(m: ModelRun, scheduling: str):
-    """The kvfleet engine as every kvfleet contestant runs it (also `kvfleet bench steps`)."""
-    from engine import LLM
+def kvgate_llm(m: ModelRun, scheduling: str):
+    """The kvgate engine as every kvgate contestant runs it (also `kvgate bench steps`)."""
+    from kvgate.engine import LLM
 
     return LLM(m.source, device=str(m.device), dtype=m.workload.dtype, max_num_seqs=m.workload.max_num_seqs,
                max_model_len=m.max_model_len, scheduling=scheduling, seed=0)
@@ -209,18 +209,18 @@ def kvfleet_llm(m: ModelRun, scheduling: str):
 
 def greedy_params(requests) -> list:
     """Greedy, each request exactly its own number of tokens."""
-    from engine import SamplingParams
+    from kvgate.engine import SamplingParams
 
     return [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
 
 
-def run_kvfleet(m: ModelRun, scheduling: str):
+def run_kvgate(m: ModelRun, scheduling: str):
     import time
 
-    from engine import SamplingParams
-    from engine.bench_hf import RunResult, synchronize
+    from kvgate.engine import SamplingParams
+    from kvgate.bench.hf import RunResult, synchronize
 
-    llm = kvfleet_llm(m, scheduling)
+    llm = kvgate_llm(m, scheduling)
     warmup = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([m.requests[0].prompt_ids[:8]], [warmup], use_tqdm=False)
     params = greedy_params(m.requests)
@@ -238,7 +238,7 @@ def run_kvfleet(m: ModelRun, scheduling: str):
 def run_hf_static(m: ModelRun):
     import torch
 
-    from engine.bench_hf import hf_static
+    from kvgate.bench.hf import hf_static
 
     model = hf_model(m)
     pad = pad_token_id(m.source.config)
@@ -261,11 +261,11 @@ def run_hf_static(m: ModelRun):
 
 
 def run_hf_generate_batch(m: ModelRun):
-    from engine.bench_hf import hf_generate_batch
+    from kvgate.bench.hf import hf_generate_batch
 
     model = hf_model(m)
-    # On CPU it gets the cache kvfleet gets there (room for every running sequence at full length); on a GPU it
-    # sizes its own from free memory, as kvfleet does.
+    # On CPU it gets the cache kvgate gets there (room for every running sequence at full length); on a GPU it
+    # sizes its own from free memory, as kvgate does.
     cache_tokens = m.workload.max_num_seqs * m.max_model_len if m.device.type == "cpu" else None
     result = hf_generate_batch(model, m.requests, max_batch_requests=m.workload.max_num_seqs,
                                cache_tokens=cache_tokens)
@@ -277,13 +277,13 @@ def run_hf_generate_batch(m: ModelRun):
 def hf_model(m: ModelRun):
     import torch
 
-    from engine.loader import hf_reference_model
+    from kvgate.engine.loader import hf_reference_model
 
     return hf_reference_model(m.source, getattr(torch, m.workload.dtype)).to(m.device)
 
 
 def warm_up_hf(model, m: ModelRun, pad: int) -> None:
-    from engine.bench_hf import BenchRequest, hf_static
+    from kvgate.bench.hf import BenchRequest, hf_static
 
     hf_static(model, [BenchRequest(m.requests[0].prompt_ids[:8], 2)], 1, pad)
 
@@ -309,8 +309,8 @@ def free_memory() -> None:
 
 
 RUNNERS = {
-    "kvfleet_continuous": lambda m: run_kvfleet(m, "continuous"),
-    "kvfleet_static": lambda m: run_kvfleet(m, "static"),
+    "kvgate_continuous": lambda m: run_kvgate(m, "continuous"),
+    "kvgate_static": lambda m: run_kvgate(m, "static"),
     "hf_static": run_hf_static,
     "hf_generate_batch": run_hf_generate_batch,
 }

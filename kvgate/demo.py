@@ -1,4 +1,4 @@
-"""`kvfleet demo`: the whole path in one command. Embedded Redis, one worker with the bundled
+"""`kvgate demo`: the whole path in one command. Embedded Redis, one worker with the bundled
 SmolLM2-135M-Instruct, a handful of chat prompts through the SDK; one answer streamed token by token."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         url = args.redis_url or start_embedded_redis(stack, console)
         start_worker(stack, console, url, args)
-        from producer import Client
+        from kvgate.producer import Client
 
         client = stack.enter_context(Client(url, namespace=args.namespace))
         handles = [client.submit(messages=[{"role": "user", "content": p}], max_tokens=args.max_tokens,
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start_embedded_redis(stack: ExitStack, console) -> str:
-    from worker.embedded_redis import EmbeddedRedis
+    from kvgate.worker.embedded_redis import EmbeddedRedis
 
     server = stack.enter_context(EmbeddedRedis())
     console.print(f"[bold]redis[/]   embedded redis-server at {server.url} (stopped on exit)")
@@ -55,9 +55,9 @@ def start_embedded_redis(stack: ExitStack, console) -> str:
 
 
 def start_worker(stack: ExitStack, console, url: str, args: argparse.Namespace) -> None:
-    from worker.main import build_engine
-    from worker.settings import WorkerSettings
-    from worker.worker import Worker
+    from kvgate.worker.main import build_engine
+    from kvgate.worker.settings import WorkerSettings
+    from kvgate.worker.worker import Worker
 
     settings = WorkerSettings(redis_url=url, namespace=args.namespace, model=args.model, max_num_seqs=8,
                               drain_timeout_s=2.0, worker_id="demo-worker")

@@ -1,4 +1,4 @@
-"""`kvfleet bench queue`: W-QUEUE. W-CPU's requests through Redis with one worker, against the same engine
+"""`kvgate bench queue`: W-QUEUE. W-CPU's requests through Redis with one worker, against the same engine
 driven in process, in the same run; plus the per-job overhead the queue adds when the worker is idle.
 
 Order: in-process, queue, in-process again; the queue's throughput is divided by the mean of the two
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.bench import WORKLOADS
+    from kvgate.bench.engine import WORKLOADS
 
     workload = WORKLOADS["cpu"]
     engine = build_engine(args, workload)
@@ -60,11 +60,11 @@ def run(args: argparse.Namespace) -> int:
 # ---- set-up ------------------------------------------------------------------------------------
 def build_engine(args, workload):
     if args.simulated:
-        from engine.simulated import SimulatedEngine
+        from kvgate.engine.simulated import SimulatedEngine
 
         return SimulatedEngine(num_blocks=4096, block_size=16, max_num_seqs=args.max_num_seqs, step_overhead_s=0.01,
                                per_token_s=0.0002)
-    from engine import LLMEngine
+    from kvgate.engine import LLMEngine
 
     print(f"loading {args.model} ({workload.dtype}) ...", file=sys.stderr, flush=True)
     return LLMEngine(args.model, dtype=workload.dtype, max_num_seqs=args.max_num_seqs,
@@ -79,7 +79,7 @@ def vocab_size(engine) -> int:
 def make_requests(workload, n: int, vocab: int, seed: int) -> list:
     from dataclasses import replace
 
-    from engine.bench import make_requests as w_cpu_requests
+    from kvgate.bench.engine import make_requests as w_cpu_requests
 
     return w_cpu_requests(replace(workload, num_requests=n), vocab, seed)
 
@@ -94,7 +94,7 @@ def settings_of(args, workload) -> dict:
 def environment(args) -> dict:
     import torch
 
-    from engine.bench_report import machine_info, versions
+    from kvgate.bench.report import machine_info, versions
 
     return {"machine": machine_info(torch.device("cpu")), "versions": versions()}
 
@@ -114,7 +114,7 @@ class redis_for:
     def __enter__(self) -> str:
         if self.url:
             return self.url
-        from worker.embedded_redis import EmbeddedRedis
+        from kvgate.worker.embedded_redis import EmbeddedRedis
 
         self.embedded = EmbeddedRedis().start()
         return self.embedded.url
@@ -132,13 +132,13 @@ def server_version(url: str) -> str:
 
 # ---- the contestants -----------------------------------------------------------------------------
 def params_for(request):
-    from engine.sampling_params import SamplingParams
+    from kvgate.engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
 
 
 def warm_up(engine, request) -> None:
-    from engine.sampling_params import SamplingParams
+    from kvgate.engine.sampling_params import SamplingParams
 
     engine.add_request("warmup", request.prompt_ids[:8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished():
@@ -146,7 +146,7 @@ def warm_up(engine, request) -> None:
 
 
 def run_in_process(engine, requests) -> dict:
-    """On the main thread, where the model was loaded and where `kvfleet worker` steps it: stepped on another,
+    """On the main thread, where the model was loaded and where `kvgate worker` steps it: stepped on another,
     every step ran ~50% slower on a 2-core VM (ModelRunner warns why)."""
     tag = uuid.uuid4().hex[:6]
     start = time.perf_counter()
@@ -164,9 +164,9 @@ def run_in_process(engine, requests) -> dict:
 
 def run_through_queue(engine, requests, url: str, args) -> tuple[dict, dict]:
     """The worker loop on the main thread (see run_in_process); the SDK submits and collects from another."""
-    from producer.client import Client
-    from worker.settings import WorkerSettings
-    from worker.worker import NullMetrics, Worker
+    from kvgate.producer.client import Client
+    from kvgate.worker.settings import WorkerSettings
+    from kvgate.worker.worker import NullMetrics, Worker
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     settings = WorkerSettings(redis_url=url, namespace=namespace, max_num_seqs=args.max_num_seqs)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import redis
 
-from engine.simulated import SimulatedEngine
-from producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, decode_event, encode
-from worker.admission import AdmissionQueue
-from worker.embedded_redis import EmbeddedRedis
-from worker.settings import WorkerSettings
-from worker.worker import Worker
+from kvgate.engine.simulated import SimulatedEngine
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, decode_event, encode
+from kvgate.worker.admission import AdmissionQueue
+from kvgate.worker.embedded_redis import EmbeddedRedis
+from kvgate.worker.settings import WorkerSettings
+from kvgate.worker.worker import Worker
 
 PREFETCH = 16
 

@@ -33,7 +33,7 @@ def cpu_model() -> str:
 
 def versions() -> dict:
     found = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "triton", "safetensors", "kvfleet"):
+    for package in ("torch", "transformers", "triton", "safetensors", "kvgate"):
         try:
             found[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -84,7 +84,7 @@ def sync(device: torch.device) -> None:
 def bandwidth_ceiling(m) -> dict:
     """tokens/s <= batch * bandwidth / bytes read per decode step, where a step reads every weight once and the
     whole KV of every running sequence; the context is averaged over each request's decode."""
-    from engine.loader import parameter_shapes
+    from kvgate.engine.loader import parameter_shapes
 
     config = m.source.config
     dtype_bytes = torch.empty((), dtype=getattr(torch, m.workload.dtype)).element_size()

@@ -1,4 +1,4 @@
-"""`kvfleet bench steps`: W-CPU's requests once per scheduling policy with every engine step timed, to show where
+"""`kvgate bench steps`: W-CPU's requests once per scheduling policy with every engine step timed, to show where
 continuous batching's gain over static comes from (fewer steps) and what it pays for them (fuller steps, prompts
 prefilled beside decodes); `--profile N` adds a torch profile of N full-batch decode steps."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from engine.bench import (ModelRun, add_workload_arguments, greedy_params, kvfleet_llm, make_requests,
+from kvgate.bench.engine import (ModelRun, add_workload_arguments, greedy_params, kvgate_llm, make_requests,
                           scaled_workload, settings_of)
 
 POLICIES = ("continuous", "static")
@@ -34,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.bench_report import machine_info, print_header, versions
-    from engine.llm_engine import resolve_device
-    from engine.loader import resolve_model
+    from kvgate.bench.report import machine_info, print_header, versions
+    from kvgate.engine.llm_engine import resolve_device
+    from kvgate.engine.loader import resolve_model
 
     workload = scaled_workload(args)
     device = resolve_device(args.device)
@@ -60,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
 def timed_pass(m: ModelRun, policy: str) -> list[StepTime]:
     """Every request to completion under `policy`, each `ModelRunner.run` (one engine step's forward and
     sampling) timed."""
-    from engine.bench_hf import synchronize
+    from kvgate.bench.hf import synchronize
 
-    llm = kvfleet_llm(m, policy)
+    llm = kvgate_llm(m, policy)
     runner, steps = llm.engine.runner, []
     forward = runner.run
 
@@ -95,9 +95,9 @@ def profile_decode(m: ModelRun, steps: int) -> str:
     """The top ops of `steps` decode steps once the first full batch is prefilled."""
     from torch.profiler import profile
 
-    from engine import SamplingParams
+    from kvgate.engine import SamplingParams
 
-    engine, batch = kvfleet_llm(m, "continuous").engine, m.requests[: m.workload.max_num_seqs]
+    engine, batch = kvgate_llm(m, "continuous").engine, m.requests[: m.workload.max_num_seqs]
     for i, r in enumerate(batch):
         engine.add_request(str(i), r.prompt_ids, SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
     while len(engine.step()) < len(batch):  # until every prompt is prefilled, in chunks or not

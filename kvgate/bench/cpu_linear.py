@@ -1,7 +1,7 @@
 """CPU GEMM micro-benchmark: PyTorch's default `F.linear` (MKL) against the oneDNN-packed `PackedLinear` on
 W-CPU's model (SmolLM2-135M) projections, float32, interleaved and reported as the median of N calls.
 
-    python -m engine.bench_cpu_linear [--rows 1,32,256] [--repeats 50] [--json PATH]
+    python -m kvgate.bench.cpu_linear [--rows 1,32,256] [--repeats 50] [--json PATH]
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from engine.bench_report import cpu_model
-    from kernels.cpu_linear import PackedLinear
+    from kvgate.bench.report import cpu_model
+    from kvgate.kernels.cpu_linear import PackedLinear
 
     print(f"# {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, float32")
     print(f"{'layer':14} {'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'speedup':>8} {'maxdiff':>8}")

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from producer.protocol import Keys
+from kvgate.producer.protocol import Keys
 
 TARGET_JOBS_PER_S = 5000
 TARGET_WAIT_RATIO = 0.5
@@ -62,7 +62,7 @@ def fleet_capacity(specs, mix, step_overhead_s: float, per_token_s: float) -> fl
 
 
 def _wait_answered(client: redis.Redis, keys: Keys, jobs, timeout: float) -> None:
-    from worker.fleet_sim import count_results
+    from kvgate.bench.fleet_sim import count_results
 
     deadline = time.monotonic() + timeout
     while count_results(client, keys, jobs) < len(jobs):
@@ -72,7 +72,7 @@ def _wait_answered(client: redis.Redis, keys: Keys, jobs, timeout: float) -> Non
 
 
 def run_latency(url: str, n_workers: int, policy: str, args) -> RunResult:
-    from worker import fleet_sim
+    from kvgate.bench import fleet_sim
 
     specs, mix = fleet_sim.mixed_fleet(n_workers), fleet_sim.JobMix()
     rate = args.load * fleet_capacity(specs, mix, args.step_ms / 1000, args.per_token_ms / 1000)
@@ -113,7 +113,7 @@ def summarise(policy: str, n_workers: int, rate: float, jobs, finals: dict, kv_s
 
 
 def _throughput_child(url: str, namespace: str, first: int, count: int, ready, stop) -> None:
-    from worker import fleet_sim
+    from kvgate.bench import fleet_sim
 
     specs = [fleet_sim.WorkerSpec(f"tp-{first + i}", 8192, 256) for i in range(count)]
     fleet = fleet_sim.start_fleet(url, namespace, specs, "capacity", step_overhead_s=0.0005, per_token_s=0.0)
@@ -128,7 +128,7 @@ def run_throughput(server, args) -> dict:
     the neighbours' load, jobs per CPU-second does not."""
     import resource
 
-    from worker import fleet_sim
+    from kvgate.bench import fleet_sim
 
     url = server.url
     redis_cpu0 = server.cpu_seconds()
@@ -213,7 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.fleet_sim import RedisProcess
+    from kvgate.bench.fleet_sim import RedisProcess
 
     sizes = [int(w) for w in args.workers.split(",")]
     with RedisProcess() as server:
