@@ -50,7 +50,7 @@ def test_cancel_mid_generation_aborts_with_partial_text(queue, thread_worker):
         (final,) = queue.wait_finals(1)
     assert final.status == "cancelled" and final.finish_reason == "abort"
     assert 5 <= len(final.token_ids) < 2000 and final.text
-    assert engine.free_blocks == engine.num_blocks and queue.pending() == 0
+    assert engine.stats.free_blocks == engine.stats.total_blocks and queue.pending() == 0
 
 
 def test_a_job_past_its_deadline_is_expired_and_never_run(queue, thread_worker):
