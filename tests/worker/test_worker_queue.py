@@ -153,5 +153,5 @@ def test_the_heartbeat_hash_has_every_field_and_a_ttl(queue, thread_worker):
             time.sleep(0.02)
         beat = {k.decode(): v.decode() for k, v in queue.r.hgetall(key).items()}
         assert set(beat) == set(HEARTBEAT_FIELDS) and 0 < queue.r.ttl(key) <= 7
-        assert beat["state"] == "serving" and int(beat["total_blocks"]) == tw.engine.num_blocks
+        assert beat["state"] == "serving" and int(beat["total_blocks"]) == tw.engine.stats.total_blocks
     assert not queue.r.exists(key)
