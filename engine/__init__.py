@@ -1,6 +1,7 @@
 """kvgate inference engine: iteration-level continuous batching over a paged KV cache.
 
-`import engine` stays torch-free: LLM and LLMEngine load on first access."""
+`import kvgate.engine` stays torch-free: LLM and LLMEngine load on first access, and torch only once a model is
+loaded (the simulated engine never loads it)."""
 from kvgate.engine.outputs import Admission, EngineStats, RequestOutput, RequestRejected, StepOutput
 from kvgate.engine.sampling_params import SamplingParams
 

@@ -1,98 +1,64 @@
 """The engine the worker drives: add_request, step, abort, and the admission question (how many more tokens
-can come in now without expecting a preemption)."""
+can come in now without expecting a preemption).
+
+The engine schedules, accounts KV blocks, caches prefixes and admits; its runner computes the scheduled tokens:
+the torch ModelRunner for a real model, a CostModelRunner for the simulated fleet. Torch loads only when a
+ModelRunner is built, so everything here imports without it."""
 from __future__ import annotations
 
-import logging
 import math
 import time
-from typing import Any
-
-import torch
+from typing import Any, Protocol
 
 from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.model_runner import ModelRunner
-from kvgate.engine.models import build_model
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.scheduler import Scheduler
+from kvgate.engine.scheduler import ScheduledBatch, Scheduler
 from kvgate.engine.sequence import Sequence
-
-logger = logging.getLogger(__name__)
 
 RESERVE_RATIO_START, RESERVE_RATIO_FLOOR, RESERVE_RATIO_BUMP, RESERVE_RATIO_DECAY = 0.5, 0.25, 0.25, 0.995
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+class Runner(Protocol):
+    """What computes a scheduled batch, and the facts about its model the engine needs."""
+    model_name: str
+    tokenizer: Any  # None: the engine takes token ids only
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: set[int]
+    num_blocks: int  # KV cache blocks of the engine's block_size
 
-
-def resolve_dtype(dtype: str, device: torch.device, hf_config: Any) -> torch.dtype:
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    if device.type != "cuda":
-        return torch.float32
-    wanted = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    return torch.float16 if wanted in (torch.float16, "float16") else torch.bfloat16
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
+        """Compute each (sequence, n) chunk; a next token (and logprobs) for each sequence now fully computed."""
+        ...
 
 
 class LLMEngine:
-    def __init__(self, model: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Any = None, *, runner: Runner | None = None, **kwargs: Any) -> None:
+        """Serve `model` (a name, path or ModelSource) with the torch ModelRunner, or serve through the given
+        `runner` instead; `kwargs` are EngineConfig fields."""
         self.config = config = EngineConfig(**kwargs)
-        source = self._resolve(model, config.seed)
-        self.model_name: str = source.name
-        self.tokenizer = source.tokenizer
-        hf_config = source.config
-        self.vocab_size: int = hf_config.vocab_size
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
-        max_positions = getattr(hf_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(config.max_model_len or max_positions, max_positions)
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True) and window < self.max_model_len:
-            # attention here is always full; inside the window that is exactly sliding-window attention
-            logger.warning("%s uses a %d-token sliding window: max_model_len capped from %d to %d",
-                           source.name, window, self.max_model_len, window)
-            self.max_model_len = window
+        if (model is None) == (runner is None):
+            raise ValueError("pass either a model to load or a runner, not both or neither")
+        if runner is None:
+            from kvgate.engine.model_runner import ModelRunner  # torch loads here
+            runner = ModelRunner.load(model, config)
+        self.runner = runner
+        self.model_name: str = runner.model_name
+        self.tokenizer = runner.tokenizer
+        self.vocab_size: int = runner.vocab_size
+        self.max_model_len: int = runner.max_model_len
+        self.eos_token_ids = runner.eos_token_ids
         self.block_size = config.block_size
-        torch.manual_seed(config.seed)
-        model_ = build_model(hf_config, self.dtype, self.device, source.weights(self.dtype), self.max_model_len)
-        self.runner = ModelRunner(model_, config.block_size, self.device, config.seed, config.max_num_seqs)
-        num_blocks = self.runner.size_kv_cache(config.kv_cache_memory, config.gpu_memory_utilization,
-                                               config.max_num_seqs, self.max_model_len, config.max_num_batched_tokens)
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache has room for 0 blocks of {self.runner.bytes_per_block} bytes: "
-                             "raise kv_cache_memory or gpu_memory_utilization")
-        self.runner.allocate_kv_cache(num_blocks)
-        logger.info("%s on %s/%s: KV cache of %d blocks x %d = %d tokens (%.1f MiB)", self.model_name, self.device,
-                    self.dtype, num_blocks, self.block_size, num_blocks * self.block_size,
-                    num_blocks * self.runner.bytes_per_block / 2**20)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_num_seqs = config.max_num_seqs
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling)
-        self.eos_token_ids = self._eos_ids(hf_config)
         self.seqs: dict[str, Sequence] = {}
         self.reserve_ratio = RESERVE_RATIO_START
         self.steps = self.prompt_tokens = self.generation_tokens = 0
         self._seen_preemptions = 0
-
-    @staticmethod
-    def _resolve(model: Any, seed: int) -> Any:
-        if not isinstance(model, str):
-            return model
-        from kvgate.engine.loader import resolve_model  # heavy: transformers, gguf
-        return resolve_model(model, seed=seed)
-
-    def _eos_ids(self, hf_config: Any) -> set[int]:
-        ids: set[int] = set()
-        for value in (getattr(hf_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(v for v in value if isinstance(v, int))
-        return ids
 
     # ---- requests -------------------------------------------------------------------------------------------
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import torch
 
-from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
 from kvgate.engine.sampler import Sampler
 from kvgate.engine.scheduler import ScheduledBatch
 from kvgate.engine.sequence import Sequence
@@ -24,10 +26,41 @@ def kv_budget(total: int, free: int, activation_peak: int, utilization: float) -
     return max(int(total * utilization) - (total - free) - activation_peak, 0)
 
 
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config: Any) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type != "cuda":
+        return torch.float32
+    wanted = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return torch.float16 if wanted in (torch.float16, "float16") else torch.bfloat16
+
+
+def eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for value in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
 class ModelRunner:
+    """The engine's runner for a real model; the facts the engine needs about the model (name, tokenizer,
+    vocabulary, context limit, EOS ids, KV blocks) are set by `load`."""
+
     def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device, seed: int = 0,
                  max_num_seqs: int = 32) -> None:
         self.model = model
+        self.model_name, self.tokenizer, self.vocab_size, self.max_model_len = "unknown", None, 0, 0
+        self.eos_token_ids: set[int] = set()
+        self.num_blocks = 0
         if device.type == "cpu":  # a decode step has a row per running sequence
             logger.info("%d CPU GEMMs prepacked for oneDNN", model.pack_linears(rows_hint=max_num_seqs))
         self.block_size = block_size
@@ -38,6 +71,41 @@ class ModelRunner:
         self.kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.kv_cache = torch.empty(0)
         self.home_thread: int | None = threading.get_ident() if device.type == "cpu" else None
+
+    @classmethod
+    def load(cls, model: Any, config: EngineConfig) -> ModelRunner:
+        """Resolve `model` (a name, path or ModelSource), build it on the configured device and dtype, and size
+        and allocate its KV cache."""
+        from kvgate.engine.loader import resolve_model  # heavy: transformers, gguf
+
+        source = resolve_model(model, seed=config.seed) if isinstance(model, str) else model
+        hf_config = source.config
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device, hf_config)
+        max_positions = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = min(config.max_model_len or max_positions, max_positions)
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True) and window < max_model_len:
+            # attention here is always full; inside the window that is exactly sliding-window attention
+            logger.warning("%s uses a %d-token sliding window: max_model_len capped from %d to %d",
+                           source.name, window, max_model_len, window)
+            max_model_len = window
+        torch.manual_seed(config.seed)
+        built = build_model(hf_config, dtype, device, source.weights(dtype), max_model_len)
+        runner = cls(built, config.block_size, device, config.seed, config.max_num_seqs)
+        num_blocks = runner.size_kv_cache(config.kv_cache_memory, config.gpu_memory_utilization,
+                                          config.max_num_seqs, max_model_len, config.max_num_batched_tokens)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache has room for 0 blocks of {runner.bytes_per_block} bytes: "
+                             "raise kv_cache_memory or gpu_memory_utilization")
+        runner.allocate_kv_cache(num_blocks)
+        logger.info("%s on %s/%s: KV cache of %d blocks x %d = %d tokens (%.1f MiB)", source.name, device, dtype,
+                    num_blocks, config.block_size, num_blocks * config.block_size,
+                    num_blocks * runner.bytes_per_block / 2**20)
+        runner.model_name, runner.tokenizer, runner.vocab_size = source.name, source.tokenizer, hf_config.vocab_size
+        runner.max_model_len, runner.eos_token_ids = max_model_len, eos_ids(hf_config, source.tokenizer)
+        runner.num_blocks = num_blocks
+        return runner
 
     @property
     def bytes_per_block(self) -> int:

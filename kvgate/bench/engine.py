@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvgate.bench.report import machine_info, print_header, print_model_result, versions
-    from kvgate.engine.llm_engine import resolve_device
+    from kvgate.engine.model_runner import resolve_device
 
     workload = scaled_workload(args)
     contestants = [c.strip() for c in args.contestants.split(",") if c.strip()]

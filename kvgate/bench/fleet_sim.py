@@ -1,6 +1,6 @@
 """A simulated fleet for W-FLEET: real Workers over SimulatedEngines of mixed sizes, in threads, on one Redis.
 
-The only thing simulated is the GPU (step time from a cost model, real KV block accounting); admission,
+The only thing simulated is the GPU (the production LLMEngine over a cost-model runner); scheduling, admission,
 Redis reads, publishing and acks are the production code. `policy="prefetch"` swaps the KV-capacity
 admission for the naive baseline: every worker keeps 16 jobs in hand whatever its cache holds.
 """
@@ -85,8 +85,8 @@ class Fleet:
     kv_samples: list[float] = field(default_factory=list)
 
     def sample_kv(self) -> None:
-        used = sum(w.engine.num_blocks - w.engine.free_blocks for w in self.workers)
-        self.kv_samples.append(used / sum(w.engine.num_blocks for w in self.workers))
+        stats = [w.engine.stats for w in self.workers]
+        self.kv_samples.append(sum(s.total_blocks - s.free_blocks for s in stats) / sum(s.total_blocks for s in stats))
 
     def stop(self) -> None:
         self.stop_event.set()

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvgate.bench.report import machine_info, print_header, versions
-    from kvgate.engine.llm_engine import resolve_device
+    from kvgate.engine.model_runner import resolve_device
     from kvgate.engine.loader import resolve_model
 
     workload = scaled_workload(args)

@@ -25,7 +25,7 @@ def test_gpu_budget_is_our_share_less_what_is_in_use_and_the_activation_peak():
 
 
 def test_explicit_bytes_give_whole_blocks_and_the_size_is_logged(source, caplog):
-    with caplog.at_level(logging.INFO, logger="kvgate.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="kvgate.engine.model_runner"):
         engine = LLMEngine(source, kv_cache_memory=10 * BLOCK_BYTES + BLOCK_BYTES // 2, max_model_len=64)
     assert engine.stats.total_blocks == 10
     assert "KV cache of 10 blocks x 16 = 160 tokens" in caplog.text

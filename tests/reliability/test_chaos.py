@@ -4,7 +4,7 @@ it with SIGSTOP for 5 s. Invariant 1, read from Redis itself at the end: every j
 in its reply stream (raw XRANGE), nothing is pending, nothing lost, nothing answered twice; and the workers
 that were not killed rode out the outages in the same process.
 
-The CI run uses the simulated engine (real paged-KV block accounting, step time from a cost model: 10 ms a
+The CI run uses the simulated engine (the production engine over a cost-model runner: 10 ms a
 decode step, so a job of 20-200 tokens takes about 0.2-2 s). The slow run does the same with SmolLM2-135M.
 Reproduce: `.venv/bin/pytest -m chaos -s tests/reliability` (KVGATE_SLOW=1 adds the SmolLM2 run;
 KVGATE_CHAOS_SEED=<n> picks another fault timeline)."""

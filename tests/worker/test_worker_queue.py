@@ -50,7 +50,7 @@ def test_cancel_mid_generation_aborts_with_partial_text(queue, thread_worker):
         (final,) = queue.wait_finals(1)
     assert final.status == "cancelled" and final.finish_reason == "abort"
     assert 5 <= len(final.token_ids) < 2000 and final.text
-    assert engine.free_blocks == engine.num_blocks and queue.pending() == 0
+    assert engine.stats.free_blocks == engine.stats.total_blocks and queue.pending() == 0
 
 
 def test_a_job_past_its_deadline_is_expired_and_never_run(queue, thread_worker):
@@ -153,5 +153,5 @@ def test_the_heartbeat_hash_has_every_field_and_a_ttl(queue, thread_worker):
             time.sleep(0.02)
         beat = {k.decode(): v.decode() for k, v in queue.r.hgetall(key).items()}
         assert set(beat) == set(HEARTBEAT_FIELDS) and 0 < queue.r.ttl(key) <= 7
-        assert beat["state"] == "serving" and int(beat["total_blocks"]) == tw.engine.num_blocks
+        assert beat["state"] == "serving" and int(beat["total_blocks"]) == tw.engine.stats.total_blocks
     assert not queue.r.exists(key)
