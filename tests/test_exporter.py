@@ -12,7 +12,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.producer.protocol import Keys
-from kvgate.worker import exporter
+from kvgate import exporter
 from tests.support import free_port
 
 
@@ -135,7 +135,7 @@ def test_kvgate_exporter_command_serves_metrics_until_sigterm(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "exporter", "--redis-url",
                              f"redis://127.0.0.1:{free_port()}/0", "--port", str(port), "--addr", "127.0.0.1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1])
     try:
         body = ""
         for _ in range(100):
