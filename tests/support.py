@@ -58,7 +58,7 @@ def redis_major(binary: str | None) -> int:
     return int(out.split("v=", 1)[1].split(".", 1)[0]) if "v=" in out else 0
 
 
-@dataclass
+@dataclass(slots=True)
 class RedisServer:
     """A redis-server we own: any binary, restartable (same port, same data dir, append-only file fsynced on
     every write) and freezable, for fault injection. `extra_args` come last, so they win over the defaults
@@ -86,10 +86,12 @@ class RedisServer:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not self._answers():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log.read_text(errors="replace")[-800:]
+            exited = self.proc.poll()
+            if exited is not None or time.monotonic() > deadline:
+                why = f"exited with status {exited}" if exited is not None else f"did not answer within {timeout:g}s"
                 self.stop()
-                raise RuntimeError(f"{self.binary} on port {self.port} did not answer within {timeout:g}s:\n{tail}")
+                raise RuntimeError(f"{self.binary} on port {self.port} {why}; the end of {self.log}:\n"
+                                   f"{self.log.read_text(errors='replace')[-800:]}")
             time.sleep(0.02)
         return self
 
@@ -128,7 +130,7 @@ class RedisServer:
 
 
 # ---- a producer without the SDK -------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class RawQueue:
     """One namespace on a real redis-server, driven the way a producer would but with raw wire payloads (no SDK
     validation in the way) and raw reads of the reply stream (XRANGE: nothing trimmed, every event ever
@@ -137,6 +139,8 @@ class RawQueue:
     server: RedisServer
     ns: str
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    r: redis.Redis = field(init=False)
+    keys: Keys = field(init=False)
 
     def __post_init__(self):
         self.r = self.server.client()
