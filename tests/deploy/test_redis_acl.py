@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -11,44 +9,26 @@ import redis
 
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import read_queue_stats
-from tests.support import free_port
+from tests.support import RedisServer, redis_major
 
 ACL = Path(__file__).parents[2] / "deploy/redis/acl.conf"
 
 
-def _redis7() -> str | None:
-    binary = shutil.which("redis-server")
-    if not binary:
-        return None
-    version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
-    return binary if " v=7" in version or " v=8" in version else None
-
-
-pytestmark = pytest.mark.skipif(_redis7() is None, reason="ACL selectors need redis-server >= 7 on PATH")
+REDIS = shutil.which("redis-server")
+pytestmark = pytest.mark.skipif(redis_major(REDIS) < 7, reason="ACL selectors need redis-server >= 7 on PATH")
 
 
 @pytest.fixture
 def acl_server(tmp_path):
-    port = free_port()
     shutil.copy(ACL, tmp_path / "acl.conf")
-    args = [_redis7(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path),
-            "--aclfile", str(tmp_path / "acl.conf")]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server = RedisServer(tmp_path, binary=REDIS, extra_args=("--aclfile", str(tmp_path / "acl.conf"))).start()
 
     def connect(user: str) -> redis.Redis:
-        return redis.Redis(port=port, username=user, password=f"CHANGE_ME_{user}")
+        return redis.Redis(port=server.port, username=user, password=f"CHANGE_ME_{user}")
 
-    for _ in range(300):
-        if proc.poll() is not None:
-            pytest.fail(f"redis-server refused the ACL file: {proc.stdout.read().decode()[-800:]}")
-        try:
-            connect("monitor").ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.01)
+    connect("monitor").ping()  # the file loaded and its users can log in
     yield connect
-    proc.terminate()
-    proc.wait(10)
+    server.stop()
 
 
 def denied(call) -> bool:

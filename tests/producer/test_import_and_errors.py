@@ -11,7 +11,8 @@ from kvgate.producer.connection import mask_url
 
 
 def test_importing_producer_does_not_import_torch(repo_root):
-    code = "import sys, producer, producer.client, producer.async_client; assert 'torch' not in sys.modules, 'torch'"
+    code = ("import sys, kvgate.producer, kvgate.producer.client, kvgate.producer.async_client; "
+            "assert 'torch' not in sys.modules, 'torch'")
     subprocess.run([sys.executable, "-c", code], cwd=repo_root, check=True)
 
 

@@ -1,33 +1,15 @@
-"""Shared by the reliability tests: raw job injection, the raw reply-stream ledger (XRANGE, not the SDK),
-`kvgate worker` subprocesses, and the fault timeline of the chaos runs."""
+"""Shared by the reliability tests: the raw reply-stream ledger (XRANGE, not the SDK) and the fault timeline of
+the chaos runs. Raw job injection and `kvgate worker` subprocesses are tests.support's RawQueue and spawn_worker."""
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
-import time
-import uuid
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import redis
 
-from kvgate.producer.request import build_job, encode_job, validate_request
-from kvgate.producer.protocol import FIELD, PRIORITIES, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(predicate, timeout: float = 30.0, what="condition", every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what() if callable(what) else what}")
+from kvgate.producer.protocol import FIELD, Final, Keys, decode_event
 
 
 @dataclass
@@ -64,52 +46,6 @@ class Ledger:
 
 
 @dataclass
-class RawQueue:
-    """A producer that writes wire payloads straight into the job streams (no SDK validation in the way)."""
-
-    r: redis.Redis
-    keys: Keys
-    client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-    def job(self, prompt: str | None = "hello world", **kw) -> Job:
-        sampling = Sampling(**{k: kw.pop(k) for k in list(kw) if k in Sampling.__struct_fields__})
-        return Job(v=PROTOCOL_VERSION, job_id=kw.pop("job_id", uuid.uuid4().hex), client_id=self.client_id,
-                   enqueued_at=time.time(), prompt=prompt, sampling=sampling, **kw)
-
-    def xadd(self, payload: bytes, priority: str = "normal", field_name: str = FIELD) -> str:
-        return self.r.xadd(self.keys.jobs(priority), {field_name: payload}).decode()
-
-    def submit(self, prompt: str = "hello world", **kw) -> str:
-        job = self.job(prompt, **kw)
-        self.xadd(encode(job), job.priority)
-        return job.job_id
-
-    def submit_validated(self, requests: list[dict]) -> list[str]:
-        """Jobs built and validated exactly as the SDK builds them, but with no SDK reader on the reply stream:
-        the SDK trims what it has read, and a ledger must see every event ever written."""
-        jobs = [build_job(validate_request(kw), self.client_id) for kw in requests]
-        pipe = self.r.pipeline(transaction=False)
-        for job in jobs:
-            pipe.xadd(self.keys.jobs(job.priority), {FIELD: encode_job(job)})
-        pipe.execute()
-        return [job.job_id for job in jobs]
-
-
-def worker_command(url: str, ns: str, worker_id: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "kvgate.cli", "worker", "--redis-url", url, "--namespace", ns,
-            "--worker-id", worker_id, *args]
-
-
-def spawn_worker(url: str, ns: str, worker_id: str, *args: str, log: Path | None = None,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`kvgate worker` in its own process, so SIGKILL is a real crash; its log goes to `log`."""
-    out = open(log, "ab") if log else subprocess.DEVNULL
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen(worker_command(url, ns, worker_id, *args), cwd=ROOT, env=env, stdout=out,
-                            stderr=subprocess.STDOUT)
-
-
-@dataclass
 class Fault:
     kind: str  # kill | redis_restart | redis_freeze
     after_finals: int  # fires once this many jobs have a final event: a moment mid-run on any machine speed
@@ -130,6 +66,3 @@ def stop_all(procs) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
-
-
-__all__ = ["Ledger", "RawQueue", "Fault", "fault_plan", "spawn_worker", "stop_all", "wait_for", "PRIORITIES"]

@@ -12,7 +12,8 @@ import time
 import msgspec
 import pytest
 
-from tests.reliability.chaos_harness import Ledger, RawQueue, wait_for
+from tests.reliability.chaos_harness import Ledger
+from tests.support import RawQueue, wait_for
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer.protocol import MAX_PAYLOAD_BYTES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, Keys, encode
 from kvgate.worker.intake import identify
@@ -110,7 +111,7 @@ def serving(redis_server, namespace):
     worker = Worker(redis_server.url, engine, namespace=namespace, worker_id="w-bad-input", settings=settings)
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    queue, ledger = RawQueue(redis_server.client(), keys), Ledger(redis_server.client(), keys)
+    queue, ledger = RawQueue(redis_server, namespace), Ledger(redis_server.client(), keys)
     worker._ensure_groups()
     yield queue, ledger, thread
     stop.set()

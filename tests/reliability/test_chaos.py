@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.chaos_harness import Fault, Ledger, RawQueue, fault_plan, spawn_worker, stop_all, wait_for
+from tests.reliability.chaos_harness import Fault, Ledger, fault_plan, stop_all
+from tests.support import RawQueue, spawn_worker, wait_for
 from kvgate.producer import Client
 from kvgate.producer.protocol import Keys
 
@@ -61,8 +62,9 @@ class ChaosRun:
             self.slots.append(Slot(f"w{i}", proc, proc.pid, f"w{i}"))
 
     def _spawn(self, worker_id: str):
-        return spawn_worker(self.server.url, self.ns, worker_id, *self.worker_args, log=self._log(worker_id),
-                            env={"OMP_NUM_THREADS": "1"})  # two workers on few cores: no thread oversubscription
+        # two workers on few cores: no thread oversubscription
+        return spawn_worker(self.server.url, self.ns, *self.worker_args, worker_id=worker_id,
+                            log=self._log(worker_id), env={"OMP_NUM_THREADS": "1"})
 
     def apply(self, fault: Fault, t0: float) -> None:
         time.sleep(fault.jitter_s)
@@ -138,7 +140,7 @@ def run_chaos(server, ns, tmp_path, worker_args, jobs, max_tokens, timeout_s, se
     rng = random.Random(seed)
     plan = fault_plan(seed, jobs)
     waves = [jobs // 3, jobs // 3, jobs - 2 * (jobs // 3)]  # later waves arrive between faults
-    producers = [RawQueue(server.client(), Keys(ns)) for _ in range(2)]
+    producers = [RawQueue(server, ns) for _ in range(2)]
     client = Client(server.url, ns)
     ledger = Ledger(server.client(), Keys(ns))
     client_ids = [p.client_id for p in producers]

