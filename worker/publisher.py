@@ -19,20 +19,23 @@ from kvgate.producer.protocol import FIELD, Delta, Final, Keys, encode
 # KEYS: result, reply stream, job stream, dead stream
 # ARGV: payload, result ttl, group, entry id, reply maxlen, reply ttl, field, dead reason ('' = none), dead maxlen,
 #       the job's own payload (kept in the dead stream)
-# A reply key that is not a stream gets nothing: the result still goes to its key, with a dead letter saying why
-# the reply stream did not get it.
+# The reply goes first: a server-side refusal there (OOM, NOPERM) returns before anything is written, so the retry
+# finds no result and answers. A reply key a producer made another type (WRONGTYPE) is that job's alone: the result
+# still goes to its key, with a dead letter saying why the reply stream did not get it.
 FINISH_LUA = """
-local fresh = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+local fresh = redis.call('EXISTS', KEYS[1]) == 0
 if fresh then
   local dead = ARGV[8]
-  local kind = redis.call('TYPE', KEYS[2])['ok']
-  if kind == 'none' or kind == 'stream' then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', ARGV[7], ARGV[1])
+  local ok, err = pcall(redis.call, 'XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', ARGV[7], ARGV[1])
+  if ok then
     redis.call('EXPIRE', KEYS[2], ARGV[6])
   else
-    local why = 'reply key ' .. KEYS[2] .. ' holds a ' .. kind .. ', not a stream: the final event is only in ' .. KEYS[1]
+    local msg = type(err) == 'table' and err.err or tostring(err)
+    if not string.find(msg, 'WRONGTYPE', 1, true) then return redis.error_reply(msg) end
+    local why = 'reply key ' .. KEYS[2] .. ' is not a stream (' .. msg .. '): the final event is only in ' .. KEYS[1]
     dead = dead == '' and why or (dead .. '; ' .. why)
   end
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
   if dead ~= '' then
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', 'reason', dead, 'stream', KEYS[3], 'entry', ARGV[4], 'job', ARGV[10])
   end

@@ -5,12 +5,14 @@ live heartbeat; never one that still holds entries. Stats count live workers (he
 from __future__ import annotations
 
 import signal
+import time
 
 import redis
 
 from tests.reliability.chaos_harness import Ledger, RawQueue, spawn_worker, stop_all, wait_for
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import read_queue_stats
+from kvgate.worker.consumers import Consumers
 
 RECLAIM_MS = 1000
 SIM = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "2", "--sim-step-ms", "5",
@@ -55,8 +57,29 @@ def test_departed_workers_leave_no_consumers_behind_and_stats_count_live_workers
             ledger.final_counts([queue.client_id]))
         wait_for(lambda: all(c <= {"live"} for c in consumers(r, keys).values()), timeout=15,
                  what=lambda: f"departed consumers to go: {consumers(r, keys)}")
+        print(f"consumers per stream after 4 departures: {[len(c) for c in consumers(r, keys).values()]}")
         stats = read_queue_stats(r, keys)
         assert [w.worker_id for w in stats.workers] == ["live"]
         assert ledger.pending() == 0
     finally:
         stop_all([*transient, *([live] if live else [])])
+
+
+def test_pruning_never_deletes_a_consumer_that_holds_entries_or_has_a_live_heartbeat(redis_server, namespace):
+    r, keys = redis_server.client(), Keys(namespace)
+    stream = keys.jobs("normal")
+    r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+    entry = r.xadd(stream, {"job": b"x"})
+    r.xreadgroup(Keys.GROUP, "holder", {stream: ">"}, count=1)  # crashed holding an entry: reclaim's, not ours
+    for name in ("empty", "alive", "me"):
+        r.xgroup_createconsumer(stream, Keys.GROUP, name)
+    r.set(keys.worker("alive"), "heartbeat")
+    time.sleep(0.15)
+    pruned = Consumers(r, keys, "me", [stream], min_idle_ms=100).prune()
+    assert pruned == ["empty"]
+    assert {c["name"].decode() for c in r.xinfo_consumers(stream, Keys.GROUP)} == {"holder", "alive", "me"}
+    assert [row["consumer"] for row in r.xpending_range(stream, Keys.GROUP, "-", "+", 10)] == [b"holder"]
+    assert Consumers(r, keys, "holder", [stream], 100).retire() == [stream]  # holds an entry: kept
+    assert Consumers(r, keys, "me", [stream], 100).retire() == []
+    assert {c["name"].decode() for c in r.xinfo_consumers(stream, Keys.GROUP)} == {"holder", "alive"}
+    assert r.xpending_range(stream, Keys.GROUP, "-", "+", 10)[0]["message_id"] == entry

@@ -27,7 +27,9 @@ def test_a_reply_key_of_the_wrong_type_fails_only_its_own_jobs(redis_server, nam
         others = [good.submit("an ordinary job", max_tokens=10, ignore_eos=True, stream=i % 2 == 0) for i in range(20)]
         ledger = Ledger(r, keys)
         answered = lambda: sum(1 for f in ledger.finals([good.client_id]) if f.job_id in others)
+        started = time.monotonic()
         wait_for(lambda: answered() == 20, timeout=20, what=lambda: f"the other jobs: {answered()}/20 answered")
+        print(f"20/20 other jobs answered within {time.monotonic() - started:.1f}s of the check")
         assert worker.poll() is None and r.exists(keys.worker("w")), "the worker stopped or lost its heartbeat"
         for job_id in (streamed, unstreamed):
             raw = wait_for(lambda: r.get(keys.result(job_id)), timeout=10, what=f"a stored result for {job_id}")

@@ -99,6 +99,7 @@ def test_a_killed_workers_jobs_are_taken_over_within_the_reclaim_timeout_under_s
         producer.join(5)
         done = final_times(r, keys, orphans_q.client_id)
         late = {j: round(done[j] - killed_at, 1) if j in done else None for j in orphans}
+        print(f"orphans finished {sorted(late.values())} s after the kill; {len(producer.submitted)} load jobs")
         assert load_running and len(done) == 4, f"orphans finished (s after the kill, None: not yet) {late}"
         assert max(late.values()) <= budget_s, f"orphans took over {budget_s:.0f}s after the kill: {late}"
         wait_for(lambda: Ledger(r, keys).pending() == 0, timeout=30, what="the load to drain")
@@ -142,6 +143,7 @@ def test_a_huge_max_tokens_job_does_not_stall_admission_of_ordinary_ones(redis_s
             time.sleep(0.05)
         makespan = time.monotonic() - started
         finished = sum(j in done for j in ordinary)
+        print(f"{finished}/100 ordinary jobs in {makespan:.1f}s behind the huge one; the worker held at most {held}")
         assert finished == 100, f"{finished}/100 ordinary jobs done in {makespan:.1f}s; the worker held at most {held}"
         assert makespan < 8, f"100 ordinary jobs took {makespan:.1f}s behind the huge one"
         assert held >= 12, f"the worker held at most {held} jobs with 16 sequence slots"

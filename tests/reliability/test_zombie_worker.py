@@ -53,6 +53,7 @@ def test_a_resumed_worker_stops_the_jobs_it_lost_and_streams_nothing_more_for_th
         zombie.send_signal(signal.SIGCONT)
         time.sleep(3.0)  # the zombie had about 150 steps left of each job: 6 s
         late = deltas_after_final(events(r, keys, queue.client_id))
+        print(f"deltas streamed after the rescuer's final events: {late}")
         assert late <= 2, f"the resumed worker streamed {late} deltas for jobs already finished elsewhere"
         assert zombie.poll() is None and r.exists(keys.worker("zombie")), "the resumed worker should keep serving"
         assert len(finals()) == 2
