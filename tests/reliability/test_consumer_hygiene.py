@@ -17,7 +17,7 @@ from kvgate.worker.consumers import Consumers
 RECLAIM_MS = 1000
 SIM = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "2", "--sim-step-ms", "5",
        "--sim-per-token-ms", "0", "--reclaim-idle-ms", str(RECLAIM_MS))
-ENV = {"OMP_NUM_THREADS": "1", "KVGATE_HEARTBEAT_TTL_S": "2"}
+ENV = {"OMP_NUM_THREADS": "1", "KVGATE_HEARTBEAT_TTL_S": "2"}  # the departing workers' heartbeats go quickly
 
 
 def consumers(r: redis.Redis, keys: Keys) -> dict[str, set[str]]:
@@ -50,7 +50,8 @@ def test_departed_workers_leave_no_consumers_behind_and_stats_count_live_workers
         for proc in transient:
             proc.wait(30)
         assert all(p.returncode == 0 for p in transient[2:])
-        live = spawn_worker(redis_server.url, namespace, "live", *SIM, log=tmp_path / "live.log", env=ENV)
+        live = spawn_worker(redis_server.url, namespace, "live", *SIM, log=tmp_path / "live.log",
+                            env={"OMP_NUM_THREADS": "1"})  # the default heartbeat TTL: no blink under load
         ledger = Ledger(r, keys)
         wait_for(lambda: len(ledger.final_counts([queue.client_id])) == 8, timeout=30, what="every job answered")
         assert set(ledger.final_counts([queue.client_id]).values()) == {1} and set(jobs) == set(
