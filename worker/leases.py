@@ -35,7 +35,6 @@ return lost
 class Leases:
     client: redis.Redis
     consumer: str
-    reclaim_idle_ms: int
 
     def renew(self, entries: dict[str, list[str]]) -> set[str]:
         """Reset the idle time of our in-flight entries; returns those no longer pending to us, as request keys

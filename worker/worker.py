@@ -76,7 +76,7 @@ class Worker:
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
                                    s.dead_maxlen)
         self.reader = Reader(self.client, self.worker_id, self.streams)
-        self.leases = Leases(self.client, self.worker_id, s.reclaim_idle_ms)
+        self.leases = Leases(self.client, self.worker_id)
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
         self.renewed_at = time.monotonic()
