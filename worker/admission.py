@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.producer.protocol import Job
 
+MAX_MOVE = 2.0  # one job's tokens count as at most twice (at least half) the estimate: a step of 1.2x (0.9x)
+
 
 @dataclass(slots=True)
 class Ticket:
@@ -27,6 +29,7 @@ class Ticket:
 
     @property
     def tokens(self) -> int:
+        """Prompt plus output budget; the worker clamps the budget to what the engine will run."""
         return len(self.prompt_ids) + self.params.max_tokens
 
 
@@ -50,7 +53,11 @@ class AdmissionQueue:
         return max(0, min(fit_now - waiting, free_seqs + self.size - waiting))
 
     def observe(self, ticket: Ticket) -> None:
-        self.tokens_per_job += 0.2 * (ticket.tokens - self.tokens_per_job)
+        """Move the estimate toward this job, by at most MAX_MOVE either way: one outlier (a budget far past
+        what the engine will run, a one-token job) must not stall admission or flood the engine."""
+        est = self.tokens_per_job
+        sample = min(max(ticket.tokens, est / MAX_MOVE), est * MAX_MOVE)
+        self.tokens_per_job = est + 0.2 * (sample - est)
 
     def push(self, ticket: Ticket) -> None:
         self.observe(ticket)

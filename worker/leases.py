@@ -1,9 +1,10 @@
-"""Leases on pending stream entries: renew our own, reclaim those of dead workers, hand ours back on drain.
+"""Leases on pending stream entries: renew our own, hand ours back on drain.
 
 A pending entry's idle time is its lease. A live worker resets the idle time of its in-flight entries
 (XCLAIM to itself with JUSTID, which does not count as a delivery) well inside the reclaim timeout, so a
 long generation is never stolen; an entry idle past the timeout belongs to a dead worker and any worker
-may take it over with XAUTOCLAIM (which counts a delivery).
+may take it over (reader.py: ahead of new entries, counting a delivery). A renewal that finds an entry no
+longer ours tells the worker to stop that job: someone else runs or has finished it.
 """
 from __future__ import annotations
 
@@ -31,21 +32,13 @@ return lost
 
 
 @dataclass(slots=True)
-class Claimed:
-    stream: str
-    entry_id: str
-    fields: dict | None  # None: the entry was trimmed or deleted while pending
-    deliveries: int
-
-
-@dataclass(slots=True)
 class Leases:
     client: redis.Redis
     consumer: str
-    reclaim_idle_ms: int
 
     def renew(self, entries: dict[str, list[str]]) -> set[str]:
-        """Reset the idle time of our in-flight entries; returns the ids no longer pending to us.
+        """Reset the idle time of our in-flight entries; returns those no longer pending to us, as request keys
+        (`stream|entry id`): another worker took them over after we stalled, or finished them.
 
         Only entries still pending to us, checked and claimed in one script: XCLAIM with min-idle 0 succeeds
         whoever holds an entry, so a separate check would leave a window in which an entry another worker
@@ -57,25 +50,7 @@ class Leases:
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in streams:
             script(keys=[stream], args=[Keys.GROUP, self.consumer, *ids], client=pipe)
-        return {as_str(i) for lost in pipe.execute() for i in lost}
-
-    def reclaim(self, stream: str, count: int) -> list[Claimed]:
-        """Take over up to `count` entries idle past the reclaim timeout, counting one more delivery each.
-
-        JUSTID everywhere, then XRANGE for the payload: the same replies on 6.2 and 7 whether or not an entry
-        was trimmed while pending."""
-        if count <= 0:
-            return []
-        ids = [as_str(i) for i in self.client.xautoclaim(stream, Keys.GROUP, self.consumer, self.reclaim_idle_ms,
-                                                      "0-0", count=count, justid=True)]
-        if not ids:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for entry_id in ids:
-            pipe.xrange(stream, min=entry_id, max=entry_id)
-        found = pipe.execute()
-        deliveries = self.count_delivery(stream, ids)
-        return [Claimed(stream, i, f[0][1] if f else None, n) for i, f, n in zip(ids, found, deliveries)]
+        return {f"{stream}|{as_str(i)}" for (stream, _), lost in zip(streams, pipe.execute()) for i in lost}
 
     def count_delivery(self, stream: str, ids: list[str]) -> list[int]:
         """Record one more delivery of entries we took over (JUSTID claims and history reads count none)."""

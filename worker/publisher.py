@@ -3,6 +3,10 @@
 The script makes the result durable, answers the client and acknowledges the job together (invariant 2),
 and answers nothing when a result already exists, so a redelivered job is never answered twice. What a
 failed round trip left unsent stays in the outbox and goes out again after the reconnect.
+
+A failure that belongs to one job (a reply key a producer turned into another type: WRONGTYPE) is that job's
+failure, not the server's: resending the batch would fail the same way forever and stop the worker
+(invariant 8), so it is reported per job and the rest of the batch counts as sent.
 """
 from __future__ import annotations
 
@@ -15,19 +19,36 @@ from kvgate.producer.protocol import FIELD, Delta, Final, Keys, encode
 # KEYS: result, reply stream, job stream, dead stream
 # ARGV: payload, result ttl, group, entry id, reply maxlen, reply ttl, field, dead reason ('' = none), dead maxlen,
 #       the job's own payload (kept in the dead stream)
+# The reply goes first: a server-side refusal there (OOM, NOPERM) returns before anything is written, so the retry
+# finds no result and answers. A reply key a producer made another type (WRONGTYPE) is that job's alone: the result
+# still goes to its key, with a dead letter saying why the reply stream did not get it.
 FINISH_LUA = """
-local fresh = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+local fresh = redis.call('EXISTS', KEYS[1]) == 0
 if fresh then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', ARGV[7], ARGV[1])
-  redis.call('EXPIRE', KEYS[2], ARGV[6])
-  if ARGV[8] ~= '' then
-    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', 'reason', ARGV[8], 'stream', KEYS[3], 'entry', ARGV[4], 'job', ARGV[10])
+  local dead = ARGV[8]
+  local ok, err = pcall(redis.call, 'XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', ARGV[7], ARGV[1])
+  if ok then
+    redis.call('EXPIRE', KEYS[2], ARGV[6])
+  else
+    local msg = type(err) == 'table' and err.err or tostring(err)
+    if not string.find(msg, 'WRONGTYPE', 1, true) then return redis.error_reply(msg) end
+    local why = 'reply key ' .. KEYS[2] .. ' is not a stream (' .. msg .. '): the final event is only in ' .. KEYS[1]
+    dead = dead == '' and why or (dead .. '; ' .. why)
+  end
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+  if dead ~= '' then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[9], '*', 'reason', dead, 'stream', KEYS[3], 'entry', ARGV[4], 'job', ARGV[10])
   end
 end
 if ARGV[4] ~= '' then redis.call('XACK', KEYS[3], ARGV[3], ARGV[4]) end
 if fresh then return 1 end
 return 0
 """
+
+
+def job_failure(error: Exception) -> bool:
+    """Whether a command's error belongs to the key it touched (so to one job) rather than to the server."""
+    return isinstance(error, redis.ResponseError) and "WRONGTYPE" in str(error)
 
 
 @dataclass(slots=True)
@@ -41,6 +62,19 @@ class Finish:
     dead_reason: str = ""
     job_payload: bytes = b""
 
+    @property
+    def key(self) -> str:
+        return f"{self.stream}|{self.entry_id}"
+
+
+@dataclass(slots=True)
+class Settled:
+    """What one round trip of the outbox did."""
+
+    answered: list[tuple[Finish, bool]]  # (finish, whether it answered the client)
+    failed_jobs: dict[str, str]  # request key -> why its delta could not be published
+    failed_finishes: list[tuple[Finish, str]]
+
 
 @dataclass(slots=True)
 class Publisher:
@@ -50,37 +84,42 @@ class Publisher:
     reply_ttl_s: int
     reply_maxlen: int
     dead_maxlen: int
-    deltas: list[tuple[str, Delta]] = field(default_factory=list)
+    deltas: list[tuple[str, Delta, str]] = field(default_factory=list)  # (client id, delta, request key)
     finishes: list[Finish] = field(default_factory=list)
     script: object = None
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(FINISH_LUA)  # EVALSHA, loading the script on NOSCRIPT
 
-    def delta(self, client_id: str, delta: Delta) -> None:
-        self.deltas.append((client_id, delta))
+    def delta(self, client_id: str, delta: Delta, key: str = "") -> None:
+        self.deltas.append((client_id, delta, key))
 
     def finish(self, finish: Finish) -> None:
         self.finishes.append(finish)
+
+    def forget(self, keys: set[str]) -> None:
+        """Drop what the outbox holds for these jobs (leases lost: another worker answers them)."""
+        self.deltas = [d for d in self.deltas if d[2] not in keys]
+        self.finishes = [f for f in self.finishes if f.key not in keys]
 
     @property
     def pending(self) -> int:
         return len(self.deltas) + len(self.finishes)
 
-    def flush(self) -> list[tuple[Finish, bool]]:
-        """Send the outbox in one round trip; returns (finish, answered) pairs. Raises on a lost connection,
-        keeping the outbox for the retry."""
+    def flush(self) -> Settled:
+        """Send the outbox in one round trip. Raises on a lost connection or a server-side refusal, keeping the
+        outbox for the retry."""
         if not self.pending:
-            return []
+            return Settled([], {}, [])
         pipe = self.client.pipeline(transaction=False)
         n = self.fill(pipe)
-        return self.settle(pipe.execute()[:n])
+        return self.settle(pipe.execute(raise_on_error=False)[:n])
 
     def fill(self, pipe) -> int:
         """Queue the outbox on `pipe` (which may carry other commands after it); returns how many replies
         belong to the outbox, for `settle`."""
         replies = set()
-        for client_id, delta in self.deltas:
+        for client_id, delta, _ in self.deltas:
             reply = self.keys.reply(client_id)
             pipe.xadd(reply, {FIELD: encode(delta)}, maxlen=self.reply_maxlen, approximate=True)
             replies.add(reply)
@@ -90,11 +129,19 @@ class Publisher:
             self._finish(pipe, f)
         return len(self.deltas) + len(replies) + len(self.finishes)
 
-    def settle(self, results: list) -> list[tuple[Finish, bool]]:
-        """The outbox went out: clear it; returns (finish, answered) pairs."""
-        finishes, self.deltas, self.finishes = self.finishes, [], []
-        answered = results[len(results) - len(finishes):]
-        return [(f, bool(r)) for f, r in zip(finishes, answered)]
+    def settle(self, results: list) -> Settled:
+        """The outbox went out (the pipeline ran with raise_on_error=False): clear it and sort the per-job
+        failures out. A server-side error (OOM, READONLY, ...) raises before anything is cleared, so all of it
+        goes out again."""
+        server = next((r for r in results if isinstance(r, Exception) and not job_failure(r)), None)
+        if server is not None:
+            raise server
+        deltas, finishes, self.deltas, self.finishes = self.deltas, self.finishes, [], []
+        failed_jobs = {key: str(r) for (_, _, key), r in zip(deltas, results) if isinstance(r, Exception)}
+        ends = results[len(results) - len(finishes):] if finishes else []
+        failed = [(f, str(r)) for f, r in zip(finishes, ends) if isinstance(r, Exception)]
+        answered = [(f, bool(r)) for f, r in zip(finishes, ends) if not isinstance(r, Exception)]
+        return Settled(answered, failed_jobs, failed)
 
     def _finish(self, pipe, f: Finish) -> None:
         payload = encode(f.final)

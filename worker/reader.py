@@ -1,7 +1,11 @@
-"""Reading new jobs in priority order in one round trip.
+"""Reading jobs in priority order in one round trip: a dead worker's entries first, then new ones.
 
 Separate XREADGROUP calls per priority cost up to three round trips per look, most of them on empty
 streams; a script reads high, then normal, then low, until `count` entries are taken, and never more.
+When a reclaim is due, each stream's entries idle past the reclaim timeout (their worker is dead) are
+taken over before its new entries are read: sized by free slots like any read, a reclaim that ran apart
+from the reads found those slots already filled by new entries, and under sustained load orphans waited
+until the producer stopped.
 """
 from __future__ import annotations
 
@@ -11,21 +15,44 @@ import redis
 
 from kvgate.producer.protocol import Keys
 
-# KEYS: job streams, highest priority first; ARGV: group, consumer, count
+# KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none).
+# A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
+# with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 READ_LUA = """
-local want = tonumber(ARGV[3])
+local group, consumer = ARGV[1], ARGV[2]
+local want, min_idle = tonumber(ARGV[3]), tonumber(ARGV[4])
 local out = {}
 for _, key in ipairs(KEYS) do
   if want <= 0 then break end
-  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want, 'STREAMS', key, '>')
-  if reply then
-    local entries = reply[1][2]
-    want = want - #entries
-    table.insert(out, {key, entries})
+  local claimed = {}
+  if min_idle > 0 then
+    local reply = redis.call('XAUTOCLAIM', key, group, consumer, min_idle, '0-0', 'COUNT', want, 'JUSTID')
+    for _, id in ipairs(reply[2]) do
+      local row = redis.call('XPENDING', key, group, id, id, 1)[1]
+      local n = (row and row[4] or 0) + 1
+      redis.call('XCLAIM', key, group, consumer, 0, id, 'RETRYCOUNT', n, 'JUSTID')
+      local found = redis.call('XRANGE', key, id, id)[1]
+      claimed[#claimed + 1] = {id, found and found[2] or false, n}
+    end
+    for _, id in ipairs(reply[3] or {}) do  -- Redis 7: deleted while pending, already dropped from the PEL
+      claimed[#claimed + 1] = {id, false, 1}
+    end
+    want = want - #claimed
   end
+  local entries = {}
+  if want > 0 then
+    local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want, 'STREAMS', key, '>')
+    if reply then
+      entries = reply[1][2]
+      want = want - #entries
+    end
+  end
+  table.insert(out, {key, entries, claimed})
 end
 return out
 """
+
+Entry = tuple[str, str, "dict | None", int]  # stream, entry id, fields (None: gone), deliveries
 
 
 @dataclass(slots=True)
@@ -38,19 +65,26 @@ class Reader:
     def __post_init__(self) -> None:
         self.script = self.client.register_script(READ_LUA)
 
-    def read(self, count: int, pipe=None) -> list[tuple[str, str, dict]] | None:
-        """Up to `count` new entries, all of a higher priority before any of a lower one. With `pipe`, only
-        queue the read there and hand its reply to `parse` later."""
-        reply = self.script(keys=self.streams, args=[Keys.GROUP, self.consumer, count], client=pipe or self.client)
+    def read(self, count: int, pipe=None, reclaim_idle_ms: int = 0) -> list[Entry] | None:
+        """Up to `count` entries, all of a higher priority before any of a lower one; with `reclaim_idle_ms`,
+        a stream's entries idle that long before its new ones. With `pipe`, only queue the read there and hand
+        its reply to `parse` later."""
+        args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
+        reply = self.script(keys=self.streams, args=args, client=pipe or self.client)
         return None if pipe is not None else self.parse(reply)
 
     @staticmethod
-    def parse(reply) -> list[tuple[str, str, dict]]:
-        return [(as_str(stream), as_str(entry_id), _pairs(fields)) for stream, entries in reply for entry_id, fields in entries]
+    def parse(reply) -> list[Entry]:
+        out: list[Entry] = []
+        for stream, entries, claimed in reply:
+            stream = as_str(stream)
+            out += [(stream, as_str(i), _pairs(f), n) for i, f, n in claimed]
+            out += [(stream, as_str(i), _pairs(f), 1) for i, f in entries]
+        return out
 
 
-def _pairs(flat: list) -> dict:
-    return dict(zip(flat[::2], flat[1::2]))
+def _pairs(flat: list | None) -> dict | None:
+    return dict(zip(flat[::2], flat[1::2])) if flat else None
 
 
 def as_str(value) -> str:

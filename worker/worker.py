@@ -19,10 +19,11 @@ from redis.retry import Retry
 from kvgate.engine.outputs import RequestRejected, StepOutput
 from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job
 from kvgate.worker.admission import AdmissionQueue, Ticket
+from kvgate.worker.consumers import Consumers
 from kvgate.worker.heartbeat import Heartbeat
 from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
 from kvgate.worker.leases import Leases
-from kvgate.worker.publisher import Finish, Publisher
+from kvgate.worker.publisher import Finish, Publisher, Settled
 from kvgate.worker.reader import Reader, as_str
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.trim import trim
@@ -75,7 +76,10 @@ class Worker:
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
                                    s.dead_maxlen)
         self.reader = Reader(self.client, self.worker_id, self.streams)
-        self.leases = Leases(self.client, self.worker_id, s.reclaim_idle_ms)
+        self.leases = Leases(self.client, self.worker_id)
+        self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
+        self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
+        self.renewed_at = time.monotonic()
         max_seqs = getattr(engine, "max_num_seqs", s.max_num_seqs)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, max_seqs, s.heartbeat_ttl_s)
         self.cursors: dict[str, str | None] = {st: "0" for st in self.streams}  # own pending first, then ">"
@@ -187,9 +191,16 @@ class Worker:
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self.settings.block_ms)
         self._accept([(as_str(st), as_str(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
-    def _read_new(self, count: int, entries: list | None = None) -> int:
-        entries = self.reader.read(count) if entries is None else entries
-        got = [(stream, entry_id, fields, 1) for stream, entry_id, fields in entries]
+    def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
+        if entries is None:
+            reclaim_ms = self._reclaim_ms()
+            entries = self.reader.read(count, reclaim_idle_ms=reclaim_ms)
+        got = list(entries)
+        if reclaim_ms:
+            claimed = sum(1 for e in got if e[3] > 1 or e[2] is None)
+            self.reclaim_due = claimed >= count  # a full take may have left more behind
+            if claimed:
+                log.info("reclaimed %d entries idle past %d ms", claimed, reclaim_ms)
         if not got:
             self.last_read_empty_at = time.monotonic()
             self.empty_reads += 1
@@ -218,7 +229,10 @@ class Worker:
             else:
                 self.queue.push(ticket)
 
-    def _ticket(self, stream: str, entry_id: str, fields: dict, deliveries: int) -> Ticket | None:
+    def _reclaim_ms(self) -> int:
+        return self.settings.reclaim_idle_ms if self.reclaim_due else 0
+
+    def _ticket(self, stream: str, entry_id: str, fields: dict | None, deliveries: int) -> Ticket | None:
         payload = payload_of(fields)
         if deliveries > 1:
             self.metrics.on_redelivery()
@@ -238,10 +252,18 @@ class Worker:
         try:
             ticket.params = sampling_params(job.sampling)
             ticket.prompt_ids = prompt_ids(self.engine, job)
+            self._clamp_budget(ticket)
         except Exception as e:  # a tokenizer or chat template refusing this input is bad input, not a crash
             self._answer(ticket, "error", error=f"invalid job: {e}")
             return None
         return ticket
+
+    def _clamp_budget(self, ticket: Ticket) -> None:
+        """The engine never runs past max_model_len; a budget beyond it (max_tokens=1,000,000) would only skew
+        the admission estimate and the fit check."""
+        limit = getattr(self.engine, "max_model_len", None)
+        if limit:
+            ticket.params.max_tokens = max(1, min(ticket.params.max_tokens, limit - len(ticket.prompt_ids)))
 
     def _reject_raw(self, stream: str, entry_id: str, payload: bytes | None, reason: str) -> None:
         self.metrics.on_dead_letter("invalid")
@@ -296,7 +318,7 @@ class Worker:
             self.metrics.on_first_token(now - flight.admitted_at)
         if job.stream and (out.new_token_ids or out.new_text):
             delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, out.new_text, list(out.new_token_ids))
-            self.publisher.delta(job.client_id, delta)
+            self.publisher.delta(job.client_id, delta, flight.ticket.key)
             flight.deltas += 1
         if out.finished:
             del self.flights[out.request_id]
@@ -325,20 +347,26 @@ class Worker:
     def _exchange(self) -> None:
         """One round trip per step: the step's deltas and finals, the refill read for the slots it freed, and
         the cancellation poll when due."""
+        if self.flights and time.monotonic() - self.renewed_at > 2 * self.settings.renew_interval_s:
+            self._renew()  # we stalled (SIGSTOP, a slow step): check the leases before publishing for them
         pipe = self.client.pipeline(transaction=False)
         n_out = self.publisher.fill(pipe)
         count = self._refill_count()
+        reclaim_ms = self._reclaim_ms() if count else 0
         if count:
-            self.reader.read(count, pipe)
+            self.reader.read(count, pipe, reclaim_ms)
         polled = self._cancel_poll_due()
         if polled:
             pipe.mget([self.keys.cancel(t.job.job_id) for t in polled])
         if not (n_out or count or polled):
             return
-        replies = pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
         self._settled(self.publisher.settle(replies[:n_out]))
+        error = next((r for r in replies[n_out:] if isinstance(r, Exception)), None)
+        if error is not None:
+            raise error
         if count:
-            self._read_new(count, Reader.parse(replies[n_out]))
+            self._read_new(count, Reader.parse(replies[n_out]), reclaim_ms)
         if polled:
             self._cancel(polled, replies[-1])
 
@@ -351,11 +379,36 @@ class Worker:
         adm = self.engine.admission()
         return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False)
 
-    def _settled(self, answered: list[tuple[Finish, bool]]) -> None:
-        for finish, fresh in answered:
+    def _settled(self, settled: Settled) -> None:
+        for finish, fresh in settled.answered:
             self.jobs_done += 1
             if fresh:
                 self._observe_finished(finish.final)
+        for key, reason in settled.failed_jobs.items():
+            self._fail_publishing(key, reason)
+        for finish, reason in settled.failed_finishes:
+            self._dead_letter_finish(finish, reason)
+
+    def _fail_publishing(self, key: str, reason: str) -> None:
+        """A delta this job's reply stream refused (a producer made its reply key another type): stop the job
+        and answer it with the error; the finish script stores the result and dead-letters it with the reason."""
+        flight = self.flights.pop(key, None)
+        if flight is None:
+            return
+        self.publisher.forget({key})
+        self.engine.abort(key)
+        reply = self.keys.reply(flight.ticket.job.client_id)
+        log.warning("job %s failed: its reply stream %s refused a delta: %s", flight.ticket.job.job_id, reply, reason)
+        self._answer(flight.ticket, "error", flight=flight, error=f"could not publish to reply stream {reply}: {reason}")
+
+    def _dead_letter_finish(self, finish: Finish, reason: str) -> None:
+        why = f"final event could not be published: {reason}"
+        log.error("job %s: %s", finish.final.job_id, why)
+        try:
+            self.publisher.dead_letter(finish.stream, finish.entry_id, why, finish.job_payload or None)
+            self.metrics.on_dead_letter("publish")
+        except redis.ResponseError as e:  # left pending: reclaimed later, dead-lettered at max_deliveries
+            log.error("job %s: could not dead-letter it either: %s", finish.final.job_id, e)
 
     def _observe_finished(self, final: Final) -> None:
         t = final.timings
@@ -369,16 +422,32 @@ class Worker:
     def _housekeep(self) -> None:
         s = self.settings
         if self._every("renew", s.renew_interval_s):
-            lost = self.leases.renew(self._held_entries())
-            if lost:
-                log.warning("%d in-flight entries were taken over by another worker; finishing them anyway", len(lost))
+            self._renew()
         if not self.draining and self._every("reclaim", s.reclaim_interval_s):
-            self._reclaim()
+            self.reclaim_due = True
         if self._every("heartbeat", s.heartbeat_interval_s):
             self._beat()
         if self._every("trim", s.trim_interval_s):
             for stream in self.streams:
                 trim(self.client, stream)
+            if gone := self.consumers.prune():
+                log.info("deleted %d departed consumers: %s", len(gone), ", ".join(gone))
+
+    def _renew(self) -> None:
+        """Renew our leases; a job whose lease is lost runs elsewhere now, so stop it and publish nothing more
+        for it (a zombie resumed after a stall must not keep streaming for a job another worker finished)."""
+        self.due["renew"] = time.monotonic() + self.settings.renew_interval_s
+        lost = self.leases.renew(self._held_entries())
+        self.renewed_at = time.monotonic()
+        if not lost:
+            return
+        log.warning("%d jobs were taken over by another worker after a stall; stopping them here", len(lost))
+        self.publisher.forget(lost)
+        for key in lost:
+            if self.flights.pop(key, None) is not None:
+                self.engine.abort(key)
+            elif (ticket := next((t for t in self.queue.tickets if t.key == key), None)) is not None:
+                self.queue.remove(ticket)
 
     def _held_entries(self) -> dict[str, list[str]]:
         held: dict[str, list[str]] = {st: [] for st in self.streams}
@@ -403,18 +472,6 @@ class Worker:
                 continue
             out = self.engine.abort(ticket.key)
             self._answer(ticket, "cancelled", out=out, flight=flight)
-
-    def _reclaim(self) -> None:
-        adm = self.engine.admission()
-        count = self.queue.read_count(adm.free_seqs, adm.admissible_tokens, not self.engine.has_unfinished())
-        for stream in self.streams:
-            if count <= 0:
-                return
-            claimed = self.leases.reclaim(stream, count)
-            count -= len(claimed)
-            if claimed:
-                log.info("reclaimed %d entries from %s", len(claimed), stream)
-                self._accept([(c.stream, c.entry_id, c.fields, c.deliveries) for c in claimed])
 
     def _beat(self) -> None:
         adm = self.engine.admission()
@@ -451,6 +508,8 @@ class Worker:
             try:
                 self._flush()
                 self.heartbeat.stop()
+                if kept := self.consumers.retire():
+                    log.info("consumer %s kept in %s: entries handed back wait on it", self.worker_id, ", ".join(kept))
                 break
             except REDIS_DOWN:
                 time.sleep(0.5)

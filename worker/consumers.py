@@ -1,0 +1,76 @@
+"""Consumer hygiene: a worker that leaves must not stay a consumer of the job streams' group forever.
+
+XGROUP DELCONSUMER drops the consumer's pending entries with it, and an entry dropped that way is never delivered
+again: so a consumer goes only when it holds nothing, checked and deleted in one script. A worker deletes its own
+consumer on a clean exit; any live worker's housekeeping deletes those idle past the reclaim timeout with no live
+heartbeat (crashed workers, whose pending entries reclaim has already moved away).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from kvgate.producer.protocol import Keys
+from kvgate.worker.reader import as_str
+
+# KEYS: job streams; ARGV: group, min idle ms, heartbeat key prefix, our own consumer (never pruned)
+PRUNE_LUA = """
+local gone = {}
+for _, key in ipairs(KEYS) do
+  local ok, rows = pcall(redis.call, 'XINFO', 'CONSUMERS', key, ARGV[1])
+  if ok then
+    for _, row in ipairs(rows) do
+      local c = {}
+      for i = 1, #row, 2 do c[row[i]] = row[i + 1] end
+      if c['pending'] == 0 and c['idle'] >= tonumber(ARGV[2]) and c['name'] ~= ARGV[4]
+          and redis.call('EXISTS', ARGV[3] .. c['name']) == 0 then
+        redis.call('XGROUP', 'DELCONSUMER', key, ARGV[1], c['name'])
+        gone[#gone + 1] = c['name']
+      end
+    end
+  end
+end
+return gone
+"""
+# KEYS: job streams; ARGV: group, consumer. Deletes the consumer where it holds nothing; returns where it could not.
+RETIRE_LUA = """
+local kept = {}
+for _, key in ipairs(KEYS) do
+  local ok, rows = pcall(redis.call, 'XPENDING', key, ARGV[1], '-', '+', 1, ARGV[2])
+  if ok then
+    if #rows == 0 then
+      redis.call('XGROUP', 'DELCONSUMER', key, ARGV[1], ARGV[2])
+    else
+      kept[#kept + 1] = key
+    end
+  end
+end
+return kept
+"""
+
+
+@dataclass(slots=True)
+class Consumers:
+    client: redis.Redis
+    keys: Keys
+    consumer: str
+    streams: list[str]
+    min_idle_ms: int
+    prune_script: object = None
+    retire_script: object = None
+
+    def __post_init__(self) -> None:
+        self.prune_script = self.client.register_script(PRUNE_LUA)
+        self.retire_script = self.client.register_script(RETIRE_LUA)
+
+    def prune(self) -> list[str]:
+        """Delete departed consumers (idle, nothing pending, no heartbeat); returns their names."""
+        args = [Keys.GROUP, self.min_idle_ms, self.keys.worker(""), self.consumer]
+        return sorted({as_str(n) for n in self.prune_script(keys=self.streams, args=args)})
+
+    def retire(self) -> list[str]:
+        """Delete our own consumer where we hold nothing; returns the streams where entries still wait on us
+        (handed back: others reclaim them, then prune us)."""
+        kept = self.retire_script(keys=self.streams, args=[Keys.GROUP, self.consumer])
+        return [as_str(k) for k in kept]
