@@ -9,7 +9,8 @@ import time
 
 import redis
 
-from tests.reliability.chaos_harness import Ledger, RawQueue, spawn_worker, stop_all, wait_for
+from tests.reliability.chaos_harness import Ledger, stop_all
+from tests.support import RawQueue, spawn_worker, wait_for
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.worker.consumers import Consumers
@@ -34,8 +35,8 @@ def test_departed_workers_leave_no_consumers_behind_and_stats_count_live_workers
     r, keys = redis_server.client(), Keys(namespace)
     for stream in keys.all_jobs():
         r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
-    queue = RawQueue(r, keys)
-    transient = [spawn_worker(redis_server.url, namespace, f"t{i}", *SIM, log=tmp_path / f"t{i}.log", env=ENV)
+    queue = RawQueue(redis_server, namespace)
+    transient = [spawn_worker(redis_server.url, namespace, *SIM, worker_id=f"t{i}", log=tmp_path / f"t{i}.log", env=ENV)
                  for i in range(4)]
     live = None
     try:
@@ -50,7 +51,7 @@ def test_departed_workers_leave_no_consumers_behind_and_stats_count_live_workers
         for proc in transient:
             proc.wait(30)
         assert all(p.returncode == 0 for p in transient[2:])
-        live = spawn_worker(redis_server.url, namespace, "live", *SIM, log=tmp_path / "live.log",
+        live = spawn_worker(redis_server.url, namespace, *SIM, worker_id="live", log=tmp_path / "live.log",
                             env={"OMP_NUM_THREADS": "1"})  # the default heartbeat TTL: no blink under load
         ledger = Ledger(r, keys)
         wait_for(lambda: len(ledger.final_counts([queue.client_id])) == 8, timeout=30, what="every job answered")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import time
 
-from tests.reliability.chaos_harness import Ledger, RawQueue, spawn_worker, stop_all, wait_for
+from tests.reliability.chaos_harness import Ledger, stop_all
+from tests.support import RawQueue, spawn_worker, wait_for
 from kvgate.producer.protocol import Keys, decode_final
 
 SIM = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "8", "--sim-step-ms", "10",
@@ -16,9 +17,9 @@ SIM = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "8", "--sim-
 def test_a_reply_key_of_the_wrong_type_fails_only_its_own_jobs(redis_server, namespace, tmp_path):
     r, keys = redis_server.client(), Keys(namespace)
     r.xgroup_create(keys.jobs("normal"), Keys.GROUP, id="0", mkstream=True)
-    hostile, good = RawQueue(r, keys), RawQueue(r, keys)
+    hostile, good = RawQueue(redis_server, namespace), RawQueue(redis_server, namespace)
     r.set(keys.reply(hostile.client_id), "not a stream")
-    worker = spawn_worker(redis_server.url, namespace, "w", *SIM, log=tmp_path / "w.log", env={"OMP_NUM_THREADS": "1"})
+    worker = spawn_worker(redis_server.url, namespace, *SIM, worker_id="w", log=tmp_path / "w.log", env={"OMP_NUM_THREADS": "1"})
     try:
         wait_for(lambda: r.exists(keys.worker("w")), timeout=30, what="the worker's heartbeat")
         streamed = hostile.submit("stream into a string", max_tokens=30, ignore_eos=True, stream=True)

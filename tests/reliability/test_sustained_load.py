@@ -16,7 +16,8 @@ from collections import Counter
 
 import redis
 
-from tests.reliability.chaos_harness import Ledger, RawQueue, spawn_worker, stop_all, wait_for
+from tests.reliability.chaos_harness import Ledger, stop_all
+from tests.support import RawQueue, spawn_worker, wait_for
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.producer.protocol import Keys
 from kvgate.worker.admission import AdmissionQueue, Ticket
@@ -82,16 +83,16 @@ def test_a_killed_workers_jobs_are_taken_over_within_the_reclaim_timeout_under_s
     r, keys = redis_server.client(), Keys(namespace)
     stream = keys.jobs("normal")
     r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
-    orphans_q, load_q = RawQueue(r, keys), RawQueue(r, keys)
+    orphans_q, load_q = RawQueue(redis_server, namespace), RawQueue(redis_server, namespace)
     # the victim is slow (a 200-token job takes 12 s there), the survivor fast (1 s): the orphans' latency is
     # the takeover, not the generation
-    victim = spawn_worker(redis_server.url, namespace, "victim", *sim_args(4, 60), log=tmp_path / "victim.log", env=ENV)
+    victim = spawn_worker(redis_server.url, namespace, *sim_args(4, 60), worker_id="victim", log=tmp_path / "victim.log", env=ENV)
     survivor = None
     producer = Producer(load_q, depth=20, max_tokens=60)
     try:
         orphans = [orphans_q.submit("orphan", max_tokens=200, ignore_eos=True, stream=True) for _ in range(4)]
         wait_for(lambda: pending_of(r, stream)["victim"] == 4, timeout=30, what="the victim to hold the 4 jobs")
-        survivor = spawn_worker(redis_server.url, namespace, "survivor", *sim_args(4, 5),
+        survivor = spawn_worker(redis_server.url, namespace, *sim_args(4, 5), worker_id="survivor",
                                 log=tmp_path / "survivor.log", env=ENV)
         producer.start()
         wait_for(lambda: pending_of(r, stream)["survivor"] >= 4, timeout=30, what="the survivor to be saturated")
@@ -137,8 +138,8 @@ def test_a_huge_max_tokens_job_does_not_stall_admission_of_ordinary_ones(redis_s
     r, keys = redis_server.client(), Keys(namespace)
     stream = keys.jobs("normal")
     r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
-    queue = RawQueue(r, keys)
-    worker = spawn_worker(redis_server.url, namespace, "w", *sim_args(16, 10), log=tmp_path / "w.log", env=ENV)
+    queue = RawQueue(redis_server, namespace)
+    worker = spawn_worker(redis_server.url, namespace, *sim_args(16, 10), worker_id="w", log=tmp_path / "w.log", env=ENV)
     try:
         wait_for(lambda: r.exists(keys.worker("w")), timeout=30, what="the worker's heartbeat")
         queue.submit("huge", max_tokens=1_000_000, ignore_eos=True)  # clamped to max_model_len: 40 s of steps

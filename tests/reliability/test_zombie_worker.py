@@ -8,7 +8,8 @@ import time
 
 import redis
 
-from tests.reliability.chaos_harness import RawQueue, spawn_worker, stop_all, wait_for
+from tests.reliability.chaos_harness import stop_all
+from tests.support import RawQueue, spawn_worker, wait_for
 from kvgate.producer.protocol import FIELD, Delta, Final, Keys, decode_event
 
 RECLAIM_MS = 1000
@@ -38,15 +39,15 @@ def test_a_resumed_worker_stops_the_jobs_it_lost_and_streams_nothing_more_for_th
     r, keys = redis_server.client(), Keys(namespace)
     stream = keys.jobs("normal")
     r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
-    queue = RawQueue(r, keys)
-    zombie = spawn_worker(redis_server.url, namespace, "zombie", *sim(40), log=tmp_path / "zombie.log", env=ENV)
+    queue = RawQueue(redis_server, namespace)
+    zombie = spawn_worker(redis_server.url, namespace, *sim(40), worker_id="zombie", log=tmp_path / "zombie.log", env=ENV)
     rescuer = None
     try:
         jobs = [queue.submit("a long stream", max_tokens=200, ignore_eos=True, stream=True) for _ in range(2)]
         wait_for(lambda: len({e.job_id for e in events(r, keys, queue.client_id)}) == 2, timeout=30,
                  what="the zombie to stream both jobs")
         zombie.send_signal(signal.SIGSTOP)
-        rescuer = spawn_worker(redis_server.url, namespace, "rescuer", *sim(2), log=tmp_path / "rescuer.log", env=ENV)
+        rescuer = spawn_worker(redis_server.url, namespace, *sim(2), worker_id="rescuer", log=tmp_path / "rescuer.log", env=ENV)
         finals = lambda: [e for e in events(r, keys, queue.client_id) if isinstance(e, Final)]
         wait_for(lambda: len(finals()) == 2, timeout=30, what="the rescuer to finish both jobs")
         assert {f.worker for f in finals()} == {"rescuer"} and {f.job_id for f in finals()} == set(jobs)
