@@ -50,3 +50,17 @@ def run(args: argparse.Namespace) -> int:
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=30)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvgate.serve ...`, the same command without going through kvgate/cli.py."""
+    from kvgate.cli import add_connection_arguments
+
+    parser = argparse.ArgumentParser(prog="kvgate serve", description=__doc__.splitlines()[0])
+    add_connection_arguments(parser)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -24,6 +24,14 @@ from .settings import GatewaySettings
 from .translate import Kind, Plan, plan
 
 DISCONNECT_POLL_S = 1.0
+CLOSE_TIMEOUT_S = 5.0
+
+
+async def close_client(client: AsyncClient) -> None:
+    """AsyncClient.close() can hang while its reader task sits in a blocking XREAD: bound it, so a stopping
+    gateway never waits forever (the reply stream expires on its own)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(client.close(), CLOSE_TIMEOUT_S)
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -48,7 +56,7 @@ class Gateway:
         try:
             yield
         finally:
-            await self.client.close()
+            await close_client(self.client)
 
     # -- routes -----------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:

@@ -13,9 +13,6 @@ import httpx
 from tests.support import free_port
 from tests.worker.conftest import ROOT
 
-# kvgate/cli.py registers commands from its table; this runs the serve module exactly as it would
-SERVE = ("import argparse, sys; from kvgate import cli, serve; p = argparse.ArgumentParser(); "
-         "cli.add_connection_arguments(p); serve.add_arguments(p); sys.exit(serve.run(p.parse_args()))")
 
 
 def test_importing_the_gateway_and_its_command_does_not_import_torch():
@@ -27,7 +24,7 @@ def test_serve_takes_keys_from_flags_and_env_and_exits_0_on_sigterm(sim_fleet):
     url, ns = sim_fleet
     port = free_port()
     env = {**os.environ, "KVGATE_API_KEYS": "env-key-1,env-key-2"}
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, "--redis-url", url, "--namespace", ns, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.serve", "--redis-url", url, "--namespace", ns, "--port", str(port),
                              "--api-key", "flag-key", "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}/v1"
