@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             oai = openai.OpenAI(base_url=fleet.base_url, api_key="bench", max_retries=0, timeout=60)
             report["sequential"] = sequential(sdk, oai, args.probes)
             print_sequential(report["sequential"])
-            report["concurrent"] = [concurrent(url, ns, fleet.base_url, c, args.duration) for c in levels]
+            report["concurrent"] = [concurrent(url, ns, fleet, c, args.duration) for c in levels]
             oai.close()
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
@@ -70,7 +71,8 @@ class Fleet:
                   "--sim-per-token-ms", "0.01", "--max-num-seqs", "64", "--worker-id", "bench-gw-worker"]
         self.procs.append(subprocess.Popen([sys.executable, "-m", "kvgate.cli", *worker]))
         serve = [*self.common, "--port", str(self.port), "--log-level", "warning"]
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "kvgate.serve", *serve]))
+        self.gateway = subprocess.Popen([sys.executable, "-m", "kvgate.serve", *serve])
+        self.procs.append(self.gateway)
         try:
             self._wait_ready()
         except BaseException:
@@ -168,14 +170,30 @@ def print_sequential(seq: dict) -> None:
 
 
 # ---- concurrent clients --------------------------------------------------------------------------
-def concurrent(url: str, ns: str, base_url: str, clients: int, duration: float) -> dict:
-    out = {"clients": clients, "sdk": asyncio.run(_through_sdk(url, ns, clients, duration)),
-           "gateway": asyncio.run(_through_gateway(base_url, clients, duration))}
-    for name in ("sdk", "gateway"):
-        r = out[name]
+def concurrent(url: str, ns: str, fleet: "Fleet", clients: int, duration: float) -> dict:
+    """Both paths at one concurrency, with the CPU each process spent per request: on a small machine the
+    clients, the gateway, the worker and Redis share the cores, and this says who spent them."""
+    out = {"clients": clients}
+    for name, load in (("sdk", lambda: _through_sdk(url, ns, clients, duration)),
+                       ("gateway", lambda: _through_gateway(fleet.base_url, clients, duration))):
+        before = {"bench_client": time.process_time(), "gateway": cpu_seconds(fleet.gateway.pid)}
+        r = out[name] = asyncio.run(load())
+        after = {"bench_client": time.process_time(), "gateway": cpu_seconds(fleet.gateway.pid)}
+        r["cpu_ms_per_request"] = {k: (after[k] - before[k]) * 1000 / max(1, r["requests"])
+                                   for k in before if before[k] is not None and after[k] is not None}
+        cpu = "  ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_request"].items())
         print(f"{clients:3d} clients {name:<8} {r['requests_per_s']:8.1f} req/s  p50 {r['latency_ms']['p50']:7.2f} ms"
-              f"  p99 {r['latency_ms']['p99']:7.2f} ms")
+              f"  p99 {r['latency_ms']['p99']:7.2f} ms  cpu ms/request: {cpu}")
     return out
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU of a process so far (Linux /proc); None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _through_sdk(url: str, ns: str, clients: int, duration: float) -> dict:

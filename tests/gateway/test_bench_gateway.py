@@ -27,3 +27,4 @@ def test_bench_gateway_reports_added_latency_first_event_delay_and_requests_per_
     for level in report["concurrent"]:
         for path in ("sdk", "gateway"):
             assert level[path]["requests"] > 0 and level[path]["requests_per_s"] > 0
+        assert level["gateway"]["cpu_ms_per_request"]["gateway"] > 0  # the gateway process did the work
