@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,9 +38,13 @@ def settings_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    try:
+        import uvicorn
 
-    from kvgate.gateway import create_app
+        from kvgate.gateway import create_app
+    except ImportError as e:
+        print(f"kvgate serve: {e}; install the gateway extra: pip install 'kvgate[gateway]'", file=sys.stderr)
+        return 2
 
     settings = settings_from(args)
     keys = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "open (no API key)"
