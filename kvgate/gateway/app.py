@@ -1,0 +1,163 @@
+"""The Starlette app: routes, and the one AsyncClient (one reply stream) each gateway process holds."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from kvgate.producer import AsyncClient, AsyncJobHandle, KvgateError, Result
+
+from . import sse
+from .auth import authorize
+from .errors import ApiError, api_error_handler, from_sdk, http_error_handler, invalid, unexpected_error_handler
+from .models import LiveModels, model_object
+from .responses import Reply, failure
+from .settings import GatewaySettings
+from .translate import Kind, Plan, plan
+
+DISCONNECT_POLL_S = 1.0
+CLOSE_TIMEOUT_S = 5.0
+
+
+async def close_client(client: AsyncClient) -> None:
+    """AsyncClient.close() can hang while its reader task sits in a blocking XREAD: bound it, so a stopping
+    gateway never waits forever (the reply stream expires on its own)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(client.close(), CLOSE_TIMEOUT_S)
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status, headers, media_type="application/json")
+
+
+class Gateway:
+    """Per-process state: the SDK client and the model list; no job state beyond requests in flight."""
+
+    def __init__(self, settings: GatewaySettings):
+        self.settings = settings
+        self.client: AsyncClient | None = None
+        self.models: LiveModels | None = None
+        self._cancelling: set[asyncio.Task] = set()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette):
+        s = self.settings
+        self.client = AsyncClient(s.redis_url, s.namespace, max_backlog=s.max_backlog, backpressure="raise")
+        await self.client.start()
+        self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s)
+        try:
+            yield
+        finally:
+            await close_client(self.client)
+
+    # -- routes -----------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self.complete(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, "completion")
+
+    async def complete(self, request: Request, kind: Kind) -> Response:
+        authorize(request, self.settings.api_keys)
+        p = plan(kind, await _body(request), self.settings)
+        await self.models.check(p.model)
+        handles = await self.submit(p)
+        reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}")
+        headers = {"x-request-id": handles[0].job_id}
+        if p.stream:
+            events = sse.events(reply, handles, self.settings.request_timeout_s, self.abandon)
+            return StreamingResponse(events, media_type="text/event-stream", headers=sse.HEADERS | headers)
+        results = await self.wait(request, handles)
+        for r in results:
+            error = failure(r)
+            if error is not None:
+                raise error
+        return json_response(reply.body(results), headers=headers)
+
+    async def list_models(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        models = await self.models.get()
+        return json_response({"object": "list", "data": [model_object(m) for _, m in sorted(models.items())]})
+
+    async def get_model(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        name = request.path_params["model"]
+        model = (await self.models.get()).get(name)
+        if model is None:
+            raise ApiError(404, f"model {name!r} is not served by any live worker", param="model",
+                           code="model_not_found")
+        return json_response(model_object(model))
+
+    async def health(self, request: Request) -> Response:
+        try:
+            await self.client.redis.ping()
+        except Exception as e:  # the load balancer should route elsewhere while Redis is unreachable
+            raise ApiError(503, f"redis unreachable: {e}", type="server_error", code="queue_unavailable") from None
+        return json_response({"status": "ok"})
+
+    # -- jobs -------------------------------------------------------------------------------------
+    async def submit(self, p: Plan) -> list[AsyncJobHandle]:
+        try:
+            return await self.client.submit_many(p.submits, progress=False)
+        except KvgateError as e:
+            raise from_sdk(e, p.names, self.settings.retry_after_s) from None
+
+    async def wait(self, request: Request, handles: list[AsyncJobHandle]) -> list[Result]:
+        """All results, or a 504 at the request timeout; jobs of a client that hung up are cancelled."""
+        timeout = self.settings.request_timeout_s
+        gathered = asyncio.ensure_future(asyncio.gather(*(h.result(timeout) for h in handles)))
+        try:
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return gathered.result()
+                if await request.is_disconnected():
+                    raise ApiError(499, "client closed the request", code="client_closed")
+        except KvgateError as e:
+            raise from_sdk(e, {}, self.settings.retry_after_s) from None
+        finally:
+            gathered.cancel()
+            unfinished = [h for h in handles if not h.done()]
+            if unfinished:
+                self.abandon(unfinished)
+
+    def abandon(self, handles: list[AsyncJobHandle]) -> None:
+        """Cancel jobs nobody waits for any more, in a task of its own: the request's task may be cancelled."""
+        task = asyncio.get_running_loop().create_task(self._cancel(handles))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _cancel(self, handles: list[AsyncJobHandle]) -> None:
+        for h in handles:
+            with contextlib.suppress(Exception):
+                await h.cancel()
+
+
+async def _body(request: Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid("body", f"the request body is not JSON: {e}", code="invalid_json") from None
+
+
+def create_app(settings: GatewaySettings | None = None) -> Starlette:
+    gw = Gateway(settings or GatewaySettings())
+    routes = [
+        Route("/v1/chat/completions", gw.chat, methods=["POST"]),
+        Route("/v1/completions", gw.completions, methods=["POST"]),
+        Route("/v1/models", gw.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gw.get_model, methods=["GET"]),
+        Route("/health", gw.health, methods=["GET"]),
+    ]
+    handlers = {ApiError: api_error_handler, HTTPException: http_error_handler, Exception: unexpected_error_handler}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=gw.lifespan)
+    app.state.gateway = gw
+    return app

@@ -1,0 +1,69 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with their HTTP status."""
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from kvgate.producer import Backpressure, ConnectionFailed, InvalidRequest, ResultTimeout
+
+INVALID = "invalid_request_error"
+
+
+class ApiError(Exception):
+    """What a route raises to answer with an error; the handler below renders it."""
+
+    def __init__(self, status: int, message: str, *, type: str = INVALID, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, value: object, what: str = "") -> ApiError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ApiError(400, f"{param}={shown} is not supported by this kvgate gateway{what}; leave it out",
+                    param=param, code="unsupported_parameter")
+
+
+def from_sdk(e: Exception, names: dict[str, str], retry_after_s: int) -> ApiError:
+    """An SDK error as the HTTP error a client expects; `names` maps SDK argument names back to body fields."""
+    if isinstance(e, InvalidRequest):
+        field = e.field.split(".", 1)
+        param = ".".join([names.get(field[0], field[0]), *field[1:]])
+        return ApiError(400, f"{param}: {e.reason} (got {e.value!r})", param=param, code="invalid_value")
+    if isinstance(e, Backpressure):
+        return ApiError(429, f"the queue holds {e.backlog} waiting jobs, at or over this gateway's limit of "
+                             f"{e.max_backlog}; retry after {retry_after_s} s", type="rate_limit_error",
+                        code="queue_full", headers={"Retry-After": str(retry_after_s)})
+    if isinstance(e, ResultTimeout):
+        return ApiError(504, f"no answer within {e.timeout:g} s; the job was cancelled, retry later or raise "
+                             "the gateway's --request-timeout", type="timeout_error", code="timeout")
+    if isinstance(e, ConnectionFailed):
+        return ApiError(503, "the job queue is unreachable; retry later", type="server_error",
+                        code="queue_unavailable")
+    raise e
+
+
+async def api_error_handler(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def http_error_handler(request: Request, exc: HTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
+    return JSONResponse(ApiError(exc.status_code, message, code=code).body(), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+    return JSONResponse(error.body(), status_code=500)

@@ -1,0 +1,89 @@
+"""Results as OpenAI response bodies: chat.completion / text_completion, their stream chunks, usage."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgate.producer import Result
+
+from .errors import ApiError
+from .translate import Plan
+
+
+@dataclass(slots=True)
+class Reply:
+    """What every body and chunk of one request shares."""
+
+    plan: Plan
+    id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.plan.kind == "chat" else "text_completion"
+
+    def head(self, chunk: bool = False) -> dict[str, Any]:
+        kind = self.object + (".chunk" if chunk and self.plan.kind == "chat" else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.plan.model,
+                "system_fingerprint": None}
+
+    # -- whole answers ----------------------------------------------------------------------------
+    def body(self, results: list[Result]) -> dict[str, Any]:
+        choices = [self.choice(i, r) for i, r in enumerate(results)]
+        return self.head() | {"choices": choices, "usage": self.usage(results)}
+
+    def choice(self, index: int, r: Result) -> dict[str, Any]:
+        if self.plan.kind == "chat":
+            message = {"role": "assistant", "content": r.text, "refusal": None}
+            return {"index": index, "message": message, "logprobs": None, "finish_reason": finish(r)}
+        return {"index": index, "text": r.text, "logprobs": None, "finish_reason": finish(r)}
+
+    def usage(self, results: list[Result]) -> dict[str, Any]:
+        prompts: dict[int, Result] = {}
+        for i, r in enumerate(results):
+            prompts.setdefault(self.plan.prompt_of[i], r)  # n choices of one prompt read it once, as OpenAI counts
+        prompt = sum(r.usage.prompt_tokens for r in prompts.values())
+        cached = sum(r.usage.cached_tokens for r in prompts.values())
+        completion = sum(r.usage.completion_tokens for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # -- stream chunks ----------------------------------------------------------------------------
+    def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None,
+              first: bool = False) -> dict[str, Any]:
+        if self.plan.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        out = self.head(chunk=True) | {"choices": [choice]}
+        if self.plan.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, results: list[Result]) -> dict[str, Any]:
+        return self.head(chunk=True) | {"choices": [], "usage": self.usage(results)}
+
+
+def finish(r: Result) -> str | None:
+    # "abort" (the job was stopped early) has no OpenAI name; "stop" is what a client can act on
+    return "length" if r.finish_reason == "length" else "stop"
+
+
+def failure(r: Result) -> ApiError | None:
+    """A final result that is not an answer, as the error the request gets; None for a done job."""
+    if r.status == "done":
+        return None
+    if r.status == "expired":
+        return ApiError(504, f"job {r.job_id} expired before a worker answered it", type="timeout_error",
+                        code="job_expired")
+    if r.status == "cancelled":
+        return ApiError(409, f"job {r.job_id} was cancelled", code="job_cancelled")
+    message = r.error or "the worker reported an error without a reason"
+    if message.startswith(("rejected:", "invalid job:")):  # the worker refused the input: the client can fix it
+        return ApiError(400, f"job {r.job_id}: {message}", code="rejected_by_worker")
+    return ApiError(500, f"job {r.job_id} failed on worker {r.worker}: {message}", type="server_error",
+                    code="worker_error")

@@ -1,0 +1,27 @@
+"""What one gateway process is configured with; flags and KVGATE_* variables fill it (see kvgate/serve.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    redis_url: str | None = None
+    namespace: str = "kvgate"
+    api_keys: tuple[str, ...] = ()  # none: the gateway is open
+    max_backlog: int | None = None  # refuse new jobs with a 429 while the queue holds this many
+    retry_after_s: int = 1  # the Retry-After a 429 carries
+    request_timeout_s: float = 600.0  # a job with no answer by then is cancelled and answered 504
+    default_max_tokens: int = 512  # when a request gives neither max_tokens nor max_completion_tokens
+    models_cache_s: float = 2.0  # how long the list of live workers' models is reused
+    max_n: int = 16  # choices (n) times prompts one request may ask for
+
+    def __post_init__(self):
+        if self.max_backlog is not None and self.max_backlog < 1:
+            raise ValueError(f"max_backlog={self.max_backlog} must be at least 1, or None for no limit")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} must be at least 1")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s={self.request_timeout_s} must be positive")
+        if any(not k or any(c.isspace() for c in k) for k in self.api_keys):
+            raise ValueError("API keys must be non-empty with no whitespace")

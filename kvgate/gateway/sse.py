@@ -1,0 +1,75 @@
+"""Server-sent events in OpenAI's framing: `data: {chunk}\n\n` per chunk, `data: [DONE]\n\n` at the end.
+
+The n choices of a request stream side by side, each chunk naming its choice index. A job that fails
+mid-stream becomes one `data: {"error": {...}}` event (the openai client raises it), then [DONE].
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+
+from kvgate.producer import AsyncJobHandle, KvgateError, Result
+
+from .errors import ApiError, from_sdk
+from .responses import Reply, failure, finish
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must pass each event at once
+
+
+def frame(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
+                 abandon: Callable[[list[AsyncJobHandle]], None]) -> AsyncIterator[bytes]:
+    """The whole event stream of one request; jobs still running when it stops early (a client gone) are
+    handed to `abandon`, which cancels them."""
+    if reply.plan.kind == "chat":  # the role comes first, before any token: clients see the stream is live
+        for i in range(len(handles)):
+            yield frame(reply.chunk(i, first=True))
+    inbox: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.create_task(_pump(i, h, timeout, inbox)) for i, h in enumerate(handles)]
+    results: list[Result | None] = [None] * len(handles)
+    try:
+        for _ in range(len(handles)):
+            while True:
+                i, item = await inbox.get()
+                if isinstance(item, str):
+                    yield frame(reply.chunk(i, item))
+                    continue
+                error = _error_of(item, timeout)
+                if error is not None:
+                    yield frame(error.body())
+                    yield DONE
+                    return
+                results[i] = item
+                yield frame(reply.chunk(i, finish_reason=finish(item)))
+                break
+        if reply.plan.include_usage:
+            yield frame(reply.usage_chunk(results))
+        yield DONE
+    finally:
+        for pump in pumps:
+            pump.cancel()
+        unfinished = [h for h in handles if not h.done()]
+        if unfinished:
+            abandon(unfinished)
+
+
+async def _pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Queue) -> None:
+    try:
+        async for delta in handle.stream(timeout):
+            if delta.text:  # a token that ends mid-character has no text yet; the next delta carries it
+                inbox.put_nowait((i, delta.text))
+        inbox.put_nowait((i, await handle.result(0)))
+    except KvgateError as e:
+        inbox.put_nowait((i, e))
+
+
+def _error_of(item: Result | Exception, timeout: float) -> ApiError | None:
+    if isinstance(item, Result):
+        return failure(item)
+    return from_sdk(item, {}, 1)

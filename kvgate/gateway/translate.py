@@ -1,0 +1,168 @@
+"""An OpenAI request body as SDK submits: one per choice (n per prompt), validated before anything is enqueued.
+
+Every body field is either honoured, accepted only at the value that changes nothing (frequency_penalty=0,
+tools=[], ...), or refused with a 400 naming it: a parameter is never silently ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from kvgate.producer import InvalidRequest
+from kvgate.producer.request import validate_request
+
+from .errors import from_sdk, invalid, unsupported
+from .prompts import chat_messages, completion_prompts
+from .settings import GatewaySettings
+
+Kind = Literal["chat", "completion"]
+
+# body field -> SDK argument, taken as given
+DIRECT = {"temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed": "seed",
+          # vLLM-style extensions (openai's extra_body)
+          "top_k": "top_k", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
+          "stop_token_ids": "stop_token_ids", "priority": "priority"}
+# body fields accepted only at a value that asks for nothing the engine lacks, with why the rest is refused
+NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "frequency_penalty": (lambda v: v in (None, 0), " (the engine has no frequency penalty; try repetition_penalty)"),
+    "presence_penalty": (lambda v: v in (None, 0), " (the engine has no presence penalty; try repetition_penalty)"),
+    "logprobs": (lambda v: v in (None, False), " (results carry no log probabilities)"),
+    "top_logprobs": (lambda v: v in (None, 0), " (results carry no log probabilities)"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, " (plain text output only)"),
+    "tools": (lambda v: v in (None, []), " (no tool calling)"),
+    "functions": (lambda v: v in (None, []), " (no tool calling)"),
+    "tool_choice": (lambda v: v in (None, "none"), " (no tool calling)"),
+    "function_call": (lambda v: v in (None, "none"), " (no tool calling)"),
+    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), ""),
+    "logit_bias": (lambda v: v in (None, {}), ""),
+    "store": (lambda v: v in (None, False), " (completions are not stored)"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), ""),
+    "modalities": (lambda v: v in (None, ["text"]), " (text output only)"),
+    "echo": (lambda v: v in (None, False), ""),
+    "suffix": (lambda v: v is None, ""),
+}
+COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", *DIRECT}
+FIELDS: dict[Kind, set[str]] = {
+    "chat": COMMON | {"messages", "max_completion_tokens"} | (NO_OP.keys() - {"echo", "suffix"}),
+    "completion": COMMON | {"prompt", "best_of"} | {"frequency_penalty", "presence_penalty", "logprobs", "echo",
+                                                     "suffix", "logit_bias"},
+}
+# SDK argument -> body field, to name the field a validation error is about
+NAMES = {v: k for k, v in DIRECT.items()} | {"messages": "messages", "prompt": "prompt",
+                                             "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
+
+
+@dataclass(slots=True)
+class Plan:
+    kind: Kind
+    model: str
+    submits: list[dict[str, Any]]  # one per choice, in choice order (prompt-major, then n)
+    prompt_of: list[int]  # choice index -> prompt index, for usage (a prompt is counted once)
+    stream: bool = False
+    include_usage: bool = False
+    names: dict[str, str] = field(default_factory=dict)
+
+
+def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
+    if not isinstance(body, dict):
+        raise invalid("body", "the request body must be a JSON object")
+    _refuse_unknown(kind, body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "model is required: a model name from GET /v1/models", code="missing_required_parameter")
+    prompts = chat_prompts(body) if kind == "chat" else completion_prompts(body.get("prompt"))
+    n = _choices(body, settings.max_n, len(prompts))
+    stream, include_usage = _streaming(body)
+    common = _sampling(kind, body, settings) | {"stream": stream}
+    names = NAMES | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"}
+    submits, prompt_of = [], []
+    for p, prompt in enumerate(prompts):
+        for i in range(n):
+            args = common | prompt
+            if n > 1 and args.get("seed") is not None:
+                args["seed"] += i  # distinct choices, still reproducible
+            _validate(args, names, f"prompt[{p}]" if len(prompts) > 1 else None)
+            submits.append(args)
+            prompt_of.append(p)
+    return Plan(kind, model, submits, prompt_of, stream, include_usage, names)
+
+
+def chat_prompts(body: dict) -> list[dict[str, Any]]:
+    return [{"messages": chat_messages(body.get("messages"))}]
+
+
+def _refuse_unknown(kind: Kind, body: dict) -> None:
+    for name, value in body.items():
+        if name not in FIELDS[kind]:
+            raise unsupported(name, value, f" on {'/v1/chat/completions' if kind == 'chat' else '/v1/completions'}")
+        if name in NO_OP and not NO_OP[name][0](value):
+            raise unsupported(name, value, NO_OP[name][1])
+
+
+def _choices(body: dict, max_n: int, prompts: int) -> int:
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise invalid("n", f"n={n!r} must be a positive integer")
+    if n * prompts > max_n:
+        raise invalid("n", f"n={n} for {prompts} prompt(s) asks for {n * prompts} choices, over this gateway's "
+                           f"limit of {max_n} per request; send fewer")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise unsupported("best_of", best_of, " (only best_of equal to n)")
+    return n
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    stream, options = body.get("stream", False), body.get("stream_options")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise invalid("stream", f"stream={stream!r} must be true or false")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise invalid("stream_options", "stream_options is only allowed with stream=true")
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "stream_options must be an object")
+    for key, value in options.items():
+        if key != "include_usage":
+            raise unsupported(f"stream_options.{key}", value)
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise invalid("stream_options.include_usage", f"stream_options.include_usage={include!r} must be a boolean")
+    return stream, include
+
+
+def _sampling(kind: Kind, body: dict, settings: GatewaySettings) -> dict[str, Any]:
+    args = {DIRECT[k]: v for k, v in body.items() if k in DIRECT and v is not None}
+    args["max_tokens"] = _max_tokens(body, settings.default_max_tokens)
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise invalid("metadata", "metadata must be an object of string values")
+    user = body.get("user")
+    if user is not None:
+        if not isinstance(user, str):
+            raise invalid("user", f"user={user!r} must be a string")
+        metadata = {**(metadata or {}), "user": user}  # kept with the job's result, for audit
+    if metadata:
+        args["metadata"] = metadata
+    return args
+
+
+def _max_tokens(body: dict, default: int) -> int:
+    given = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise invalid("max_completion_tokens", f"max_tokens and max_completion_tokens disagree ({given}); give one")
+    return next(iter(given.values()), default)
+
+
+def _validate(args: dict[str, Any], names: dict[str, str], prompt_where: str | None) -> None:
+    try:
+        validate_request(args)
+    except InvalidRequest as e:
+        error = from_sdk(e, names, 0)
+        if prompt_where and error.param == "prompt":
+            error.param = prompt_where
+            error.message = prompt_where + error.message.removeprefix("prompt")
+        raise error from None

@@ -1,0 +1,71 @@
+"""`kvgate serve`: the OpenAI-compatible HTTP gateway (POST /v1/chat/completions, /v1/completions, GET /v1/models).
+
+Stateless: run as many replicas as you like behind a load balancer; each enqueues through the SDK and
+answers from its own reply stream. Needs the gateway extra: pip install 'kvgate[gateway]'.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--host", default=os.environ.get("KVGATE_HOST", "127.0.0.1"), help="address to bind (env KVGATE_HOST)")
+    add("--port", type=int, default=int(os.environ.get("KVGATE_PORT", "8000")), help="port (env KVGATE_PORT)")
+    add("--api-key", action="append", dest="api_key", metavar="KEY",
+        help="accept `Authorization: Bearer KEY`; repeatable, joined with env KVGATE_API_KEYS (comma-separated); "
+             "no key at all leaves the gateway open")
+    add("--max-backlog", type=int, help="answer 429 while this many jobs wait in the queue (default: no limit)")
+    add("--retry-after", type=int, default=1, help="seconds a 429's Retry-After asks clients to wait")
+    add("--request-timeout", type=float, default=600.0, help="seconds before an unanswered job is cancelled (504)")
+    add("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
+    add("--max-n", type=int, default=16, help="most choices (n times prompts) in one request")
+    add("--log-level", default="info")
+
+
+def settings_from(args: argparse.Namespace):
+    from kvgate.gateway import GatewaySettings
+    from kvgate.gateway.auth import parse_keys
+
+    return GatewaySettings(redis_url=args.redis_url, namespace=args.namespace,
+                           api_keys=parse_keys(args.api_key, os.environ.get("KVGATE_API_KEYS")),
+                           max_backlog=args.max_backlog, retry_after_s=args.retry_after,
+                           request_timeout_s=args.request_timeout, default_max_tokens=args.default_max_tokens,
+                           max_n=args.max_n)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from kvgate.gateway import create_app
+    except ImportError as e:
+        print(f"kvgate serve: {e}; install the gateway extra: pip install 'kvgate[gateway]'", file=sys.stderr)
+        return 2
+
+    settings = settings_from(args)
+    keys = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "open (no API key)"
+    print(f"kvgate serve: http://{args.host}:{args.port}/v1 -> namespace {settings.namespace!r}, {keys}", flush=True)
+    # uvicorn drains on SIGTERM, then re-raises it to the handler it found: make that one a no-op so a graceful
+    # stop (Kubernetes, systemd) exits 0 instead of dying by the signal after the drain
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=30)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvgate.serve ...`, the same command without going through kvgate/cli.py."""
+    from kvgate.cli import add_connection_arguments
+
+    parser = argparse.ArgumentParser(prog="kvgate serve", description=__doc__.splitlines()[0])
+    add_connection_arguments(parser)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

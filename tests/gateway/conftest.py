@@ -1,0 +1,113 @@
+"""Gateway fixtures: `kvgate serve`'s app under uvicorn in a thread on a free loopback port, in front of
+`kvgate worker --simulated` subprocesses on a real redis-server."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+from kvgate.producer.protocol import Keys
+from tests.support import free_port
+from tests.worker.conftest import spawn_worker
+
+SIM = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0.01", "--max-num-seqs", "16")
+
+
+@dataclass
+class Gateway:
+    base_url: str  # ends in /v1, as the openai client wants it
+    server: object
+    thread: threading.Thread
+
+    @property
+    def root(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "gateway did not stop"
+
+
+def start_gateway(redis_url: str, namespace: str, **settings) -> Gateway:
+    import uvicorn
+
+    from kvgate.gateway import GatewaySettings, create_app
+
+    app = create_app(GatewaySettings(redis_url=redis_url, namespace=namespace, **settings))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True, name=f"gateway-{port}")
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"gateway on port {port} did not start")
+        time.sleep(0.01)
+    return Gateway(f"http://127.0.0.1:{port}/v1", server, thread)
+
+
+def wait_for_workers(redis_url: str, namespace: str, count: int = 1, timeout: float = 120.0,
+                     proc=None) -> None:
+    """Until `count` heartbeats are up: a worker that has one is reading jobs."""
+    r, keys = redis.Redis.from_url(redis_url), Keys(namespace)
+    deadline = time.monotonic() + timeout
+    try:
+        while len(list(r.scan_iter(match=keys.worker_pattern()))) < count:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {proc.returncode}: {proc.stdout.read()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {count} workers up after {timeout}s")
+            time.sleep(0.05)
+    finally:
+        r.close()
+
+
+def stop_worker(proc) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def sim_fleet(shared_redis):
+    """One simulated worker for a module, on its own namespace of the session's redis-server."""
+    ns = f"gw{os.getpid()}-{abs(hash(time.monotonic())) % 10**6}"
+    proc = spawn_worker(shared_redis.url, ns, *SIM, worker_id="sim-gw")
+    try:
+        wait_for_workers(shared_redis.url, ns, proc=proc)
+        yield shared_redis.url, ns
+    finally:
+        stop_worker(proc)
+
+
+@pytest.fixture(scope="module")
+def gateway(sim_fleet):
+    """An open gateway (no API key) in front of sim_fleet."""
+    gw = start_gateway(*sim_fleet)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def gateway_factory():
+    """Factory for gateways with other settings, stopped at the end of the test."""
+    started = []
+
+    def start(redis_url: str, namespace: str, **settings) -> Gateway:
+        gw = start_gateway(redis_url, namespace, **settings)
+        started.append(gw)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.stop()

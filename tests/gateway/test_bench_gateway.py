@@ -1,0 +1,30 @@
+"""`kvgate bench gateway` end to end at a tiny size: the report holds every figure it promises."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvgate.bench import gateway as bench
+from kvgate.cli import add_connection_arguments
+
+
+def test_bench_gateway_reports_added_latency_first_event_delay_and_requests_per_s(redis_server, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_connection_arguments(parser)
+    bench.add_arguments(parser)
+    out = tmp_path / "gw.json"
+    args = parser.parse_args(["--redis-url", redis_server.url, "--probes", "6", "--concurrency", "1,4",
+                              "--duration", "0.5", "--json", str(out)])
+    assert bench.run(args) == 0
+    report = json.loads(out.read_text())
+    seq = report["sequential"]
+    assert set(seq["latency_ms"]) == {"sdk", "gateway", "stream_first_event", "stream_first_token", "stream_done"}
+    assert all(p["n"] == 6 and 0 < p["p50"] <= p["p99"] for p in seq["latency_ms"].values())
+    first = seq["latency_ms"]
+    assert first["stream_first_event"]["p50"] <= first["stream_done"]["p50"]
+    assert seq["added_latency_ms"]["n"] == 6
+    assert [level["clients"] for level in report["concurrent"]] == [1, 4]
+    for level in report["concurrent"]:
+        for path in ("sdk", "gateway"):
+            assert level[path]["requests"] > 0 and level[path]["requests_per_s"] > 0
+        assert level["gateway"]["cpu_ms_per_request"]["gateway"] > 0  # the gateway process did the work

@@ -1,0 +1,113 @@
+"""Errors in OpenAI's shape with the right status: unsupported parameters, bad input, keys, models, backpressure."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+
+from kvgate.producer import Client
+
+CHAT = {"model": "simulated", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("response_format", {"type": "json_object"}),
+    ("logprobs", True),
+    ("frequency_penalty", 0.5),
+    ("presence_penalty", -1),
+    ("logit_bias", {"42": 10}),
+    ("no_such_parameter", 1),
+])
+def test_an_unsupported_parameter_is_a_400_that_names_it(gateway, field, value):
+    err = _error(httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT | {field: value}), 400)
+    assert err["param"] == field and field in err["message"] and err["code"] == "unsupported_parameter"
+    assert err["type"] == "invalid_request_error"
+
+
+def test_no_op_values_of_unsupported_parameters_are_accepted(gateway):
+    quiet = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "tools": [], "n": 1,
+             "response_format": {"type": "text"}, "user": "u-1", "store": False}
+    r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT | quiet, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_invalid_values_name_the_openai_field(gateway):
+    cases = [({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": -1}, "max_completion_tokens"),
+             ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"),
+             ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+              "messages[0].content[0].type"),
+             ({"stream_options": {"include_usage": True}}, "stream_options")]
+    for change, param in cases:
+        err = _error(httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT | change), 400)
+        assert err["param"] == param, (change, err)
+    err = _error(httpx.post(f"{gateway.base_url}/completions", json={"model": "simulated", "prompt": ""}), 400)
+    assert err["param"] == "prompt"
+    err = _error(httpx.post(f"{gateway.base_url}/completions", json={"model": "simulated", "prompt": "x",
+                                                                      "echo": True}), 400)
+    assert err["param"] == "echo"
+    err = _error(httpx.post(f"{gateway.base_url}/chat/completions", content=b"{not json"), 400)
+    assert err["code"] == "invalid_json"
+
+
+def test_a_model_no_live_worker_serves_is_a_404_and_a_missing_model_a_400(gateway):
+    err = _error(httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT | {"model": "gpt-4o"}), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "simulated" in err["message"]
+    missing = {k: v for k, v in CHAT.items() if k != "model"}
+    err = _error(httpx.post(f"{gateway.base_url}/chat/completions", json=missing), 400)
+    assert err["param"] == "model"
+
+
+def test_unknown_routes_are_404_in_the_same_shape(gateway):
+    assert _error(httpx.get(f"{gateway.base_url}/files"), 404)["code"] == "not_found"
+    assert _error(httpx.get(f"{gateway.base_url}/chat/completions"), 405)["code"] == "method_not_allowed"
+
+
+def test_with_api_keys_a_missing_or_wrong_key_is_401_and_a_right_one_passes(sim_fleet, gateway_factory):
+    gw = gateway_factory(*sim_fleet, api_keys=("key-one", "key-two"))
+    err = _error(httpx.post(f"{gw.base_url}/chat/completions", json=CHAT), 401)
+    assert err["code"] == "invalid_api_key"
+    wrong = httpx.get(f"{gw.base_url}/models", headers={"Authorization": "Bearer key-three"})
+    assert "key-three" not in _error(wrong, 401)["message"]  # a key is never echoed whole
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.base_url, api_key="nope", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=gw.base_url, api_key="key-two", max_retries=0)
+    assert good.chat.completions.create(**CHAT).choices[0].message.content
+    assert httpx.get(f"{gw.root}/health").status_code == 200  # load balancer probes need no key
+
+
+def test_a_full_queue_is_a_429_with_retry_after(redis_server, gateway_factory):
+    # no worker: jobs wait, so the backlog only grows
+    ns = "gw-backpressure"
+    gw = gateway_factory(redis_server.url, ns, max_backlog=2, retry_after_s=3, request_timeout_s=30)
+    with Client(redis_server.url, namespace=ns) as sdk:
+        sdk.submit("one", max_tokens=1), sdk.submit("two", max_tokens=1)
+    r = httpx.post(f"{gw.base_url}/chat/completions", json=CHAT)
+    err = _error(r, 429)
+    assert r.headers["retry-after"] == "3" and err["type"] == "rate_limit_error" and "2" in err["message"]
+    with pytest.raises(openai.RateLimitError):
+        openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0).chat.completions.create(**CHAT)
+    assert redis.Redis.from_url(redis_server.url).xlen(f"{ns}:jobs:normal") == 2  # nothing more was enqueued
+
+
+def test_an_unanswered_job_is_a_504_and_is_cancelled(redis_server, gateway_factory):
+    ns = "gw-timeout"
+    gw = gateway_factory(redis_server.url, ns, request_timeout_s=0.5)
+    r = httpx.post(f"{gw.base_url}/chat/completions", json=CHAT, timeout=30)
+    assert _error(r, 504)["code"] == "timeout"
+    r = redis.Redis.from_url(redis_server.url)
+    deadline = time.monotonic() + 5
+    while not list(r.scan_iter(match=f"{ns}:cancel:*")) and time.monotonic() < deadline:
+        time.sleep(0.02)  # the cancel is sent by a task of its own, after the answer
+    assert len(list(r.scan_iter(match=f"{ns}:cancel:*"))) == 1, "the abandoned job was not cancelled"

@@ -1,0 +1,49 @@
+"""`kvgate serve` as a process: flags and KVGATE_API_KEYS configure it, SIGTERM stops it cleanly, and importing
+the gateway never imports torch (it runs on the SDK's install plus the gateway extra)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.support import free_port
+from tests.worker.conftest import ROOT
+
+
+
+def test_importing_the_gateway_and_its_command_does_not_import_torch():
+    code = "import sys, kvgate.gateway, kvgate.serve; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_serve_takes_keys_from_flags_and_env_and_exits_0_on_sigterm(sim_fleet):
+    url, ns = sim_fleet
+    port = free_port()
+    env = {**os.environ, "KVGATE_API_KEYS": "env-key-1,env-key-2"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.serve", "--redis-url", url, "--namespace", ns, "--port", str(port),
+                             "--api-key", "flag-key", "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{base}/models", timeout=1)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                time.sleep(0.1)
+        for key, status in [("flag-key", 200), ("env-key-2", 200), ("other", 401)]:
+            r = httpx.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+            assert r.status_code == status, (key, r.text)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "3 API key(s)" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

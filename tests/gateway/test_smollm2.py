@@ -1,0 +1,39 @@
+"""A real answer through the gateway: the bundled SmolLM2-135M in a `kvgate worker` subprocess (CPU, ~15 s load)."""
+from __future__ import annotations
+
+import os
+
+import openai
+import pytest
+
+from tests.gateway.conftest import start_gateway, stop_worker, wait_for_workers
+from tests.worker.conftest import spawn_worker
+
+
+@pytest.fixture(scope="module")
+def smol(shared_redis):
+    ns = f"gwsmol{os.getpid()}"
+    proc = spawn_worker(shared_redis.url, ns, "--model", "smollm2-135m", "--max-model-len", "512",
+                        "--max-num-seqs", "4", worker_id="gw-smol")
+    gw = None
+    try:
+        wait_for_workers(shared_redis.url, ns, timeout=300, proc=proc)
+        gw = start_gateway(shared_redis.url, ns)
+        client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=240)
+        yield client
+        client.close()
+    finally:
+        if gw is not None:
+            gw.stop()
+        stop_worker(proc)
+
+
+def test_smollm2_answers_a_chat_through_the_openai_client(smol):
+    model = smol.models.list().data[0].id
+    out = smol.chat.completions.create(model=model, temperature=0, max_tokens=12,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in out.choices[0].message.content
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens > 0
+    stream = smol.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=6,
+                                     stream=True)
+    assert "Paris" in "".join(c.choices[0].text for c in stream)

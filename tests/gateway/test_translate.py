@@ -1,0 +1,55 @@
+"""Request translation without a server: what each OpenAI body becomes as SDK submits, and what is refused."""
+from __future__ import annotations
+
+import pytest
+
+from kvgate.gateway import GatewaySettings
+from kvgate.gateway.auth import parse_keys
+from kvgate.gateway.errors import ApiError
+from kvgate.gateway.translate import plan
+
+S = GatewaySettings(default_max_tokens=77, max_n=4)
+
+
+def _refused(kind: str, body: dict) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        plan(kind, body, S)
+    assert e.value.status == 400
+    return e.value
+
+
+def test_developer_becomes_system_and_text_parts_join_with_newlines():
+    p = plan("chat", {"model": "m", "messages": [
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None}]}, S)
+    assert p.submits[0]["messages"] == [{"role": "system", "content": "rules"}, {"role": "user", "content": "a\nb"},
+                                        {"role": "assistant", "content": "ok"}]
+
+
+def test_defaults_user_metadata_and_extensions_reach_the_submit():
+    p = plan("completion", {"model": "m", "prompt": "x", "user": "alice", "top_k": 5, "priority": "high"}, S)
+    assert p.submits == [{"prompt": "x", "max_tokens": 77, "stream": False, "metadata": {"user": "alice"},
+                          "top_k": 5, "priority": "high"}]
+
+
+def test_n_copies_each_prompt_with_successive_seeds():
+    p = plan("completion", {"model": "m", "prompt": ["a", "b"], "n": 2, "seed": 10, "max_tokens": 3}, S)
+    assert [(s["prompt"], s["seed"]) for s in p.submits] == [("a", 10), ("a", 11), ("b", 10), ("b", 11)]
+    assert p.prompt_of == [0, 0, 1, 1]
+
+
+def test_too_many_choices_disagreeing_max_tokens_and_tool_messages_are_refused():
+    assert _refused("completion", {"model": "m", "prompt": ["a", "b", "c"], "n": 2}).param == "n"
+    assert _refused("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                             "max_completion_tokens": 4}).param == "max_completion_tokens"
+    assert _refused("chat", {"model": "m", "messages": [{"role": "tool", "content": "x"}]}).param == "messages[0].role"
+    assert _refused("chat", {"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}).param \
+        == "messages[0].name"
+    assert _refused("completion", {"model": "m", "prompt": ["ok", ""]}).param == "prompt[1]"
+    assert _refused("completion", {"model": "m", "prompt": "x", "best_of": 3}).param == "best_of"
+
+
+def test_api_keys_come_from_flags_and_the_comma_separated_variable():
+    assert parse_keys(["a", "b"], " c, ,a ") == ("a", "b", "c")
+    assert parse_keys(None, None) == ()
