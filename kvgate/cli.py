@@ -15,12 +15,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "batch": ("kvgate.producer.commands.batch", "run an OpenAI Batch-format JSONL file through the fleet"),
     "stats": ("kvgate.producer.commands.stats", "backlog, pending and live workers per queue"),
     "top": ("kvgate.top", "live terminal view of the fleet"),
+    "serve": ("kvgate.serve", "OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models"),
     "exporter": ("kvgate.exporter", "Prometheus exporter for queue lag, backlog and live workers"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("kvgate.bench.engine", "W-CPU / W-GPU: kvgate continuous vs static vs HF transformers"),
     "steps": ("kvgate.bench.steps", "W-CPU once per scheduling policy, every engine step timed; --profile N"),
     "queue": ("kvgate.bench.queue", "W-QUEUE: throughput and per-job overhead through Redis"),
+    "gateway": ("kvgate.bench.gateway", "W-GATEWAY: latency and req/s the HTTP gateway adds over the SDK"),
     "fleet": ("kvgate.bench.fleet", "W-FLEET: simulated fleet, capacity admission vs fixed prefetch"),
 }
 

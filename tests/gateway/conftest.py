@@ -11,8 +11,7 @@ import pytest
 import redis
 
 from kvgate.producer.protocol import Keys
-from tests.support import free_port
-from tests.worker.conftest import spawn_worker
+from tests.support import free_port, spawn_worker
 
 SIM = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0.01", "--max-num-seqs", "16")
 

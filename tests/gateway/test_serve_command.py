@@ -10,8 +10,7 @@ import time
 
 import httpx
 
-from tests.support import free_port
-from tests.worker.conftest import ROOT
+from tests.support import ROOT, free_port
 
 
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import start_gateway, stop_worker, wait_for_workers
-from tests.worker.conftest import spawn_worker
+from tests.support import spawn_worker
 
 
 @pytest.fixture(scope="module")
