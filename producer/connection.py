@@ -10,14 +10,18 @@ import redis
 from .errors import ConnectionFailed, KvgateError
 
 URL_ENV = "KVGATE_REDIS_URL"
+DEFAULT_URL = "redis://127.0.0.1:6379/0"  # the one default of the SDK, the worker and every command
 
 
 def resolve_url(redis_url: str | None) -> str:
-    url = redis_url or os.environ.get(URL_ENV)
-    if not url:
-        raise KvgateError(f"no Redis URL: pass redis_url=..., set {URL_ENV}, or start one with `kvgate redis`")
+    """The URL given, else $KVGATE_REDIS_URL, else the local default; checked for a scheme."""
+    return check_url(redis_url or os.environ.get(URL_ENV) or DEFAULT_URL)
+
+
+def check_url(url: str) -> str:
     if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise KvgateError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss:// or unix://")
+        raise KvgateError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss:// or unix:// "
+                          f"(for example {DEFAULT_URL})")
     return url
 
 
