@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command in NEEDS_REDIS:
-            from kvgate.producer.connection import resolve_url
+            from kvgate.producer.connection import DEFAULT_URL, resolve_url
 
-            args.redis_url = resolve_url(args.redis_url)
+            args.redis_url = resolve_url(args.redis_url, DEFAULT_URL)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130

@@ -10,12 +10,16 @@ import redis
 from .errors import ConnectionFailed, KvgateError
 
 URL_ENV = "KVGATE_REDIS_URL"
-DEFAULT_URL = "redis://127.0.0.1:6379/0"  # the one default of the SDK, the worker and every command
+DEFAULT_URL = "redis://127.0.0.1:6379/0"  # the default of the worker and every `kvgate` command
 
 
-def resolve_url(redis_url: str | None) -> str:
-    """The URL given, else $KVGATE_REDIS_URL, else the local default; checked for a scheme."""
-    return check_url(redis_url or os.environ.get(URL_ENV) or DEFAULT_URL)
+def resolve_url(redis_url: str | None, default: str | None = None) -> str:
+    """The URL given, else $KVGATE_REDIS_URL, else `default`; checked for a scheme. The SDK passes no default:
+    a library never guesses which Redis to write jobs into."""
+    url = redis_url or os.environ.get(URL_ENV) or default
+    if not url:
+        raise KvgateError(f"no Redis URL: pass redis_url=..., set {URL_ENV}, or start one with `kvgate redis`")
+    return check_url(url)
 
 
 def check_url(url: str) -> str:

@@ -211,3 +211,38 @@ def test_cancel_sets_the_cancel_flag_of_a_running_job(redis_server):
 
 def test_help_works_whatever_the_environment_holds():
     assert kvgate("worker", "--help", env={"KVGATE_REDIS_URL": "nonsense", "KVGATE_SCHEDULING": "x"}).returncode == 0
+
+
+def test_flags_win_over_env_vars_which_win_over_defaults(monkeypatch):
+    from kvgate.cli import build_parser
+    from kvgate.worker.main import settings_from
+
+    monkeypatch.setenv("KVGATE_MAX_NUM_SEQS", "12")
+    monkeypatch.setenv("KVGATE_BLOCK_SIZE", "32")
+    args = build_parser().parse_args(["worker", "--max-num-seqs", "5", "--kv-cache-memory", "2GiB",
+                                      "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching"])
+    s = settings_from(args)
+    assert (s.max_num_seqs, s.block_size, s.seed) == (5, 32, 0)
+    assert s.kv_cache_memory == 2 * 2**30 and s.gpu_memory_utilization == 0.5 and s.enable_prefix_caching is False
+
+
+def test_a_real_worker_takes_its_kv_cache_size_in_units_and_beats_the_engines_capacity(redis_server):
+    """`kvgate worker --kv-cache-memory 64MiB` once crashed with a TypeError: the string reached the engine."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "worker", "--model", "random:smollm2-135m",
+                             "--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                             "--worker-id", "units", "--redis-url", redis_server.url, "--namespace", "cli-units"],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=CLEAN_ENV)
+    try:
+        lines = []
+        while not (lines and "serving" in lines[-1]):
+            lines.append(proc.stderr.readline())
+            assert lines[-1], "".join(lines)  # the worker exited before serving
+        key = "cli-units:worker:units"
+        assert any(redis_server.client().exists(key) or time.sleep(0.05) for _ in range(200))
+        beat = redis_server.client().hgetall(key)
+        bytes_per_block = 2 * 30 * 3 * 64 * 16 * 4  # k and v, 30 layers, 3 KV heads of 64, 16 tokens, float32
+        assert int(beat[b"total_blocks"]) == 64 * 2**20 // bytes_per_block
+        assert int(beat[b"max_num_seqs"]) == 256  # the engine's default, the same for LLM() and the worker
+    finally:
+        proc.terminate()
+        proc.wait(30)

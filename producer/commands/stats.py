@@ -6,7 +6,7 @@ import json
 
 import redis
 
-from ..connection import resolve_url, translated
+from ..connection import DEFAULT_URL, resolve_url, translated
 from ..protocol import Keys
 from ..queue_stats import QueueStats, read_queue_stats
 
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    url = resolve_url(args.redis_url)
+    url = resolve_url(args.redis_url, DEFAULT_URL)
     with translated(url):
         r = redis.Redis.from_url(url)
         stats = read_queue_stats(r, Keys(args.namespace))
