@@ -25,8 +25,9 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, description="tokens per KV cache block")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0,
                                           description="share of GPU memory the engine may fill, KV cache included")
-    kv_cache_memory: ByteSize | None = Field(None, description="KV cache size, e.g. 2GiB, 512MiB or bytes; unset: "
-                                                              "sized from gpu_memory_utilization on cuda, <=1GiB on cpu")
+    kv_cache_memory: ByteSize | None = Field(
+        None, description="KV cache size, e.g. 2GiB, 512MiB or bytes; unset: sized from gpu_memory_utilization "
+                          "on cuda, at most 1GiB on cpu")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     scheduling: Literal["continuous", "static"] = Field(
         "continuous", description="continuous batching, or static (fill a batch, run it out) as a baseline")

@@ -19,7 +19,7 @@ def describe(error: BaseException, url: str | None) -> str:
         text = (f"{where} refused a command to this user: {error}; grant it in the user's ACL "
                 "(deploy/redis/acl.conf has the roles) or use a user that has it")
     elif isinstance(error, redis.ResponseError) and "DB index" in str(error):
-        text = f"{where}: {error}; the server has fewer databases, use one it has (…/0 is the default)"
+        text = f"{where}: {error}; the server has fewer databases: use an index it has (/0 is the default)"
     elif isinstance(error, redis.RedisError):
         text = f"{where} answered with an error: {error}"
     elif isinstance(error, (KvgateError, ValueError, OSError)):

@@ -126,7 +126,7 @@ class Worker:
             fn()
             self.backoff_s = 0.05
         except REDIS_DOWN as e:
-            log.warning("redis at %s unavailable (%s: %s); retrying in %.2fs", self.url,
+            log.warning("redis unavailable at %s (%s: %s); retrying in %.2fs", self.url,
                         e.__class__.__name__, e, self.backoff_s)
             self.offline_until = time.monotonic() + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
