@@ -246,3 +246,13 @@ def test_a_real_worker_takes_its_kv_cache_size_in_units_and_beats_the_engines_ca
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_submit_many_is_quiet_unless_asked_for_a_progress_bar(redis_server, capsys):
+    from kvgate.producer import Client
+
+    with Client(redis_server.url, namespace="quiet") as client:
+        client.submit_many([{"prompt": "x", "max_tokens": 1}] * 3)
+        assert capsys.readouterr().err == ""
+        client.submit_many([{"prompt": "x", "max_tokens": 1}] * 3, progress=True)
+        assert "submit" in capsys.readouterr().err
