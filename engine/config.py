@@ -61,3 +61,4 @@ def check_device(device: str) -> None:
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
         raise ValueError(f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
+

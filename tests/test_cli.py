@@ -256,3 +256,13 @@ def test_submit_many_is_quiet_unless_asked_for_a_progress_bar(redis_server, caps
         assert capsys.readouterr().err == ""
         client.submit_many([{"prompt": "x", "max_tokens": 1}] * 3, progress=True)
         assert "submit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["bench", "engine", "--device", "gpu"], "--device: 'gpu': must be auto, cpu, mps, cuda or cuda:N"),
+    (["bench", "engine", "--dtype", "half"], "--dtype: 'half': allowed values: auto, float32, float16, bfloat16"),
+    (["bench", "queue", "--max-num-seqs", "0"], "--max-num-seqs: '0': input should be greater than or equal to 1"),
+])
+def test_benchmarks_check_the_engine_settings_they_take_as_the_engine_does(argv, named):
+    line = one_line_error(kvgate(*argv))
+    assert named.lower() in line.lower() and f"see kvgate {argv[0]} {argv[1]} --help" in line

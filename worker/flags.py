@@ -77,3 +77,21 @@ def explain(error: ValidationError, model: type[BaseModel], given: dict[str, Any
             message = f"not allowed; allowed values: {', '.join(choices)}"
         problems.append(f"{source}: {message[0].lower()}{message[1:]}")
     return "; ".join(problems)
+
+
+def setting_parser(name: str, model: type[BaseModel] | None = None):
+    """An argparse `type` that checks one setting as the model does, for commands (the benchmarks) that take a
+    few engine settings with workload defaults of their own."""
+    if model is None:
+        from kvgate.engine.config import EngineConfig as model
+
+    def parse(text: str):
+        try:
+            return getattr(model(**{name: text}), name)
+        except ValidationError as e:
+            choices = choices_of(model.model_fields[name])
+            message = f"allowed values: {', '.join(choices)}" if choices else e.errors()[0]["msg"]
+            raise argparse.ArgumentTypeError(f"{text!r}: {message.removeprefix('Value error, ')}") from None
+
+    parse.__name__ = name
+    return parse
