@@ -1,37 +1,64 @@
-"""Engine settings shared by `LLM` and `LLMEngine`, validated where they are made."""
+"""Engine settings, declared once: `LLM`, `LLMEngine` and the worker (its flags and KVGATE_* variables) all use
+these fields, defaults and descriptions. Invalid values raise pydantic's ValidationError, a ValueError."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 SCHEDULING_POLICIES = ("continuous", "static")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICE_PATTERN = r"auto|cpu|mps|cuda(:\d+)?"
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    device: str = "auto"
-    dtype: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes; None: sized from the device
-    enable_prefix_caching: bool = True
-    scheduling: str = "continuous"
-    seed: int = 0
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ValueError(f"max_model_len={self.max_model_len!r} must be a positive integer or None")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} must be a positive number of bytes or None")
-        if self.scheduling not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling={self.scheduling!r} must be one of {SCHEDULING_POLICIES}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype={self.dtype!r} must be 'auto', 'float32', 'float16' or 'bfloat16'")
+    device: str = Field("auto",
+                        description="where the model runs: auto (cuda when available, else cpu), cpu, cuda, cuda:N")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights and KV cache dtype; auto: the model's half type on cuda, float32 on cpu")
+    max_num_seqs: int = Field(256, ge=1, description="most sequences running at once (the batch cap)")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="token budget of one engine step")
+    max_model_len: int | None = Field(None, ge=1, description="longest prompt + output; unset: the model's own limit")
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0,
+                                          description="share of GPU memory the engine may fill, KV cache included")
+    kv_cache_memory: ByteSize | None = Field(
+        None, description="KV cache size, e.g. 2GiB, 512MiB or bytes; unset: sized from gpu_memory_utilization "
+                          "on cuda, at most 1GiB on cpu")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
+    scheduling: Literal["continuous", "static"] = Field(
+        "continuous", description="continuous batching, or static (fill a batch, run it out) as a baseline")
+    seed: int = Field(0, description="seed for random weights and unseeded sampling")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not re.fullmatch(DEVICE_PATTERN, value):
+            raise ValueError("must be auto, cpu, mps, cuda or cuda:N")
+        return value
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _positive_size(cls, value: ByteSize | None) -> ByteSize | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be a positive size such as 2GiB, 512MiB or a number of bytes")
+        return value
+
+
+def check_device(device: str) -> None:
+    """Refuse a CUDA device this torch cannot use, before a model load fails deep inside torch."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(f"device {device!r} is not available: torch {torch.__version__} is {build} or sees "
+                         "no GPU; use --device cpu (or auto)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
+

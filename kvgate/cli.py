@@ -1,5 +1,9 @@
-"""The `kvgate` command. Each subcommand lives in its own module exposing `add_arguments(parser)` and
-`run(args) -> int`; those modules import torch only inside `run`, so SDK commands work on the base install."""
+"""kvgate: asynchronous LLM inference, a fleet of continuous-batching workers behind Redis Streams.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; those modules
+import torch only inside `run`, so SDK commands work on the base install. Every failure is one line on stderr
+and a non-zero exit; `--debug` shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +11,14 @@ import importlib
 import os
 import sys
 
+DESCRIPTION = "kvgate: asynchronous LLM inference, a fleet of continuous-batching workers behind Redis Streams."
 COMMANDS: dict[str, tuple[str, str]] = {
     "redis": ("kvgate.worker.embedded_redis", "start an embedded redis-server and print its URL"),
     "demo": ("kvgate.demo", "embedded Redis + one worker + a few chat prompts, end to end"),
     "worker": ("kvgate.worker.main", "run a GPU/CPU worker that serves jobs from Redis"),
     "submit": ("kvgate.producer.commands.submit", "submit one prompt and print (or stream) its answer"),
+    "get": ("kvgate.producer.commands.get", "print a finished job's result"),
+    "cancel": ("kvgate.producer.commands.cancel", "ask the fleet to stop a job"),
     "batch": ("kvgate.producer.commands.batch", "run an OpenAI Batch-format JSONL file through the fleet"),
     "stats": ("kvgate.producer.commands.stats", "backlog, pending and live workers per queue"),
     "top": ("kvgate.top", "live terminal view of the fleet"),
@@ -25,14 +32,27 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gateway": ("kvgate.bench.gateway", "W-GATEWAY: latency and req/s the HTTP gateway adds over the SDK"),
     "fleet": ("kvgate.bench.fleet", "W-FLEET: simulated fleet, capacity admission vs fixed prefetch"),
 }
+NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "top", "exporter"}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line: what was wrong and where to read more."""
+
+    def error(self, message: str) -> None:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """Every command talks to one Redis namespace; flags win over KVGATE_* variables."""
-    parser.add_argument("--redis-url", default=os.environ.get("KVGATE_REDIS_URL"),
-                        help="redis://, rediss:// or unix:// URL (env KVGATE_REDIS_URL)")
+    from kvgate.producer.connection import DEFAULT_URL
+
+    parser.add_argument("--redis-url", default=None,
+                        help=f"redis://, rediss:// or unix:// URL (env KVGATE_REDIS_URL; default {DEFAULT_URL})")
     parser.add_argument("--namespace", default=os.environ.get("KVGATE_NAMESPACE", "kvgate"),
-                        help="key prefix (env KVGATE_NAMESPACE, default kvgate)")
+                        help="key prefix (env KVGATE_NAMESPACE; default kvgate)")
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show tracebacks instead of one-line errors")
 
 
 def _register(subparsers, table: dict[str, tuple[str, str]], dest: str) -> None:
@@ -45,28 +65,47 @@ def _register(subparsers, table: dict[str, tuple[str, str]], dest: str) -> None:
             parser.set_defaults(**{dest: None, "_missing": f"{module_name}: {e}"})
             continue
         module.add_arguments(parser)
-        parser.set_defaults(**{dest: module.run})
+        parser.set_defaults(**{dest: module.run, "_prog": parser.prog})
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from kvgate import __version__
+
+    parser = Parser(prog="kvgate", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _register(sub, COMMANDS, "_run")
     bench = sub.add_parser("bench", help="standard benchmark workloads (see BENCHMARKS.md)")
-    _register(bench.add_subparsers(dest="bench", required=True), BENCHES, "_run")
+    _register(bench.add_subparsers(dest="bench", required=True, metavar="WORKLOAD"), BENCHES, "_run")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would blame `kvgate`; the flag belongs to the subcommand's help
+        Parser(prog=getattr(args, "_prog", "kvgate")).error(f"unrecognized arguments: {' '.join(extra)}")
+    name = f"kvgate {args.command}" + (f" {args.bench}" if getattr(args, "bench", None) else "")
     if args._run is None:
-        print(f"kvgate {args.command}: not available in this install ({args._missing}); "
+        print(f"{name}: not available in this install ({args._missing}); "
               "install the worker extra: pip install 'kvgate[worker]'", file=sys.stderr)
         return 2
     try:
+        if args.command in NEEDS_REDIS:
+            from kvgate.producer.connection import DEFAULT_URL, resolve_url
+
+            args.redis_url = resolve_url(args.redis_url, DEFAULT_URL)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        from kvgate.cli_errors import describe, exit_code
+
+        print(f"{name}: {describe(e, getattr(args, 'redis_url', None))}", file=sys.stderr)
+        return exit_code(e)
 
 
 if __name__ == "__main__":

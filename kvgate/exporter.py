@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -16,6 +17,7 @@ import redis
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from kvgate.producer.connection import DEFAULT_URL, mask_url, resolve_url
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import PriorityStats, QueueStats, read_queue_stats
 
@@ -92,8 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    url = args.redis_url or "redis://localhost:6379/0"
+    url = resolve_url(args.redis_url, DEFAULT_URL)
     client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    try:  # a user without permission or a missing database will not heal: refuse to start on those
+        read_queue_stats(client, Keys(args.namespace))
+    except (redis.ConnectionError, redis.TimeoutError) as e:  # Redis may come up later: serve redis_up 0 till then
+        print(f"kvgate exporter: Redis at {mask_url(url)} is not reachable yet ({e}); "
+              "serving kvgate_exporter_redis_up 0 until it is", file=sys.stderr, flush=True)
     server, _ = start_http_server(args.port, addr=args.addr, registry=build_registry(client, Keys(args.namespace)))
     print(f"kvgate exporter: http://{args.addr}:{server.server_port}/metrics for namespace {args.namespace}",
           flush=True)

@@ -13,6 +13,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from kvgate.producer.connection import DEFAULT_URL, resolve_url
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import QueueStats, read_queue_stats
 
@@ -95,11 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    client = redis.Redis.from_url(args.redis_url or "redis://localhost:6379/0", socket_timeout=5)
+    url = resolve_url(args.redis_url, DEFAULT_URL)
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
     keys = Keys(args.namespace)
+    snap = read_queue_stats(client, keys)  # unreachable or refused: one line from `kvgate`, not a live frame
     console = Console()
     if args.once:
-        console.print(_frame(client, keys))
+        console.print(render(snap, keys.ns))
         return 0
     try:
         with _keys_unbuffered(), Live(_frame(client, keys), console=console, auto_refresh=False,

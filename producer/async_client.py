@@ -74,7 +74,7 @@ class AsyncClient:
         prepared = prepare(args, self.keys, self.client_id)
         return (await self._enqueue([prepared]))[0]
 
-    async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = True,
+    async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                           chunk_size: int = CHUNK) -> list[AsyncJobHandle]:
         prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].")
                     for i, r in enumerate(requests)]

@@ -74,7 +74,7 @@ class Client:
         prepared = prepare(args, self.keys, self.client_id)
         return self._enqueue([prepared])[0]
 
-    def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = True,
+    def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                     chunk_size: int = CHUNK) -> list[JobHandle]:
         """Validate every request (InvalidRequest names requests[i].field), then enqueue them pipelined."""
         prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].")

@@ -3,34 +3,28 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from . import protocol
 from .errors import ConnectionFailed, KvgateError
+from .protocol import DEFAULT_URL, URL_ENV, mask_url  # noqa: F401 - re-exported for the SDK's commands
 
-URL_ENV = "KVGATE_REDIS_URL"
 
-
-def resolve_url(redis_url: str | None) -> str:
-    url = redis_url or os.environ.get(URL_ENV)
+def resolve_url(redis_url: str | None, default: str | None = None) -> str:
+    """The URL given, else $KVGATE_REDIS_URL, else `default`; checked for a scheme. The SDK passes no default:
+    a library never guesses which Redis to write jobs into."""
+    url = redis_url or os.environ.get(URL_ENV) or default
     if not url:
         raise KvgateError(f"no Redis URL: pass redis_url=..., set {URL_ENV}, or start one with `kvgate redis`")
-    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise KvgateError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss:// or unix://")
-    return url
+    return check_url(url)
 
 
-def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***, fit for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    port = f":{parts.port}" if parts.port else ""
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+def check_url(url: str) -> str:
+    try:
+        return protocol.check_url(url)
+    except ValueError as e:
+        raise KvgateError(str(e)) from None
 
 
 @contextmanager

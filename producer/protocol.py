@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
@@ -254,3 +255,27 @@ HEARTBEAT_FIELDS = (
     "running", "waiting", "max_num_seqs", "free_blocks", "total_blocks", "block_size",
     "admissible_tokens", "tokens_per_s", "jobs_done",
 )
+
+
+# ---- the Redis URL, as producers, workers and every command take it ----------------------------------------------
+URL_ENV = "KVGATE_REDIS_URL"
+DEFAULT_URL = "redis://127.0.0.1:6379/0"  # the default of the worker and every `kvgate` command; never the SDK's
+
+
+def check_url(url: str) -> str:
+    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss:// or unix:// "
+                         f"(for example {DEFAULT_URL})")
+    return url
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ***, fit for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    port = f":{parts.port}" if parts.port else ""
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))

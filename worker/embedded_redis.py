@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = EmbeddedRedis(data_dir=args.dir, port=args.port, binary=args.binary).start()
     except EmbeddedRedisError as e:
-        print(f"kvgate redis: {e}", file=sys.stderr)
+        print(f"kvgate redis: {' '.join(str(e).split())}", file=sys.stderr)  # redis-server's log may span lines
         return 1
     with_dir = f" (data in {server.data_dir})" if args.dir else ""
     print(server.url, flush=True)

@@ -10,38 +10,49 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
+from pydantic import ValidationError
+
+from kvgate.engine.config import EngineConfig, check_device
+from kvgate.producer.protocol import mask_url
+from kvgate.worker.flags import add_settings_arguments, explain, given_settings
 from kvgate.worker.settings import WorkerSettings
 
-ENGINE_FLAGS = ("model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                "kv_cache_memory", "scheduling", "seed")
-WORKER_FLAGS = ("worker_id", "metrics_port", "drain_timeout_s", "reclaim_idle_ms", "max_deliveries", "local_queue_size",
-                "sim_num_blocks", "sim_step_ms", "sim_per_token_ms")
+
+class WorkerStartError(ValueError):
+    """Settings, model, device or Redis that keep the worker from starting; the message says which."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--model", help="model alias, HF folder or GGUF file (env KVGATE_MODEL; default smollm2-135m)")
-    add("--device"), add("--dtype")
-    add("--max-num-seqs", type=int), add("--max-num-batched-tokens", type=int), add("--max-model-len", type=int)
-    add("--block-size", type=int), add("--kv-cache-memory", help="KV cache size, e.g. 2GiB")
-    add("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None)
-    add("--scheduling", choices=("continuous", "static")), add("--seed", type=int)
-    add("--worker-id", help="stable consumer name (env KVGATE_WORKER_ID; default hostname-pid)")
-    add("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    add("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds to finish running jobs on SIGTERM")
-    add("--reclaim-idle-ms", type=int, help="pending entries idle this long are taken over from dead workers")
-    add("--max-deliveries", type=int, help="deliveries after which a job goes to the dead stream")
-    add("--local-queue-size", type=int)
-    add("--simulated", action="store_true", default=None, help="cost-model engine without a model (W-FLEET)")
-    add("--sim-num-blocks", type=int), add("--sim-step-ms", type=float), add("--sim-per-token-ms", type=float)
-    add("--log-level", default="INFO")
+    # --redis-url and --namespace come with every command (kvgate/cli.py)
+    add_settings_arguments(parser, WorkerSettings, skip={"redis_url", "namespace"})
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        type=str.upper, help="worker log level (default INFO)")
 
 
 def settings_from(args: argparse.Namespace) -> WorkerSettings:
-    given = {k: getattr(args, k, None) for k in (*ENGINE_FLAGS, *WORKER_FLAGS, "prefix_caching", "simulated",
-                                                  "redis_url", "namespace")}
-    return WorkerSettings(**{k: v for k, v in given.items() if v is not None})
+    given = given_settings(args, WorkerSettings)
+    try:
+        return WorkerSettings(**given)
+    except ValidationError as e:
+        raise WorkerStartError(explain(e, WorkerSettings, given)) from None
+
+
+def check_model(name: str) -> None:
+    """The cheap part of the loader's lookup, so a typo fails in a line before torch and the model load."""
+    from kvgate.engine.loader import ALIASES, ModelLoadError, random_names
+
+    if name in ALIASES or Path(name).expanduser().exists():
+        return
+    if name.startswith("random:") and name.removeprefix("random:") in random_names():
+        return
+    raise ModelLoadError(f"model {name!r} not found: pass an HF folder, a .gguf file, one of {sorted(ALIASES)}, "
+                         f"or random:<name> with <name> in {random_names()}")
+
+
+def engine_kwargs(s: WorkerSettings) -> dict:
+    return s.model_dump(include=set(EngineConfig.model_fields))
 
 
 def build_engine(s: WorkerSettings):
@@ -50,19 +61,31 @@ def build_engine(s: WorkerSettings):
 
         return SimulatedEngine(s.sim_num_blocks, s.block_size, s.max_num_seqs, s.sim_step_ms / 1000,
                                s.sim_per_token_ms / 1000, s.seed)
+    check_model(s.model)
+    check_device(s.device)
     print(f"kvgate worker: loading {s.model} (importing torch)...", file=sys.stderr, flush=True)
     started = time.monotonic()
     from kvgate.engine import LLMEngine
 
     print(f"kvgate worker: building the engine for {s.model} on device={s.device}...", file=sys.stderr, flush=True)
-    engine = LLMEngine(s.model, device=s.device, dtype=s.dtype, max_num_seqs=s.max_num_seqs,
-                       max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
-                       block_size=s.block_size, kv_cache_memory=s.kv_cache_memory,
-                       enable_prefix_caching=s.prefix_caching, scheduling=s.scheduling, seed=s.seed)
+    engine = LLMEngine(s.model, **engine_kwargs(s))
     stats = engine.stats
     print(f"kvgate worker: {s.model} ready in {time.monotonic() - started:.1f}s "
           f"({stats.total_blocks} KV blocks of {stats.block_size} tokens)", file=sys.stderr, flush=True)
     return engine
+
+
+def check_redis(url: str) -> None:
+    """Connect once before loading anything: a wrong URL or password fails in a line that names the URL."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise WorkerStartError(f"cannot use Redis at {mask_url(url)}: {e}") from e
+    finally:
+        client.close()
 
 
 def install_signals(stop: threading.Event) -> None:
@@ -77,9 +100,10 @@ def install_signals(stop: threading.Event) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = settings_from(args)
+    check_redis(s.redis_url)
     stop = threading.Event()
     install_signals(stop)
     engine = build_engine(s)
@@ -88,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     worker = Worker(s.redis_url, engine, namespace=s.namespace, worker_id=s.worker_id, settings=s)
     if s.metrics_port:
         worker.metrics.serve(s.metrics_port)
-    print(f"kvgate worker {worker.worker_id}: serving {s.redis_url} namespace {s.namespace}",
+    check_redis(s.redis_url)  # the model load can take minutes; say "serving" only while Redis answers
+    print(f"kvgate worker {worker.worker_id}: serving {mask_url(s.redis_url)} namespace {s.namespace}",
           file=sys.stderr, flush=True)
     return worker.run(stop)

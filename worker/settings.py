@@ -1,60 +1,68 @@
-"""Worker settings: flags win over KVGATE_* environment variables, which win over these defaults."""
+"""Worker settings: the engine's own (EngineConfig) plus the worker's. Flags win over KVGATE_* environment
+variables, which win over these defaults; `kvgate worker` derives its flags from these fields (worker/flags.py)."""
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvgate.engine.config import EngineConfig
+from kvgate.producer.protocol import DEFAULT_URL, check_url
 
-class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "kvgate"
-    worker_id: str | None = None
+def _s(default, description: str, *flags: str, **constraints):
+    """A field whose description is its --help text; `flags` replace the --field-name derived from its name."""
+    extra = {"flags": list(flags)} if flags else None
+    return Field(default, description=description, json_schema_extra=extra, **constraints)
 
-    # engine
-    model: str = "smollm2-135m"
-    device: str = "auto"
-    dtype: str = "auto"
-    max_num_seqs: int = Field(32, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
-    max_model_len: int | None = None
-    block_size: int = Field(16, ge=1)
-    kv_cache_memory: str | None = None  # e.g. "2GiB"; None lets the engine decide
-    prefix_caching: bool = True
-    scheduling: str = "continuous"
-    seed: int = 0
+
+class WorkerSettings(BaseSettings, EngineConfig):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", validate_assignment=True)
+
+    redis_url: str = _s(DEFAULT_URL, "redis://, rediss:// or unix:// URL of the fleet's Redis")
+    namespace: str = _s("kvgate", "key prefix shared by producers and workers")
+    worker_id: str | None = _s(None, "stable consumer name; unset: hostname-pid")
+    model: str = _s("smollm2-135m", "model alias, HF folder, GGUF file or random:<name>")
 
     # simulated engine (no model; the W-FLEET cost model)
-    simulated: bool = False
-    sim_num_blocks: int = Field(2048, ge=1)
-    sim_step_ms: float = 2.0
-    sim_per_token_ms: float = 0.1
+    simulated: bool = _s(False, "run the cost-model engine instead of a model (fleet tests and benchmarks)")
+    sim_num_blocks: int = _s(2048, "KV blocks of the simulated engine", ge=1)
+    sim_step_ms: float = _s(2.0, "simulated cost of one step, milliseconds", ge=0)
+    sim_per_token_ms: float = _s(0.1, "simulated cost per scheduled token, milliseconds", ge=0)
 
     # admission
-    local_queue_size: int = Field(4, ge=2)  # jobs read from Redis that wait for KV room locally
-    block_ms: int = Field(100, ge=1)  # XREADGROUP BLOCK, only when the engine is idle
-    busy_poll_ms: float = 20.0  # while busy, look for new jobs at most this often when the last look found none
-    initial_tokens_per_job: int = 512  # estimate of prompt + output tokens until jobs have been seen
+    local_queue_size: int = _s(4, "jobs read from Redis that may wait locally for KV room", ge=2)
+    block_ms: int = _s(100, "XREADGROUP BLOCK while the engine is idle, milliseconds", ge=1)
+    busy_poll_ms: float = _s(20.0, "while busy, look for new jobs at most this often after an empty look", ge=0)
+    initial_tokens_per_job: int = _s(512, "prompt + output tokens assumed per job until jobs have been seen", ge=1)
 
     # leases, reclaim, dead letters
-    reclaim_idle_ms: int = Field(30_000, ge=100)  # a pending entry idle this long belongs to a dead worker
-    max_deliveries: int = Field(5, ge=1)
-    cancel_poll_ms: int = 100
+    reclaim_idle_ms: int = _s(30_000, "pending jobs idle this long are taken over from dead workers", ge=100)
+    max_deliveries: int = _s(5, "deliveries after which a job goes to the dead stream", ge=1)
+    cancel_poll_ms: int = _s(100, "how often running jobs are checked for cancellation, milliseconds", ge=1)
 
     # publishing and hygiene
-    result_ttl_s: int = 86_400
-    reply_ttl_s: int = 3_600
-    reply_maxlen: int = 10_000
-    dead_maxlen: int = 100_000
-    trim_interval_s: float = 5.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: int = 10
+    result_ttl_s: int = _s(86_400, "seconds a final result stays readable", ge=1)
+    reply_ttl_s: int = _s(3_600, "seconds a reply stream outlives its last event", ge=1)
+    reply_maxlen: int = _s(10_000, "entries kept per reply stream", ge=1)
+    dead_maxlen: int = _s(100_000, "entries kept in the dead stream", ge=1)
+    trim_interval_s: float = _s(5.0, "seconds between job stream trims", gt=0)
+    heartbeat_interval_s: float = _s(1.0, "seconds between heartbeats", gt=0)
+    heartbeat_ttl_s: int = _s(10, "seconds a silent worker stays listed as live", ge=1)
 
     # lifecycle
-    drain_timeout_s: float = 30.0
-    metrics_port: int | None = None
-    max_backoff_s: float = 5.0
+    drain_timeout_s: float = _s(30.0, "seconds to finish running jobs after SIGTERM", "--drain-timeout",
+                                "--drain-timeout-s", ge=0)
+    metrics_port: int | None = _s(None, "serve Prometheus metrics on this port; unset: no metrics server",
+                                  ge=0, le=65535)
+    max_backoff_s: float = _s(5.0, "longest wait between retries while Redis is down, seconds", gt=0)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _url_with_scheme(cls, url: str) -> str:
+        return check_url(url)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.model_dump(include=set(EngineConfig.model_fields)))
 
     @property
     def renew_interval_s(self) -> float:

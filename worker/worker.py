@@ -17,10 +17,11 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.engine.outputs import RequestRejected, StepOutput
-from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job
+from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job,
+                                      mask_url)
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.consumers import Consumers
-from kvgate.worker.heartbeat import Heartbeat
+from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
 from kvgate.worker.leases import Leases
 from kvgate.worker.publisher import Finish, Publisher, Settled
@@ -68,6 +69,7 @@ class Worker:
         self.keys = Keys(namespace)
         self.streams = self.keys.all_jobs()
         self.model = getattr(engine, "model_name", "unknown")
+        self.url = mask_url(redis_url)  # for messages: the password never reaches a log
         self.client = redis.Redis.from_url(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
                                            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
@@ -80,8 +82,8 @@ class Worker:
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
         self.renewed_at = time.monotonic()
-        max_seqs = getattr(engine, "max_num_seqs", s.max_num_seqs)
-        self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, max_seqs, s.heartbeat_ttl_s)
+        self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, engine_capacity(engine),
+                                   s.heartbeat_ttl_s)
         self.cursors: dict[str, str | None] = {st: "0" for st in self.streams}  # own pending first, then ">"
         self.due: dict[str, float] = {}
         self.offline_until = 0.0
@@ -128,7 +130,8 @@ class Worker:
             fn()
             self.backoff_s = 0.05
         except REDIS_DOWN as e:
-            log.warning("redis unavailable (%s); retrying in %.2fs", e.__class__.__name__, self.backoff_s)
+            log.warning("redis unavailable at %s (%s: %s); retrying in %.2fs", self.url,
+                        e.__class__.__name__, e, self.backoff_s)
             self.offline_until = time.monotonic() + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
             self.cursors = {st: "0" for st in self.streams}  # a lost XREADGROUP reply left entries pending to us

@@ -10,6 +10,8 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvgate.worker.flags import setting_parser
+
 CONTESTANTS = ("kvgate_continuous", "kvgate_static", "hf_static", "hf_generate_batch")
 
 
@@ -40,9 +42,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, help="scale the workload down (or up)")
     parser.add_argument("--max-prompt", type=int, help="cap the prompt length range")
     parser.add_argument("--max-output", type=int, help="cap the output length range")
-    parser.add_argument("--max-num-seqs", type=int, help="kvgate's cap and the static batch size")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the workload's)")
+    parser.add_argument("--max-num-seqs", type=setting_parser("max_num_seqs"),
+                        help="kvgate's cap and the static batch size")
+    parser.add_argument("--device", type=setting_parser("device"), default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", type=setting_parser("dtype"),
+                        help="float32, bfloat16 or float16 (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and of random weights")
 
 

@@ -15,13 +15,16 @@ import time
 import uuid
 from pathlib import Path
 
+from kvgate.worker.flags import setting_parser
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--probes", type=int, default=50, help="sequential one-token jobs to time the overhead")
     parser.add_argument("--simulated", action="store_true", help="SimulatedEngine instead of SmolLM2 (fast)")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=setting_parser("max_num_seqs"), default=32,
+                        help="the engine's batch cap (default 32, the published W-QUEUE runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the report here")
 

@@ -15,7 +15,7 @@ from typing import IO
 from tqdm.auto import tqdm
 
 from ..client import Client
-from ..errors import InvalidRequest, KvgateError, ResultTimeout
+from ..errors import InvalidRequest, ResultTimeout
 from ..openai_batch import (BadLine, BatchRequest, error_line, failed_result_line, file_digest,
                             invalid_request_line, parse_line, success_line)
 from ..submission import prepare
@@ -107,9 +107,6 @@ def run(args: argparse.Namespace) -> int:
     except ResultTimeout as e:
         print(f"kvgate batch: {e}; run the same command again to resume", file=sys.stderr)
         return 3
-    except KvgateError as e:
-        print(f"kvgate batch: {e}", file=sys.stderr)
-        return 2
 
 
 def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argparse.Namespace) -> int:

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import redis
 
-from ..connection import resolve_url, translated
-from ..errors import KvgateError
+from ..connection import DEFAULT_URL, resolve_url, translated
 from ..protocol import Keys
 from ..queue_stats import QueueStats, read_queue_stats
 
@@ -18,15 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        url = resolve_url(args.redis_url)
-        with translated(url):
-            r = redis.Redis.from_url(url)
-            stats = read_queue_stats(r, Keys(args.namespace))
-            r.close()
-    except KvgateError as e:
-        print(f"kvgate stats: {e}", file=sys.stderr)
-        return 2
+    url = resolve_url(args.redis_url, DEFAULT_URL)
+    with translated(url):
+        r = redis.Redis.from_url(url)
+        stats = read_queue_stats(r, Keys(args.namespace))
+        r.close()
     print(json.dumps(stats.to_dict()) if args.json else render(stats, args.namespace))
     return 0
 

@@ -9,7 +9,7 @@ import sys
 import msgspec
 
 from ..client import Client
-from ..errors import KvgateError, ResultTimeout
+from ..errors import ResultTimeout
 
 EXIT_BY_STATUS = {"done": 0, "error": 1, "expired": 1, "cancelled": 1}
 
@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl", type=float, dest="ttl_s", help="seconds before the job expires unanswered")
     parser.add_argument("--timeout", type=float, help="seconds to wait for the answer (default: forever)")
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="print the job id and exit; `kvgate get JOB_ID` fetches the answer later")
 
 
 def request_from(args: argparse.Namespace) -> dict:
@@ -48,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Client(args.redis_url, args.namespace) as client:
             handle = client.submit(**request_from(args))
+            if args.no_wait:
+                print(handle.job_id)
+                return 0
             try:
                 return _answer(handle, args)
             except KeyboardInterrupt:
@@ -57,9 +62,11 @@ def run(args: argparse.Namespace) -> int:
     except ResultTimeout as e:
         print(f"kvgate submit: {e}", file=sys.stderr)
         return 3
-    except KvgateError as e:
-        print(f"kvgate submit: {e}", file=sys.stderr)
-        return 2
+
+
+def print_json(result) -> None:
+    body = msgspec.to_builtins(dataclasses.asdict(result))
+    print(json.dumps({**body, "latency_s": result.latency_s}, ensure_ascii=False))
 
 
 def _answer(handle, args: argparse.Namespace) -> int:
@@ -69,8 +76,7 @@ def _answer(handle, args: argparse.Namespace) -> int:
         print()
     result = handle.result(timeout=args.timeout)
     if args.json:
-        body = msgspec.to_builtins(dataclasses.asdict(result))
-        print(json.dumps({**body, "latency_s": result.latency_s}, ensure_ascii=False))
+        print_json(result)
     elif not args.stream:
         print(result.text)
     if result.status != "done":

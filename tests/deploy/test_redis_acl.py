@@ -2,33 +2,16 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import redis
 
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import read_queue_stats
-from tests.support import RedisServer, redis_major
-
-ACL = Path(__file__).parents[2] / "deploy/redis/acl.conf"
-
+from tests.support import redis_major
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(redis_major(REDIS) < 7, reason="ACL selectors need redis-server >= 7 on PATH")
-
-
-@pytest.fixture
-def acl_server(tmp_path):
-    shutil.copy(ACL, tmp_path / "acl.conf")
-    server = RedisServer(tmp_path, binary=REDIS, extra_args=("--aclfile", str(tmp_path / "acl.conf"))).start()
-
-    def connect(user: str) -> redis.Redis:
-        return redis.Redis(port=server.port, username=user, password=f"CHANGE_ME_{user}")
-
-    connect("monitor").ping()  # the file loaded and its users can log in
-    yield connect
-    server.stop()
 
 
 def denied(call) -> bool:

@@ -1,0 +1,97 @@
+"""Command-line flags derived from a settings model: one flag per field, with its description, default and
+KVGATE_* variable in --help. Flags hold strings; the model parses and checks them, so a bad flag and a bad
+environment variable get the same one-line message."""
+from __future__ import annotations
+
+import argparse
+import os
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ByteSize, ValidationError
+from pydantic.fields import FieldInfo
+
+ENV_PREFIX = "KVGATE_"
+
+
+def flags_of(name: str, field: FieldInfo) -> list[str]:
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    return list(extra.get("flags") or [f"--{name.replace('_', '-')}"])
+
+
+def choices_of(field: FieldInfo) -> tuple[str, ...] | None:
+    if typing.get_origin(field.annotation) is typing.Literal:
+        return typing.get_args(field.annotation)
+    return None
+
+
+def metavar_of(field: FieldInfo) -> str:
+    choices = choices_of(field)
+    if choices:
+        return "{" + ",".join(choices) + "}"
+    names = {typing.get_origin(a) or a for a in (field.annotation, *typing.get_args(field.annotation))}
+    for kind, metavar in ((ByteSize, "SIZE"), (int, "N"), (float, "X")):
+        if kind in names:
+            return metavar
+    return "TEXT"
+
+
+def _help(name: str, field: FieldInfo) -> str:
+    default = "unset" if field.default is None else str(field.default).replace("%", "%%")
+    choices = choices_of(field)
+    allowed = f"; one of {', '.join(choices)}" if choices else ""
+    return f"{field.description or ''}{allowed} (env {ENV_PREFIX}{name.upper()}; default {default})"
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], skip: set[str]) -> None:
+    group = parser.add_argument_group("settings (flags win over KVGATE_* variables, which win over defaults)")
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        flags, kwargs = flags_of(name, field), dict(dest=name, default=None, help=_help(name, field))
+        if field.annotation is bool:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            group.add_argument(*flags, metavar=metavar_of(field), **kwargs)
+
+
+def given_settings(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in model.model_fields if getattr(args, name, None) is not None}
+
+
+def explain(error: ValidationError, model: type[BaseModel], given: dict[str, Any]) -> str:
+    """One line naming each bad setting as the user set it: the flag, the KVGATE_* variable, or the field."""
+    problems = []
+    for e in error.errors():
+        name = str(e["loc"][0]) if e["loc"] else ""
+        field = model.model_fields.get(name)
+        if name in given and field is not None:
+            source = f"{flags_of(name, field)[0]} {given[name]!r}"
+        elif f"{ENV_PREFIX}{name.upper()}" in os.environ:
+            source = f"{ENV_PREFIX}{name.upper()}={os.environ[ENV_PREFIX + name.upper()]!r}"
+        else:
+            source = f"{name}={e.get('input')!r}"
+        message = e["msg"].removeprefix("Value error, ")
+        choices = choices_of(field) if field is not None else None
+        if choices:
+            message = f"not allowed; allowed values: {', '.join(choices)}"
+        problems.append(f"{source}: {message[0].lower()}{message[1:]}")
+    return "; ".join(problems)
+
+
+def setting_parser(name: str, model: type[BaseModel] | None = None):
+    """An argparse `type` that checks one setting as the model does, for commands (the benchmarks) that take a
+    few engine settings with workload defaults of their own."""
+    if model is None:
+        from kvgate.engine.config import EngineConfig as model
+
+    def parse(text: str):
+        try:
+            return getattr(model(**{name: text}), name)
+        except ValidationError as e:
+            choices = choices_of(model.model_fields[name])
+            message = f"allowed values: {', '.join(choices)}" if choices else e.errors()[0]["msg"]
+            raise argparse.ArgumentTypeError(f"{text!r}: {message.removeprefix('Value error, ')}") from None
+
+    parse.__name__ = name
+    return parse
