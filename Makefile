@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(VENV)/bin/kvgate bench steps --profile 10 --json bench-steps.json
 	$(VENV)/bin/kvgate bench queue --json bench-queue.json
 	$(VENV)/bin/kvgate bench fleet --json bench-fleet.json --plot deploy/w-fleet.png
+	$(VENV)/bin/kvgate bench gateway --json bench-gateway.json
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
