@@ -2,9 +2,10 @@
 
 A job acknowledged without a result cannot happen (invariant 2), so a job that is neither queued, pending nor
 finished will never finish: Redis lost it (a restart without persistence, a failover to a replica that had
-not received it) or its result expired. One script reads it all in one atomic step, so a job finishing
-meanwhile is never taken for lost. It needs the job's stream entry id, which the submitting client knows;
-for a bare job id the SDK can still tell finished and running (by the worker's pending entries) apart.
+not received it) or its result expired. One script reads the entry's state in the job stream, then the result
+keys are read: a job acknowledged meanwhile has its result by then (the ack and the result are one atomic step),
+so a job finishing meanwhile is never taken for lost. It needs the job's stream entry id, which the submitting
+client knows; for a bare job id the SDK can still tell finished and running (by the workers' pending entries).
 """
 from __future__ import annotations
 

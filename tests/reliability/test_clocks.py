@@ -5,6 +5,7 @@ ones. The worker's clock is skewed with libfaketime when installed (`apt-get ins
 the worker's one test seam for its local clock (KVGATE_TEST_LOCAL_CLOCK_SKEW_S)."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from kvgate.producer import Client
 from kvgate.worker.clock import LOCAL_SKEW_ENV
 from tests.reliability.chaos_harness import spawn_worker, stop_all
 
-FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+FAKETIME_LIB = Path(os.environ.get("KVGATE_TEST_FAKETIME_LIB", "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"))
 FAST = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0", "--max-num-seqs", "16")
 
 
