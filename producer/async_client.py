@@ -167,11 +167,13 @@ class AsyncClient:
     async def _read(self, conn: aioredis.Redis) -> None:
         backoff = 0.05
         try:
-            while True:
+            while not self._closed:
                 try:
                     await self._step(conn)
                     backoff = 0.05
-                except Exception as e:  # CancelledError is a BaseException: close still ends the task
+                except Exception as e:
+                    if self._closed:  # redis-py may turn close's cancellation of a blocking read into its own error
+                        break
                     log.warning("reply reader: %r; retrying in %.2f s", e, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)

@@ -6,7 +6,6 @@ and still start a client whose job groups exist."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import redis
@@ -14,6 +13,7 @@ import redis
 from kvgate.producer import AsyncClient, Client, ServerRefused
 from kvgate.producer.protocol import Keys
 from tests.conftest import RedisServer
+from tests.reliability.chaos_harness import wait_for
 
 SECRET = "confidential-prompt-text"
 
@@ -107,10 +107,7 @@ def test_a_read_only_replica_is_a_typed_refusal_too(small_redis, tmp_path, names
                                                             str(small_redis.port))).start()
     try:
         r = replica.client()
-        for _ in range(200):
-            if r.info("replication").get("master_link_status") == "up":
-                break
-            time.sleep(0.05)
+        wait_for(lambda: r.exists(*Keys(namespace).all_jobs()) == 3, 20, "the job streams on the replica")
         with Client(replica.url, namespace) as client:
             with pytest.raises(ServerRefused, match="read-only replica"):
                 client.submit("hello", max_tokens=4)
