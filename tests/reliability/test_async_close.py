@@ -1,6 +1,6 @@
-"""AsyncClient.close ends its reader within about one blocking read, also right after a submit. redis-py turns the
-cancellation of a
-blocking XREAD into its own error, which the reader's retry loop used to swallow: close then never returned."""
+"""AsyncClient.close ends its reader within about one blocking read, also right after a submit. redis-py turns
+the cancellation of a blocking XREAD into its own error, which the reader's retry loop used to swallow: close
+then never returned."""
 from __future__ import annotations
 
 import asyncio
