@@ -13,15 +13,17 @@ from tqdm.auto import tqdm
 
 from .async_handle import AsyncJobHandle
 from .client import CHUNK, CLOSED_REPLY_TTL_S, _plain_messages, _with_plain_messages, check_client_id
-from .connection import resolve_url, translated
+from .connection import refusal_of, resolve_url, translated
+from .errors import KvgateError, PartiallySubmitted
 from .idempotency import owner_tag
+from .job_status import JobStatus, job_states_script, job_status, read_states
 from .mailbox import ReplyRouter
 from .protocol import Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
-from .reply_reader import READ_COUNT, ReaderState
+from .reply_reader import READ_COUNT, ReaderState, is_noperm
 from .result import Result
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         owners, prepare, add_to_pipeline)
+                         group_exists, owners, prepare, add_to_pipeline)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class AsyncClient:
         self._state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
         self._reader: asyncio.Task | None = None
         self._sync: redis.Redis | None = None  # queue inspection is shared sync code, run in a thread
+        self._states = None
         self._closed = False
 
     async def start(self) -> "AsyncClient":
@@ -52,7 +55,14 @@ class AsyncClient:
         with translated(self.url):
             pipe = self.redis.pipeline(transaction=False)
             group_commands(pipe, self.keys)
-            check_group_replies(await pipe.execute(raise_on_error=False))
+            replies = await pipe.execute(raise_on_error=False)
+            exists = None
+            if any(isinstance(r, Exception) and refusal_of(r) for r in replies):  # Redis full: are they there?
+                pipe = self.redis.pipeline(transaction=False)
+                for stream in self.keys.all_jobs():
+                    pipe.xinfo_groups(stream)
+                exists = [group_exists(r) for r in await pipe.execute(raise_on_error=False)]
+            check_group_replies(replies, exists)
         conn = aioredis.Redis.from_url(self.url, socket_timeout=self._state.block_ms / 1000 + 10)
         self._reader = asyncio.create_task(self._read(conn), name=f"kvgate-reply-{self.client_id[:6]}")
         return self
@@ -81,7 +91,12 @@ class AsyncClient:
         handles: list[AsyncJobHandle] = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
             for start in range(0, len(prepared), chunk_size):
-                handles += await self._enqueue(prepared[start:start + chunk_size])
+                try:
+                    handles += await self._enqueue(prepared[start:start + chunk_size])
+                except KvgateError as e:
+                    if handles:
+                        raise PartiallySubmitted(handles, len(prepared), e) from None
+                    raise
                 bar.update(min(chunk_size, len(prepared) - start))
         return handles
 
@@ -89,12 +104,14 @@ class AsyncClient:
         await self.start()
         await self._admit()
         with translated(self.url):
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = self.redis.pipeline(transaction=True)  # all or nothing, as Client._enqueue
             for p in prepared:
                 add_to_pipeline(pipe, self._script, p)
             replies = await pipe.execute()
         self._gate.added(len(prepared))
-        return [self._handle(c.job_id, foreign=c.owner != owner_tag(self.client_id)) for c in owners(prepared, replies)]
+        mine = owner_tag(self.client_id)
+        return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
+                for p, c in zip(prepared, owners(prepared, replies))]
 
     async def _admit(self) -> None:
         delay = 0.02
@@ -114,8 +131,19 @@ class AsyncClient:
     def attach(self, job_id: str) -> AsyncJobHandle:
         return self._handle(job_id, foreign=True)
 
-    def _handle(self, job_id: str, foreign: bool) -> AsyncJobHandle:
-        return AsyncJobHandle(self, self.router.mailbox(job_id, foreign))
+    def _handle(self, job_id: str, foreign: bool, entry: tuple[str, str] | None = None) -> AsyncJobHandle:
+        return AsyncJobHandle(self, self.router.mailbox(job_id, foreign, entry))
+
+    async def status(self, job_id: str) -> JobStatus:
+        """As Client.status: queued / running (on which worker) / finished / lost / unknown."""
+        r, entry = self._sync_redis(), self.router.entry(job_id)
+        with translated(self.url):
+            return await asyncio.to_thread(job_status, r, self._states_script(), self.keys, job_id, entry)
+
+    def _states_script(self):
+        if self._states is None:
+            self._states = job_states_script(self._sync_redis())
+        return self._states
 
     async def get(self, job_id: str) -> Result | None:
         with translated(self.url):
@@ -139,11 +167,13 @@ class AsyncClient:
     async def _read(self, conn: aioredis.Redis) -> None:
         backoff = 0.05
         try:
-            while True:
+            while not self._closed:
                 try:
                     await self._step(conn)
                     backoff = 0.05
-                except Exception as e:  # CancelledError is a BaseException: close still ends the task
+                except Exception as e:
+                    if self._closed:  # redis-py may turn close's cancellation of a blocking read into its own error
+                        break
                     log.warning("reply reader: %r; retrying in %.2f s", e, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
@@ -157,9 +187,26 @@ class AsyncClient:
         ids = s.polls_due(now)
         for i in range(0, len(ids), 1000):
             s.absorb_results(await conn.mget([s.keys.result(j) for j in ids[i:i + 1000]]))
+        await self._check_liveness(ids)
         response = await conn.xread({s.stream: s.last_id}, count=READ_COUNT, block=s.block_for_ms())
         if s.absorb(response) and s.maintain:
             await self._maintain(conn.xtrim(s.stream, minid=s.last_id, approximate=True))
+
+    async def _check_liveness(self, ids: list[str]) -> None:
+        """The thread reader's check_liveness: the script runs in a thread, the marking here in the loop."""
+        s = self._state
+        suspects = s.suspects(ids)
+        if not suspects:
+            return
+        r, script = self._sync_redis(), self._states_script()
+        for stream, jobs in suspects.items():
+            try:
+                s.absorb_states(await asyncio.to_thread(read_states, r, script, s.keys, stream, jobs))
+            except redis.ResponseError as e:
+                if not is_noperm(e):
+                    raise
+                s.liveness_refused(e)
+                return
 
     async def _maintain(self, call) -> None:
         try:
@@ -196,10 +243,10 @@ class AsyncClient:
         self._closed = True
         if self._reader is not None:
             self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        try:
-            await self.redis.expire(self.keys.reply(self.client_id), CLOSED_REPLY_TTL_S)
-        except redis.RedisError:
+            await asyncio.wait([self._reader], timeout=5)
+        try:  # bounded: a connection a refused transaction left behind must not hang the close
+            await asyncio.wait_for(self.redis.expire(self.keys.reply(self.client_id), CLOSED_REPLY_TTL_S), 5)
+        except (redis.RedisError, asyncio.TimeoutError):
             pass
         await self.redis.aclose()
         if self._sync is not None:

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AsyncIterator
 
-from .errors import ResultTimeout
-from .mailbox import Mailbox, tail_delta
-from .protocol import Delta
+from .errors import JobLost, ResultTimeout
+from .handle import settled_result
+from .job_status import JobStatus
+from .mailbox import Mailbox
 from .result import Result
+from .stream import StreamItem, closing_items
 
 if TYPE_CHECKING:
     from .async_client import AsyncClient
@@ -25,27 +27,33 @@ class AsyncJobHandle:
     def done(self) -> bool:
         return self._box.final is not None
 
-    async def result(self, timeout: float | None = None) -> Result:
-        if not await self._client._wait_until(lambda: self._box.final is not None, timeout):
-            raise ResultTimeout(self.job_id, timeout)
-        return Result.from_final(self._box.final)
+    async def status(self) -> JobStatus:
+        return await self._client.status(self.job_id)
 
-    async def stream(self, timeout: float | None = None) -> AsyncIterator[Delta]:
+    async def result(self, timeout: float | None = None) -> Result:
+        """As JobHandle.result: ResultTimeout after `timeout`, JobLost once the job is found gone."""
+        if not await self._client._wait_until(lambda: self._box.settled, timeout):
+            raise ResultTimeout(self.job_id, timeout)
+        return settled_result(self._box)
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[StreamItem]:
+        """As JobHandle.stream: deltas and Restart items; the text since the last Restart is the result's."""
         box, seen = self._box, 0
         deadline = self._client._deadline(timeout)
         while True:
-            ready = await self._client._wait_until(lambda: len(box.deltas) > seen or box.final is not None,
+            ready = await self._client._wait_until(lambda: len(box.items) > seen or box.settled,
                                                    self._client._remaining(deadline))
             if not ready:
                 raise ResultTimeout(self.job_id, timeout)
-            final, fresh = box.final, box.deltas[seen:]
+            fresh = box.items[seen:]
             seen += len(fresh)
-            for delta in fresh:
-                yield delta
-            if final is not None and seen == len(box.deltas):
-                tail = tail_delta(box.deltas, final)
-                if tail is not None:
-                    yield tail
+            for item in fresh:
+                yield item
+            if box.settled and seen == len(box.items):
+                if box.final is None:
+                    raise JobLost(self.job_id, box.lost)
+                for item in closing_items(box.items, box.final):
+                    yield item
                 return
 
     async def cancel(self) -> None:

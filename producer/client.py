@@ -10,17 +10,18 @@ from typing import Any, Iterable, Iterator, Literal
 import redis
 from tqdm.auto import tqdm
 
-from .connection import resolve_url, translated
-from .errors import ResultTimeout
+from .connection import refusal_of, resolve_url, translated
+from .errors import KvgateError, PartiallySubmitted, ResultTimeout
 from .handle import JobHandle
 from .idempotency import owner_tag
+from .job_status import JobStatus, job_states_script, job_status
 from .mailbox import ReplyRouter
 from .protocol import Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
 from .reply_reader import ReaderState, ReplyReader
 from .result import Result
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         owners, prepare, add_to_pipeline)
+                         group_exists, owners, prepare, add_to_pipeline)
 
 CHUNK = 256
 CLOSED_REPLY_TTL_S = 60  # replies still in flight at close may land; the stream goes soon after
@@ -48,13 +49,15 @@ class Client:
         self.redis = redis.Redis.from_url(self.url)
         self._script = claim_script(self.redis)
         self._closed = False
+        self._states = job_states_script(self.redis)
         with translated(self.url):
             pipe = self.redis.pipeline(transaction=False)
             group_commands(pipe, self.keys)
-            check_group_replies(pipe.execute(raise_on_error=False))
+            replies = pipe.execute(raise_on_error=False)
+            check_group_replies(replies, self._groups_exist(replies))
         state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
         conn = redis.Redis.from_url(self.url, socket_timeout=state.block_ms / 1000 + 10)
-        self._reader = ReplyReader(conn, state)
+        self._reader = ReplyReader(conn, state, job_states_script(conn))
         self._reader.start()
 
     # -- submitting -------------------------------------------------------------------------------
@@ -76,25 +79,44 @@ class Client:
 
     def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                     chunk_size: int = CHUNK) -> list[JobHandle]:
-        """Validate every request (InvalidRequest names requests[i].field), then enqueue them pipelined."""
+        """Validate every request (InvalidRequest names requests[i].field), then enqueue them in chunks of
+        `chunk_size`, each one MULTI/EXEC: all of a chunk or none of it. A refusal (ServerRefused: Redis out of
+        memory or read-only) in the first chunk enqueued nothing; in a later one, PartiallySubmitted says which
+        requests were enqueued (with their handles) and which were not."""
         prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].")
                     for i, r in enumerate(requests)]
         handles: list[JobHandle] = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
             for start in range(0, len(prepared), chunk_size):
-                handles += self._enqueue(prepared[start:start + chunk_size])
+                try:
+                    handles += self._enqueue(prepared[start:start + chunk_size])
+                except KvgateError as e:
+                    if handles:
+                        raise PartiallySubmitted(handles, len(prepared), e) from None
+                    raise
                 bar.update(min(chunk_size, len(prepared) - start))
         return handles
 
     def _enqueue(self, prepared: list[Prepared]) -> list[JobHandle]:
         self._admit()
         with translated(self.url):
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = self.redis.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
             for p in prepared:
                 add_to_pipeline(pipe, self._script, p)
             replies = pipe.execute()
         self._gate.added(len(prepared))
-        return [self._handle(c.job_id, foreign=c.owner != owner_tag(self.client_id)) for c in owners(prepared, replies)]
+        mine = owner_tag(self.client_id)
+        return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
+                for p, c in zip(prepared, owners(prepared, replies))]
+
+    def _groups_exist(self, replies: list) -> list[bool] | None:
+        """Only when a group creation was refused (Redis full or read-only): which groups are there already."""
+        if not any(isinstance(r, Exception) and refusal_of(r) for r in replies):
+            return None
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self.keys.all_jobs():
+            pipe.xinfo_groups(stream)
+        return [group_exists(r) for r in pipe.execute(raise_on_error=False)]
 
     def _admit(self) -> None:
         delay = 0.02
@@ -115,14 +137,21 @@ class Client:
         """A handle for a job submitted elsewhere (another client or process): its result is polled."""
         return self._handle(job_id, foreign=True)
 
-    def _handle(self, job_id: str, foreign: bool) -> JobHandle:
-        return JobHandle(self, self.router.mailbox(job_id, foreign))
+    def _handle(self, job_id: str, foreign: bool, entry: tuple[str, str] | None = None) -> JobHandle:
+        return JobHandle(self, self.router.mailbox(job_id, foreign, entry))
 
     def get(self, job_id: str) -> Result | None:
-        """The stored result of a finished job, or None while it runs (or after its result expired)."""
+        """The stored result of a finished job, or None while it runs (or after its result expired); see
+        status() to tell those apart."""
         with translated(self.url):
             raw = self.redis.get(self.keys.result(job_id))
         return None if raw is None else Result.from_final(decode_final(raw))
+
+    def status(self, job_id: str) -> JobStatus:
+        """Where a job is: queued, running (on which worker), finished, lost, or unknown. Exact for jobs this
+        client submitted; for another job id, finished and running are found and the rest is 'unknown'."""
+        with translated(self.url):
+            return job_status(self.redis, self._states, self.keys, job_id, self.router.entry(job_id))
 
     def cancel(self, job_id: str) -> None:
         with translated(self.url):

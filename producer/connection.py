@@ -7,8 +7,13 @@ from contextlib import contextmanager
 import redis
 
 from . import protocol
-from .errors import ConnectionFailed, KvgateError
+from .errors import ConnectionFailed, KvgateError, ServerRefused
 from .protocol import DEFAULT_URL, URL_ENV, mask_url  # noqa: F401 - re-exported for the SDK's commands
+
+OUT_OF_MEMORY = ("it is out of memory (used memory over maxmemory, with maxmemory-policy noeviction)",
+                 "Let the workers drain results, shorten their result TTL or raise maxmemory, then retry")
+READ_ONLY = ("it is a read-only replica (a failover moved the primary)",
+             "Point the client at the new primary (a Sentinel- or cluster-aware URL does it), then retry")
 
 
 def resolve_url(redis_url: str | None, default: str | None = None) -> str:
@@ -34,3 +39,18 @@ def translated(url: str):
         yield
     except (redis.ConnectionError, redis.TimeoutError) as e:  # AuthenticationError is a ConnectionError
         raise ConnectionFailed(mask_url(url), e) from e
+    except redis.ResponseError as e:  # redis-py's message quotes the command, payload bytes and all: not shown
+        refusal = refusal_of(e)
+        if refusal is None:
+            raise
+        raise ServerRefused(mask_url(url), *refusal) from None
+
+
+def refusal_of(e: Exception) -> tuple[str, str] | None:
+    """OOM or READONLY, also when a script (Redis 6.2 wraps its errors) or a transaction carried it."""
+    text = str(e)
+    if isinstance(e, redis.exceptions.OutOfMemoryError) or "OOM command not allowed" in text:
+        return OUT_OF_MEMORY
+    if isinstance(e, redis.exceptions.ReadOnlyError) or "READONLY You can't write" in text:
+        return READ_ONLY
+    return None

@@ -65,3 +65,30 @@ class ConnectionFailed(KvgateError, ConnectionError):
         self.url, self.cause = url, cause
         super().__init__(f"cannot reach Redis at {url}: {cause}; check that it runs (`kvgate redis` starts one) "
                          "and that the URL and credentials are right")
+
+
+class ServerRefused(KvgateError):
+    """Redis refused a write: out of memory (maxmemory with noeviction) or a read-only replica after a failover."""
+
+    def __init__(self, url: str, reason: str, advice: str, enqueued: str = "nothing of this call was enqueued"):
+        self.url, self.reason = url, reason
+        super().__init__(f"Redis at {url} refused the write: {reason}; {enqueued}. {advice}")
+
+
+class PartiallySubmitted(KvgateError):
+    """submit_many enqueued some chunks of its requests before Redis refused one; says exactly which."""
+
+    def __init__(self, handles: list, total: int, cause: KvgateError):
+        self.handles, self.total, self.cause = handles, total, cause
+        self.not_enqueued = list(range(len(handles), total))
+        super().__init__(f"requests[0:{len(handles)}] were enqueued (their handles are in .handles) and "
+                         f"requests[{len(handles)}:{total}] were not: {cause}. Resubmit only the requests listed in "
+                         ".not_enqueued; resubmitting all would run the first ones twice")
+
+
+class JobLost(KvgateError):
+    """The job is in no job stream, pending on no worker and has no result: it will never finish."""
+
+    def __init__(self, job_id: str, reason: str):
+        self.job_id, self.reason = job_id, reason
+        super().__init__(f"job {job_id} was lost: {reason}; it will not finish, submit it again")

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from .errors import ResultTimeout
-from .mailbox import Mailbox, tail_delta
-from .protocol import Delta
+from .errors import JobLost, ResultTimeout
+from .job_status import JobStatus
+from .mailbox import Mailbox
 from .result import Result
+from .stream import StreamItem, closing_items
 
 if TYPE_CHECKING:
     from .client import Client
@@ -25,30 +26,43 @@ class JobHandle:
     def done(self) -> bool:
         return self._box.final is not None
 
-    def result(self, timeout: float | None = None) -> Result:
-        """Wait for the final event; ResultTimeout (a TimeoutError) if none within `timeout` seconds."""
-        if not self._client._wait_until(lambda: self._box.final is not None, timeout):
-            raise ResultTimeout(self.job_id, timeout)
-        return Result.from_final(self._box.final)
+    def status(self) -> JobStatus:
+        """queued / running (on which worker) / finished / lost, read from Redis now."""
+        return self._client.status(self.job_id)
 
-    def stream(self, timeout: float | None = None) -> Iterator[Delta]:
-        """Token deltas in order, ending at the final event; their texts join to the result's text."""
+    def result(self, timeout: float | None = None) -> Result:
+        """Wait for the final event; ResultTimeout (a TimeoutError) if none within `timeout` seconds, JobLost
+        as soon as the job is found in no stream, pending nowhere and without a result."""
+        if not self._client._wait_until(lambda: self._box.settled, timeout):
+            raise ResultTimeout(self.job_id, timeout)
+        return settled_result(self._box)
+
+    def stream(self, timeout: float | None = None) -> Iterator[StreamItem]:
+        """Deltas in order, ending at the final event. A `Restart` item means the job is being generated anew
+        (it was redelivered, or the result differs from what was streamed): drop the text shown so far. The
+        deltas' texts joined since the last Restart equal the result's text once the stream ends."""
         box, seen = self._box, 0
         deadline = self._client._deadline(timeout)
         while True:
-            ready = self._client._wait_until(lambda: len(box.deltas) > seen or box.final is not None,
+            ready = self._client._wait_until(lambda: len(box.items) > seen or box.settled,
                                              self._client._remaining(deadline))
             if not ready:
                 raise ResultTimeout(self.job_id, timeout)
-            final, fresh = box.final, box.deltas[seen:]
+            fresh = box.items[seen:]
             seen += len(fresh)
             yield from fresh
-            if final is not None and seen == len(box.deltas):
-                tail = tail_delta(box.deltas, final)
-                if tail is not None:
-                    yield tail
+            if box.settled and seen == len(box.items):
+                if box.final is None:
+                    raise JobLost(self.job_id, box.lost)
+                yield from closing_items(box.items, box.final)
                 return
 
     def cancel(self) -> None:
         """Ask the fleet to stop this job; its final event then says 'cancelled' (with any partial text)."""
         self._client.cancel(self.job_id)
+
+
+def settled_result(box: Mailbox) -> Result:
+    if box.final is None:
+        raise JobLost(box.job_id, box.lost)
+    return Result.from_final(box.final)

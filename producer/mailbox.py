@@ -13,32 +13,42 @@ from collections import OrderedDict
 from typing import Callable
 
 from .protocol import Delta, Final
+from .stream import AttemptFilter, StreamItem
 
 MAX_ORPHAN_JOBS = 10_000
 
 
 class Mailbox:
-    __slots__ = ("job_id", "foreign", "created", "deltas", "final", "listeners", "__weakref__")
+    __slots__ = ("job_id", "foreign", "created", "items", "attempts", "final", "listeners", "entry", "lost",
+                 "__weakref__")
 
     def __init__(self, job_id: str, foreign: bool):
         self.job_id = job_id
         self.foreign = foreign  # owned by another client: its events go elsewhere, so poll the result key
         self.created = time.monotonic()
-        self.deltas: list[Delta] = []
+        self.items: list[StreamItem] = []  # deltas and restarts, in the order stream() yields them
+        self.attempts = AttemptFilter()
         self.final: Final | None = None
         self.listeners: list[Callable[[Mailbox], None]] = []  # called once, when the final arrives
+        self.entry: tuple[str, str] | None = None  # (job stream, entry id) when known: lets the reader spot a lost job
+        self.lost: str | None = None  # why the job can no longer finish, once the reader found it gone
 
     def put(self, event: Delta | Final) -> bool:
-        """Keep an event; False when it adds nothing (a duplicate, or anything after the final)."""
+        """Keep an event; False when it adds nothing (a duplicate, a superseded attempt, anything after the final)."""
         if self.final is not None:
             return False
         if isinstance(event, Final):
             self.final = event
             return True
-        if self.deltas and event.index <= self.deltas[-1].index:
-            return False  # redelivered generation re-streams from index 0: the final text is authoritative
-        self.deltas.append(event)
+        added = self.attempts.admit(event)
+        if not added:
+            return False
+        self.items += added
         return True
+
+    @property
+    def settled(self) -> bool:
+        return self.final is not None or self.lost is not None
 
 
 class ReplyRouter:
@@ -49,13 +59,14 @@ class ReplyRouter:
         self._lock = threading.Lock()
         self._on_change = on_change
 
-    def mailbox(self, job_id: str, foreign: bool = False) -> Mailbox:
+    def mailbox(self, job_id: str, foreign: bool = False, entry: tuple[str, str] | None = None) -> Mailbox:
         with self._lock:
             box = self._boxes.get(job_id)
             if box is None:
                 box = self._boxes[job_id] = Mailbox(job_id, foreign)
                 for event in self._orphans.pop(job_id, []):
                     box.put(event)
+            box.entry = box.entry or entry
             box.foreign = box.foreign and foreign
             if box.foreign and box.final is None:
                 self._foreign.add(job_id)
@@ -83,12 +94,35 @@ class ReplyRouter:
             self._on_change()
 
     def when_final(self, box: Mailbox, listener: Callable[[Mailbox], None]) -> None:
-        """Call listener(box) once the final is there: now if it already is."""
+        """Call listener(box) once the final is there (or the job is known lost): now if it already is."""
         with self._lock:
-            if box.final is None:
+            if not box.settled:
                 box.listeners.append(listener)
                 return
         listener(box)
+
+    def mark_lost(self, job_id: str, reason: str) -> None:
+        """The job is in no stream, pending nowhere and has no result: it will never finish."""
+        with self._lock:
+            box = self._boxes.get(job_id)
+            if box is None or box.settled:
+                return
+            box.lost = reason
+            self._foreign.discard(job_id)
+        for listener in box.listeners:
+            listener(box)
+        self._on_change()
+
+    def entry(self, job_id: str) -> tuple[str, str] | None:
+        with self._lock:
+            box = self._boxes.get(job_id)
+            return None if box is None else box.entry
+
+    def entries(self, job_ids: list[str]) -> list[tuple[str, str, str]]:
+        """(job_id, stream, entry id) of those jobs whose entry is known and that have not settled."""
+        with self._lock:
+            boxes = [self._boxes.get(j) for j in job_ids]
+        return [(b.job_id, *b.entry) for b in boxes if b is not None and b.entry is not None and not b.settled]
 
     def _keep_orphan(self, event: Delta | Final) -> None:
         self._orphans.setdefault(event.job_id, []).append(event)
@@ -106,20 +140,7 @@ class ReplyRouter:
             else:
                 boxes = list(self._boxes.values())
         return [b.job_id for b in boxes
-                if b.final is None and b.foreign == foreign and b.created <= cutoff][:limit]
+                if not b.settled and b.foreign == foreign and b.created <= cutoff][:limit]
 
     def __len__(self) -> int:
         return len(self._boxes)
-
-
-def tail_delta(deltas: list[Delta], final: Final) -> Delta | None:
-    """What the final result holds beyond the streamed deltas (all of it for a job that did not stream)."""
-    text = "".join(d.text for d in deltas)
-    ids = [t for d in deltas for t in d.token_ids]
-    if not final.text.startswith(text) or final.token_ids[:len(ids)] != ids:
-        return None  # a regenerated answer that differs from what was streamed: the result says which
-    if len(final.text) == len(text) and len(final.token_ids) == len(ids):
-        return None
-    index = deltas[-1].index + 1 if deltas else 0
-    return Delta(v=final.v, job_id=final.job_id, index=index, text=final.text[len(text):],
-                 token_ids=list(final.token_ids[len(ids):]))

@@ -11,7 +11,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# Version 2 added `attempt` to Delta and Final (which delivery of the job produced them; see stream.py).
+# Readers accept every version from MIN_PROTOCOL_VERSION on: a version-1 message reads as attempt 1. The
+# SDK still writes jobs at JOB_VERSION 1, whose schema did not change, so version-1 workers keep reading
+# them during a rolling upgrade; upgrade the SDKs first (a version-1 SDK skips version-2 reply events and
+# then finds its finals only by polling the result keys).
+PROTOCOL_VERSION = 2
+MIN_PROTOCOL_VERSION = 1
+JOB_VERSION = 1
 FIELD = "p"  # the single stream field that holds a msgpack payload
 MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above any sane prompt, far below a Redis DoS
 MAX_PROMPT_CHARS = 512_000
@@ -81,13 +88,17 @@ class Timings(msgspec.Struct, omit_defaults=True):
 
 
 class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
-    """Incremental tokens of a streaming job, in order (`index` counts deltas)."""
+    """Incremental tokens of a streaming job, in order (`index` counts deltas within one attempt).
+
+    `attempt` is the delivery count of the job entry that produced it: a redelivered job streams again
+    from index 0 under a higher attempt, and its text replaces, not extends, the earlier attempt's."""
 
     v: int
     job_id: str
     index: int
     text: str
     token_ids: list[int]
+    attempt: int = 1
 
 
 class Final(msgspec.Struct, tag="final", omit_defaults=True):
@@ -104,6 +115,7 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     worker: str | None = None
     timings: Timings = msgspec.field(default_factory=Timings)
     metadata: dict[str, str] | None = None
+    attempt: int = 1  # the delivery that produced this result
 
 
 Event = Delta | Final
@@ -126,8 +138,9 @@ def _check_size(data: bytes) -> None:
 
 
 def _check_version(v: int) -> None:
-    if v != PROTOCOL_VERSION:
-        raise ProtocolError(f"unknown protocol version {v}; this build speaks version {PROTOCOL_VERSION}")
+    if not MIN_PROTOCOL_VERSION <= v <= PROTOCOL_VERSION:
+        raise ProtocolError(f"unknown protocol version {v}; this build reads versions {MIN_PROTOCOL_VERSION} "
+                            f"to {PROTOCOL_VERSION}")
 
 
 def decode_job(data: bytes) -> Job:

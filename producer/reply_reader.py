@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import redis
 
 from .mailbox import ReplyRouter
+from .job_status import read_states
 from .protocol import FIELD, Delta, Final, Keys, ProtocolError, decode_event, decode_final
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class ReaderState:
     next_foreign: float = 0.0
     next_fallback: float = 0.0
     maintain: bool = True  # EXPIRE and XTRIM our own reply stream; off once Redis says this user may not
+    liveness: bool = True  # look for lost jobs; off once Redis says this user may not run the script
+    liveness_due: bool = False
     stream: str = field(init=False)
 
     def __post_init__(self):
@@ -84,7 +87,28 @@ class ReaderState:
         if now >= self.next_fallback:
             self.next_fallback = now + self.fallback_after_s
             ids += self.router.unfinished(foreign=False, older_than_s=self.fallback_after_s)
+            self.liveness_due = self.liveness
         return ids
+
+    def suspects(self, ids: list[str]) -> dict[str, list[tuple[str, str]]]:
+        """After the result poll: the unfinished jobs whose entry we know, by stream, to check for loss.
+        Only on the fallback cadence, so a job is found lost within about two fallback periods."""
+        if not self.liveness_due:
+            return {}
+        self.liveness_due = False
+        by_stream: dict[str, list[tuple[str, str]]] = {}
+        for job_id, stream, entry in self.router.entries(ids):
+            by_stream.setdefault(stream, []).append((job_id, entry))
+        return by_stream
+
+    def absorb_states(self, states) -> None:
+        for state in states:
+            if state.state == "lost":
+                self.router.mark_lost(state.job_id, state.detail)
+
+    def liveness_refused(self, e: Exception) -> None:
+        self.liveness = False
+        log.info("this Redis user may not inspect job streams (%s); lost jobs end in ResultTimeout only", e)
 
     def absorb_results(self, raws: list[bytes | None]) -> None:
         finals: list[Final] = []
@@ -101,9 +125,9 @@ class ReaderState:
 class ReplyReader(threading.Thread):
     """The Client's reader thread; its own connection, so a blocking read never holds the client's pool."""
 
-    def __init__(self, conn: redis.Redis, state: ReaderState):
+    def __init__(self, conn: redis.Redis, state: ReaderState, states_script):
         super().__init__(name=f"kvgate-reply-{state.client_id[:6]}", daemon=True)
-        self.conn, self.state = conn, state
+        self.conn, self.state, self.states_script = conn, state, states_script
         self._stopping = threading.Event()
 
     def run(self) -> None:
@@ -127,6 +151,7 @@ class ReplyReader(threading.Thread):
         ids = s.polls_due(now)
         for i in range(0, len(ids), 1000):
             s.absorb_results(self.conn.mget([s.keys.result(j) for j in ids[i:i + 1000]]))
+        check_liveness(s, ids, lambda stream, jobs: read_states(self.conn, self.states_script, s.keys, stream, jobs))
         response = self.conn.xread({s.stream: s.last_id}, count=READ_COUNT, block=s.block_for_ms())
         if s.absorb(response) and s.maintain:
             self._maintain(lambda: self.conn.xtrim(s.stream, minid=s.last_id, approximate=True))
@@ -144,3 +169,20 @@ class ReplyReader(threading.Thread):
         except redis.RedisError:
             pass  # the read then ends at its block timeout instead
         self.join(timeout)
+
+
+def check_liveness(s: ReaderState, ids: list[str], read) -> None:
+    """Mark lost the unfinished jobs that are in no stream, pending nowhere and have no result."""
+    for stream, jobs in s.suspects(ids).items():
+        for i in range(0, len(jobs), 500):
+            try:
+                s.absorb_states(read(stream, jobs[i:i + 500]))
+            except redis.ResponseError as e:
+                if not is_noperm(e):
+                    raise
+                s.liveness_refused(e)
+                return
+
+
+def is_noperm(e: Exception) -> bool:
+    return isinstance(e, redis.exceptions.NoPermissionError) or "NOPERM" in str(e)

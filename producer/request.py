@@ -160,7 +160,7 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
     now = time.time()
     deadline = now + req.ttl_s if req.ttl_s is not None else req.deadline
     messages = [wire.Message(m.role, m.content) for m in req.messages] if req.messages else None
-    job = wire.Job(v=wire.PROTOCOL_VERSION, job_id=job_id or new_job_id(), client_id=client_id, enqueued_at=now,
+    job = wire.Job(v=wire.JOB_VERSION, job_id=job_id or new_job_id(), client_id=client_id, enqueued_at=now,
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
                    sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
                    idempotency_key=req.idempotency_key, metadata=req.metadata)

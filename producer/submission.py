@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .connection import refusal_of
 from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .protocol import FIELD, PRIORITIES, Job, Keys
@@ -22,6 +23,7 @@ class Prepared:
     stream: str
     claim: Claim | None = None
     claim_key: str | None = None
+    result_prefix: str = ""
 
 
 def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "") -> Prepared:
@@ -31,6 +33,7 @@ def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "")
     if req.idempotency_key is not None:
         prepared.claim = Claim(job.job_id, req.digest(), owner_tag(client_id))
         prepared.claim_key = keys.idempotency(req.idempotency_key)
+        prepared.result_prefix = keys.result("")
     return prepared
 
 
@@ -40,15 +43,17 @@ def add_to_pipeline(pipe, script, prepared: Prepared) -> None:
         pipe.xadd(prepared.stream, {FIELD: prepared.payload})
     else:
         script(keys=[prepared.claim_key, prepared.stream],
-               args=[prepared.claim.encode(), IDEMPOTENCY_TTL_S, FIELD, prepared.payload], client=pipe)
+               args=[prepared.claim.encode(), IDEMPOTENCY_TTL_S, FIELD, prepared.payload, Keys.GROUP,
+                     prepared.result_prefix, prepared.claim.digest], client=pipe)
 
 
 def owners(prepared: list[Prepared], replies: list) -> list[Claim]:
-    """Who owns each submitted job: us, or an earlier submit with the same idempotency key."""
+    """Who owns each submitted job (us, or an earlier submit with the same idempotency key) and its entry id."""
     out = []
     for p, reply in zip(prepared, replies):
         if p.claim is None:
-            out.append(Claim(p.job.job_id, "", owner_tag(p.job.client_id)))
+            entry = reply.decode() if isinstance(reply, bytes) else str(reply)
+            out.append(Claim(p.job.job_id, "", owner_tag(p.job.client_id), entry))
         else:
             out.append(resolve(p.job.idempotency_key, p.claim, reply))
     return out
@@ -64,10 +69,26 @@ def group_commands(pipe, keys: Keys) -> None:
         pipe.xgroup_create(keys.jobs(p), Keys.GROUP, id="0", mkstream=True)
 
 
-def check_group_replies(replies: list) -> None:
-    for reply in replies:
-        if isinstance(reply, Exception) and "BUSYGROUP" not in str(reply):
-            raise reply
+def check_group_replies(replies: list, exists: list[bool] | None = None) -> None:
+    """Creating a group that exists is fine; so is a refused creation (out of memory, read-only replica) of a
+    group that `exists` says is there already: a client must start while Redis is full."""
+    for i, reply in enumerate(replies):
+        if not isinstance(reply, Exception) or "BUSYGROUP" in str(reply):
+            continue
+        if exists is not None and exists[i] and refusal_of(reply) is not None:
+            continue
+        raise reply
+
+
+def group_exists(reply) -> bool:
+    """From an XINFO GROUPS reply (or its error): does the workers' group exist?"""
+    if isinstance(reply, Exception):
+        return False
+    return any(_text(g.get("name")) == Keys.GROUP for g in reply)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ class Ticket:
     prompt_ids: list[int]
     params: SamplingParams
     payload: bytes
+    attempt: int = 1  # the entry's delivery count: tags this run's deltas so a client never splices two runs
 
     @property
     def key(self) -> str:

@@ -20,6 +20,7 @@ from kvgate.engine.outputs import RequestRejected, StepOutput
 from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job,
                                       mask_url)
 from kvgate.worker.admission import AdmissionQueue, Ticket
+from kvgate.worker.clock import ServerClock
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
@@ -82,6 +83,7 @@ class Worker:
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
         self.renewed_at = time.monotonic()
+        self.clock = ServerClock(self.client)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, engine_capacity(engine),
                                    s.heartbeat_ttl_s)
         self.cursors: dict[str, str | None] = {st: "0" for st in self.streams}  # own pending first, then ">"
@@ -244,12 +246,12 @@ class Worker:
         except ProtocolError as e:
             self._reject_raw(stream, entry_id, payload, str(e))
             return None
-        ticket = Ticket(job, stream, entry_id, [], None, payload)
+        ticket = Ticket(job, stream, entry_id, [], None, payload, attempt=max(1, deliveries))
         if deliveries > self.settings.max_deliveries:
             reason = f"delivered {deliveries} times, over max_deliveries={self.settings.max_deliveries}"
             self._answer(ticket, "error", error=reason, dead_reason=reason)
             return None
-        if job.deadline is not None and job.deadline < time.time():
+        if self.clock.expired(job, entry_id):
             self._answer(ticket, "expired", error="deadline passed before the job started")
             return None
         try:
@@ -284,7 +286,7 @@ class Worker:
     # ---- local queue -> engine -------------------------------------------------------------------
     def _admit_local(self) -> None:
         while (ticket := self.queue.head()) is not None and not self.draining:
-            if ticket.job.deadline is not None and ticket.job.deadline < time.time():
+            if self.clock.expired(ticket.job, ticket.entry_id):
                 self.queue.pop()
                 self._answer(ticket, "expired", error="deadline passed while waiting for KV cache room")
                 continue
@@ -320,7 +322,8 @@ class Worker:
             flight.first_token_at = now
             self.metrics.on_first_token(now - flight.admitted_at)
         if job.stream and (out.new_token_ids or out.new_text):
-            delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, out.new_text, list(out.new_token_ids))
+            delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, out.new_text, list(out.new_token_ids),
+                          attempt=flight.ticket.attempt)
             self.publisher.delta(job.client_id, delta, flight.ticket.key)
             flight.deltas += 1
         if out.finished:
@@ -334,7 +337,7 @@ class Worker:
         timings = Timings(queued=job.enqueued_at, admitted=flight.admitted_at if flight else None,
                           first_token=flight.first_token_at if flight else None, finished=time.time())
         final = Final(v=PROTOCOL_VERSION, job_id=job.job_id, status=status, error=error, worker=self.worker_id,
-                      timings=timings, metadata=job.metadata)
+                      timings=timings, metadata=job.metadata, attempt=ticket.attempt)
         if out is not None:
             final.text, final.token_ids = out.text or "", list(out.token_ids or [])
             final.finish_reason = out.finish_reason
@@ -424,6 +427,8 @@ class Worker:
     # ---- housekeeping: leases, reclaim, cancellation, heartbeat, trim ---------------------------
     def _housekeep(self) -> None:
         s = self.settings
+        if self.clock.due():
+            self.clock.sync()
         if self._every("renew", s.renew_interval_s):
             self._renew()
         if not self.draining and self._every("reclaim", s.reclaim_interval_s):

@@ -1,0 +1,161 @@
+"""Where a job is: queued, running on which worker, finished, or lost (in no stream, pending nowhere, no result).
+
+A job acknowledged without a result cannot happen (invariant 2), so a job that is neither queued, pending nor
+finished will never finish: Redis lost it (a restart without persistence, a failover to a replica that had
+not received it) or its result expired. One script reads the entry's state in the job stream, then the result
+keys are read: a job acknowledged meanwhile has its result by then (the ack and the result are one atomic step),
+so a job finishing meanwhile is never taken for lost. It needs the job's stream entry id, which the submitting
+client knows; for a bare job id the SDK can still tell finished and running (by the workers' pending entries).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import redis
+
+from .protocol import FIELD, Keys, PRIORITIES
+
+State = Literal["queued", "running", "finished", "lost", "unknown"]
+
+# Lua functions shared with the idempotency claim script: the group's view of a job stream, then one entry's
+# state in it: running <consumer> | queued | acked (delivered and acknowledged: finished) | gone <why>. Callers
+# read result keys after these: an acknowledged job always has its result by then, unless it expired. XRANGE
+# tells whether an undelivered entry is still there; a least-privilege producer (deploy/redis/acl.conf) may not
+# read job payloads, so for it the group's lag (Redis 7) or the stream's length answers instead.
+ENTRY_STATE_LUA = """
+local function id_after(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am or 0), tonumber(as or 0), tonumber(bm or 0), tonumber(bs or 0)
+  return am > bm or (am == bm and as > bs)
+end
+local function group_view(stream, group)
+  local view = {length = redis.call('XLEN', stream)}
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if type(groups) == 'table' and not groups.err then
+    for _, g in ipairs(groups) do
+      local f = {}
+      for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+      if f['name'] == group then view.delivered, view.lag = f['last-delivered-id'], f['lag'] end
+    end
+  end
+  return view
+end
+local function entry_state(stream, group, view, id)
+  if view.delivered then
+    local row = redis.pcall('XPENDING', stream, group, id, id, 1)
+    if type(row) == 'table' and row[1] then return 'running', row[1][2] end
+    if not id_after(id, view.delivered) then return 'acked', '' end
+  end
+  local found = redis.pcall('XRANGE', stream, id, id, 'COUNT', 1)
+  local readable = type(found) == 'table' and not found.err
+  if view.length == 0 or (readable and #found == 0) or (not readable and view.lag == 0) then
+    return 'gone', 'it is in no job stream: Redis lost it (a restart without persistence or a failover)'
+  end
+  return 'queued', ''
+end
+"""
+
+# KEYS[1] job stream; ARGV[1] group, ARGV[2..n] entry ids. Returns one {state, detail} per entry.
+JOB_STATES_LUA = ENTRY_STATE_LUA + """
+local view = group_view(KEYS[1], ARGV[1])
+local out = {}
+for i = 2, #ARGV do
+  local state, detail = entry_state(KEYS[1], ARGV[1], view, ARGV[i])
+  out[#out + 1] = {state, detail}
+end
+return out
+"""
+ACKED_WITHOUT_RESULT = "it was acknowledged but its result is gone (expired or deleted)"
+
+
+@dataclass(slots=True, frozen=True)
+class JobStatus:
+    job_id: str
+    state: State  # queued | running | finished | lost | unknown
+    worker: str | None = None  # the consumer holding it, while running
+    detail: str = ""  # why it is lost, or why its state is unknown
+
+    def __str__(self) -> str:
+        where = f" on {self.worker}" if self.worker else ""
+        return f"job {self.job_id}: {self.state}{where}{': ' + self.detail if self.detail else ''}"
+
+
+def as_text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def read_states(r, script, keys: Keys, stream: str, jobs: list[tuple[str, str]]) -> list[JobStatus]:
+    """States of (job_id, entry id) pairs that all sit in `stream`: the script, then the result keys."""
+    if not jobs:
+        return []
+    rows = script(keys=[stream], args=[Keys.GROUP, *(e for _, e in jobs)], client=r)
+    results = r.mget([keys.result(j) for j, _ in jobs])
+    return [state_of(job_id, as_text(state), as_text(detail), result is not None)
+            for (job_id, _), (state, detail), result in zip(jobs, rows, results)]
+
+
+def state_of(job_id: str, state: str, detail: str, has_result: bool) -> JobStatus:
+    if has_result:
+        return JobStatus(job_id, "finished")
+    if state == "running":
+        return JobStatus(job_id, "running", detail)
+    if state == "queued":
+        return JobStatus(job_id, "queued")
+    return JobStatus(job_id, "lost", detail=ACKED_WITHOUT_RESULT if state == "acked" else detail)
+
+
+class _JobId(msgspec.Struct):
+    job_id: str
+
+
+_job_id = msgspec.msgpack.Decoder(_JobId)
+PENDING_SCAN = 1000  # pending entries are bounded by what the fleet can hold at once
+
+
+def find_running(r, keys: Keys, job_id: str) -> JobStatus | None:
+    """A bare job id: look for it among the entries the workers hold (no entry id needed)."""
+    for priority in PRIORITIES:
+        stream = keys.jobs(priority)
+        try:
+            rows = r.xpending_range(stream, Keys.GROUP, min="-", max="+", count=PENDING_SCAN)
+        except redis.exceptions.NoPermissionError:
+            raise
+        except redis.ResponseError:  # no such stream or group yet
+            continue
+        pipe = r.pipeline(transaction=False)
+        for row in rows:
+            pipe.xrange(stream, min=row["message_id"], max=row["message_id"], count=1)
+        for row, found in zip(rows, pipe.execute()):
+            payload = found[0][1].get(FIELD.encode()) if found else None
+            try:
+                if payload is not None and _job_id.decode(payload).job_id == job_id:
+                    return JobStatus(job_id, "running", as_text(row["consumer"]))
+            except msgspec.DecodeError:
+                continue
+    return None
+
+
+def job_states_script(r):
+    return r.register_script(JOB_STATES_LUA)
+
+
+def job_status(r, script, keys: Keys, job_id: str, entry: tuple[str, str] | None) -> JobStatus:
+    """One job's status; exact with its (stream, entry id), best effort for a bare job id."""
+    if entry is not None:
+        return read_states(r, script, keys, entry[0], [(job_id, entry[1])])[0]
+    if r.exists(keys.result(job_id)):
+        return JobStatus(job_id, "finished")
+    try:
+        running = find_running(r, keys, job_id)
+    except redis.exceptions.NoPermissionError:  # a least-privilege producer may not read job payloads
+        running = None
+    if running is not None and r.exists(keys.result(job_id)):  # it finished while we looked
+        return JobStatus(job_id, "finished")
+    return running or JobStatus(job_id, "unknown", detail=UNKNOWN)
+
+
+UNKNOWN = ("not finished and not held by a worker; only the client that submitted it knows its stream entry, "
+           "which tells queued from lost (JobHandle.status())")
