@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvgate.engine.config import EngineConfig
+from kvgate.engine.decode_inputs import DecodeInputs
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
 from kvgate.engine.sampler import Sampler
 from kvgate.engine.scheduler import ScheduledBatch
@@ -51,6 +52,16 @@ def eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def decode_only(batch: ScheduledBatch) -> list[Sequence] | None:
+    """The batch's sequences when each computes exactly its last token (a pure decode step), else None."""
+    seqs = []
+    for seq, n in batch:
+        if n != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids):
+            return None
+        seqs.append(seq)
+    return seqs
+
+
 class ModelRunner:
     """The engine's runner for a real model; the facts the engine needs about the model (name, tokenizer,
     vocabulary, context limit, EOS ids, KV blocks) are set by `load`."""
@@ -71,6 +82,8 @@ class ModelRunner:
         self.kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.kv_cache = torch.empty(0)
         self.home_thread: int | None = threading.get_ident() if device.type == "cpu" else None
+        self.max_num_seqs = max_num_seqs
+        self.decode_inputs: DecodeInputs | None = None  # built at the first decode-only step
 
     @classmethod
     def load(cls, model: Any, config: EngineConfig) -> ModelRunner:
@@ -158,7 +171,14 @@ class ModelRunner:
                     "KV cache", num_tokens, activations / GiB, (total - free) / GiB, budget / GiB)
         return budget
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
+        """Flat inputs of the batch and the rows to sample (None: every row, a decode-only batch)."""
+        seqs = decode_only(batch)
+        if seqs is not None:
+            return self._prepare_decode(seqs)
+        return self._prepare_mixed(batch)
+
+    def _prepare_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -186,6 +206,14 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
 
+    def _prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
+        if self.decode_inputs is None:
+            self.decode_inputs = DecodeInputs(self.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                              self.block_size, self.device)
+        d = self.decode_inputs.build(seqs)
+        return d.input_ids, d.positions, AttentionMetadata(d.slot_mapping, d.block_tables, d.cu_seqlens_q,
+                                                           d.context_lens), None
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
         """Compute the batch's new tokens; sample for the sequences whose whole context is now computed."""
@@ -193,10 +221,14 @@ class ModelRunner:
             self._warn_foreign_thread()
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.forward(input_ids, positions, meta)
-        seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
-        if not seqs:
-            return [], [], []
-        logits = self.model.compute_logits(hidden[sample_rows])
+        if sample_rows is None:
+            seqs = [seq for seq, _ in batch]
+        else:
+            seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+            if not seqs:
+                return [], [], []
+            hidden = hidden[sample_rows]
+        logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler(logits, seqs)
         return seqs, tokens, logprobs
 

@@ -32,6 +32,7 @@ class Sequence:
     num_prefilled_tokens: int = 0  # prompt tokens counted as computed; recomputation after preemption is not
     admitted: bool = False  # has been scheduled at least once
     block_table: list[int] = field(default_factory=list)
+    table_version: int = 0  # bumped whenever block_table is freed, so copies of it know they are stale
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, filled lazily
     num_committed_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
     finish_reason: str | None = None
