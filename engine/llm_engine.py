@@ -140,10 +140,13 @@ class LLMEngine:
         if not batch:
             return []
         seqs, tokens, logprobs = self.runner.run(batch)
+        bs, commit = self.block_size, self.block_manager.commit
         for seq, n in batch:
-            self._count_prefill(seq, n)
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._count_prefill(seq, n)
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if seq.num_computed_tokens // bs > seq.num_committed_blocks:  # a block just filled up
+                commit(seq)
         now = time.monotonic()
         outputs = []
         for seq, token, lp in zip(seqs, tokens, logprobs):
@@ -169,7 +172,7 @@ class LLMEngine:
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
-        elif seq.num_output_tokens >= seq.max_tokens:
+        elif len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
             reason = "length"
         new_text = ""
         if seq.stream_text:
@@ -183,7 +186,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             return self._finish_output(seq, [token], lps, new_text)
         return StepOutput(seq.request_id, [token], new_text, False, None, seq.num_prompt_tokens,
-                          seq.num_output_tokens, seq.num_cached_tokens, logprobs=lps)
+                          len(seq.token_ids) - seq.num_prompt_tokens, seq.num_cached_tokens, None, None, lps)
 
     def _finish_output(self, seq: Sequence, new_ids: list[int], lps, new_text: str = "") -> StepOutput:
         self.seqs.pop(seq.request_id, None)

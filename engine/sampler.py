@@ -11,30 +11,31 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from kvgate.engine.sequence import Sequence
 
-MASK32 = 0xFFFFFFFF
+MASK32 = np.uint64(0xFFFFFFFF)
 SEED_BITS = (1 << 62) - 1
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32-style) on int64 holding values < 2^32; multipliers below 2^31 keep
-    every product inside int64."""
+def mix32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash (lowbias32) on uint64 holding values < 2^32."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & MASK32
     x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & MASK32
+    x = (x * 0x846CA68B) & MASK32
     return x ^ (x >> 16)
 
 
-def uniform_for(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A number in (0, 1) per row from (seed, position) alone: float64 from 48 hashed bits."""
-    h = mix32((seeds & MASK32) ^ mix32((seeds >> 32) ^ mix32(positions & MASK32)))
+def uniform_for(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """A number in (0, 1) per row from (seed, position) alone: float64 from 48 hashed bits. Host-side numpy:
+    the seeds and positions live on the host, and a few vector ops on B numbers cost microseconds there."""
+    s = np.array(seeds, dtype=np.uint64)
+    h = mix32((s & MASK32) ^ mix32((s >> 32) ^ mix32(np.array(positions, dtype=np.uint64) & MASK32)))
     lo = mix32(h ^ 0x5BD1E995)
-    bits = ((h << 16) | (lo >> 16)).to(torch.float64)  # 48 bits
-    return (bits + 0.5) / float(1 << 48)
+    return (((h << 16) | (lo >> 16)).astype(np.float64) + 0.5) / float(1 << 48)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
@@ -88,13 +89,18 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Next token for each row of `logits` [B, V] (float32), and logprobs for the rows that asked."""
         params = [s.params for s in seqs]
-        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        want_lp, penalized, greedy = [], [], True
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                want_lp.append(i)
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                penalized.append(i)
+            greedy = greedy and p.temperature < 1e-5
         raw = logits
-        penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
             logits = logits.clone()
             apply_penalties(logits, seqs, penalized)
-        if all(p.greedy for p in params):
+        if greedy:
             tokens = logits.argmax(-1)
         else:
             tokens = self._sample(logits, seqs, params)
@@ -112,9 +118,8 @@ class Sampler:
             scaled = apply_top_k_top_p(scaled, torch.tensor([p.top_k for p in params], device=dev),
                                        torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev))
         cdf = scaled.softmax(-1).cumsum(-1)
-        u = uniform_for(torch.tensor([self._seed_of(s) for s in seqs], dtype=torch.long, device=dev),
-                        torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.long, device=dev))
-        target = (u * cdf[:, -1].double()).to(cdf.dtype)[:, None]
+        u = uniform_for([self._seed_of(s) for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs])
+        target = (torch.from_numpy(u).to(dev, non_blocking=True) * cdf[:, -1].double()).to(cdf.dtype)[:, None]
         sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), sampled)
