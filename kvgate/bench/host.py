@@ -8,6 +8,7 @@ below imports only `kvgate.engine`, so it runs unchanged against either engine."
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -179,6 +180,7 @@ def measure(case: dict) -> dict:
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
     runner.sampler = timed("sampler", runner.sampler)
     steps = []
+    gc.collect()  # the previous case's engine is garbage: its collection is not this case's host work
     while engine.has_unfinished():
         current.clear()
         start = clock()
