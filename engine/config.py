@@ -19,6 +19,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"
     seed: int = 0
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (on a CPU there are none anyway)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvgate.engine.config import EngineConfig
+from kvgate.engine.cuda_graphs import DecodeGraphs
 from kvgate.engine.decode_inputs import DecodeInputs
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
 from kvgate.engine.sampler import Sampler
@@ -84,6 +85,7 @@ class ModelRunner:
         self.home_thread: int | None = threading.get_ident() if device.type == "cpu" else None
         self.max_num_seqs = max_num_seqs
         self.decode_inputs: DecodeInputs | None = None  # built at the first decode-only step
+        self.graphs: DecodeGraphs | None = None  # set by load on CUDA unless enforce_eager
 
     @classmethod
     def load(cls, model: Any, config: EngineConfig) -> ModelRunner:
@@ -118,7 +120,16 @@ class ModelRunner:
         runner.model_name, runner.tokenizer, runner.vocab_size = source.name, source.tokenizer, hf_config.vocab_size
         runner.max_model_len, runner.eos_token_ids = max_model_len, eos_ids(hf_config, source.tokenizer)
         runner.num_blocks = num_blocks
+        if device.type == "cuda" and not config.enforce_eager:
+            runner.capture_graphs()
         return runner
+
+    def capture_graphs(self) -> None:
+        """Decode graphs for every batch-size bucket (on a CPU: the eager twin of the same plan)."""
+        self.graphs = DecodeGraphs(self.model, self.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                   self.device)
+        self.graphs.capture()
+        logger.info("decode graphs captured for batch sizes %s", self.graphs.sizes)
 
     @property
     def bytes_per_block(self) -> int:
@@ -220,7 +231,7 @@ class ModelRunner:
         if self.home_thread not in (None, threading.get_ident()):
             self._warn_foreign_thread()
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.forward(input_ids, positions, meta)
+        hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None)
         if sample_rows is None:
             seqs = [seq for seq, _ in batch]
         else:
@@ -238,7 +249,11 @@ class ModelRunner:
                        "~50%% slower; load and step it on the same thread, as `kvgate worker` does")
         self.home_thread = None  # said once
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # The place for CUDA graphs: a decode-only batch (one row per sequence) of a captured size would copy
-        # its inputs into static buffers and replay here. CPU runs eagerly.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                decode: bool = False) -> torch.Tensor:
+        """A decode-only step replays its bucket's graph when there is one; everything else runs eagerly."""
+        if decode and self.graphs is not None:
+            hidden = self.graphs.run(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         return self.model(input_ids, positions, meta)
