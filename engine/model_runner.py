@@ -15,7 +15,7 @@ from kvgate.engine.cuda_graphs import DecodeGraphs
 from kvgate.engine.decode_inputs import DecodeInputs
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
 from kvgate.engine.sampler import Sampler
-from kvgate.engine.scheduler import ScheduledBatch
+from kvgate.engine.scheduler import AllDecode, ScheduledBatch
 from kvgate.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
         """Flat inputs of the batch and the rows to sample (None: every row, a decode-only batch)."""
-        seqs = decode_only(batch)
+        seqs = batch.seqs if isinstance(batch, AllDecode) else decode_only(batch)
         if seqs is not None:
             return self._prepare_decode(seqs)
         return self._prepare_mixed(batch)

@@ -14,6 +14,12 @@ from kvgate.engine.sequence import Sequence, SequenceStatus
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute this step)
 
 
+class AllDecode(list):
+    """A ScheduledBatch in which every sequence computes exactly its last token; `seqs` lists them in order, so
+    a runner need not check."""
+    seqs: list[Sequence]
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "continuous") -> None:
@@ -66,7 +72,9 @@ class Scheduler:
             return None
         for seq in need:
             bm.append(seq, len(seq.token_ids))
-        return [(seq, 1) for seq in running]
+        batch = AllDecode((seq, 1) for seq in running)
+        batch.seqs = list(running)
+        return batch
 
     def _schedule_running(self, budget: int) -> tuple[dict[Sequence, int], int, bool]:
         scheduled: dict[Sequence, int] = {}
