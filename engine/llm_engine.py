@@ -6,6 +6,7 @@ the torch ModelRunner for a real model, a CostModelRunner for the simulated flee
 ModelRunner is built, so everything here imports without it."""
 from __future__ import annotations
 
+import gc
 import math
 import time
 from typing import Any, Protocol
@@ -18,6 +19,15 @@ from kvgate.engine.scheduler import ScheduledBatch, Scheduler
 from kvgate.engine.sequence import Sequence
 
 RESERVE_RATIO_START, RESERVE_RATIO_FLOOR, RESERVE_RATIO_BUMP, RESERVE_RATIO_DECAY = 0.5, 0.25, 0.25, 0.995
+GC_GEN0_THRESHOLD = 100_000  # allocations between young collections; CPython's default is 700
+
+
+def quiet_gc() -> None:
+    """A step allocates a few objects per sequence (outputs, lists), so at CPython's default thresholds the
+    collector runs several times a step: +0.9 ms a step at batch 256 in W-HOST (1.7 vs 0.8 ms post-processing).
+    A larger young generation collects as surely, far less often; the engine makes few reference cycles."""
+    if gc.get_threshold()[0] < GC_GEN0_THRESHOLD:
+        gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
 class Runner(Protocol):
@@ -59,6 +69,7 @@ class LLMEngine:
         self.reserve_ratio = RESERVE_RATIO_START
         self.steps = self.prompt_tokens = self.generation_tokens = 0
         self._seen_preemptions = 0
+        quiet_gc()
 
     # ---- requests -------------------------------------------------------------------------------------------
 
