@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench gpu-check clean
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ bench: $(STAMP)
 	$(VENV)/bin/kvgate bench queue --json bench-queue.json
 	$(VENV)/bin/kvgate bench fleet --json bench-fleet.json --plot deploy/w-fleet.png
 	$(VENV)/bin/kvgate bench gateway --json bench-gateway.json
+
+# Every GPU check of the step issue in <= 9 minutes on one H100/H200: make gpu-check OUT=gpu-check-out
+# (on a GPU machine install a CUDA torch first: make install TORCH_SPEC=torch)
+OUT ?= gpu-check-out
+gpu-check: $(STAMP)
+	KVGATE_DEVICE=cuda $(PY) -m kvgate.bench.gpu_check $(OUT)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

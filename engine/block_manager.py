@@ -114,6 +114,7 @@ class BlockManager:
                 else:
                     self.evictable[block_id] = None
         seq.block_table.clear()
+        seq.table_version += 1
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
 

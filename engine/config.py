@@ -32,6 +32,7 @@ class EngineConfig(BaseModel):
     scheduling: Literal["continuous", "static"] = Field(
         "continuous", description="continuous batching, or static (fill a batch, run it out) as a baseline")
     seed: int = Field(0, description="seed for random weights and unseeded sampling")
+    enforce_eager: bool = Field(False, description="run decode steps eagerly, without CUDA graphs (a CPU has none)")
 
     @field_validator("device")
     @classmethod

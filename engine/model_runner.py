@@ -11,9 +11,11 @@ from typing import Any
 import torch
 
 from kvgate.engine.config import EngineConfig
+from kvgate.engine.cuda_graphs import DecodeGraphs
+from kvgate.engine.decode_inputs import DecodeInputs
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
 from kvgate.engine.sampler import Sampler
-from kvgate.engine.scheduler import ScheduledBatch
+from kvgate.engine.scheduler import AllDecode, ScheduledBatch
 from kvgate.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,16 @@ def eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def decode_only(batch: ScheduledBatch) -> list[Sequence] | None:
+    """The batch's sequences when each computes exactly its last token (a pure decode step), else None."""
+    seqs = []
+    for seq, n in batch:
+        if n != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids):
+            return None
+        seqs.append(seq)
+    return seqs
+
+
 class ModelRunner:
     """The engine's runner for a real model; the facts the engine needs about the model (name, tokenizer,
     vocabulary, context limit, EOS ids, KV blocks) are set by `load`."""
@@ -71,6 +83,9 @@ class ModelRunner:
         self.kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.kv_cache = torch.empty(0)
         self.home_thread: int | None = threading.get_ident() if device.type == "cpu" else None
+        self.max_num_seqs = max_num_seqs
+        self.decode_inputs: DecodeInputs | None = None  # built at the first decode-only step
+        self.graphs: DecodeGraphs | None = None  # set by load on CUDA unless enforce_eager
 
     @classmethod
     def load(cls, model: Any, config: EngineConfig) -> ModelRunner:
@@ -105,7 +120,16 @@ class ModelRunner:
         runner.model_name, runner.tokenizer, runner.vocab_size = source.name, source.tokenizer, hf_config.vocab_size
         runner.max_model_len, runner.eos_token_ids = max_model_len, eos_ids(hf_config, source.tokenizer)
         runner.num_blocks = num_blocks
+        if device.type == "cuda" and not config.enforce_eager:
+            runner.capture_graphs()
         return runner
+
+    def capture_graphs(self) -> None:
+        """Decode graphs for every batch-size bucket (on a CPU: the eager twin of the same plan)."""
+        self.graphs = DecodeGraphs(self.model, self.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                   self.device)
+        self.graphs.capture()
+        logger.info("decode graphs captured for batch sizes %s", self.graphs.sizes)
 
     @property
     def bytes_per_block(self) -> int:
@@ -158,7 +182,14 @@ class ModelRunner:
                     "KV cache", num_tokens, activations / GiB, (total - free) / GiB, budget / GiB)
         return budget
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
+        """Flat inputs of the batch and the rows to sample (None: every row, a decode-only batch)."""
+        seqs = batch.seqs if isinstance(batch, AllDecode) else decode_only(batch)
+        if seqs is not None:
+            return self._prepare_decode(seqs)
+        return self._prepare_mixed(batch)
+
+    def _prepare_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -186,17 +217,29 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows)
 
+    def _prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
+        if self.decode_inputs is None:
+            self.decode_inputs = DecodeInputs(self.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                              self.block_size, self.device)
+        d = self.decode_inputs.build(seqs)
+        return d.input_ids, d.positions, AttentionMetadata(d.slot_mapping, d.block_tables, d.cu_seqlens_q,
+                                                           d.context_lens), None
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
         """Compute the batch's new tokens; sample for the sequences whose whole context is now computed."""
         if self.home_thread not in (None, threading.get_ident()):
             self._warn_foreign_thread()
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.forward(input_ids, positions, meta)
-        seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
-        if not seqs:
-            return [], [], []
-        logits = self.model.compute_logits(hidden[sample_rows])
+        hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None)
+        if sample_rows is None:
+            seqs = [seq for seq, _ in batch]
+        else:
+            seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+            if not seqs:
+                return [], [], []
+            hidden = hidden[sample_rows]
+        logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler(logits, seqs)
         return seqs, tokens, logprobs
 
@@ -206,7 +249,11 @@ class ModelRunner:
                        "~50%% slower; load and step it on the same thread, as `kvgate worker` does")
         self.home_thread = None  # said once
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # The place for CUDA graphs: a decode-only batch (one row per sequence) of a captured size would copy
-        # its inputs into static buffers and replay here. CPU runs eagerly.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                decode: bool = False) -> torch.Tensor:
+        """A decode-only step replays its bucket's graph when there is one; everything else runs eagerly."""
+        if decode and self.graphs is not None:
+            hidden = self.graphs.run(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         return self.model(input_ids, positions, meta)

@@ -1,75 +1,153 @@
-"""Batched sampling: greedy rows by one argmax, the rest through repetition penalty (HF semantics),
-temperature, top-k, top-p and a per-request torch.Generator when a seed was given."""
+"""Batched sampling: every transform is a tensor operation over the whole batch and the step ends with one
+device-to-host transfer.
+
+Penalties (repetition with HF's rule over prompt and output; OpenAI's frequency and presence over the output),
+then temperature, top-k and top-p, then inverse-CDF sampling with one uniform number per row. That number is a
+hash of the row's seed and its output position, so a seeded request draws the same tokens whatever else is in
+the batch, and no per-row torch.Generator (and no per-row host sync) is needed. Requests without a seed get one
+from the engine's seeded stream when first sampled. Logprobs are the model's own distribution, before any
+transform."""
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 
 from kvgate.engine.sequence import Sequence
 
-
-def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> None:
-    """HF's rule over the prompt and the output so far: divide positive scores, multiply negative ones."""
-    ids = torch.tensor(sorted(set(token_ids)), device=logits.device, dtype=torch.long)
-    score = logits[ids]
-    logits[ids] = torch.where(score < 0, score * penalty, score / penalty)
+MASK32 = np.uint64(0xFFFFFFFF)
+SEED_BITS = (1 << 62) - 1
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Like HF's TopK then TopP warpers: masked logits are -inf; the most likely token always survives."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative <= 1 - top_p
-        remove[-1] = False
-        logits = logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    return logits
+def mix32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash (lowbias32) on uint64 holding values < 2^32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_for(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """A number in (0, 1) per row from (seed, position) alone: float64 from 48 hashed bits. Host-side numpy:
+    the seeds and positions live on the host, and a few vector ops on B numbers cost microseconds there."""
+    s = np.array(seeds, dtype=np.uint64)
+    h = mix32((s & MASK32) ^ mix32((s >> 32) ^ mix32(np.array(positions, dtype=np.uint64) & MASK32)))
+    lo = mix32(h ^ 0x5BD1E995)
+    return (((h << 16) | (lo >> 16)).astype(np.float64) + 0.5) / float(1 << 48)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """In place on `logits` rows `rows`: repetition (HF: divide positive scores of every token seen in prompt or
+    output, multiply negative ones), then frequency and presence (OpenAI: subtract per output occurrence, and
+    once per token that occurred)."""
+    vocab, dev = logits.shape[1], logits.device
+    index = torch.tensor(rows, device=dev)
+    sub = logits[index]
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+    counts = torch.zeros(len(rows), vocab, dtype=sub.dtype, device=dev)
+    rep, freq, pres = [], [], []
+    for j, i in enumerate(rows):
+        seq, p = seqs[i], seqs[i].params
+        seen[j, torch.tensor(seq.token_ids, dtype=torch.long, device=dev)] = True
+        out = seq.token_ids[seq.num_prompt_tokens:]
+        if out:
+            counts[j].index_add_(0, torch.tensor(out, dtype=torch.long, device=dev),
+                                 torch.ones(len(out), dtype=sub.dtype, device=dev))
+        rep.append(p.repetition_penalty)
+        freq.append(p.frequency_penalty)
+        pres.append(p.presence_penalty)
+    rep_t = torch.tensor(rep, dtype=sub.dtype, device=dev)[:, None]
+    penalized = torch.where(sub < 0, sub * rep_t, sub / rep_t)
+    sub = torch.where(seen, penalized, sub)
+    sub -= torch.tensor(freq, dtype=sub.dtype, device=dev)[:, None] * counts
+    sub -= torch.tensor(pres, dtype=sub.dtype, device=dev)[:, None] * (counts > 0).to(sub.dtype)
+    logits[index] = sub
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """HF's TopK then TopP warpers over a batch [B, V]: per-row k (<= 0 or >= V: off) and p (1: off); masked
+    logits are -inf and each row's most likely token always survives."""
+    vocab = logits.shape[1]
+    ascending, order = torch.sort(logits, dim=-1)
+    k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    kth = ascending.gather(1, (vocab - k).long()[:, None])
+    ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    remove = (cumulative <= (1 - top_p)[:, None]) & (top_p < 1)[:, None]
+    remove[:, -1] = False
+    ascending = ascending.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)
 
 
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.seeds = random.Random(seed)  # for requests that did not give one
         self.device = device
-
-    def generator_for(self, seq: Sequence) -> torch.Generator:
-        if seq.params.seed is None:
-            return self.generator
-        if seq.generator is None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-        return seq.generator
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Next token for each row of `logits` [B, V] (float32), and logprobs for the rows that asked."""
-        plain = all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs)
-        if plain:
-            tokens = logits.argmax(-1).tolist()
+        params = [s.params for s in seqs]
+        want_lp, penalized, greedy = [], [], True
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                want_lp.append(i)
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                penalized.append(i)
+            greedy = greedy and p.temperature < 1e-5
+        raw = logits
+        if penalized:
+            logits = logits.clone()
+            apply_penalties(logits, seqs, penalized)
+        if greedy:
+            tokens = logits.argmax(-1)
         else:
-            tokens = [self._sample_row(logits[i].clone(), seq) for i, seq in enumerate(seqs)]
-        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
-        for i, seq in enumerate(seqs):
-            if seq.params.logprobs is not None:
-                logprobs[i] = self._logprobs(logits[i], tokens[i], seq.params.logprobs)
-        return tokens, logprobs
+            tokens = self._sample(logits, seqs, params)
+        if not want_lp:
+            return tokens.tolist(), [None] * len(seqs)
+        return self._with_logprobs(raw, tokens, want_lp, [params[i].logprobs for i in want_lp])
 
-    def _sample_row(self, row: torch.Tensor, seq: Sequence) -> int:
-        p = seq.params
-        if p.repetition_penalty != 1.0:
-            apply_repetition_penalty(row, seq.token_ids, p.repetition_penalty)
-        if p.greedy:
-            return int(row.argmax())
-        row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator_for(seq)))
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> torch.Tensor:
+        dev = logits.device
+        greedy = [p.greedy for p in params]
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=logits.dtype,
+                             device=dev)
+        scaled = logits / temps[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            scaled = apply_top_k_top_p(scaled, torch.tensor([p.top_k for p in params], device=dev),
+                                       torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev))
+        cdf = scaled.softmax(-1).cumsum(-1)
+        u = uniform_for([self._seed_of(s) for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs])
+        target = (torch.from_numpy(u).to(dev, non_blocking=True) * cdf[:, -1].double()).to(cdf.dtype)[:, None]
+        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
+        if any(greedy):
+            sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), sampled)
+        return sampled
+
+    def _seed_of(self, seq: Sequence) -> int:
+        if seq.sample_seed is None:
+            seed = seq.params.seed
+            seq.sample_seed = (self.seeds.getrandbits(62) if seed is None else seed) & SEED_BITS
+        return seq.sample_seed
 
     @staticmethod
-    def _logprobs(row: torch.Tensor, token: int, top: int) -> dict[int, float]:
-        """The model's own distribution (before sampling transforms): the chosen token plus the top `top`."""
-        logp = row.log_softmax(-1)
-        out = {token: float(logp[token])}
-        if top:
-            values, ids = logp.topk(top)
-            for v, i in zip(values.tolist(), ids.tolist()):
-                out.setdefault(i, v)
-        return out
+    def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[int], tops: list[int]):
+        """One transfer: the tokens, each asking row's chosen logprob and its top alternatives, packed together."""
+        index = torch.tensor(rows, device=raw.device)
+        logp = raw[index].log_softmax(-1)
+        chosen = logp.gather(1, tokens[index][:, None]).squeeze(1)
+        k = max(tops)
+        values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+        packed = torch.cat([tokens.double(), chosen.double(), values.double().flatten(), ids.double().flatten()])
+        flat = packed.tolist()
+        n, r = len(tokens), len(rows)
+        token_list = [int(t) for t in flat[:n]]
+        top_v, top_i = flat[n + r:n + r + r * k], flat[n + r + r * k:]
+        out: list[dict[int, float] | None] = [None] * n
+        for j, (i, top) in enumerate(zip(rows, tops)):
+            lp = {token_list[i]: flat[n + j]}
+            for v, t in zip(top_v[j * k:j * k + top], top_i[j * k:j * k + top]):
+                lp.setdefault(int(t), v)
+            out[i] = lp
+        return token_list, out

@@ -17,6 +17,8 @@ class SamplingParams:
     seed: int | None = None
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # how many top logprobs to return per token (0: only the chosen one)
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the output so far
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once if the token occurred in the output so far
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -37,6 +39,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be in (0, 10]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}={value!r} must be a number in [-2, 2] (0 disables it)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -14,6 +14,12 @@ from kvgate.engine.sequence import Sequence, SequenceStatus
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute this step)
 
 
+class AllDecode(list):
+    """A ScheduledBatch in which every sequence computes exactly its last token; `seqs` lists them in order, so
+    a runner need not check."""
+    seqs: list[Sequence]
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "continuous") -> None:
@@ -35,6 +41,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        admits = self.policy == "continuous" and self.waiting and len(self.running) < self.max_num_seqs
+        if self.running and not admits:
+            batch = self._decode_all()
+            if batch is not None:
+                return batch
         budget = self.max_num_batched_tokens
         if self.policy == "static" and not self.running:
             while self.waiting and len(self.running) < self.max_num_seqs:
@@ -43,6 +54,27 @@ class Scheduler:
         if self.policy == "continuous" and not preempted:
             budget = self._admit(scheduled, budget)
         return list(scheduled.items())
+
+    def _decode_all(self) -> ScheduledBatch | None:
+        """The common step, without the general path's per-sequence bookkeeping: every running sequence decodes
+        one token and the free blocks cover those that need a new one. None when that is not the case."""
+        running, bm = self.running, self.block_manager
+        if len(running) > self.max_num_batched_tokens:
+            return None
+        bs, need = bm.block_size, []
+        for seq in running:
+            num_tokens = len(seq.token_ids)
+            if num_tokens - seq.num_computed_tokens != 1:
+                return None
+            if len(seq.block_table) * bs < num_tokens:
+                need.append(seq)
+        if len(need) > bm.num_free:
+            return None
+        for seq in need:
+            bm.append(seq, len(seq.token_ids))
+        batch = AllDecode((seq, 1) for seq in running)
+        batch.seqs = list(running)
+        return batch
 
     def _schedule_running(self, budget: int) -> tuple[dict[Sequence, int], int, bool]:
         scheduled: dict[Sequence, int] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
 
 from kvgate.engine.sampling_params import SamplingParams
 
@@ -33,10 +32,11 @@ class Sequence:
     num_prefilled_tokens: int = 0  # prompt tokens counted as computed; recomputation after preemption is not
     admitted: bool = False  # has been scheduled at least once
     block_table: list[int] = field(default_factory=list)
+    table_version: int = 0  # bumped whenever block_table is freed, so copies of it know they are stale
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, filled lazily
     num_committed_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
     finish_reason: str | None = None
-    generator: Any = None  # torch.Generator for seeded sampling; Any keeps this module torch-free
+    sample_seed: int | None = None  # the sampler's seed for this request: its own, or one drawn at first sample
     logprobs: list[dict[int, float]] | None = None
     # incremental detokenization (see engine.llm_engine.detokenize_increment)
     stream_text: bool = True

@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("kvgate.bench.engine", "W-CPU / W-GPU: kvgate continuous vs static vs HF transformers"),
     "steps": ("kvgate.bench.steps", "W-CPU once per scheduling policy, every engine step timed; --profile N"),
     "queue": ("kvgate.bench.queue", "W-QUEUE: throughput and per-job overhead through Redis"),
+    "host": ("kvgate.bench.host", "W-HOST: host CPU time per engine step by part, beside a baseline commit's engine"),
     "gateway": ("kvgate.bench.gateway", "W-GATEWAY: latency and req/s the HTTP gateway adds over the SDK"),
     "fleet": ("kvgate.bench.fleet", "W-FLEET: simulated fleet, capacity admission vs fixed prefetch"),
 }

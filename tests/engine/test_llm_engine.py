@@ -199,3 +199,17 @@ def test_generate_with_one_bad_prompt_raises_and_leaves_nothing_queued(source):
     with pytest.raises(RequestRejected, match="max_model_len=64"):
         llm.generate([[1, 2, 3], [4] * 65], SamplingParams(), use_tqdm=False)
     assert not llm.engine.has_unfinished() and llm.engine.stats.free_blocks == llm.engine.stats.total_blocks
+
+
+def test_an_engine_raises_the_young_gc_threshold_so_collections_do_not_run_every_step():
+    import gc
+
+    from kvgate.engine.cost_model_runner import CostModelRunner
+    from kvgate.engine.llm_engine import GC_GEN0_THRESHOLD
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        LLMEngine(runner=CostModelRunner(8, sleep=False))
+        assert gc.get_threshold() == (GC_GEN0_THRESHOLD, 10, 10)
+    finally:
+        gc.set_threshold(*before)

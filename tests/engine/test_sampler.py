@@ -1,11 +1,13 @@
-"""Sampling: seeded reproducibility, the support top-k/top-p leave, HF's repetition penalty, logprobs."""
+"""Sampling: seeded reproducibility, the support top-k/top-p leave, HF's repetition penalty, OpenAI's frequency and
+presence penalties, the sampled distribution, logprobs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kvgate.engine import LLM, SamplingParams
-from kvgate.engine.sampler import apply_repetition_penalty, apply_top_k_top_p
+from kvgate.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from kvgate.engine.sequence import Sequence
 from tests.engine.helpers import random_prompts, tiny_source
 
 
@@ -33,17 +35,91 @@ def test_different_seeds_give_different_samples(llm):
     assert outs[0] != outs[1]
 
 
-def test_top_k_keeps_only_the_k_most_likely_tokens():
-    logits = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
-    kept = torch.isfinite(apply_top_k_top_p(logits, 2, 1.0)).nonzero().flatten().tolist()
-    assert kept == [1, 3]
+def kept(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> list[list[int]]:
+    masked = apply_top_k_top_p(logits, torch.tensor(top_k), torch.tensor(top_p))
+    return [torch.isfinite(row).nonzero().flatten().tolist() for row in masked]
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p():
-    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
-    kept = torch.isfinite(apply_top_k_top_p(logits, -1, 0.7)).nonzero().flatten().tolist()
-    assert kept == [0, 1]
-    assert torch.isfinite(apply_top_k_top_p(logits, -1, 0.01)).sum() == 1  # the top token always survives
+def test_top_k_keeps_exactly_the_k_most_likely_tokens_per_row():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0], [5.0, 4.0, 3.0, 2.0, 1.0], [0.0, 3.0, 1.0, 2.0, -1.0]])
+    assert kept(logits, [2, 1, -1], [1.0, 1.0, 1.0]) == [[1, 3], [0], [0, 1, 2, 3, 4]]
+
+
+def test_top_k_and_top_p_masks_leave_finite_logits_unchanged():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
+    masked = apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([1.0]))
+    assert masked[0, [1, 2, 3]].tolist() == [3.0, 1.0, 2.0]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p_per_row():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5], [0.5, 0.3, 0.15, 0.05]])
+    assert kept(probs.log(), [-1, -1, -1], [0.7, 0.7, 0.01]) == [[0, 1], [2, 3], [0]]  # the top always survives
+    assert kept(probs.log(), [3, 3, -1], [0.9, 1.0, 0.85]) == [[0, 1, 2], [1, 2, 3], [0, 1, 2]]
+
+
+def seq_with(params: SamplingParams, token_ids=(1, 2, 3), outputs: tuple = ()) -> Sequence:
+    seq = Sequence("r", list(token_ids), params, params.max_tokens)
+    seq.token_ids += list(outputs)
+    return seq
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    seqs = [seq_with(SamplingParams(temperature=0)) for _ in range(5)]
+    assert Sampler()(logits, seqs)[0] == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_in_a_sampled_batch_still_take_the_argmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    seqs = [seq_with(SamplingParams(temperature=t)) for t in (0, 1.0, 0, 2.0)]
+    tokens = Sampler()(logits, seqs)[0]
+    assert [tokens[0], tokens[2]] == logits.argmax(-1)[[0, 2]].tolist()
+
+
+def test_seeded_row_draws_the_same_token_whatever_the_batch_around_it():
+    g = torch.Generator().manual_seed(2)
+    row = torch.randn(1, 64, generator=g)
+    draws = []
+    for others in (0, 3, 7):
+        logits = torch.cat([torch.randn(others, 64, generator=g), row])
+        seqs = [seq_with(SamplingParams(temperature=1.0, seed=s)) for s in range(100, 100 + others)]
+        seqs.append(seq_with(SamplingParams(temperature=1.0, seed=42), outputs=(5, 6)))
+        draws.append(Sampler(seed=others)(logits, seqs)[0][-1])
+    assert draws[0] == draws[1] == draws[2]
+
+
+def test_sampled_frequencies_match_the_softmax_on_a_small_vocabulary():
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    n = 6000
+    logits = probs.log().repeat(n, 1)
+    seqs = [seq_with(SamplingParams(temperature=1.0)) for _ in range(n)]  # unseeded: seeds from the engine's stream
+    counts = torch.bincount(torch.tensor(Sampler(seed=3)(logits, seqs)[0]), minlength=6).double()
+    expected = probs.double() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # chi-square, 5 degrees of freedom: p = 0.001
+
+
+def test_temperature_sharpens_the_sampled_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    n = 3000
+    logits = probs.log().repeat(n, 1)
+    counts = torch.bincount(torch.tensor(Sampler(seed=4)(logits, [seq_with(SamplingParams(temperature=0.5))
+                                                                   for _ in range(n)])[0]), minlength=3)
+    expected = probs ** 2 / (probs ** 2).sum()  # softmax(log p / 0.5)
+    assert torch.allclose(counts.double() / n, expected.double(), atol=0.03)
+
+
+def test_frequency_and_presence_penalties_follow_openai():
+    logits = torch.zeros(1, 8)
+    seq = seq_with(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), token_ids=(7,), outputs=(2, 2, 5))
+    apply_penalties(logits, [seq], [0])
+    assert logits[0].tolist() == [0, 0, -1.25, 0, 0, -0.75, 0, 0]  # the prompt token 7 is not penalized
+
+
+def test_top_k_sampling_never_leaves_the_top_k():
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(5)).repeat(500, 1)
+    tokens = Sampler(seed=6)(logits, [seq_with(SamplingParams(temperature=5.0, top_k=3)) for _ in range(500)])[0]
+    assert set(tokens) == set(logits[0].topk(3).indices.tolist())
 
 
 def test_sampled_tokens_stay_inside_the_top_k_support(llm):
@@ -58,12 +134,13 @@ def test_sampled_tokens_stay_inside_the_top_k_support(llm):
 
 def test_repetition_penalty_matches_hf_processor():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-    logits = torch.randn(1, 20)
-    ids = [3, 5, 5, 7]
-    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([ids]), logits.clone())
-    ours = logits[0].clone()
-    apply_repetition_penalty(ours, ids, 1.3)
-    assert torch.allclose(ours, expected[0])
+    logits = torch.randn(2, 20)
+    ids = [[3, 5, 5, 7], [1, 2, 3, 4]]
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor(ids), logits.clone())
+    ours = logits.clone()
+    seqs = [seq_with(SamplingParams(repetition_penalty=1.3), token_ids=i) for i in ids]
+    apply_penalties(ours, seqs, [0, 1])
+    assert torch.allclose(ours, expected)
 
 
 def test_greedy_with_repetition_penalty_matches_hf_generate():
@@ -90,7 +167,20 @@ def test_logprobs_hold_the_chosen_token_and_top_alternatives(llm):
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(stop=[""]), "stop"), (dict(seed=-3), "seed"), (dict(logprobs=50), "logprobs"),
+    (dict(frequency_penalty=3), "frequency_penalty"), (dict(presence_penalty=-2.5), "presence_penalty"),
 ])
 def test_invalid_sampling_params_raise_naming_the_field(kwargs, word):
     with pytest.raises(ValueError, match=word):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_of_mixed_rows_are_the_raw_log_softmax_of_each_asking_row():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(7))
+    seqs = [seq_with(SamplingParams(temperature=0, logprobs=2)), seq_with(SamplingParams(temperature=0)),
+            seq_with(SamplingParams(temperature=0.7, logprobs=0, repetition_penalty=1.5))]
+    tokens, lps = Sampler()(logits, seqs)
+    logp = logits.log_softmax(-1)
+    assert lps[1] is None
+    top2 = logp[0].topk(2)
+    assert lps[0] == {i: v for i, v in zip(top2.indices.tolist(), top2.values.tolist())}
+    assert lps[2] == {tokens[2]: logp[2, tokens[2]].item()}

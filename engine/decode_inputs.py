@@ -1,0 +1,106 @@
+"""The inputs of a decode-only step, built from persistent host arrays instead of Python lists.
+
+Each sequence owns a row of a numpy block table for as long as it decodes; a step writes only the blocks
+appended since the last one (usually none), and a row is rewritten whole when its sequence's table changed
+under it (`Sequence.table_version`: preemption frees the table). Everything a step needs is packed into one
+int64 array, so a device gets it in one (pinned, non-blocking) host-to-device copy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvgate.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    slot_mapping: torch.Tensor  # [B] int64
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, width] int32, -1 past each sequence's blocks
+
+
+class DecodeInputs:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+        self.capacity = 2 * max_num_seqs  # rows of sequences not seen lately are reused past this
+        self.max_blocks = max_blocks_per_seq
+        self.tables = np.full((self.capacity, max_blocks_per_seq), -1, dtype=np.int64)
+        self.row_of: dict[int, int] = {}  # seq_id -> row
+        self.seq_of_row = [-1] * self.capacity
+        self.synced = [0] * self.capacity  # table entries already written
+        self.version = [-1] * self.capacity
+        self.last_step = np.full(self.capacity, -1, dtype=np.int64)
+        self.free_rows = list(range(self.capacity - 1, -1, -1))
+        self.step = 0
+        self.pinned = device.type == "cuda"
+
+    def build(self, seqs: list[Sequence], width: int | None = None) -> DecodeBatch:
+        """Inputs for one new token per sequence (the last of each); `width` fixes the block-table width (a CUDA
+        graph's), else it is the widest table in the batch."""
+        self.step += 1
+        n = len(seqs)
+        rows = np.empty(n, dtype=np.int64)
+        ids = np.empty(n, dtype=np.int64)
+        positions = np.empty(n, dtype=np.int64)
+        widest = 0
+        for i, seq in enumerate(seqs):
+            row = self.row_of.get(seq.seq_id)
+            if row is None or self.version[row] != seq.table_version:
+                row = self._claim(seq) if row is None else row
+                self._write(row, seq, 0)
+            elif len(seq.block_table) > self.synced[row]:
+                self._write(row, seq, self.synced[row])
+            rows[i] = row
+            self.last_step[row] = self.step
+            ids[i] = seq.token_ids[-1]
+            positions[i] = seq.num_computed_tokens
+            widest = max(widest, self.synced[row])
+        width = width or widest
+        bs = self.block_size
+        tables = self.tables[rows, :width]
+        slots = tables[np.arange(n), positions // bs] * bs + positions % bs
+        cu = np.arange(n + 1, dtype=np.int64)
+        packed = np.concatenate([ids, positions, slots, cu, positions + 1, tables.reshape(-1)])
+        flat = self._to_device(packed)
+        views = torch.split(flat, [n, n, n, n + 1, n, n * width])
+        return DecodeBatch(views[0], views[1], views[2], views[3].to(torch.int32), views[4].to(torch.int32),
+                           views[5].view(n, width).to(torch.int32))
+
+    def _to_device(self, packed: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(packed)
+        if self.device.type == "cpu":
+            return host
+        if self.pinned:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def _write(self, row: int, seq: Sequence, start: int) -> None:
+        table = seq.block_table
+        if len(table) > self.max_blocks:
+            raise ValueError(f"sequence {seq.request_id} holds {len(table)} blocks, more than the "
+                             f"{self.max_blocks} a row of max_model_len has")
+        if start == 0:
+            self.tables[row, len(table):] = -1
+        self.tables[row, start:len(table)] = table[start:]
+        self.synced[row], self.version[row] = len(table), seq.table_version
+
+    def _claim(self, seq: Sequence) -> int:
+        if not self.free_rows:
+            self._evict()
+        row = self.free_rows.pop()
+        self.row_of[seq.seq_id], self.seq_of_row[row] = row, seq.seq_id
+        return row
+
+    def _evict(self) -> None:
+        """Free the rows of every sequence not seen in this step (finished, preempted or waiting ones)."""
+        for row in np.flatnonzero(self.last_step < self.step).tolist():
+            self.row_of.pop(self.seq_of_row[row], None)
+            self.seq_of_row[row], self.last_step[row] = -1, -1
+            self.free_rows.append(row)
+        if not self.free_rows:
+            raise RuntimeError(f"more than {self.capacity} sequences in one decode step")

@@ -1,0 +1,229 @@
+"""`kvgate bench host`: W-HOST from shared/benchmarks.md, the engine thread's CPU time per step, split into
+schedule, input preparation, sampling and post-processing, on a tiny random model whose forward costs nothing.
+
+`--baseline-ref REF` runs the same cases on the engine of another commit in the same run, interleaved: the
+commit is extracted with `git archive` into a temporary folder (the repository's worktrees are not touched)
+and each engine's cases run in a fresh subprocess of this file with that tree first on sys.path. The measuring code
+below imports only `kvgate.engine`, so it runs unchanged against either engine."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PACKAGE_DIRS = {"engine": "engine", "kernels": "kernels", "producer": "producer", "worker": "worker"}
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    parser.add_argument("--baseline-ref", help="also measure the engine of this git commit (e.g. HEAD~1), side by side")
+    parser.add_argument("--batches", default="64,256", help="max_num_seqs values (comma-separated)")
+    parser.add_argument("--num-requests", type=int, default=512, help="requests per case (W-HOST: 512)")
+    parser.add_argument("--max-output", type=int, help="cap the output lengths (W-HOST: 200-400)")
+    parser.add_argument("--no-gpu-shaped", action="store_true", help="skip the W-GPU-shaped run (forward stubbed)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def cases_of(args: argparse.Namespace) -> list[dict]:
+    out_hi = min(400, args.max_output) if args.max_output else 400
+    out = (min(200, out_hi), out_hi)
+    cases = [dict(name=f"b{b} {'t0.6' if t else 'greedy'}{' detok' if d else ''}", batch=b, temperature=t,
+                  stream=d, num_requests=args.num_requests, prompt=(32, 128), output=out, stub=False, seed=args.seed)
+             for b in (int(x) for x in args.batches.split(",")) for t in (0.0, 0.6) for d in (False, True)]
+    if not args.no_gpu_shaped:
+        gpu_out = (min(100, out_hi), min(1024, args.max_output or 1024))
+        cases.append(dict(name="W-GPU-shaped stub", batch=256, temperature=0.0, stream=False,
+                          num_requests=min(256, args.num_requests), prompt=(100, 1024), output=gpu_out, stub=True,
+                          seed=args.seed))
+    return cases
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgate.bench.report import machine_info, versions
+
+    import torch
+    trees = {"current": None}
+    tmp = None
+    if args.baseline_ref:
+        tmp = Path(tempfile.mkdtemp(prefix="kvgate-baseline-"))
+        trees = {"baseline": overlay_of(args.baseline_ref, tmp), "current": None}
+    report = {"workload": "W-HOST", "machine": machine_info(torch.device("cpu")), "versions": versions(),
+              "baseline_ref": args.baseline_ref, "commit": git_rev("HEAD"),
+              "baseline_commit": git_rev(args.baseline_ref) if args.baseline_ref else None,
+              "time": "time.thread_time of the engine thread, torch.set_num_threads(1)", "cases": []}
+    cases = cases_of(args)
+    try:
+        results = {label: run_child(cases, overlay) for label, overlay in trees.items()}
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    for i, case in enumerate(cases):
+        entry = {"case": case, **{label: r[i] for label, r in results.items()}}
+        if "baseline" in entry:
+            entry["ratio_host_ms"] = ratio(entry["baseline"], entry["current"])
+        report["cases"].append(entry)
+        print_case(entry)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def git_rev(ref: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", ref], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"--baseline-ref {ref!r} is not a commit of {root}: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def overlay_of(ref: str, tmp: Path) -> Path:
+    """A folder holding `kvgate` as the commit `ref` lays it out (package-dir mapping included)."""
+    root = Path(__file__).resolve().parents[2]
+    git_rev(ref)
+    tree = tmp / "tree"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", "--format=tar", ref], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    pkg = tmp / "overlay" / "kvgate"
+    shutil.copytree(tree / "kvgate", pkg)
+    for name, folder in PACKAGE_DIRS.items():
+        if (tree / folder).is_dir():
+            shutil.copytree(tree / folder, pkg / name)
+    return tmp / "overlay"
+
+
+def run_child(cases: list[dict], overlay: Path | None) -> list[dict]:
+    """The cases in a fresh process, each on a fresh engine; `overlay` first on sys.path makes it measure that
+    commit's engine."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    code = ("import sys, json, runpy; "
+            f"sys.path.insert(0, {str(overlay)!r}) if {overlay is not None} else None; "
+            f"m = runpy.run_path({str(Path(__file__).resolve())!r}); "
+            "print('W-HOST-RESULT ' + json.dumps([m['measure'](c) for c in json.loads(sys.argv[1])]))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, env=env,
+                         cwd=tempfile.gettempdir())
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("W-HOST-RESULT ")]
+    if out.returncode or not lines:
+        raise SystemExit(f"W-HOST failed ({'baseline' if overlay else 'current'} engine):\n"
+                         f"{out.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("W-HOST-RESULT "))
+
+
+# ---- the measurement: imports kvgate.engine only, so either commit's engine can be measured -------------------
+
+PARTS = ("schedule", "prepare", "sampler", "post")
+_TOKENIZER: dict = {}
+
+
+def tiny_source(tokenizer, seed: int):
+    from transformers import LlamaConfig
+
+    from kvgate.engine.loader import ModelSource
+    return ModelSource(name="tiny-w-host", config=LlamaConfig(**TINY), tokenizer=tokenizer, path=None, seed=seed)
+
+
+def measure(case: dict) -> dict:
+    import torch
+
+    from kvgate.engine.llm_engine import LLMEngine
+    from kvgate.engine.loader import resolve_model
+    from kvgate.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    tokenizer = _TOKENIZER.get("smollm2") or _TOKENIZER.setdefault("smollm2", resolve_model("smollm2-135m").tokenizer)
+    engine = LLMEngine(tiny_source(tokenizer, case["seed"]), max_num_seqs=case["batch"], device="cpu",
+                       dtype="float32", seed=case["seed"])
+    rng = random.Random(case["seed"])
+    for i in range(case["num_requests"]):
+        prompt = [rng.randrange(TINY["vocab_size"]) for _ in range(rng.randint(*case["prompt"]))]
+        params = SamplingParams(temperature=case["temperature"], max_tokens=rng.randint(*case["output"]),
+                                ignore_eos=True, seed=None)
+        engine.add_request(str(i), prompt, params, stream_text=case["stream"])
+    clock, current, batches = time.thread_time, {}, []
+    runner = engine.runner
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            start = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                current[name] = current.get(name, 0.0) + clock() - start
+        return wrapper
+
+    schedule = engine.scheduler.schedule
+
+    def scheduled():
+        batch = schedule()
+        batches.append(batch)
+        return batch
+
+    engine.scheduler.schedule = timed("schedule", scheduled)
+    runner.prepare = timed("prepare", runner.prepare)
+    if case["stub"]:
+        hidden = torch.randn(16384, TINY["hidden_size"])
+        runner.forward = timed("forward", lambda ids, *_, **__: hidden[: ids.shape[0]])
+    else:
+        runner.forward = timed("forward", runner.forward)
+    runner.model.compute_logits = timed("logits", runner.model.compute_logits)
+    runner.sampler = timed("sampler", runner.sampler)
+    steps = []
+    gc.collect()  # the previous case's engine is garbage: its collection is not this case's host work
+    while engine.has_unfinished():
+        current.clear()
+        start = clock()
+        engine.step()
+        total = clock() - start
+        batch = batches[-1]
+        full = len(batch) == case["batch"] and all(n == 1 for _, n in batch)
+        model = current.get("forward", 0.0) + current.get("logits", 0.0)
+        parts = {p: current.get(p, 0.0) for p in PARTS[:-1]}
+        parts["post"] = total - model - sum(parts.values())
+        steps.append((full, total - model, model, parts))
+    full = [s for s in steps if s[0]]
+    mean = lambda xs: 1e3 * statistics.fmean(xs) if xs else None  # noqa: E731
+    import kvgate.engine
+    return {"engine": str(Path(kvgate.engine.__file__).parent), "steps": len(steps), "full_decode_steps": len(full),
+            "host_s_all_steps": sum(s[1] for s in steps), "host_ms_per_step_all": mean([s[1] for s in steps]),
+            "model_s_all_steps": sum(s[2] for s in steps),
+            "full_decode_ms": {**{p: mean([s[3][p] for s in full]) for p in PARTS},
+                               "host": mean([s[1] for s in full]), "model": mean([s[2] for s in full])}}
+
+
+def ratio(baseline: dict, current: dict) -> float | None:
+    b, c = baseline["full_decode_ms"]["host"], current["full_decode_ms"]["host"]
+    return round(b / c, 2) if b and c else None
+
+
+def print_case(entry: dict) -> None:
+    def fmt(r: dict) -> str:
+        ms = r["full_decode_ms"]
+        if ms["host"] is None:
+            return f"no full-batch decode step of {r['steps']}; host {r['host_s_all_steps']:.2f} s in all"
+        parts = " ".join(f"{p} {ms[p]:.3f}" for p in PARTS)
+        return (f"{parts} | host {ms['host']:.3f} ms/step over {r['full_decode_steps']} full decode steps; "
+                f"all {r['steps']} steps {r['host_s_all_steps']:.2f} s ({r['host_ms_per_step_all']:.3f} ms/step)")
+    print(entry["case"]["name"])
+    for label in ("baseline", "current"):
+        if label in entry:
+            print(f"  {label:<8} {fmt(entry[label])}")
+    if entry.get("ratio_host_ms"):
+        print(f"  baseline/current host per full decode step: {entry['ratio_host_ms']}x")
+
+
+if __name__ == "__main__":  # until `kvgate bench host` is in the command table: python -m kvgate.bench.host
+    _parser = argparse.ArgumentParser(prog="kvgate bench host", description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -1,0 +1,34 @@
+"""`kvgate bench host` scaled down: each case measured on this tree's engine and on a baseline commit's engine
+(extracted with git archive, measured in its own subprocess), with the parts adding up to the host time."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvgate.bench import host
+
+ROOT = Path(host.__file__).resolve().parents[2]
+
+
+def test_host_bench_measures_baseline_and_current_engines_side_by_side(tmp_path):
+    parser = argparse.ArgumentParser()
+    host.add_arguments(parser)
+    out = tmp_path / "host.json"
+    args = parser.parse_args(["--baseline-ref", "HEAD", "--batches", "4", "--num-requests", "6", "--max-output", "12",
+                              "--json", str(out)])
+    assert host.run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["workload"] == "W-HOST" and len(report["cases"]) == 5  # 2 temperatures x 2 detok + gpu-shaped
+    for entry in report["cases"]:
+        base, cur = entry["baseline"], entry["current"]
+        assert cur["engine"] == str(ROOT / "engine")  # the editable install: this tree
+        assert base["engine"] != cur["engine"] and base["engine"].endswith("kvgate/engine")
+        for r in (base, cur):
+            ms = r["full_decode_ms"]
+            if entry["case"]["stub"]:
+                assert r["host_s_all_steps"] > 0
+                continue
+            assert r["full_decode_steps"] > 0
+            assert abs(sum(ms[p] for p in host.PARTS) - ms["host"]) < 1e-6
+            assert all(ms[p] >= 0 for p in ("schedule", "prepare", "sampler"))

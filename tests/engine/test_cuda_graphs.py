@@ -1,0 +1,80 @@
+"""The decode-graph plan: buckets, padding rows and static buffers reused step after step. On a CPU the replay is
+the eager twin over the same static buffers, so the plan is checked here; the real capture is checked on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgate.engine import LLMEngine, SamplingParams
+from kvgate.engine.cuda_graphs import capture_sizes
+from tests.engine.helpers import random_prompts, tiny_source
+
+
+@pytest.mark.parametrize("max_num_seqs, sizes", [
+    (1, [1]), (5, [1, 2, 4, 5]), (20, [1, 2, 4, 8, 16, 20]), (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+])
+def test_capture_sizes_cover_every_batch_up_to_max_num_seqs(max_num_seqs, sizes):
+    assert capture_sizes(max_num_seqs) == sizes
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], lengths: list[int]) -> dict[str, list[int]]:
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def test_graph_plan_gives_the_eager_tokens_and_reuses_its_buffers():
+    source, _ = tiny_source("llama", seed=6)
+    prompts = random_prompts(7, 3, 30, seed=6)
+    lengths = [5, 9, 14, 20, 26, 31, 40]  # the batch shrinks through 7..1: odd sizes land in padded buckets
+    eager = generate(LLMEngine(source, kv_cache_memory=1 << 20, max_num_seqs=7), prompts, lengths)
+    engine = LLMEngine(source, kv_cache_memory=1 << 20, max_num_seqs=7)
+    assert engine.runner.graphs is None  # a CPU engine captures nothing by itself
+    engine.runner.capture_graphs()
+    graphs = engine.runner.graphs
+    buffers = [t.data_ptr() for t in (graphs.input_ids, graphs.slot_mapping, graphs.block_tables)]
+    run, padded = graphs.run, []
+
+    def checking_padding(input_ids, positions, meta):
+        hidden = run(input_ids, positions, meta)
+        n, size = input_ids.shape[0], graphs.bucket(input_ids.shape[0])
+        assert (graphs.slot_mapping[n:size] == -1).all() and (graphs.context_lens[n:size] == 0).all()
+        assert torch.equal(graphs.context_lens[:n], meta.context_lens)  # and the real rows hold the step's inputs
+        padded.append(size - n)
+        return hidden
+
+    graphs.run = checking_padding
+    assert generate(engine, prompts, lengths) == eager
+    assert [t.data_ptr() for t in (graphs.input_ids, graphs.slot_mapping, graphs.block_tables)] == buffers
+    assert graphs.sizes == [1, 2, 4, 7] and all(graphs.replayed[s] > 0 for s in graphs.sizes)
+    assert max(padded) > 0  # some steps ran padded (a batch of 3 in the bucket of 4, 6 or 5 in 7)
+    assert graphs.block_tables.shape[1] == -(-engine.max_model_len // engine.block_size)
+
+
+def test_padding_rows_leave_the_kv_cache_as_eager_leaves_it():
+    source, _ = tiny_source("llama", seed=7)
+    prompts, lengths = random_prompts(3, 4, 12, seed=7), [6, 6, 6]
+    eager = LLMEngine(source, kv_cache_memory=1 << 20, max_num_seqs=4)
+    graphed = LLMEngine(source, kv_cache_memory=1 << 20, max_num_seqs=4)
+    graphed.runner.capture_graphs()
+    assert generate(eager, prompts, lengths) == generate(graphed, prompts, lengths)
+    assert graphed.runner.graphs.replayed[4] > 0  # 3 sequences padded to the bucket of 4
+    assert torch.equal(eager.runner.kv_cache, graphed.runner.kv_cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_replay_gives_the_eager_token_ids(dtype):
+    source, _ = tiny_source("qwen3", seed=8)
+    prompts = random_prompts(13, 2, 90, seed=8)
+    lengths = [3 + 5 * i for i in range(13)]
+    kwargs = dict(device="cuda", dtype=dtype, kv_cache_memory=1 << 24, max_num_seqs=13)
+    eager = generate(LLMEngine(source, enforce_eager=True, **kwargs), prompts, lengths)
+    engine = LLMEngine(source, **kwargs)
+    assert engine.runner.graphs is not None
+    assert generate(engine, prompts, lengths) == eager
+    assert sum(engine.runner.graphs.replayed.values()) > 0
