@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(VENV)/bin/kvgate bench steps --profile 10 --json bench-steps.json
 	$(VENV)/bin/kvgate bench queue --json bench-queue.json
 	$(VENV)/bin/kvgate bench fleet --json bench-fleet.json --plot deploy/w-fleet.png
+	$(VENV)/bin/kvgate bench host --json bench-host.json
 	$(VENV)/bin/kvgate bench gateway --json bench-gateway.json
 
 # Every GPU check of the step issue in <= 9 minutes on one H100/H200: make gpu-check OUT=gpu-check-out

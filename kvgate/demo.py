@@ -31,15 +31,17 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         url = args.redis_url or start_embedded_redis(stack, console)
         start_worker(stack, console, url, args)
-        from kvgate.producer import Client
+        from kvgate.producer import Client, Restart
 
         client = stack.enter_context(Client(url, namespace=args.namespace))
         handles = [client.submit(messages=[{"role": "user", "content": p}], max_tokens=args.max_tokens,
                                  temperature=0.0, stream=(i == 0)) for i, p in enumerate(PROMPTS[: args.prompts])]
         console.rule(f"{len(handles)} jobs queued; streaming the first answer")
         console.print(f"[bold]user:[/] {PROMPTS[0]}\n[bold]assistant:[/] ", end="")
-        for delta in handles[0].stream(timeout=300):
-            console.print(delta.text, end="", markup=False, highlight=False)
+        for item in handles[0].stream(timeout=300):
+            if isinstance(item, Restart):  # a redelivered job starts its text anew
+                console.print(f"\n[dim]({item.reason}; restarting the answer)[/] ", end="")
+            console.print(item.text, end="", markup=False, highlight=False)
         console.print()
         results = [h.result(timeout=300) for h in handles]
         print_results(console, results)

@@ -5,6 +5,7 @@ malformed payload becomes a ProtocolError (and an error result), never a crash o
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -213,6 +214,10 @@ def validate_job(job: Job) -> None:
             raise ProtocolError("prompt_token_ids must be a non-empty list of non-negative token ids")
     if job.metadata is not None and len(encode_metadata(job.metadata)) > MAX_METADATA_BYTES:
         raise ProtocolError(f"metadata is over the limit of {MAX_METADATA_BYTES} bytes")
+    for name in ("enqueued_at", "deadline"):
+        value = getattr(job, name)
+        if value is not None and not math.isfinite(value):
+            raise ProtocolError(f"{name}={value!r} must be a finite number of unix seconds")
     validate_sampling(job.sampling)
 
 

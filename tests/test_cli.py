@@ -170,9 +170,9 @@ def test_debug_shows_the_traceback():
 
 # ---- get and cancel ---------------------------------------------------------------------------------------
 
-def test_get_of_an_unknown_job_says_it_has_no_result(redis_server):
+def test_get_of_an_unknown_job_says_it_has_no_result_and_is_unknown(redis_server):
     line = one_line_error(kvgate("get", "no-such-job", "--redis-url", redis_server.url))
-    assert "no result for job 'no-such-job'" in line
+    assert "no result" in line and "job no-such-job: unknown" in line
 
 
 def test_submit_no_wait_then_get_prints_the_answer_and_cancel_refuses_a_finished_job(redis_server):

@@ -1,4 +1,5 @@
-"""`kvgate get JOB_ID`: print a finished job's result, or say that there is none (yet)."""
+"""`kvgate get JOB_ID`: print a finished job's result, or say where the job is (running on which worker,
+unknown, lost)."""
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     with Client(args.redis_url, args.namespace) as client:
         result = client.get(args.job_id)
-    if result is None:
-        print(f"kvgate get: no result for job {args.job_id!r} in namespace {args.namespace}: it is unknown, "
-              "not finished yet, or its result expired", file=sys.stderr)
+        status = client.status(args.job_id) if result is None else None
+    if status is not None:
+        print(f"kvgate get: no result in namespace {args.namespace}; {status}", file=sys.stderr)
         return EXIT_NO_RESULT
     if args.json:
         print_json(result)

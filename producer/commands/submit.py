@@ -10,6 +10,7 @@ import msgspec
 
 from ..client import Client
 from ..errors import ResultTimeout
+from ..stream import Restart
 
 EXIT_BY_STATUS = {"done": 0, "error": 1, "expired": 1, "cancelled": 1}
 
@@ -71,8 +72,10 @@ def print_json(result) -> None:
 
 def _answer(handle, args: argparse.Namespace) -> int:
     if args.stream and not args.json:
-        for delta in handle.stream(timeout=args.timeout):
-            print(delta.text, end="", flush=True)
+        for item in handle.stream(timeout=args.timeout):
+            if isinstance(item, Restart):  # a redelivered job starts its text anew
+                print(f"\n[{item.reason}; restarting the answer]", flush=True)
+            print(item.text, end="", flush=True)
         print()
     result = handle.result(timeout=args.timeout)
     if args.json:

@@ -108,3 +108,10 @@ def test_huge_length_headers_are_a_protocol_error_without_allocating():
     with pytest.raises(ProtocolError, match="over the limit"):
         decode_job(b"\x00" * (MAX_PAYLOAD_BYTES + 1))
     assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("name", ["enqueued_at", "deadline"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_time_that_is_not_a_finite_number_is_a_protocol_error_naming_the_field(name, value):
+    with pytest.raises(ProtocolError, match=name):
+        decode_job(msgspec.msgpack.encode({**VALID, name: value}))
