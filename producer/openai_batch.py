@@ -1,7 +1,8 @@
 """The OpenAI Batch file format: request lines in, response lines out.
 
 In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
-Out: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null | {"code", "message"}}
+Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}
+  or {"id", "custom_id", "response": null, "error": {"code", "message"}} for a line that failed.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
                    "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",
                    "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "metadata": "metadata"}
-IGNORED_FIELDS = {"model", "user", "stream", "n", "logprobs"}
+IGNORED_FIELDS = {"model", "user", "stream", "n"}
+# Results carry no per-token logprobs, so asking for them fails the line instead of answering without them.
+LOGPROB_FIELDS = ("logprobs", "top_logprobs")
 
 
 class BadLine(ValueError):
@@ -61,7 +64,11 @@ def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
 
 
 def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - {"messages", "prompt"})
+    for name in LOGPROB_FIELDS:
+        if body.get(name) not in (None, False, 0):
+            raise BadLine("unsupported_parameter", f"{name}={body[name]!r} is not supported: kvgate results carry "
+                          f"no logprobs; remove body.{name} or set it to null")
+    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - set(LOGPROB_FIELDS) - {"messages", "prompt"})
     if unknown:
         raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported")
     if body.get("n", 1) != 1:
@@ -85,7 +92,36 @@ def file_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
-def success_line(req: BatchRequest, result: Result) -> dict[str, Any]:
+def duplicate_custom_id(lines: list[str]) -> str | None:
+    """OpenAI refuses a batch file whose custom_ids repeat; the message names the first repeated id and its lines."""
+    where: dict[str, list[int]] = {}
+    for line_no, raw in enumerate(lines, start=1):
+        custom_id = custom_id_of(raw)
+        if custom_id is not None:
+            where.setdefault(custom_id, []).append(line_no)
+    for custom_id, line_nos in where.items():
+        if len(line_nos) > 1:
+            return (f"custom_id {custom_id!r} appears on lines {', '.join(map(str, line_nos))}; every custom_id in "
+                    f"a batch file must be unique: rename the repeats and run again")
+    return None
+
+
+def custom_id_of(raw: str) -> str | None:
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    value = data.get("custom_id") if isinstance(data, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def line_id(file_digest: str, line_no: int) -> str:
+    """The output id of a line rejected before it became a job: unique within the file, stable across runs."""
+    return "batch_req_" + hashlib.sha256(f"{file_digest}\n{line_no}".encode()).hexdigest()[:24]
+
+
+def success_line(req: BatchRequest, result: Result, model: str | None = None) -> dict[str, Any]:
+    """model: the model the serving worker reports; the requested one when that is unknown."""
     created = int(result.timings.finished or time.time())
     if req.url == CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
@@ -98,27 +134,20 @@ def success_line(req: BatchRequest, result: Result) -> dict[str, Any]:
     usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
              "total_tokens": u.prompt_tokens + u.completion_tokens,
              "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-    body = {"id": f"{prefix}-{result.job_id}", "object": kind, "created": created, "model": req.model,
+    body = {"id": f"{prefix}-{result.job_id}", "object": kind, "created": created, "model": model or req.model,
             "choices": [choice], "usage": usage, "system_fingerprint": result.worker}
     return {"id": f"batch_req_{result.job_id}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": result.job_id, "body": body}, "error": None}
 
 
-STATUS_CODES = {"error": 500, "expired": 408, "cancelled": 499, "invalid_request": 400}
-
-
-def error_line(custom_id: str, code: str, message: str, job_id: str | None = None) -> dict[str, Any]:
-    status = STATUS_CODES.get(code, 400)
-    response = {"status_code": status, "request_id": job_id,
-                "body": {"error": {"message": message, "type": code, "code": code}}}
-    return {"id": f"batch_req_{job_id or 'none'}", "custom_id": custom_id, "response": response,
-            "error": {"code": code, "message": message}}
+def error_line(row_id: str, custom_id: str, code: str, message: str) -> dict[str, Any]:
+    return {"id": row_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
 
 
 def failed_result_line(req: BatchRequest, result: Result) -> dict[str, Any]:
     message = result.error or f"job {result.status}"
-    return error_line(req.custom_id, result.status, message, result.job_id)
+    return error_line(f"batch_req_{result.job_id}", req.custom_id, result.status, message)
 
 
-def invalid_request_line(req: BatchRequest, err: InvalidRequest) -> dict[str, Any]:
-    return error_line(req.custom_id, "invalid_request", f"line {req.line_no}: {err}")
+def invalid_request_line(req: BatchRequest, err: InvalidRequest, digest: str) -> dict[str, Any]:
+    return error_line(line_id(digest, req.line_no), req.custom_id, "invalid_request", f"line {req.line_no}: {err}")

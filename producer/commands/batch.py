@@ -16,11 +16,9 @@ from tqdm.auto import tqdm
 
 from ..client import Client
 from ..errors import InvalidRequest, ResultTimeout
-from ..openai_batch import (BadLine, BatchRequest, error_line, failed_result_line, file_digest,
-                            invalid_request_line, parse_line, success_line)
+from ..openai_batch import (BadLine, BatchRequest, custom_id_of, duplicate_custom_id, error_line, failed_result_line,
+                            file_digest, invalid_request_line, line_id, parse_line, success_line)
 from ..submission import prepare
-
-DUPLICATE = "duplicate_custom_id"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,46 +44,37 @@ def answered_ids(output: Path) -> set[str]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and (row.get("error") or {}).get("code") != DUPLICATE:
+        if isinstance(row, dict):
             done.add(row.get("custom_id"))
     return done
 
 
-def read_requests(data: bytes, done: set[str], priority: str, out: IO[str], client: Client) -> list[BatchRequest]:
-    """Parse and validate the lines still to do; bad lines get their error line now."""
-    digest, seen, todo = file_digest(data), set(), []
+def read_requests(data: bytes, done: set[str], priority: str, out: IO[str],
+                  client: Client) -> tuple[list[BatchRequest], int]:
+    """Parse and validate the lines still to do; bad lines get their error line now, and are counted."""
+    digest, todo, rejected = file_digest(data), [], 0
     for line_no, raw in enumerate(data.decode("utf-8", "replace").splitlines(), start=1):
         if not raw.strip():
             continue
         try:
             req = parse_line(line_no, raw, digest)
         except BadLine as e:
-            custom_id = _custom_id_of(raw) or f"line-{line_no}"
+            custom_id = custom_id_of(raw) or f"line-{line_no}"
             if custom_id not in done:
-                _write(out, error_line(custom_id, e.code, str(e)))
+                _write(out, error_line(line_id(digest, line_no), custom_id, e.code, str(e)))
+                rejected += 1
             continue
-        if req.custom_id in seen:
-            _write(out, error_line(req.custom_id, DUPLICATE, f"line {line_no} repeats custom_id {req.custom_id!r}"))
-            continue
-        seen.add(req.custom_id)
         if req.custom_id in done:
             continue
         req.submit_args.setdefault("priority", priority)
         try:
             prepare(req.submit_args, client.keys, client.client_id)  # every check submit would make
         except InvalidRequest as e:
-            _write(out, invalid_request_line(req, e))
+            _write(out, invalid_request_line(req, e, digest))
+            rejected += 1
             continue
         todo.append(req)
-    return todo
-
-
-def _custom_id_of(raw: str) -> str | None:
-    try:
-        value = json.loads(raw).get("custom_id")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    return value if isinstance(value, str) and value else None
+    return todo, rejected
 
 
 def _write(out: IO[str], row: dict) -> None:
@@ -99,28 +88,49 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"kvgate batch: cannot read {args.input}: {e}", file=sys.stderr)
         return 2
+    duplicate = duplicate_custom_id(data.decode("utf-8", "replace").splitlines())
+    if duplicate:
+        print(f"kvgate batch: {args.input}: {duplicate}", file=sys.stderr)
+        return 2
     done = answered_ids(args.output)
     try:
         with Client(args.redis_url, args.namespace) as client, args.output.open("a", encoding="utf-8") as out:
-            todo = read_requests(data, done, args.priority, out, client)
-            return _process(client, todo, out, args)
+            todo, rejected = read_requests(data, done, args.priority, out, client)
+            failed = _process(client, todo, out, args)
     except ResultTimeout as e:
         print(f"kvgate batch: {e}; run the same command again to resume", file=sys.stderr)
         return 3
+    skipped = f"; {len(done)} already in the output were skipped" if done else ""
+    print(f"kvgate batch: {len(todo) + rejected} lines written: {len(todo) - failed} succeeded, "
+          f"{failed + rejected} failed ({rejected} rejected before submission, {failed} failed on the fleet)"
+          f"{skipped}; output in {args.output}", file=sys.stderr)
+    return 0
 
 
 def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argparse.Namespace) -> int:
+    """Submit the lines to do and write each answer as it arrives; returns how many failed on the fleet."""
     show = not args.no_progress
     handles = client.submit_many([r.submit_args for r in todo], progress=show)
-    by_job = {h.job_id: (r, h) for r, h in zip(todo, handles)}
+    by_job = {h.job_id: r for r, h in zip(todo, handles)}
+    models: dict[str, str | None] = {}
     failed = 0
     with tqdm(total=len(handles), unit="req", desc="batch", disable=not show) as bar:
         for handle in client.as_completed(list(handles), timeout=args.timeout):
-            req, _ = by_job[handle.job_id]
-            result = handle.result(timeout=0)
-            failed += result.status != "done"
-            _write(out, success_line(req, result) if result.status == "done" else failed_result_line(req, result))
+            req, result = by_job[handle.job_id], handle.result(timeout=0)
+            if result.status == "done":
+                _write(out, success_line(req, result, _served_by(client, result.worker, models)))
+            else:
+                failed += 1
+                _write(out, failed_result_line(req, result))
             bar.update(1)
-    print(f"kvgate batch: {len(handles)} requests answered, {failed} failed; output in {args.output}",
-          file=sys.stderr)
-    return 0
+    return failed
+
+
+def _served_by(client: Client, worker_id: str | None, models: dict[str, str | None]) -> str | None:
+    """The model name the worker's heartbeat reports (results carry only the worker id); None when it is gone."""
+    if not worker_id:
+        return None
+    if worker_id not in models:
+        raw = client.redis.hget(client.keys.worker(worker_id), "model")
+        models[worker_id] = raw.decode() if isinstance(raw, bytes) else raw
+    return models[worker_id]

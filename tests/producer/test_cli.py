@@ -74,7 +74,8 @@ def _chat(custom_id, content, **body):
             "body": {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}], **body}}
 
 
-def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_url, namespace, echo, tmp_path):
+def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_url, namespace, echo, tmp_path,
+                                                                          capsys):
     src = _lines(tmp_path, [
         _chat("a", "first", max_tokens=8),
         {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "second"}},
@@ -83,12 +84,10 @@ def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_u
         _chat("d", "x", response_format={"type": "json"}),
         {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
         _chat("f", "FAIL please"),
-        _chat("a", "duplicate id"),
     ])
     out = tmp_path / "out.jsonl"
     assert _cli(redis_url, namespace, "batch", str(src), "-o", str(out), "--no-progress", "--timeout", "20") == 0
-    rows = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines()) if r["custom_id"] != "a"
-            or r["error"] is None}
+    rows = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     a, b = rows["a"], rows["b"]
     assert a["error"] is None and a["response"]["status_code"] == 200
     assert a["response"]["body"]["object"] == "chat.completion"
@@ -99,8 +98,10 @@ def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_u
     assert rows["c"]["error"]["code"] == "invalid_request" and "temperature" in rows["c"]["error"]["message"]
     assert rows["d"]["error"]["code"] == "unsupported_parameter" and "response_format" in rows["d"]["error"]["message"]
     assert rows["e"]["error"]["code"] == "invalid_url"
-    assert rows["f"]["error"] == {"code": "error", "message": "the model refused"}
-    assert len(out.read_text().splitlines()) == 8
+    assert rows["f"]["error"] == {"code": "error", "message": "the model refused"} and rows["f"]["response"] is None
+    assert len(out.read_text().splitlines()) == 7
+    assert ("7 lines written: 2 succeeded, 5 failed (4 rejected before submission, 1 failed on the fleet)"
+            in capsys.readouterr().err)
 
 
 def test_batch_resumes_skipping_answered_lines_and_reusing_in_flight_jobs(redis_url, namespace, worker, tmp_path):

@@ -1,0 +1,128 @@
+"""`kvgate batch` output lines in OpenAI's per-line Batch format, against a `kvgate worker --simulated` subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import redis
+
+from kvgate.cli import main
+from kvgate.producer.protocol import Keys
+from tests.support import spawn_worker, wait_for
+
+SIM = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0.01", "--max-num-seqs", "16")
+
+
+@pytest.fixture(scope="module")
+def sim_fleet(shared_redis):
+    """One simulated worker for the module, on its own namespace of the session's redis-server."""
+    ns = f"batch{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    proc = spawn_worker(shared_redis.url, ns, *SIM, worker_id="sim-batch")
+    r = redis.Redis.from_url(shared_redis.url)
+    try:
+        wait_for(lambda: proc.poll() is not None or r.exists(Keys(ns).worker("sim-batch")), what="simulated worker")
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        yield shared_redis.url, ns, r
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        r.close()
+
+
+def _batch(sim_fleet, src, out, *extra) -> int:
+    url, ns, _ = sim_fleet
+    return main(["batch", "--redis-url", url, "--namespace", ns, str(src), "-o", str(out), "--no-progress",
+                 "--timeout", "30", *extra])
+
+
+def _write(tmp_path, rows, name="in.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _chat(custom_id, content, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": content}],
+                     "max_tokens": 4, **body}}
+
+
+def _rows(out):
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+MIXED = [
+    _chat("ok-1", "hello"),
+    "{not json",
+    {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+    _chat("hot", "x", temperature=-3),
+    {"custom_id": "ok-2", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "gpt-4o-mini", "prompt": "once upon", "max_tokens": 4}},
+    {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no custom id"}},
+]
+
+
+def test_every_output_line_has_its_own_id_and_failed_lines_have_a_null_response(sim_fleet, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert _batch(sim_fleet, _write(tmp_path, MIXED), out) == 0
+    rows = _rows(out)
+    assert len(rows) == len(MIXED)
+    assert len({r["id"] for r in rows}) == len(rows), [r["id"] for r in rows]
+    assert all(r["id"].startswith("batch_req_") and r["id"] != "batch_req_none" for r in rows)
+    by_id = {r["custom_id"]: r for r in rows}
+    for failed in ("line-2", "emb", "hot", "line-6"):
+        assert by_id[failed]["response"] is None
+        assert set(by_id[failed]["error"]) == {"code", "message"} and by_id[failed]["error"]["message"]
+    for ok in ("ok-1", "ok-2"):
+        response = by_id[ok]["response"]
+        assert by_id[ok]["error"] is None and response["status_code"] == 200
+        assert response["request_id"] and response["body"]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert "6 lines written: 2 succeeded, 4 failed (4 rejected before submission" in capsys.readouterr().err
+
+
+def test_a_rerun_with_the_same_output_skips_every_answered_line_good_or_bad(sim_fleet, tmp_path, capsys):
+    src, out = _write(tmp_path, MIXED), tmp_path / "out.jsonl"
+    assert _batch(sim_fleet, src, out) == 0
+    first = out.read_text()
+    capsys.readouterr()
+    assert _batch(sim_fleet, src, out) == 0
+    assert out.read_text() == first
+    assert "0 lines written" in capsys.readouterr().err
+
+
+def test_body_model_is_the_model_the_serving_worker_reports(sim_fleet, tmp_path):
+    served = sim_fleet[2].hget(Keys(sim_fleet[1]).worker("sim-batch"), "model").decode()
+    assert served and served != "gpt-4o-mini"
+    out = tmp_path / "out.jsonl"
+    assert _batch(sim_fleet, _write(tmp_path, [_chat("m", "which model?")]), out) == 0
+    (row,) = _rows(out)
+    assert row["response"]["body"]["model"] == served
+    assert row["response"]["body"]["system_fingerprint"] == "sim-batch"
+
+
+def test_logprobs_true_fails_its_line_naming_the_parameter_while_false_is_answered(sim_fleet, tmp_path):
+    out = tmp_path / "out.jsonl"
+    src = _write(tmp_path, [_chat("lp", "x", logprobs=True), _chat("top", "x", top_logprobs=3),
+                            _chat("no-lp", "x", logprobs=False)])
+    assert _batch(sim_fleet, src, out) == 0
+    rows = {r["custom_id"]: r for r in _rows(out)}
+    for custom_id, name in (("lp", "logprobs"), ("top", "top_logprobs")):
+        assert rows[custom_id]["response"] is None
+        assert rows[custom_id]["error"]["code"] == "unsupported_parameter"
+        assert rows[custom_id]["error"]["message"].startswith(f"{name}=")
+    assert rows["no-lp"]["error"] is None and rows["no-lp"]["response"]["status_code"] == 200
+
+
+def test_duplicate_custom_ids_refuse_the_file_before_anything_is_submitted(sim_fleet, tmp_path, capsys):
+    url, ns, r = sim_fleet
+    src = _write(tmp_path, [_chat("a", "one"), _chat("b", "two"), _chat("a", "three"), _chat("b", "four")])
+    out = tmp_path / "out.jsonl"
+    before = r.xlen(Keys(ns).jobs("low"))
+    assert _batch(sim_fleet, src, out) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "custom_id 'a' appears on lines 1, 3" in err and "unique" in err
+    assert not out.exists()
+    assert r.xlen(Keys(ns).jobs("low")) == before
