@@ -65,7 +65,9 @@ def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
 
 def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
     for name in LOGPROB_FIELDS:
-        if body.get(name) not in (None, False, 0):
+        value = body.get(name)
+        # logprobs: false and top_logprobs: 0 ask for nothing; /v1/completions' logprobs: 0 still asks for some.
+        if value is not None and value is not False and not (name == "top_logprobs" and value == 0):
             raise BadLine("unsupported_parameter", f"{name}={body[name]!r} is not supported: kvgate results carry "
                           f"no logprobs; remove body.{name} or set it to null")
     unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - set(LOGPROB_FIELDS) - {"messages", "prompt"})

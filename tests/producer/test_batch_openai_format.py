@@ -104,11 +104,13 @@ def test_body_model_is_the_model_the_serving_worker_reports(sim_fleet, tmp_path)
 
 def test_logprobs_true_fails_its_line_naming_the_parameter_while_false_is_answered(sim_fleet, tmp_path):
     out = tmp_path / "out.jsonl"
-    src = _write(tmp_path, [_chat("lp", "x", logprobs=True), _chat("top", "x", top_logprobs=3),
-                            _chat("no-lp", "x", logprobs=False)])
+    legacy = {"custom_id": "legacy", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "x", "max_tokens": 2, "logprobs": 0}}  # 0 still asks for the chosen tokens
+    src = _write(tmp_path, [_chat("lp", "x", logprobs=True), _chat("top", "x", top_logprobs=3), legacy,
+                            _chat("no-lp", "x", logprobs=False, top_logprobs=0)])
     assert _batch(sim_fleet, src, out) == 0
     rows = {r["custom_id"]: r for r in _rows(out)}
-    for custom_id, name in (("lp", "logprobs"), ("top", "top_logprobs")):
+    for custom_id, name in (("lp", "logprobs"), ("top", "top_logprobs"), ("legacy", "logprobs")):
         assert rows[custom_id]["response"] is None
         assert rows[custom_id]["error"]["code"] == "unsupported_parameter"
         assert rows[custom_id]["error"]["message"].startswith(f"{name}=")
@@ -126,3 +128,17 @@ def test_duplicate_custom_ids_refuse_the_file_before_anything_is_submitted(sim_f
     assert "custom_id 'a' appears on lines 1, 3" in err and "unique" in err
     assert not out.exists()
     assert r.xlen(Keys(ns).jobs("low")) == before
+
+
+def test_every_body_field_batch_accepts_is_an_openai_parameter_or_a_named_extension():
+    """The accepted fields are checked against the openai package's own request types, so a typo'd or invented
+    name cannot slip in; the extensions are vLLM's sampling parameters, which kvgate also honours."""
+    from openai.types import completion_create_params as completions
+    from openai.types.chat import completion_create_params as chat
+
+    from kvgate.producer.openai_batch import IGNORED_FIELDS, LOGPROB_FIELDS, SAMPLING_FIELDS
+
+    extensions = {"top_k", "repetition_penalty", "ignore_eos"}
+    openai_names = set(chat.CompletionCreateParamsBase.__annotations__) | set(
+        completions.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    assert (set(SAMPLING_FIELDS) | IGNORED_FIELDS | set(LOGPROB_FIELDS)) - extensions <= openai_names
