@@ -15,7 +15,7 @@ from typing import Literal
 import msgspec
 import redis
 
-from .protocol import FIELD, Keys, PRIORITIES
+from .protocol import FIELD, PRIORITIES, Keys, as_text
 
 State = Literal["queued", "running", "finished", "lost", "unknown"]
 
@@ -81,10 +81,6 @@ class JobStatus:
     def __str__(self) -> str:
         where = f" on {self.worker}" if self.worker else ""
         return f"job {self.job_id}: {self.state}{where}{': ' + self.detail if self.detail else ''}"
-
-
-def as_text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def read_states(r, script, keys: Keys, stream: str, jobs: list[tuple[str, str]]) -> list[JobStatus]:

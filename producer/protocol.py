@@ -229,6 +229,11 @@ def now() -> float:
     return time.time()
 
 
+def as_text(value) -> str:
+    """Redis replies are bytes unless the client decodes them."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class Keys:
     """Redis key names for one namespace (see design.md, 'Redis keys')."""
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from .protocol import PRIORITIES, Keys
+from .protocol import PRIORITIES, Keys, as_text
 
 COUNT_PAGE = 5_000
 
@@ -83,12 +83,8 @@ class QueueStats:
                 "free_kv_tokens": self.free_kv_tokens, "oldest_age_s": self.oldest_age_s}
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _id_ms(entry_id) -> int:
-    return int(_text(entry_id).split("-")[0])
+    return int(as_text(entry_id).split("-")[0])
 
 
 def server_ms(r: redis.Redis) -> int:
@@ -103,7 +99,7 @@ def group_info(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> dict | N
     except redis.ResponseError:  # no such stream yet
         return None
     for g in groups:
-        if _text(g["name"]) == group:
+        if as_text(g["name"]) == group:
             return g
     return None
 
@@ -117,12 +113,12 @@ def count_lag(r: redis.Redis, stream: str, last_delivered: str, length: int) -> 
         before += len(page)
         if len(page) < COUNT_PAGE:
             return max(0, length - before)
-        lo = f"({_text(page[-1][0])}"
+        lo = f"({as_text(page[-1][0])}"
         page = r.xrange(stream, min=hi, max="+", count=COUNT_PAGE)
         after += len(page)
         if len(page) < COUNT_PAGE:
             return after
-        hi = f"({_text(page[-1][0])}"
+        hi = f"({as_text(page[-1][0])}"
 
 
 def backlog_of(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> int:
@@ -133,7 +129,7 @@ def backlog_of(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> int:
     lag = info.get("lag")
     if lag is not None:
         return int(lag)
-    return count_lag(r, stream, _text(info["last-delivered-id"]), r.xlen(stream))
+    return count_lag(r, stream, as_text(info["last-delivered-id"]), r.xlen(stream))
 
 
 def total_backlog(r: redis.Redis, keys: Keys) -> int:
@@ -152,7 +148,7 @@ def read_priority(r: redis.Redis, keys: Keys, priority: str, now_ms: int) -> Pri
         first = r.xrange(stream, count=1)
         oldest += [_id_ms(first[0][0])] if first else []
     else:
-        last = _text(info["last-delivered-id"])
+        last = as_text(info["last-delivered-id"])
         lag = info.get("lag")
         stats.backlog = int(lag) if lag is not None else count_lag(r, stream, last, stats.length)
         stats.pending = int(info["pending"])
@@ -173,7 +169,7 @@ def _number(fields: dict[str, str], name: str, kind=int):
 
 
 def parse_heartbeat(raw: dict, now_ms: int) -> WorkerStats:
-    f = {_text(k): _text(v) for k, v in raw.items()}
+    f = {as_text(k): as_text(v) for k, v in raw.items()}
     updated = _number(f, "updated_at", float)
     ints = {n: _number(f, n) for n in ("running", "waiting", "max_num_seqs", "free_blocks", "total_blocks",
                                        "block_size", "admissible_tokens", "jobs_done")}

@@ -8,7 +8,7 @@ from typing import Any
 from .connection import refusal_of
 from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
-from .protocol import FIELD, PRIORITIES, Job, Keys
+from .protocol import FIELD, PRIORITIES, Job, Keys, as_text
 from .request import build_job, encode_job, validate_request
 
 CANCEL_TTL_S = 24 * 3600
@@ -84,11 +84,7 @@ def group_exists(reply) -> bool:
     """From an XINFO GROUPS reply (or its error): does the workers' group exist?"""
     if isinstance(reply, Exception):
         return False
-    return any(_text(g.get("name")) == Keys.GROUP for g in reply)
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return any(as_text(g.get("name")) == Keys.GROUP for g in reply)
 
 
 @dataclass(slots=True)

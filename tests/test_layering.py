@@ -139,7 +139,7 @@ BREAKS = {
                                    "kvgate.worker may import only"),
     "worker reaches the kvgate command": ("worker/worker.py", "from kvgate.cli import main",
                                           "kvgate.worker may import only"),
-    "producer reaches the worker": ("producer/client.py", "from kvgate.worker.reader import as_str",
+    "producer reaches the worker": ("producer/client.py", "from kvgate.worker.reader import Reader",
                                     "kvgate.producer may import only"),
     "producer reaches the engine relatively": ("producer/commands/stats.py", "from ...engine import llm",
                                                "kvgate.producer may import only"),

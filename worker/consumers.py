@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import redis
 
-from kvgate.producer.protocol import Keys
-from kvgate.worker.reader import as_str
+from kvgate.producer.protocol import Keys, as_text
 
 # KEYS: job streams; ARGV: group, min idle ms, heartbeat key prefix, our own consumer (never pruned)
 PRUNE_LUA = """
@@ -67,10 +66,10 @@ class Consumers:
     def prune(self) -> list[str]:
         """Delete departed consumers (idle, nothing pending, no heartbeat); returns their names."""
         args = [Keys.GROUP, self.min_idle_ms, self.keys.worker(""), self.consumer]
-        return sorted({as_str(n) for n in self.prune_script(keys=self.streams, args=args)})
+        return sorted({as_text(n) for n in self.prune_script(keys=self.streams, args=args)})
 
     def retire(self) -> list[str]:
         """Delete our own consumer where we hold nothing; returns the streams where entries still wait on us
         (handed back: others reclaim them, then prune us)."""
         kept = self.retire_script(keys=self.streams, args=[Keys.GROUP, self.consumer])
-        return [as_str(k) for k in kept]
+        return [as_text(k) for k in kept]

@@ -11,8 +11,7 @@ from kvgate.producer.protocol import HEARTBEAT_FIELDS, Keys
 
 def engine_capacity(engine) -> int:
     """The batch cap the engine was built with, as the engine holds it; a worker setting is only a request."""
-    config = getattr(engine, "config", None)  # LLMEngine keeps its EngineConfig; the simulated engine the number
-    capacity = config.max_num_seqs if config is not None else engine.max_num_seqs
+    capacity = engine.max_num_seqs
     if not isinstance(capacity, int) or capacity < 1:
         raise TypeError(f"{type(engine).__name__} reports max_num_seqs={capacity!r}, not a positive integer")
     return capacity

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
-from kvgate.producer.protocol import Keys
-from kvgate.worker.reader import as_str
+from kvgate.producer.protocol import Keys, as_text
 
 HANDBACK_IDLE_MS = 10**12  # an entry this idle is past every worker's reclaim timeout: reclaimable at once
 # Renew only what is still pending to us, atomically; return the ids that are not.
@@ -50,7 +49,7 @@ class Leases:
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in streams:
             script(keys=[stream], args=[Keys.GROUP, self.consumer, *ids], client=pipe)
-        return {f"{stream}|{as_str(i)}" for (stream, _), lost in zip(streams, pipe.execute()) for i in lost}
+        return {f"{stream}|{as_text(i)}" for (stream, _), lost in zip(streams, pipe.execute()) for i in lost}
 
     def count_delivery(self, stream: str, ids: list[str]) -> list[int]:
         """Record one more delivery of entries we took over (JUSTID claims and history reads count none)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.protocol import Keys, as_text
 
 # KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none).
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
@@ -77,16 +77,11 @@ class Reader:
     def parse(reply) -> list[Entry]:
         out: list[Entry] = []
         for stream, entries, claimed in reply:
-            stream = as_str(stream)
-            out += [(stream, as_str(i), _pairs(f), n) for i, f, n in claimed]
-            out += [(stream, as_str(i), _pairs(f), 1) for i, f in entries]
+            stream = as_text(stream)
+            out += [(stream, as_text(i), _pairs(f), n) for i, f, n in claimed]
+            out += [(stream, as_text(i), _pairs(f), 1) for i, f in entries]
         return out
 
 
 def _pairs(flat: list | None) -> dict | None:
     return dict(zip(flat[::2], flat[1::2])) if flat else None
-
-
-def as_str(value) -> str:
-    """Redis replies are bytes unless the client decodes them."""
-    return value.decode() if isinstance(value, bytes) else str(value)

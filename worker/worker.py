@@ -17,8 +17,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.engine.outputs import RequestRejected, StepOutput
-from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, decode_job,
-                                      mask_url)
+from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, as_text,
+                                      decode_job, mask_url)
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.consumers import Consumers
@@ -26,7 +26,7 @@ from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
 from kvgate.worker.leases import Leases
 from kvgate.worker.publisher import Finish, Publisher, Settled
-from kvgate.worker.reader import Reader, as_str
+from kvgate.worker.reader import Reader
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.trim import trim
 
@@ -181,7 +181,7 @@ class Worker:
             if cursor is None:
                 continue
             reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {stream: cursor}, count=count)
-            entries = [(as_str(i), f) for i, f in (reply[0][1] if reply else [])]
+            entries = [(as_text(i), f) for i, f in (reply[0][1] if reply else [])]
             self.cursors[stream] = entries[-1][0] if entries else None
             fresh = [(i, f) for i, f in entries if not self._holds(stream, i)]
             if fresh:
@@ -194,7 +194,7 @@ class Worker:
         plus the local queue (at least 2) always holds within the bound."""
         streams = {st: ">" for st in self.streams}
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self.settings.block_ms)
-        self._accept([(as_str(st), as_str(i), f, 1) for st, entries in reply or [] for i, f in entries])
+        self._accept([(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
     def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
         if entries is None:
@@ -266,9 +266,8 @@ class Worker:
     def _clamp_budget(self, ticket: Ticket) -> None:
         """The engine never runs past max_model_len; a budget beyond it (max_tokens=1,000,000) would only skew
         the admission estimate and the fit check."""
-        limit = getattr(self.engine, "max_model_len", None)
-        if limit:
-            ticket.params.max_tokens = max(1, min(ticket.params.max_tokens, limit - len(ticket.prompt_ids)))
+        room = self.engine.max_model_len - len(ticket.prompt_ids)
+        ticket.params.max_tokens = max(1, min(ticket.params.max_tokens, room))
 
     def _reject_raw(self, stream: str, entry_id: str, payload: bytes | None, reason: str) -> None:
         self.metrics.on_dead_letter("invalid")
