@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -201,3 +202,25 @@ def test_every_kvgate_variable_in_deploy_is_a_setting_the_worker_reads():
     for path in [*K8S.glob("*.yaml"), DEPLOY / "compose.yaml"]:
         used |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", path.read_text()))
     assert used and not used - known, f"unknown settings: {sorted(used - known)}"
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu"])
+def test_images_copy_every_package_folder_and_install_worker_and_gateway(name):
+    """`pip install .` in the image builds what pyproject maps: a folder left out breaks every command."""
+    import tomllib
+
+    text = (DEPLOY / name).read_text()
+    copied = set(re.findall(r"^COPY (\S+) ", text, re.M))
+    mapped = set(tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    assert mapped <= copied, f"{name} does not copy {sorted(mapped - copied)}"
+    assert '".[worker,gateway]"' in text and "ENTRYPOINT [\"kvgate\"]" in text
+
+
+def test_cpu_image_pins_the_cpu_torch_and_gpu_image_asks_for_cuda():
+    cpu, gpu = ((DEPLOY / n).read_text() for n in ("Dockerfile", "Dockerfile.gpu"))
+    assert "download.pytorch.org/whl/cpu" in cpu and "KVGATE_DEVICE=cpu" in cpu
+    assert "whl/cpu" not in gpu.split("ARG TORCH_SPEC=")[1].splitlines()[0]
+    assert "KVGATE_DEVICE=cuda" in gpu
+    from kvgate.engine.config import EngineConfig
+
+    assert EngineConfig(device="cuda").device == "cuda"  # a value the worker accepts
