@@ -198,6 +198,7 @@ def test_every_kvgate_variable_in_deploy_is_a_setting_the_worker_reads():
 
     known = {f"KVGATE_{name.upper()}" for name in WorkerSettings.model_fields}
     known |= {"KVGATE_EXPORTER_PORT", "KVGATE_EXPORTER_ADDR"}  # read by `kvgate exporter`
+    known |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", (DEPLOY.parent / "kvgate/serve.py").read_text()))  # `kvgate serve`
     used = set()
     for path in [*K8S.glob("*.yaml"), DEPLOY / "compose.yaml"]:
         used |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", path.read_text()))
@@ -224,3 +225,23 @@ def test_cpu_image_pins_the_cpu_torch_and_gpu_image_asks_for_cuda():
     from kvgate.engine.config import EngineConfig
 
     assert EngineConfig(device="cuda").device == "cuda"  # a value the worker accepts
+
+
+def test_gateway_reads_its_redis_url_and_api_keys_from_secrets_that_the_example_defines():
+    [gateway] = [d for d in of_kind("Deployment") if d["metadata"]["name"] == "kvgate-gateway"]
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    example = {d["metadata"]["name"]: d["stringData"]
+               for d in yaml.safe_load_all((DEPLOY / "k8s/redis-secret.example.yaml").read_text())}
+    for name in ("KVGATE_REDIS_URL", "KVGATE_API_KEYS"):
+        assert refs[name]["key"] in example[refs[name]["name"]], name
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # a route the gateway serves
+    assert "httpGet" not in container["livenessProbe"]  # a Redis outage must not restart the replicas
+    assert container["args"][:1] == ["serve"] and "0.0.0.0" in container["args"]
+
+
+def test_a_worker_asking_for_cuda_runs_the_cuda_image():
+    for d in of_kind("Deployment"):
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            if env_of(c).get("KVGATE_DEVICE") == "cuda":
+                assert c["image"].endswith("-cuda"), c["image"]
