@@ -176,7 +176,8 @@ def test_grafana_dashboard_has_the_backpressure_and_latency_panels():
 
 def test_compose_stack_has_every_service_and_its_mounted_files_exist():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    assert {"redis", "worker", "exporter", "prometheus", "grafana"} <= compose["services"].keys()
+    assert {"redis", "worker", "gateway", "exporter", "prometheus", "grafana"} <= compose["services"].keys()
+    assert compose["services"]["gateway"]["environment"]["KVGATE_REDIS_URL"].startswith("redis://gateway:")
     for name, svc in compose["services"].items():
         assert "image" in svc or "build" in svc, name
         for volume in svc.get("volumes", []):
