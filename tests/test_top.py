@@ -23,7 +23,7 @@ def _seed(client, keys: Keys) -> None:
                                                "state": "serving", "jobs_done": 99})
     client.expire(keys.worker("gpu-a"), 60)
     for _ in range(12):
-        client.xadd(keys.jobs("high"), {"p": b"x"})
+        client.xadd(keys.jobs(None, "high"), {"p": b"x"})
 
 
 def test_one_frame_shows_workers_with_running_jobs_free_kv_and_streams_with_backlog(shared_redis, namespace):

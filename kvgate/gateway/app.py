@@ -52,7 +52,7 @@ class Gateway:
         s = self.settings
         self.client = AsyncClient(s.redis_url, s.namespace, max_backlog=s.max_backlog, backpressure="raise")
         await self.client.start()
-        self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s)
+        self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s, s.models)
         try:
             yield
         finally:
@@ -92,8 +92,8 @@ class Gateway:
         name = request.path_params["model"]
         model = (await self.models.get()).get(name)
         if model is None:
-            raise ApiError(404, f"model {name!r} is not served by any live worker", param="model",
-                           code="model_not_found")
+            raise ApiError(404, f"model {name!r} is not served by any live worker and has no jobs waiting",
+                           param="model", code="model_not_found")
         return json_response(model_object(model))
 
     async def health(self, request: Request) -> Response:
