@@ -3,7 +3,7 @@
 Live workers list every name they serve (canonical, aliases, `default`) in their heartbeats
 (`{ns}:worker:<id>`, field `models`); a heartbeat expires with its worker. `{ns}:models` holds every name ever
 submitted to or served, so a model whose workers scaled to zero is still known, with its backlog counted
-from its streams' lengths. The view is cached for a moment: it is read on every request.
+from its streams' consumer group (lag plus pending). The view is cached for a moment: it is read on every request.
 
 A request's model is accepted when a live worker serves it, when it is known (`{ns}:models`), or when the
 operator allowed it (`--model`, for models whose autoscaler has never started a worker yet); with an allow
@@ -27,7 +27,7 @@ class LiveModel:
     id: str
     created: int  # the start of the oldest live worker serving it; 0 while none does
     workers: int
-    backlog: int = 0  # entries in its job streams (waiting or running, not yet acknowledged and trimmed)
+    backlog: int = 0  # jobs in its streams not yet answered: waiting for a worker or running
 
 
 @dataclass(slots=True)
@@ -80,10 +80,12 @@ class LiveModels:
         for name in known:
             for stream in self.keys.all_jobs(name):
                 pipe.xlen(stream)
-        lengths = await pipe.execute()
+                pipe.xinfo_groups(stream)
+        replies = await pipe.execute(raise_on_error=False)
         models = {name: live.get(name) or LiveModel(name, 0, 0) for name in known}
         for i, name in enumerate(known):
-            models[name].backlog = sum(lengths[3 * i:3 * i + 3])
+            pairs = replies[6 * i:6 * i + 6]
+            models[name].backlog = sum(_unfinished(n, g) for n, g in zip(pairs[::2], pairs[1::2]))
         return FleetModels({k: m for k, m in models.items() if m.workers}, models)
 
     async def check(self, model: str) -> None:
@@ -96,6 +98,19 @@ class LiveModels:
         raise ApiError(404, f"model {model!r} is not served by any live worker and not known to the fleet; served "
                             f"now: {served}; known, waiting for a worker: {startable} (GET /v1/models)",
                        param="model", code="model_not_found")
+
+
+def _unfinished(length, groups) -> int:
+    """Jobs of one stream not yet answered: undelivered (lag) plus in flight (pending). Acknowledged entries stay
+    until the next trim, so the length alone would count finished jobs; without a lag field (Redis 6.2), or
+    without a group, the length is the fallback."""
+    if isinstance(length, Exception) or not length:
+        return 0
+    group = next((g for g in groups if as_text(g["name"]) == Keys.GROUP), None) \
+        if not isinstance(groups, Exception) else None
+    if group is None or group.get("lag") is None:
+        return int(length)
+    return int(group["lag"]) + int(group["pending"])
 
 
 def model_object(m: LiveModel) -> dict:
