@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if s.metrics_port:
         worker.metrics.serve(s.metrics_port)
     check_redis(s.redis_url)  # the model load can take minutes; say "serving" only while Redis answers
-    print(f"kvgate worker {worker.worker_id}: serving models {', '.join(worker.served.names)} from "
-          f"{mask_url(s.redis_url)} namespace {s.namespace}",
+    print(f"kvgate worker {worker.worker_id}: serving {mask_url(s.redis_url)} namespace {s.namespace}, "
+          f"models {', '.join(worker.served.names)}",
           file=sys.stderr, flush=True)
     return worker.run(stop)

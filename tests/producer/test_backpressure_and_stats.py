@@ -33,7 +33,8 @@ def _check(stats, r: redis.Redis, keys: Keys) -> None:
 
 
 def _heartbeat(r: redis.Redis, keys: Keys, worker_id: str, free: int) -> None:
-    values = {"worker_id": worker_id, "model": "smollm2-135m", "started_at": time.time() - 5,
+    values = {"worker_id": worker_id, "model": "smollm2-135m", "models": "smollm2-135m,default",
+              "started_at": time.time() - 5,
               "updated_at": time.time(), "state": "serving", "running": 2, "waiting": 1, "max_num_seqs": 32,
               "free_blocks": free, "total_blocks": 100, "block_size": 16, "admissible_tokens": free * 16,
               "tokens_per_s": 123.5, "jobs_done": 7}

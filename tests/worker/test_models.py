@@ -1,12 +1,15 @@
 """Multi-model fleets: each model has its own streams; a worker serves its name, its aliases and `default`."""
 from __future__ import annotations
 
+import argparse
 import time
+
+import pytest
 
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client
 from kvgate.producer.commands.stats import NO_WORKER, render
-from kvgate.producer.protocol import PRIORITIES, Keys
+from kvgate.producer.protocol import PRIORITIES, Keys, encode
 from kvgate.producer.queue_stats import read_queue_stats
 from tests.support import wait_for
 
@@ -108,11 +111,37 @@ def test_models_of_one_priority_take_turns_at_being_read_first(queue, thread_wor
 
 
 def test_a_raw_job_with_a_bad_model_name_gets_an_error_result_that_names_it(queue, thread_worker):
-    from kvgate.producer.protocol import encode
-
     job = queue.job("hi")
     job.model = "two words"
     queue.xadd(encode(job))
     with thread_worker():
         (final,) = queue.wait_finals(1)
     assert final.status == "error" and "model name 'two words'" in final.error and "whitespace" in final.error
+
+
+def test_aliases_come_from_repeated_flags_or_a_comma_separated_variable_and_bad_names_stop_the_worker(monkeypatch):
+    from kvgate.worker.main import WorkerStartError, add_arguments, settings_from
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    s = settings_from(parser.parse_args(["--model-alias", "qwen", "--model-alias", "org/q7,q7b",
+                                         "--served-model-name", "Qwen/Qwen2.5-7B", "--no-serve-default"]))
+    assert s.model_aliases == ["qwen", "org/q7", "q7b"] and s.served_model_name == "Qwen/Qwen2.5-7B"
+    assert s.serve_default is False
+    monkeypatch.setenv("KVGATE_MODEL_ALIASES", "a, b")
+    assert settings_from(parser.parse_args([])).model_aliases == ["a", "b"]
+    with pytest.raises(WorkerStartError, match=r"--model-alias \['bad name'\].*whitespace"):
+        settings_from(parser.parse_args(["--model-alias", "bad name"]))
+    monkeypatch.setenv("KVGATE_SERVED_MODEL_NAME", "{x}")
+    with pytest.raises(WorkerStartError, match="KVGATE_SERVED_MODEL_NAME='{x}'.*braces"):
+        settings_from(parser.parse_args([]))
+
+
+def test_an_engine_name_that_is_no_valid_model_name_asks_for_served_model_name():
+    from kvgate.worker.served import ServedModelError, served_models
+
+    with pytest.raises(ServedModelError, match="--served-model-name"):
+        served_models("/models/My Model.gguf", None, [], True)
+    served = served_models("/models/My Model.gguf", "mine", ["m", "mine"], True)
+    assert served.canonical == "mine" and served.names == ("mine", "m", "default")
+    assert served_models("x", None, [], False).names == ("x",)
