@@ -43,6 +43,22 @@ def test_an_empty_fleet_says_no_live_workers(shared_redis, namespace):
     assert "no live workers" in console.export_text()
 
 
+def test_streams_and_workers_are_grouped_by_model_and_a_model_nobody_serves_is_flagged(shared_redis, namespace):
+    client, keys = shared_redis.client(), Keys(namespace)
+    client.sadd(keys.models(), "alpha", "gamma")
+    client.xadd(keys.jobs("gamma", "low"), {"p": b"x"})
+    client.hset(keys.worker("gpu-b"), mapping={"worker_id": "gpu-b", "model": "alpha", "models": "alpha,default",
+                                               "total_blocks": 10, "block_size": 16, "state": "serving"})
+    client.expire(keys.worker("gpu-b"), 60)
+    console = Console(record=True, width=160, color_system=None)
+    console.print(render(read_queue_stats(client, keys), namespace))
+    lines = console.export_text().splitlines()
+    assert any([c.strip() for c in line.split("│")[1:3]] == ["alpha", "gpu-b"] for line in lines), lines
+    gamma = next(line for line in lines if "gamma" in line)
+    assert "high" in gamma and "waiting for scale-up" in gamma
+    assert any("low" in line and " 1 " in line for line in lines[lines.index(gamma):lines.index(gamma) + 3])
+
+
 def _tmux(*args: str) -> str:
     return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
 
