@@ -70,7 +70,8 @@ class Gateway:
         p = plan(kind, await _body(request), self.settings)
         await self.models.check(p.model)
         handles = await self.submit(p)
-        reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}")
+        reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}",
+                      served=await self.models.served_as(p.model))
         headers = {"x-request-id": handles[0].job_id}
         if p.stream:
             events = sse.events(reply, handles, self.settings.request_timeout_s, self.abandon)

@@ -13,7 +13,7 @@ fails at once instead of waiting forever for a worker that will never come.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -27,7 +27,8 @@ class LiveModel:
     id: str
     created: int  # the start of the oldest live worker serving it; 0 while none does
     workers: int
-    backlog: int = 0  # jobs in its streams not yet answered: waiting for a worker or running
+    backlog: int = 0
+    canonical: set[str] = field(default_factory=set)  # the canonical names of the live workers serving it  # jobs in its streams not yet answered: waiting for a worker or running
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ class LiveModels:
                 seen = live.setdefault(name, LiveModel(name, created, 0))
                 seen.workers += 1
                 seen.created = min(seen.created, created)
+                seen.canonical.add(as_text(model))
         known = sorted({as_text(n) for n in known_names} | set(live))
         pipe = self.r.pipeline(transaction=False)
         for name in known:
@@ -87,6 +89,12 @@ class LiveModels:
             pairs = replies[6 * i:6 * i + 6]
             models[name].backlog = sum(_unfinished(n, g) for n, g in zip(pairs[::2], pairs[1::2]))
         return FleetModels({k: m for k, m in models.items() if m.workers}, models)
+
+    async def served_as(self, model: str) -> str | None:
+        """The canonical name an alias will be answered under, when every live worker serving it agrees; streamed
+        chunks name it before any result (which carries the name) has arrived."""
+        live = (await self.fleet()).live.get(model)
+        return next(iter(live.canonical)) if live is not None and len(live.canonical) == 1 else None
 
     async def check(self, model: str) -> None:
         """Refuse a model nobody serves, nobody asked for before and the operator did not allow."""

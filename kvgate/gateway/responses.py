@@ -17,13 +17,12 @@ class Reply:
 
     plan: Plan
     id: str
+    served: str | None = None  # the canonical name of the model that answers (Final.model; before it, the fleet's)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.plan.kind == "chat" else "text_completion"
-
-    served: str | None = None  # the canonical name of the model that answered (Final.model), once known
 
     def head(self, chunk: bool = False) -> dict[str, Any]:
         kind = self.object + (".chunk" if chunk and self.plan.kind == "chat" else "")

@@ -54,6 +54,13 @@ def test_the_request_model_picks_the_worker_and_the_response_names_the_model_tha
         assert text.model == served and _worker_of(url, ns, text.id) == worker
 
 
+def test_streamed_chunks_of_an_alias_name_the_canonical_model_from_the_first_chunk(two_models):
+    gw, _, _ = two_models
+    client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    chunks = list(client.chat.completions.create(model="a1", stream=True, **ASK))
+    assert len(chunks) > 1 and {c.model for c in chunks} == {"alpha"}
+
+
 def test_models_lists_every_name_live_workers_serve_but_not_the_default_stream(two_models):
     gw, _, _ = two_models
     client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
