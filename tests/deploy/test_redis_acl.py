@@ -116,3 +116,14 @@ def test_the_real_sdk_and_worker_serve_a_job_under_their_least_privilege_users(a
         stop.set()
         thread.join(20)
     assert not thread.is_alive()
+
+
+def test_producers_and_workers_list_models_in_the_model_set_and_the_monitor_only_reads_it(acl_server):
+    keys, producer, worker, monitor = Keys("kvgate"), acl_server("producer"), acl_server("worker"), acl_server("monitor")
+    producer.sadd(keys.models(), "org/m")
+    worker.sadd(keys.models(), "alpha")
+    assert producer.smembers(keys.models()) == monitor.smembers(keys.models()) == {b"org/m", b"alpha"}
+    producer.xadd(keys.jobs("org/m", "high"), {"p": b"job"})
+    assert denied(lambda: producer.sadd(keys.dead(), "x"))
+    assert denied(lambda: monitor.sadd(keys.models(), "x"))
+    assert denied(lambda: acl_server("keda").smembers(keys.models()))
