@@ -17,6 +17,10 @@ import msgspec
 # SDK still writes jobs at JOB_VERSION 1, whose schema did not change, so version-1 workers keep reading
 # them during a rolling upgrade; upgrade the SDKs first (a version-1 SDK skips version-2 reply events and
 # then finds its finals only by polling the result keys).
+# Sampling's frequency_penalty, presence_penalty and logprobs, and the events' logprobs, came without a version
+# bump: a job that does not use them encodes as before (omit_defaults), and readers of events ignore fields they
+# do not know. A worker from before them keeps forbid_unknown_fields on Sampling, so a job that asks for them
+# gets an error result naming the field from it instead of an answer that silently lacks them.
 PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 JOB_VERSION = 1
