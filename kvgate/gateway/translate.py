@@ -58,7 +58,6 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     names: dict[str, str] = field(default_factory=dict)
-    logprobs: int | None = None  # top alternatives per token when the request asked for logprobs
 
 
 def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
@@ -89,7 +88,7 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
             _validate(args, names, f"prompt[{p}]" if len(prompts) > 1 else None)
             submits.append(args)
             prompt_of.append(p)
-    return Plan(kind, model, submits, prompt_of, stream, include_usage, names, logprobs)
+    return Plan(kind, model, submits, prompt_of, stream, include_usage, names)
 
 
 def chat_prompts(body: dict) -> list[dict[str, Any]]:
