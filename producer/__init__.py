@@ -12,13 +12,14 @@ from .errors import (Backpressure, ConnectionFailed, FieldError, IdempotencyConf
                      KvgateError, PartiallySubmitted, ResultTimeout, ServerRefused)
 from .handle import JobHandle
 from .job_status import JobStatus
-from .protocol import Delta, Final, Timings, Usage
+from .protocol import Delta, Final, Timings, TokenLogprob, TopLogprob, Usage
 from .queue_stats import PriorityStats, QueueStats, WorkerStats
 from .result import Result
 from .stream import Restart
 
 __all__ = [
     "Client", "AsyncClient", "JobHandle", "AsyncJobHandle", "Result", "Delta", "Restart", "Final", "Usage", "Timings",
+    "TokenLogprob", "TopLogprob",
     "JobStatus", "JobLost", "ServerRefused", "PartiallySubmitted",
     "QueueStats", "PriorityStats", "WorkerStats",
     "KvgateError", "InvalidRequest", "FieldError", "Backpressure", "IdempotencyConflict", "ResultTimeout",

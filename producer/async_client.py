@@ -77,6 +77,7 @@ class AsyncClient:
     async def submit(self, prompt: str | None = None, *, messages: list[dict | Message] | None = None,
                      prompt_token_ids: list[int] | None = None, max_tokens: int = 256, temperature: float = 1.0,
                      top_p: float = 1.0, top_k: int = -1, repetition_penalty: float = 1.0,
+                     frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
                      stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                      ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
                      ttl_s: float | None = None, deadline: float | None = None,
@@ -84,7 +85,8 @@ class AsyncClient:
                      metadata: dict[str, str] | None = None, model: str | None = None) -> AsyncJobHandle:
         args = dict(model=model, prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                    repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
+                    repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
                     ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
                     idempotency_key=idempotency_key, stream=stream, metadata=metadata)
         prepared = prepare(args, self.keys, self.client_id)

@@ -17,6 +17,10 @@ import msgspec
 # SDK still writes jobs at JOB_VERSION 1, whose schema did not change, so version-1 workers keep reading
 # them during a rolling upgrade; upgrade the SDKs first (a version-1 SDK skips version-2 reply events and
 # then finds its finals only by polling the result keys).
+# Sampling's frequency_penalty, presence_penalty and logprobs, and the events' logprobs, came without a version
+# bump: a job that does not use them encodes as before (omit_defaults), and readers of events ignore fields they
+# do not know. A worker from before them keeps forbid_unknown_fields on Sampling, so a job that asks for them
+# gets an error result naming the field from it instead of an answer that silently lacks them.
 PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 JOB_VERSION = 1
@@ -28,6 +32,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_METADATA_BYTES = 16_384
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with top-20 logprobs runs to megabytes
 PRIORITIES = ("high", "normal", "low")  # read in this order
 DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
 MAX_MODEL_NAME_CHARS = 128
@@ -57,6 +63,9 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     seed: int | None = None
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this times the count of the token in the output
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this once the token is in the output
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token's logprob and the N most likely
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -91,6 +100,26 @@ class Timings(msgspec.Struct, omit_defaults=True):
     finished: float | None = None
 
 
+class TopLogprob(msgspec.Struct, array_like=True):
+    """One of the most likely tokens at a position. array_like: top-20 logprobs over a long answer add up."""
+
+    id: int
+    text: str  # the token as the tokenizer decodes it alone (U+FFFD where it holds part of a character)
+    utf8: bytes  # the token's own bytes: a byte-level token can be part of a multi-byte character
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """The logprob of one generated token (before penalties, as OpenAI and vLLM report it) and the
+    alternatives the job asked for, most likely first."""
+
+    id: int
+    text: str
+    utf8: bytes
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     """Incremental tokens of a streaming job, in order (`index` counts deltas within one attempt).
 
@@ -103,6 +132,7 @@ class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     text: str
     token_ids: list[int]
     attempt: int = 1
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
 
 
 class Final(msgspec.Struct, tag="final", omit_defaults=True):
@@ -121,6 +151,7 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     metadata: dict[str, str] | None = None
     attempt: int = 1  # the delivery that produced this result
     model: str | None = None  # the canonical name of the model that served it (None: answered without a model)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
 
 
 Event = Delta | Final
@@ -135,11 +166,11 @@ def encode(msg: Job | Delta | Final) -> bytes:
     return _encoder.encode(msg)
 
 
-def _check_size(data: bytes) -> None:
+def _check_size(data: bytes, limit: int = MAX_PAYLOAD_BYTES) -> None:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"payload must be bytes, got {type(data).__name__}")
-    if len(data) > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(f"payload is {len(data)} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
+    if len(data) > limit:
+        raise ProtocolError(f"payload is {len(data)} bytes, over the limit of {limit}")
 
 
 def _check_version(v: int) -> None:
@@ -161,7 +192,7 @@ def decode_job(data: bytes) -> Job:
 
 
 def decode_event(data: bytes) -> Delta | Final:
-    _check_size(data)
+    _check_size(data, MAX_EVENT_BYTES)
     try:
         event = _event_decoder.decode(data)
     except msgspec.DecodeError as e:
@@ -198,6 +229,13 @@ def validate_sampling(s: Sampling) -> None:
         raise ProtocolError(f"stop_token_ids={s.stop_token_ids[:8]} must be at most {MAX_STOP_STRINGS * 4} non-negative ids")
     if s.seed is not None and not 0 <= s.seed < 2**63:
         raise ProtocolError(f"seed={s.seed} must be in [0, 2**63)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(s, name)
+        if not -2.0 <= value <= 2.0:  # also rejects NaN
+            raise ProtocolError(f"{name}={value} must be in [-2, 2] (0 disables it)")
+    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+        raise ProtocolError(f"logprobs={s.logprobs} must be None (no logprobs) or 0 to {MAX_LOGPROBS} top "
+                            "alternatives per token")
 
 
 def check_model_name(name: object) -> str:

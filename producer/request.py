@@ -90,6 +90,9 @@ class SubmitRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, AfterValidator(_top_k)] = -1
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    logprobs: Annotated[int, Field(ge=0, le=wire.MAX_LOGPROBS)] | None = None
     stop: Annotated[list[Annotated[Text, Field(min_length=1, max_length=wire.MAX_STOP_STRING_CHARS)]],
                     Field(max_length=wire.MAX_STOP_STRINGS), BeforeValidator(_one_or_many)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=wire.MAX_STOP_STRINGS * 4)] | None = None
@@ -110,7 +113,8 @@ class SubmitRequest(BaseModel):
         return wire.Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                              top_k=self.top_k, repetition_penalty=self.repetition_penalty, stop=stop,
                              stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                             seed=self.seed)
+                             seed=self.seed, frequency_penalty=self.frequency_penalty,
+                             presence_penalty=self.presence_penalty, logprobs=self.logprobs)
 
     def digest(self) -> str:
         """What makes two submits 'the same request' for idempotency: the body, not its timing or key."""

@@ -17,14 +17,15 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.engine.outputs import RequestRejected, StepOutput
-from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, as_text,
-                                      decode_job, mask_url)
+from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, TokenLogprob, Usage,
+                                      as_text, decode_job, mask_url)
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
 from kvgate.worker.leases import Leases
+from kvgate.worker.logprobs import TokenRenderer
 from kvgate.worker.publisher import Finish, Publisher, Settled
 from kvgate.worker.reader import Reader
 from kvgate.worker.served import served_models
@@ -43,6 +44,7 @@ class Flight:
     admitted_at: float
     first_token_at: float | None = None
     deltas: int = 0
+    logprobs: list[TokenLogprob] | None = None  # every token's so far, when the job asked
 
 
 class NullMetrics:
@@ -77,6 +79,7 @@ class Worker:
         self.client = redis.Redis.from_url(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
                                            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
+        self.renderer = TokenRenderer(getattr(engine, "tokenizer", None))
         self.queue = AdmissionQueue(s.local_queue_size, float(s.initial_tokens_per_job))
         self.flights: dict[str, Flight] = {}
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
@@ -307,7 +310,7 @@ class Worker:
             self._answer(ticket, "error", error=f"rejected: {e}")
             return
         now = time.time()
-        self.flights[ticket.key] = Flight(ticket, now)
+        self.flights[ticket.key] = Flight(ticket, now, logprobs=None if ticket.params.logprobs is None else [])
         self.metrics.on_admitted(max(0.0, now - ticket.job.enqueued_at))
 
     # ---- engine step -> outbox -------------------------------------------------------------------
@@ -326,9 +329,13 @@ class Worker:
         if out.new_token_ids and flight.first_token_at is None:
             flight.first_token_at = now
             self.metrics.on_first_token(now - flight.admitted_at)
+        logprobs = None
+        if flight.logprobs is not None and out.logprobs:
+            logprobs = self.renderer.tokens(out.new_token_ids, out.logprobs, flight.ticket.params.logprobs)
+            flight.logprobs.extend(logprobs)
         if job.stream and (out.new_token_ids or out.new_text):
             delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, out.new_text, list(out.new_token_ids),
-                          attempt=flight.ticket.attempt)
+                          attempt=flight.ticket.attempt, logprobs=logprobs)
             self.publisher.delta(job.client_id, delta, flight.ticket.key)
             flight.deltas += 1
         if out.finished:
@@ -347,6 +354,7 @@ class Worker:
             final.text, final.token_ids = out.text or "", list(out.token_ids or [])
             final.finish_reason = out.finish_reason
             final.usage = Usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
+            final.logprobs = flight.logprobs if flight is not None else None
         self.publisher.finish(Finish(final, job.client_id, ticket.stream, ticket.entry_id, dead_reason,
                                      ticket.payload if dead_reason else b""))
         if dead_reason:

@@ -53,3 +53,15 @@ def test_too_many_choices_disagreeing_max_tokens_and_tool_messages_are_refused()
 def test_api_keys_come_from_flags_and_the_comma_separated_variable():
     assert parse_keys(["a", "b"], " c, ,a ") == ("a", "b", "c")
     assert parse_keys(None, None) == ()
+
+
+def test_penalties_and_logprobs_become_submit_arguments():
+    chat = plan("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1.5,
+                         "presence_penalty": -0.5, "logprobs": True, "top_logprobs": 4}, S)
+    assert {k: chat.submits[0][k] for k in ("frequency_penalty", "presence_penalty", "logprobs")} == \
+        {"frequency_penalty": 1.5, "presence_penalty": -0.5, "logprobs": 4}
+    assert plan("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, S) \
+        .submits[0]["logprobs"] == 0
+    assert "logprobs" not in plan("completion", {"model": "m", "prompt": "x"}, S).submits[0]
+    assert plan("completion", {"model": "m", "prompt": "x", "logprobs": 0}, S).submits[0]["logprobs"] == 0
+    assert _refused("completion", {"model": "m", "prompt": "x", "top_logprobs": 2}).param == "top_logprobs"

@@ -63,6 +63,36 @@ def test_submit_command_rejects_bad_input_with_exit_2(redis_url, namespace, caps
     assert "temperature=-1.0" in capsys.readouterr().err
 
 
+def test_submit_command_sends_penalties_and_logprobs_and_prints_them(redis_url, namespace, worker, capsys):
+    from kvgate.producer.protocol import TokenLogprob, TopLogprob
+
+    answer = [TokenLogprob(1, "echo", b"echo", -0.25, [TopLogprob(1, "echo", b"echo", -0.25),
+                                                        TopLogprob(2, "ECHO", b"ECHO", -1.5)])]
+
+    def serve():
+        (job,) = worker.take(block_ms=5000)
+        sent.append(job.sampling)
+        worker.final(job, text="echo", token_ids=[1], logprobs=answer)
+
+    worker.ensure_groups()
+    for extra in ([], ["--json"]):
+        sent: list = []
+        thread = threading.Thread(target=serve)
+        thread.start()
+        assert _cli(redis_url, namespace, "submit", "hi", "--logprobs", "2", "--frequency-penalty", "0.5",
+                    "--presence-penalty", "-1", "--timeout", "10", *extra) == 0
+        thread.join(10)
+        assert (sent[0].logprobs, sent[0].frequency_penalty, sent[0].presence_penalty) == (2, 0.5, -1.0)
+    printed = capsys.readouterr()
+    assert "'echo'\t-0.250\t['echo' -0.250, 'ECHO' -1.500]" in printed.err  # the plain answer's token table
+    row = json.loads(printed.out.splitlines()[-1])
+    assert row["logprobs"] == [{"token": "echo", "logprob": -0.25, "bytes": list(b"echo"), "top_logprobs": [
+        {"token": "echo", "logprob": -0.25, "bytes": list(b"echo")},
+        {"token": "ECHO", "logprob": -1.5, "bytes": list(b"ECHO")}]}]
+    assert _cli(redis_url, namespace, "submit", "hi", "--logprobs", "21") == 2
+    assert "logprobs=21" in capsys.readouterr().err
+
+
 def _lines(tmp_path, rows):
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
