@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
-from redis.sentinel import Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from .protocol import mask_url
 
@@ -95,13 +95,54 @@ def _host_port(text: str, shown: str) -> tuple[str, int]:
     return host, int(port) if port else SENTINEL_PORT
 
 
+def newest_master(answers: list, service: str, check) -> tuple[str, int]:
+    """Of every sentinel's view (or the error it gave), the primary named with the newest config epoch. Right
+    after a failover a sentinel that has not heard of it yet still names the old primary; if that one has been
+    restarted it is up, a primary with its old data, and accepts writes that its demotion will wipe. The first
+    answer (redis-py's rule) can be that stale one; the newest epoch is the failover's."""
+    best, errors = None, []
+    for answer in answers:
+        if isinstance(answer, Exception):
+            errors.append(repr(answer))
+            continue
+        state = answer.get(service)
+        if state and check(state, service) and (best is None or state["config-epoch"] > best["config-epoch"]):
+            best = state
+    if best is None:
+        raise MasterNotFoundError(f"no sentinel names a live primary for {service!r}"
+                                  + (f": {', '.join(errors)}" if errors else ""))
+    return best["ip"], best["port"]
+
+
+class NewestSentinel(Sentinel):
+    def discover_master(self, service_name):
+        answers = []
+        for sentinel in self.sentinels:
+            try:
+                answers.append(sentinel.sentinel_masters())
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                answers.append(e)
+        return newest_master(answers, service_name, self.check_master_state)
+
+
+class NewestAsyncSentinel(AsyncSentinel):
+    async def discover_master(self, service_name):
+        answers = []
+        for sentinel in self.sentinels:
+            try:
+                answers.append(await sentinel.sentinel_masters())
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                answers.append(e)
+        return newest_master(answers, service_name, self.check_master_state)
+
+
 def connect(url: str, **kwargs) -> redis.Redis:
     """A client for `url`; kwargs (socket timeouts, retry, ...) go to the data-node connections, and the socket
     timeouts also to the sentinel connections."""
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **kwargs)
     s = parse_sentinel_url(url)
-    sentinel = Sentinel(list(s.sentinels), sentinel_kwargs=s.sentinel_kwargs(kwargs))
+    sentinel = NewestSentinel(list(s.sentinels), sentinel_kwargs=s.sentinel_kwargs(kwargs))
     return sentinel.master_for(s.service, **(s.node_kwargs() | kwargs))
 
 
@@ -110,7 +151,7 @@ def connect_async(url: str, **kwargs) -> aioredis.Redis:
     if not is_sentinel(url):
         return aioredis.Redis.from_url(url, **kwargs)
     s = parse_sentinel_url(url)
-    sentinel = AsyncSentinel(list(s.sentinels), sentinel_kwargs=s.sentinel_kwargs(kwargs))
+    sentinel = NewestAsyncSentinel(list(s.sentinels), sentinel_kwargs=s.sentinel_kwargs(kwargs))
     return sentinel.master_for(s.service, **(s.node_kwargs() | kwargs))
 
 

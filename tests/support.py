@@ -2,11 +2,13 @@
 redis-server starter, the one raw producer, the one `kvgate worker` spawner."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -219,6 +221,45 @@ def spawn_worker(url: str, ns: str, *args: str, worker_id: str | None = None, lo
 SENTINEL_SERVICE = "mymaster"
 
 
+class LinkProxy:
+    """A TCP relay for the replica's link to its primary, which `hold()` turns into a black hole for what the
+    primary sends: the replica stays up and electable but falls behind, the way a slow network leaves it. (A
+    SIGSTOPped replica does not: the kernel keeps what the primary sent, and the replica reads it on SIGCONT.)"""
+
+    def __init__(self, target_port: int):
+        self.target_port, self.held = target_port, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self) -> None:
+        self.held.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(upstream, downstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(downstream, upstream, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_primary: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if not (from_primary and self.held.is_set()):
+                    dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
 @dataclass(slots=True)
 class SentinelGroup:
     """A primary (RedisServer), one replica (--replicaof) and three `redis-server --sentinel` processes with tight
@@ -230,14 +271,16 @@ class SentinelGroup:
     down_after_ms: int = 400
     failover_timeout_ms: int = 2000
     primary: RedisServer = field(init=False)
+    link: LinkProxy = field(init=False)  # the replica reaches the primary through it
     replica: RedisServer = field(init=False)
     sentinel_ports: list[int] = field(default_factory=list)
     sentinels: list[subprocess.Popen] = field(default_factory=list)
 
     def __post_init__(self):
         self.primary = RedisServer(self.workdir / "a", self.binary)
+        self.link = LinkProxy(self.primary.port)
         self.replica = RedisServer(self.workdir / "b", self.binary,
-                                   extra_args=("--replicaof", "127.0.0.1", str(self.primary.port)))
+                                   extra_args=("--replicaof", "127.0.0.1", str(self.link.port)))
 
     @property
     def url(self) -> str:
@@ -310,3 +353,4 @@ class SentinelGroup:
                 proc.wait(10)
         self.replica.stop()
         self.primary.stop()
+        self.link.close()
