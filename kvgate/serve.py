@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--request-timeout", type=float, default=600.0, help="seconds before an unanswered job is cancelled (504)")
     add("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
     add("--max-n", type=int, default=16, help="most choices (n times prompts) in one request")
+    add("--durability", choices=("primary", "replicated"), default=os.environ.get("KVGATE_DURABILITY", "primary"),
+        help="replicated: a request is enqueued only once a replica holds it, resent across a failover "
+             "(RELIABILITY.md, Failover; env KVGATE_DURABILITY)")
     add("--log-level", default="info")
 
 
@@ -34,7 +37,7 @@ def settings_from(args: argparse.Namespace):
                            api_keys=parse_keys(args.api_key, os.environ.get("KVGATE_API_KEYS")),
                            max_backlog=args.max_backlog, retry_after_s=args.retry_after,
                            request_timeout_s=args.request_timeout, default_max_tokens=args.default_max_tokens,
-                           max_n=args.max_n)
+                           max_n=args.max_n, durability=args.durability)
 
 
 def run(args: argparse.Namespace) -> int:

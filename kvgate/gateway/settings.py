@@ -15,6 +15,7 @@ class GatewaySettings:
     default_max_tokens: int = 512  # when a request gives neither max_tokens nor max_completion_tokens
     models_cache_s: float = 2.0  # how long the list of live workers' models is reused
     max_n: int = 16  # choices (n) times prompts one request may ask for
+    durability: str = "primary"  # or "replicated": the SDK's, see RELIABILITY.md (Failover)
 
     def __post_init__(self):
         if self.max_backlog is not None and self.max_backlog < 1:

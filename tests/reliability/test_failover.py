@@ -13,8 +13,11 @@ Reproduce: `.venv/bin/pytest -s tests/reliability/test_failover.py`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,8 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.producer import Client, ConnectionFailed, JobLost, KvgateError
+from kvgate import exporter
+from kvgate.producer import AsyncClient, Client, ConnectionFailed, JobLost, KvgateError
 from kvgate.producer.protocol import Final, Keys, decode_final
+from kvgate.producer.redis_url import connect
 from tests.reliability.chaos_harness import stop_all
 from tests.support import SentinelGroup, spawn_worker, wait_for
 
@@ -45,6 +50,33 @@ def test_jobs_go_in_and_come_back_through_sentinel_with_their_results_on_the_rep
         assert [r.status for r in results] == ["done"] * 5
         replica = sentinel_group.replica.client()
         assert all(replica.exists(Keys(namespace).result(h.job_id)) for h in handles)
+    finally:
+        stop_all([worker])
+
+
+def test_the_async_sdk_the_exporter_and_kvgate_stats_follow_a_failover(sentinel_group, namespace, tmp_path):
+    url, keys = sentinel_group.url, Keys(namespace)
+    worker = spawn_worker(url, namespace, *SIM, log=tmp_path / "w.log")
+    registry = exporter.build_registry(connect(url, socket_timeout=5, socket_connect_timeout=5), keys)
+    up = lambda: registry.get_sample_value("kvgate_exporter_redis_up", {"kvgate_namespace": namespace})
+
+    async def one_job(client: AsyncClient) -> str:
+        return (await (await client.submit("hello", max_tokens=4)).result(timeout=30)).status
+
+    async def scenario() -> list[str]:
+        async with AsyncClient(url, namespace) as client:  # the gateway's client
+            before = await one_job(client)
+            await asyncio.to_thread(sentinel_group.kill_primary)
+            await asyncio.to_thread(sentinel_group.wait_failover)
+            return [before, await one_job(client)]
+
+    try:
+        assert up() == 1
+        assert asyncio.run(scenario()) == ["done", "done"]
+        wait_for(lambda: up() == 1, 10, "the exporter to read the new primary")
+        stats = subprocess.run([sys.executable, "-m", "kvgate.cli", "stats", "--redis-url", url, "--namespace",
+                                namespace, "--json"], capture_output=True, text=True, timeout=60)
+        assert stats.returncode == 0 and len(json.loads(stats.stdout)["workers"]) == 1, stats.stderr
     finally:
         stop_all([worker])
 
