@@ -11,15 +11,15 @@ import redis
 from tqdm.auto import tqdm
 
 from .connection import refusal_of, resolve_url, translated
+from .durable import DurableSubmitter, with_claim
 from .errors import KvgateError, PartiallySubmitted, ResultTimeout
 from .handle import JobHandle
 from .idempotency import owner_tag
 from .job_status import JobStatus, job_states_script, job_status
 from .mailbox import ReplyRouter
 from .protocol import Keys, Message, decode_final
-from .durable import DurableSubmitter, with_claim
-from .redis_url import FAILOVER_BUDGET_S, Durability, connect
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
+from .redis_url import FAILOVER_BUDGET_S, Durability, connect
 from .reply_reader import ReaderState, ReplyReader
 from .result import Result
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,

@@ -22,6 +22,8 @@ class GatewaySettings:
             raise ValueError(f"max_backlog={self.max_backlog} must be at least 1, or None for no limit")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} must be at least 1")
+        if self.durability not in ("primary", "replicated"):
+            raise ValueError(f"durability={self.durability!r}: allowed values: primary, replicated")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s={self.request_timeout_s} must be positive")
         if any(not k or any(c.isspace() for c in k) for k in self.api_keys):

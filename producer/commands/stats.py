@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import redis
-
 from ..connection import DEFAULT_URL, resolve_url, translated
 from ..protocol import Keys
 from ..queue_stats import QueueStats, read_queue_stats

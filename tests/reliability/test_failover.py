@@ -245,7 +245,9 @@ class FailoverRun:
             if raw is None:  # Redis lost the job and its result after the SDK read it: answered, then forgotten
                 outcome["answer_forgotten"].append(i)
             elif (decode_final(raw).attempt, decode_final(raw).text) != (result.attempt, result.text):
-                outcome["ran_again"].append(i)  # its finish was lost: it ran again and Redis keeps the second answer
+                kept = decode_final(raw)  # its finish was lost: it ran again and Redis keeps the second answer
+                outcome["ran_again"].append(f"{i}: client got attempt {result.attempt} by {result.worker}, Redis "
+                                            f"keeps attempt {kept.attempt} by {kept.worker}")
         return outcome
 
 
