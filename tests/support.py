@@ -342,9 +342,11 @@ class SentinelGroup:
         self.primary.stop(9)
 
     def wait_failover(self, timeout: float = 20.0) -> None:
-        wait_for(lambda: self.primary_port() == self.replica.port and
+        """Until every sentinel names the promoted replica (one that has not heard yet names the dead primary, and
+        a client asking then finds no live primary) and the replica says it is a primary."""
+        wait_for(lambda: all(v[2] == self.replica.port for v in self._views()) and
                  self.replica.client().info("replication")["role"] == "master", timeout,
-                 lambda: f"the replica (port {self.replica.port}) promoted: sentinels name {self.primary_port()}")
+                 lambda: f"the replica (port {self.replica.port}) promoted: sentinels say {self._views()}")
 
     def stop(self) -> None:
         for proc in self.sentinels:
