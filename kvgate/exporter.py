@@ -21,6 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from kvgate.producer.connection import DEFAULT_URL, mask_url, resolve_url
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
+from kvgate.producer.redis_url import connect
 
 
 class FleetCollector:
@@ -112,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     url = resolve_url(args.redis_url, DEFAULT_URL)
-    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    client = connect(url, socket_timeout=5, socket_connect_timeout=5)
     try:  # a user without permission or a missing database will not heal: refuse to start on those
         read_queue_stats(client, Keys(args.namespace))
     except (redis.ConnectionError, redis.TimeoutError) as e:  # Redis may come up later: serve redis_up 0 till then

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--request-timeout", type=float, default=600.0, help="seconds before an unanswered job is cancelled (504)")
     add("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
     add("--max-n", type=int, default=16, help="most choices (n times prompts) in one request")
+    add("--durability", choices=("primary", "replicated"), default=os.environ.get("KVGATE_DURABILITY", "primary"),
+        help="replicated: a request is enqueued only once a replica holds it, resent across a failover "
+             "(RELIABILITY.md, Failover; env KVGATE_DURABILITY)")
     add("--log-level", default="info")
 
 
@@ -38,7 +41,8 @@ def settings_from(args: argparse.Namespace):
                            api_keys=parse_keys(args.api_key, os.environ.get("KVGATE_API_KEYS")),
                            max_backlog=args.max_backlog, retry_after_s=args.retry_after,
                            request_timeout_s=args.request_timeout, default_max_tokens=args.default_max_tokens,
-                           max_n=args.max_n, models=allowed_models(args.model, os.environ.get("KVGATE_MODELS")))
+                           max_n=args.max_n, models=allowed_models(args.model, os.environ.get("KVGATE_MODELS")),
+                           durability=args.durability)
 
 
 def allowed_models(flags: list[str] | None, env: str | None) -> tuple[str, ...]:

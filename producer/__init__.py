@@ -9,7 +9,7 @@ Importing this package never imports torch: the SDK is redis, msgspec, pydantic 
 from .async_client import AsyncClient, AsyncJobHandle
 from .client import Client
 from .errors import (Backpressure, ConnectionFailed, FieldError, IdempotencyConflict, InvalidRequest, JobLost,
-                     KvgateError, PartiallySubmitted, ResultTimeout, ServerRefused)
+                     KvgateError, NotReplicatedError, PartiallySubmitted, ResultTimeout, ServerRefused)
 from .handle import JobHandle
 from .job_status import JobStatus
 from .protocol import Delta, Final, Timings, TokenLogprob, TopLogprob, Usage
@@ -23,5 +23,5 @@ __all__ = [
     "JobStatus", "JobLost", "ServerRefused", "PartiallySubmitted",
     "QueueStats", "PriorityStats", "WorkerStats",
     "KvgateError", "InvalidRequest", "FieldError", "Backpressure", "IdempotencyConflict", "ResultTimeout",
-    "ConnectionFailed",
+    "ConnectionFailed", "NotReplicatedError",
 ]

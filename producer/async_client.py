@@ -20,6 +20,8 @@ from .job_status import JobStatus, job_states_script, job_status, read_states
 from .mailbox import ReplyRouter
 from .protocol import DEFAULT_MODEL, Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
+from .durable import AsyncDurableSubmitter, with_claim
+from .redis_url import FAILOVER_BUDGET_S, Durability, connect, connect_async
 from .reply_reader import READ_COUNT, ReaderState, is_noperm
 from .result import Result
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, enqueue_commands,
@@ -33,14 +35,18 @@ class AsyncClient:
 
     def __init__(self, redis_url: str | None = None, namespace: str = "kvgate", *, max_backlog: int | None = None,
                  backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
-                 reply_ttl_s: int = 3600):
+                 reply_ttl_s: int = 3600, durability: Literal["primary", "replicated"] = "primary",
+                 replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S):
         self.url = resolve_url(redis_url)
+        self.durability = Durability(durability, 1, replica_timeout_ms)
+        self._durable = AsyncDurableSubmitter(self.url, self.durability, failover_budget_s) \
+            if self.durability.replicated else None
         self.keys = Keys(namespace)
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
         self._event = asyncio.Event()
         self.router = ReplyRouter(self._notify)
-        self.redis = aioredis.Redis.from_url(self.url)
+        self.redis = connect_async(self.url)
         self._script = claim_script(self.redis)
         self._state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
         self._reader: asyncio.Task | None = None
@@ -55,7 +61,7 @@ class AsyncClient:
             return self
         with translated(self.url):
             await self._ensure_groups([DEFAULT_MODEL])
-        conn = aioredis.Redis.from_url(self.url, socket_timeout=self._state.block_ms / 1000 + 10)
+        conn = connect_async(self.url, socket_timeout=self._state.block_ms / 1000 + 10)
         self._reader = asyncio.create_task(self._read(conn), name=f"kvgate-reply-{self.client_id[:6]}")
         return self
 
@@ -114,9 +120,13 @@ class AsyncClient:
         with translated(self.url):
             if missing := new_models(prepared, self._grouped):
                 await self._ensure_groups(missing)
-            pipe = self.redis.pipeline(transaction=True)  # all or nothing, as Client._enqueue
-            enqueue_commands(pipe, self._script, prepared, self.keys)
-            replies = await pipe.execute()
+            if self._durable is not None:
+                prepared = [with_claim(p, self.keys) for p in prepared]
+                replies = await self._durable.send(self._script, prepared, self.keys)
+            else:
+                pipe = self.redis.pipeline(transaction=True)  # all or nothing, as Client._enqueue
+                enqueue_commands(pipe, self._script, prepared, self.keys)
+                replies = await pipe.execute()
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
@@ -169,7 +179,7 @@ class AsyncClient:
 
     def _sync_redis(self) -> redis.Redis:
         if self._sync is None:
-            self._sync = redis.Redis.from_url(self.url)
+            self._sync = connect(self.url)
         return self._sync
 
     # -- the reader task --------------------------------------------------------------------------
@@ -258,6 +268,8 @@ class AsyncClient:
         except (redis.RedisError, asyncio.TimeoutError):
             pass
         await self.redis.aclose()
+        if self._durable is not None:
+            await self._durable.close()
         if self._sync is not None:
             self._sync.close()
 

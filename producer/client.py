@@ -11,6 +11,7 @@ import redis
 from tqdm.auto import tqdm
 
 from .connection import refusal_of, resolve_url, translated
+from .durable import DurableSubmitter, with_claim
 from .errors import KvgateError, PartiallySubmitted, ResultTimeout
 from .handle import JobHandle
 from .idempotency import owner_tag
@@ -18,6 +19,7 @@ from .job_status import JobStatus, job_states_script, job_status
 from .mailbox import ReplyRouter
 from .protocol import DEFAULT_MODEL, Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
+from .redis_url import FAILOVER_BUDGET_S, Durability, connect
 from .reply_reader import ReaderState, ReplyReader
 from .result import Result
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, enqueue_commands,
@@ -39,14 +41,21 @@ class Client:
 
     def __init__(self, redis_url: str | None = None, namespace: str = "kvgate", *, max_backlog: int | None = None,
                  backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
-                 reply_ttl_s: int = 3600):
+                 reply_ttl_s: int = 3600, durability: Literal["primary", "replicated"] = "primary",
+                 replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S):
+        """durability="replicated": submit returns once a replica holds the job (WAIT 1 replica_timeout_ms), and a
+        submit interrupted by a failover is sent again, to the new primary, for up to failover_budget_s (see
+        RELIABILITY.md, Failover)."""
         self.url = resolve_url(redis_url)
+        self.durability = Durability(durability, 1, replica_timeout_ms)
+        self._durable = DurableSubmitter(self.url, self.durability, failover_budget_s) \
+            if self.durability.replicated else None
         self.keys = Keys(namespace)
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
         self._changed = threading.Condition()
         self.router = ReplyRouter(self._notify)
-        self.redis = redis.Redis.from_url(self.url)
+        self.redis = connect(self.url)
         self._script = claim_script(self.redis)
         self._closed = False
         self._states = job_states_script(self.redis)
@@ -54,7 +63,7 @@ class Client:
         with translated(self.url):
             self._ensure_groups([DEFAULT_MODEL])
         state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
-        conn = redis.Redis.from_url(self.url, socket_timeout=state.block_ms / 1000 + 10)
+        conn = connect(self.url, socket_timeout=state.block_ms / 1000 + 10)
         self._reader = ReplyReader(conn, state, job_states_script(conn))
         self._reader.start()
 
@@ -104,9 +113,13 @@ class Client:
         with translated(self.url):
             if missing := new_models(prepared, self._grouped):
                 self._ensure_groups(missing)
-            pipe = self.redis.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
-            enqueue_commands(pipe, self._script, prepared, self.keys)
-            replies = pipe.execute()
+            if self._durable is not None:
+                prepared = [with_claim(p, self.keys) for p in prepared]
+                replies = self._durable.send(self._script, prepared, self.keys)
+            else:
+                pipe = self.redis.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
+                enqueue_commands(pipe, self._script, prepared, self.keys)
+                replies = pipe.execute()
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
@@ -216,6 +229,8 @@ class Client:
         except redis.RedisError:
             pass
         self.redis.close()
+        if self._durable is not None:
+            self._durable.close()
 
     def __enter__(self) -> "Client":
         return self

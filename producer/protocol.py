@@ -6,6 +6,7 @@ malformed payload becomes a ProtocolError (and an error result), never a crash o
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -354,20 +355,22 @@ URL_ENV = "KVGATE_REDIS_URL"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"  # the default of the worker and every `kvgate` command; never the SDK's
 
 
+URL_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel")  # Sentinel: producer/redis_url.py
+
+
 def check_url(url: str) -> str:
-    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss:// or unix:// "
-                         f"(for example {DEFAULT_URL})")
+    if urlsplit(url).scheme not in URL_SCHEMES:
+        raise ValueError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss://, unix:// or "
+                         f"redis+sentinel:// (for example {DEFAULT_URL})")
     return url
 
 
 def mask_url(url: str) -> str:
     """The URL with its password replaced by ***, fit for messages and logs."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    port = f":{parts.port}" if parts.port else ""
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    # the query may carry a Sentinel's own password (redis+sentinel://...?sentinel_password=...)
+    query = re.sub(r"(password=)[^&]*", r"\1***", parts.query)
+    userinfo, at, hosts = parts.netloc.rpartition("@")  # a Sentinel URL lists several host:port, so no .port
+    if ":" in userinfo:
+        userinfo = userinfo.split(":", 1)[0] + ":***"
+    return urlunsplit(parts._replace(netloc=f"{userinfo}{at}{hosts}", query=query))

@@ -25,6 +25,7 @@ class Prepared:
     claim: Claim | None = None
     claim_key: str | None = None
     result_prefix: str = ""
+    claim_ttl_s: int = IDEMPOTENCY_TTL_S
 
 
 def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "") -> Prepared:
@@ -45,7 +46,7 @@ def add_to_pipeline(pipe, script, prepared: Prepared) -> None:
         pipe.xadd(prepared.stream, {FIELD: prepared.payload})
     else:
         script(keys=[prepared.claim_key, prepared.stream],
-               args=[prepared.claim.encode(), IDEMPOTENCY_TTL_S, FIELD, prepared.payload, Keys.GROUP,
+               args=[prepared.claim.encode(), prepared.claim_ttl_s, FIELD, prepared.payload, Keys.GROUP,
                      prepared.result_prefix, prepared.claim.digest], client=pipe)
 
 

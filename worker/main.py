@@ -79,7 +79,9 @@ def check_redis(url: str) -> None:
     """Connect once before loading anything: a wrong URL or password fails in a line that names the URL."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    from kvgate.producer.redis_url import connect
+
+    client = connect(url, socket_connect_timeout=5, socket_timeout=5)
     try:
         client.ping()
     except redis.RedisError as e:

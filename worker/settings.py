@@ -2,13 +2,14 @@
 variables, which win over these defaults; `kvgate worker` derives its flags from these fields (worker/flags.py)."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvgate.engine.config import EngineConfig
 from kvgate.producer.protocol import DEFAULT_URL, ProtocolError, check_model_name, check_url
+from kvgate.producer.redis_url import Durability
 
 
 def _names(value: object) -> object:
@@ -29,7 +30,8 @@ def _s(default, description: str, *flags: str, **constraints):
 class WorkerSettings(BaseSettings, EngineConfig):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", validate_assignment=True)
 
-    redis_url: str = _s(DEFAULT_URL, "redis://, rediss:// or unix:// URL of the fleet's Redis")
+    redis_url: str = _s(DEFAULT_URL, "redis://, rediss://, unix:// or redis+sentinel://host:26379,.../service URL "
+                                     "of the fleet's Redis")
     namespace: str = _s("kvgate", "key prefix shared by producers and workers")
     worker_id: str | None = _s(None, "stable consumer name; unset: hostname-pid")
     model: str = _s("smollm2-135m", "model alias, HF folder, GGUF file or random:<name>")
@@ -84,6 +86,12 @@ class WorkerSettings(BaseSettings, EngineConfig):
             raise ValueError(str(e)) from None
         return value
 
+    # failover (RELIABILITY.md, Failover)
+    durability: Literal["primary", "replicated"] = _s(
+        "primary", "replicated: a finished job counts as settled only once a replica has its result (WAIT 1), "
+        "else its final is sent again; primary: once the primary has it")
+    replica_timeout_ms: int = _s(1000, "WAIT timeout of the replicated durability, milliseconds", ge=1)
+
     @field_validator("redis_url")
     @classmethod
     def _url_with_scheme(cls, url: str) -> str:
@@ -91,6 +99,10 @@ class WorkerSettings(BaseSettings, EngineConfig):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.model_dump(include=set(EngineConfig.model_fields)))
+
+    @property
+    def replication(self) -> Durability:
+        return Durability(self.durability, 1, self.replica_timeout_ms)
 
     @property
     def renew_interval_s(self) -> float:

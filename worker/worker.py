@@ -19,6 +19,7 @@ from redis.retry import Retry
 from kvgate.engine.outputs import RequestRejected, StepOutput
 from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, TokenLogprob, Usage,
                                       as_text, decode_job, mask_url)
+from kvgate.producer.redis_url import connect
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.consumers import Consumers
@@ -76,14 +77,14 @@ class Worker:
         self.model = self.served.canonical
         self.streams = self.keys.served_jobs(list(self.served.names))
         self.url = mask_url(redis_url)  # for messages: the password never reaches a log
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
+        self.client = connect(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
                                            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
         self.renderer = TokenRenderer(getattr(engine, "tokenizer", None))
         self.queue = AdmissionQueue(s.local_queue_size, float(s.initial_tokens_per_job))
         self.flights: dict[str, Flight] = {}
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
-                                   s.dead_maxlen)
+                                   s.dead_maxlen, durability=s.replication)
         self.reader = Reader(self.client, self.worker_id, self.streams, len(self.served.names))
         self.leases = Leases(self.client, self.worker_id)
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)

@@ -50,7 +50,8 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
         s = self.settings
-        self.client = AsyncClient(s.redis_url, s.namespace, max_backlog=s.max_backlog, backpressure="raise")
+        self.client = AsyncClient(s.redis_url, s.namespace, max_backlog=s.max_backlog, backpressure="raise",
+                                  durability=s.durability)
         await self.client.start()
         self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s, s.models)
         try:

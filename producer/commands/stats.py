@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import redis
-
 from ..connection import DEFAULT_URL, resolve_url, translated
 from ..protocol import Keys
 from ..queue_stats import ModelStats, QueueStats, read_queue_stats
+from ..redis_url import connect
 
 NO_WORKER = "no live worker: waiting for scale-up"
 
@@ -20,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     url = resolve_url(args.redis_url, DEFAULT_URL)
     with translated(url):
-        r = redis.Redis.from_url(url)
+        r = connect(url)
         stats = read_queue_stats(r, Keys(args.namespace))
         r.close()
     print(json.dumps(stats.to_dict()) if args.json else render(stats, args.namespace))

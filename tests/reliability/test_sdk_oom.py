@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import redis
 
 from kvgate.producer import AsyncClient, Client, ServerRefused
 from kvgate.producer.protocol import Keys
