@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import secrets
 import time
@@ -106,7 +107,9 @@ class AsyncClient:
         with translated(self.url):
             pipe = self.redis.pipeline(transaction=True)  # all or nothing, as Client._enqueue
             for p in prepared:
-                add_to_pipeline(pipe, self._script, p)
+                queued = add_to_pipeline(pipe, self._script, p)
+                if inspect.isawaitable(queued):  # an idempotent submit's script call
+                    await queued
             replies = await pipe.execute()
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)

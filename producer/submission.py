@@ -37,14 +37,14 @@ def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "")
     return prepared
 
 
-def add_to_pipeline(pipe, script, prepared: Prepared) -> None:
-    """Add one job's enqueue command to a pipeline (sync or asyncio: both queue commands the same way)."""
+def add_to_pipeline(pipe, script, prepared: Prepared):
+    """Add one job's enqueue command to a pipeline. On an asyncio pipeline a script call is a coroutine that
+    queues nothing until awaited: the caller must await what this returns when it is awaitable."""
     if prepared.claim is None:
-        pipe.xadd(prepared.stream, {FIELD: prepared.payload})
-    else:
-        script(keys=[prepared.claim_key, prepared.stream],
-               args=[prepared.claim.encode(), IDEMPOTENCY_TTL_S, FIELD, prepared.payload, Keys.GROUP,
-                     prepared.result_prefix, prepared.claim.digest], client=pipe)
+        return pipe.xadd(prepared.stream, {FIELD: prepared.payload})
+    return script(keys=[prepared.claim_key, prepared.stream],
+                  args=[prepared.claim.encode(), IDEMPOTENCY_TTL_S, FIELD, prepared.payload, Keys.GROUP,
+                        prepared.result_prefix, prepared.claim.digest], client=pipe)
 
 
 def owners(prepared: list[Prepared], replies: list) -> list[Claim]:
