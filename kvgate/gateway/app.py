@@ -62,7 +62,7 @@ class Gateway:
         self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s)
         store = BatchStore(self.client.redis, s.namespace)
         runner = BatchRunner(self.client, store, self.files.store, window=s.batch_window, priority=s.batch_priority,
-                             lease_s=s.batch_lease_s, poll_s=s.batch_poll_s)
+                             lease_s=s.batch_lease_s, poll_s=s.batch_poll_s, max_backlog=s.max_backlog)
         self.batches.store, self.batches.runner = store, runner
         runner.start()
         try:

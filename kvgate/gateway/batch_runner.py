@@ -20,7 +20,7 @@ from kvgate.producer.openai_batch import custom_id_of, is_success, request_lines
 
 from .batch_input import input_errors
 from .batch_store import Batch, BatchStore
-from .batch_work import Work
+from .batch_work import SUBMIT_CHUNK, Work
 from .file_store import FileStore
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,9 @@ def result_file_id(batch_id: str, kind: str) -> str:
 
 class BatchRunner:
     def __init__(self, client: AsyncClient, store: BatchStore, files: FileStore, *, window: int, priority: str,
-                 lease_s: float, poll_s: float):
+                 lease_s: float, poll_s: float, max_backlog: int | None = None):
         self.client, self.store, self.files = client, store, files
+        self.chunk = min(SUBMIT_CHUNK, max_backlog or SUBMIT_CHUNK)
         self.window, self.priority, self.lease_s, self.poll_s = window, priority, lease_s, poll_s
         self.token = secrets.token_hex(8)
         self.driving: dict[str, asyncio.Task] = {}
@@ -121,7 +122,7 @@ class BatchRunner:
         if data is None:  # deleted while the batch ran: what was answered is all there will be
             await self.store.transition(b.id, ("in_progress",), "finalizing", finalizing_at=_now())
             return
-        work = Work(b, self.client, self.store, self.window, self.priority)
+        work = Work(b, self.client, self.store, self.window, self.priority, self.chunk)
         await work.plan(data)
         outcome = await work.run()
         if outcome == "done":

@@ -40,8 +40,10 @@ return 1
 """
 
 # KEYS: lines hash, batch hash. ARGV: custom_id, line, counter. A custom_id is answered and counted once, even
-# when two replicas briefly both think they drive the batch.
+# when two replicas briefly both think they drive the batch, and only while the batch runs: a replica that lost
+# its lease cannot add lines to a batch another one has finalized.
 RECORD = """
+if redis.call('HGET', KEYS[2], 'status') ~= 'in_progress' then return 0 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
   return 1
@@ -157,9 +159,10 @@ class BatchStore:
         raw = await self.r.hgetall(self.key(batch_id))
         return decode_batch(raw) if raw else None
 
-    async def status(self, batch_id: str) -> str | None:
-        raw = await self.r.hget(self.key(batch_id), "status")
-        return raw.decode() if raw else None
+    async def status(self, batch_id: str) -> tuple[str | None, int]:
+        """The status (None: no such batch) and expires_at, read afresh: what a running batch checks."""
+        status, expires_at = await self.r.hmget(self.key(batch_id), ["status", "expires_at"])
+        return (status.decode() if status else None), int(expires_at or 0)
 
     async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str, **values: Any) -> bool:
         args = [batch_id, " ".join(allowed), status, "1" if status in TERMINAL else "0"]

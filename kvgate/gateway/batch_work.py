@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.5  # how often a running batch looks for a cancel or its expiry
 RETRY_S = 1.0  # wait after a refused submit (backpressure, Redis refusing writes)
+SUBMIT_CHUNK = 32  # the SDK checks the backlog before each chunk, so a batch stops at --max-backlog
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class Work:
     store: BatchStore
     window: int
     priority: str
+    chunk: int = SUBMIT_CHUNK  # at most max_backlog, so one chunk cannot overshoot it
     todo: deque[BatchRequest] = field(default_factory=deque)
     pending: dict[asyncio.Task, tuple[BatchRequest, str]] = field(default_factory=dict)
     models: dict[str, str | None] = field(default_factory=dict)
@@ -74,10 +76,10 @@ class Work:
                     await self.client.cancel(job_id)
 
     async def _stop_reason(self) -> str | None:
-        status = await self.store.status(self.batch.id)
+        status, expires_at = await self.store.status(self.batch.id)
         if status != "in_progress":
             return status or "gone"
-        return "expired" if self.batch.expired else None
+        return "expired" if time.time() >= expires_at else None
 
     async def _submit(self) -> None:
         room = self.window - len(self.pending)
@@ -85,7 +87,7 @@ class Work:
             return
         chunk = [self.todo.popleft() for _ in range(min(room, len(self.todo)))]
         try:
-            handles = await self.client.submit_many([r.submit_args for r in chunk])
+            handles = await self.client.submit_many([r.submit_args for r in chunk], chunk_size=self.chunk)
         except PartiallySubmitted as e:
             handles = e.handles
         except (Backpressure, KvgateError) as e:  # the queue is full or Redis refuses: keep what we have, retry

@@ -56,17 +56,21 @@ def test_status_moves_only_from_the_allowed_states_and_a_final_one_leaves_the_ac
     assert b.total == 3 and active == []
 
 
-def test_a_line_is_recorded_and_counted_once(shared_redis, namespace):
+def test_a_line_is_recorded_and_counted_once_and_only_while_the_batch_runs(shared_redis, namespace):
     async def body(store: BatchStore):
         b = new_batch()
         await store.create(b)
+        early = await store.record(b.id, "a", {"custom_id": "a", "error": None}, ok=True)  # still validating
+        await store.transition(b.id, ("validating",), "in_progress")
         first = await store.record(b.id, "a", {"custom_id": "a", "error": None}, ok=True)
         again = await store.record(b.id, "a", {"custom_id": "a", "error": None}, ok=True)
         await store.record(b.id, "b", {"custom_id": "b", "error": {"code": "x"}}, ok=False)
-        return first, again, await store.get(b.id), await store.answered(b.id)
+        await store.transition(b.id, ("in_progress",), "completed")
+        late = await store.record(b.id, "c", {"custom_id": "c", "error": None}, ok=True)
+        return early, first, again, late, await store.get(b.id), await store.answered(b.id)
 
-    first, again, b, answered = run(shared_redis, namespace, body)
-    assert (first, again) == (True, False)
+    early, first, again, late, b, answered = run(shared_redis, namespace, body)
+    assert (early, first, again, late) == (False, True, False, False)
     assert (b.completed, b.failed) == (1, 1) and answered == {"a", "b"}
 
 

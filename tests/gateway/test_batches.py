@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import openai
 import pytest
+import redis
 
-from tests.gateway.batch_files import (COMPLETIONS, jsonl, request, rows_of, wait_final, with_bad_lines)
-from tests.gateway.conftest import start_gateway
-from tests.support import wait_for
+from kvgate.producer.protocol import Keys
+from kvgate.producer.queue_stats import total_backlog
+from tests.gateway.batch_files import COMPLETIONS, jsonl, request, rows_of, wait_final, with_bad_lines
+from tests.gateway.conftest import SIM, start_gateway, stop_worker, wait_for_workers
+from tests.support import spawn_worker, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +165,46 @@ def test_batch_routes_need_the_api_key(sim_fleet, gateway_factory, tmp_path):
             c.batches.list()
         with pytest.raises(openai.AuthenticationError):
             c.files.create(file=("x.jsonl", jsonl([request(0)])), purpose="batch")
+
+
+def test_a_batch_past_its_window_ends_expired_with_what_was_answered(client, sim_fleet):
+    rows = [request(i, max_tokens=300) for i in range(120)]
+    batch = client.batches.create(input_file_id=upload(client, rows).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 60, "a first answer")
+    with redis.Redis.from_url(sim_fleet[0]) as r:  # as if 24 hours had passed
+        r.hset(f"{sim_fleet[1]}:batch:{batch.id}", "expires_at", int(time.time()) - 1)
+    done = wait_final(client.batches.retrieve, batch.id)
+    assert done.status == "expired" and done.expired_at and done.completed_at is None
+    out = rows_of(client.files.content(done.output_file_id).content)
+    assert 1 <= len(out) == done.request_counts.completed < 120
+
+
+def test_a_batch_waits_out_a_full_queue_instead_of_failing_lines(shared_redis, namespace, gateway_factory, tmp_path):
+    """With --max-backlog 4 the SDK refuses submits while 4 jobs wait; the runner retries them later."""
+    proc = spawn_worker(shared_redis.url, namespace, *SIM, worker_id="sim-backlog")
+    try:
+        wait_for_workers(shared_redis.url, namespace, proc=proc)
+        gw = gateway_factory(shared_redis.url, namespace, files_dir=str(tmp_path), max_backlog=4, batch_window=64,
+                             batch_poll_s=0.2)
+        backlogs, sampling = [], threading.Event()
+
+        def sample():
+            with redis.Redis.from_url(shared_redis.url) as r:
+                while not sampling.wait(0.01):
+                    backlogs.append(total_backlog(r, Keys(namespace)))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        with openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+            batch = c.batches.create(input_file_id=upload(c, [request(i, max_tokens=50) for i in range(60)]).id,
+                                     endpoint="/v1/chat/completions", completion_window="24h")
+            done = wait_final(c.batches.retrieve, batch.id)
+        sampling.set()
+        sampler.join(5)
+    finally:
+        stop_worker(proc)
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (60, 0)
+    # the worker takes 16 at a time; with no limit the other 48 of the window would wait in the queue
+    assert 0 < max(backlogs) <= 8, max(backlogs)
