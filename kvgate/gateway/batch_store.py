@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -91,10 +91,9 @@ class Batch:
     total: int = 0
     completed: int = 0
     failed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def body(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in COUNTS and f.name != "extra"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in COUNTS}
         out["request_counts"] = {"total": self.total, "completed": self.completed, "failed": self.failed}
         return out
 
@@ -112,7 +111,7 @@ def decode_batch(raw: dict[bytes, bytes]) -> Batch:
     values: dict[str, Any] = {}
     for k, v in raw.items():
         name, text = k.decode(), v.decode()
-        if name not in known or name == "extra":
+        if name not in known:
             continue
         if name in JSON_FIELDS:
             values[name] = json.loads(text)
