@@ -208,3 +208,19 @@ def test_a_batch_waits_out_a_full_queue_instead_of_failing_lines(shared_redis, n
     assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (60, 0)
     # the worker takes 16 at a time; with no limit the other 48 of the window would wait in the queue
     assert 0 < max(backlogs) <= 8, max(backlogs)
+
+
+def test_two_replicas_sharing_a_file_store_run_a_batch_once(sim_fleet, batch_gateway, gateway_factory):
+    """Another replica on the same namespace and files: either may drive the batch, exactly one does."""
+    files_dir = batch_gateway.server.config.app.state.gateway.settings.files_dir
+    other = gateway_factory(*sim_fleet, files_dir=files_dir, batch_window=8, batch_poll_s=0.2)
+    with openai.OpenAI(base_url=batch_gateway.base_url, api_key="unused", max_retries=0, timeout=60) as a, \
+            openai.OpenAI(base_url=other.base_url, api_key="unused", max_retries=0, timeout=60) as b:
+        batches = [a.batches.create(input_file_id=upload(a, [request(i) for i in range(40)]).id,
+                                    endpoint="/v1/chat/completions", completion_window="24h") for _ in range(4)]
+        for batch in batches:
+            done = wait_final(b.batches.retrieve, batch.id)
+            assert done.status == "completed" and done.request_counts.completed == 40
+            out = rows_of(b.files.content(done.output_file_id).content)
+            assert [r["custom_id"] for r in out] == [f"req-{i}" for i in range(40)]
+            assert len({r["response"]["request_id"] for r in out}) == 40
