@@ -42,8 +42,11 @@ class Work:
     async def plan(self, data: bytes) -> None:
         """Queue the lines not yet answered; lines that fail on their own are answered with their error now."""
         b, answered = self.batch, await self.store.answered(self.batch.id)
-        for line_no, raw in request_lines(data):
-            planned = plan_line(line_no, raw, b.id, self.priority, self.client.keys, self.client.client_id)
+        keys, client_id = self.client.keys, self.client.client_id
+        # in a thread: validating tens of thousands of lines would hold up every other request of this gateway
+        lines = await asyncio.to_thread(lambda: [plan_line(n, raw, b.id, self.priority, keys, client_id)
+                                                 for n, raw in request_lines(data)])
+        for planned in lines:
             if isinstance(planned, BatchRequest):
                 if planned.custom_id not in answered:
                     self.todo.append(planned)
