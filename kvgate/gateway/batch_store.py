@@ -189,9 +189,16 @@ class BatchStore:
 
     # -- lines and jobs ---------------------------------------------------------------------------
     async def record(self, batch_id: str, custom_id: str, row: dict, ok: bool) -> bool:
+        return (await self.record_many(batch_id, [(custom_id, row, ok)]))[0]
+
+    async def record_many(self, batch_id: str, answers: list[tuple[str, dict, bool]]) -> list[bool]:
+        """(custom_id, line, ok) for each answer, in one round trip; True where the line was new."""
         keys = [self.key(batch_id, "lines"), self.key(batch_id)]
-        line = json.dumps(row, ensure_ascii=False)
-        return bool(await self._record(keys=keys, args=[custom_id, line, "completed" if ok else "failed"]))
+        pipe = self.r.pipeline(transaction=False)
+        for custom_id, row, ok in answers:
+            line = json.dumps(row, ensure_ascii=False)
+            await self._record(keys=keys, args=[custom_id, line, "completed" if ok else "failed"], client=pipe)
+        return [bool(r) for r in await pipe.execute()]
 
     async def answered(self, batch_id: str) -> set[str]:
         return {k.decode() for k in await self.r.hkeys(self.key(batch_id, "lines"))}

@@ -46,12 +46,15 @@ class Work:
         # in a thread: validating tens of thousands of lines would hold up every other request of this gateway
         lines = await asyncio.to_thread(lambda: [plan_line(n, raw, b.id, self.priority, keys, client_id)
                                                  for n, raw in request_lines(data)])
+        rejected = []
         for planned in lines:
             if isinstance(planned, BatchRequest):
                 if planned.custom_id not in answered:
                     self.todo.append(planned)
             elif planned["custom_id"] not in answered:
-                await self.store.record(b.id, planned["custom_id"], planned, ok=False)
+                rejected.append((planned["custom_id"], planned, False))
+        if rejected:
+            await self.store.record_many(b.id, rejected)
 
     async def run(self) -> str:
         """Until every line is answered ('done'), or the batch is cancelled or past its window (that status)."""
@@ -108,6 +111,7 @@ class Work:
         if not self.pending:
             return
         done, _ = await asyncio.wait(self.pending, timeout=CHECK_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
+        answers = []
         for task in done:
             req, job_id = self.pending.pop(task)
             try:
@@ -116,7 +120,9 @@ class Work:
                 self.todo.append(req)
                 continue
             row = answer_line(req, result, await self._served_by(result.worker))
-            await self.store.record(self.batch.id, req.custom_id, row, is_success(row))
+            answers.append((req.custom_id, row, is_success(row)))
+        if answers:
+            await self.store.record_many(self.batch.id, answers)
 
     async def _served_by(self, worker_id: str | None) -> str | None:
         """The model the worker's heartbeat names (results carry only the worker id), as `kvgate batch` does."""
