@@ -116,3 +116,25 @@ def test_the_real_sdk_and_worker_serve_a_job_under_their_least_privilege_users(a
         stop.set()
         thread.join(20)
     assert not thread.is_alive()
+
+
+def test_the_gateway_serves_chat_and_models_as_its_acl_user_with_a_worker_as_its_own(acl_server, tmp_path):
+    """The whole path under least privilege: the gateway user enqueues, lists models and reads replies."""
+    import openai
+
+    from tests.gateway.conftest import SIM, start_gateway, stop_worker
+    from tests.support import spawn_worker, wait_for
+
+    port = acl_server("monitor").connection_pool.connection_kwargs["port"]
+    url = lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0"  # noqa: E731
+    worker = spawn_worker(url("worker"), "kvgate", *SIM, worker_id="acl-w", log=tmp_path / "worker.log")
+    gw = start_gateway(url("gateway"), "kvgate")
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
+        wait_for(lambda: client.models.list().data, timeout=60, what="the worker's model in /v1/models")
+        out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=3,
+                                             messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+    finally:
+        gw.stop()
+        stop_worker(worker)
