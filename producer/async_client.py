@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import secrets
 import time
@@ -19,12 +18,12 @@ from .errors import KvgateError, PartiallySubmitted
 from .idempotency import owner_tag
 from .job_status import JobStatus, job_states_script, job_status, read_states
 from .mailbox import ReplyRouter
-from .protocol import Keys, Message, decode_final
+from .protocol import DEFAULT_MODEL, Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
 from .reply_reader import READ_COUNT, ReaderState, is_noperm
 from .result import Result
-from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         group_exists, owners, prepare, add_to_pipeline)
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script,
+                         enqueue_commands_async, group_commands, group_exists, new_models, owners, prepare)
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +47,31 @@ class AsyncClient:
         self._sync: redis.Redis | None = None  # queue inspection is shared sync code, run in a thread
         self._states = None
         self._closed = False
+        self._grouped: set[str] = set()  # models whose streams have the workers' group
 
     async def start(self) -> "AsyncClient":
         """Create the job groups and start the reply reader; called by `async with` and the first submit."""
         if self._reader is not None:
             return self
         with translated(self.url):
-            pipe = self.redis.pipeline(transaction=False)
-            group_commands(pipe, self.keys)
-            replies = await pipe.execute(raise_on_error=False)
-            exists = None
-            if any(isinstance(r, Exception) and refusal_of(r) for r in replies):  # Redis full: are they there?
-                pipe = self.redis.pipeline(transaction=False)
-                for stream in self.keys.all_jobs():
-                    pipe.xinfo_groups(stream)
-                exists = [group_exists(r) for r in await pipe.execute(raise_on_error=False)]
-            check_group_replies(replies, exists)
+            await self._ensure_groups([DEFAULT_MODEL])
         conn = aioredis.Redis.from_url(self.url, socket_timeout=self._state.block_ms / 1000 + 10)
         self._reader = asyncio.create_task(self._read(conn), name=f"kvgate-reply-{self.client_id[:6]}")
         return self
+
+    async def _ensure_groups(self, models: list[str]) -> None:
+        streams = [st for m in models for st in self.keys.all_jobs(m)]
+        pipe = self.redis.pipeline(transaction=False)
+        group_commands(pipe, streams)
+        replies = await pipe.execute(raise_on_error=False)
+        exists = None
+        if any(isinstance(r, Exception) and refusal_of(r) for r in replies):  # Redis full: are they there?
+            pipe = self.redis.pipeline(transaction=False)
+            for stream in streams:
+                pipe.xinfo_groups(stream)
+            exists = [group_exists(r) for r in await pipe.execute(raise_on_error=False)]
+        check_group_replies(replies, exists)
+        self._grouped.update(models)
 
     # -- submitting -------------------------------------------------------------------------------
     async def submit(self, prompt: str | None = None, *, messages: list[dict | Message] | None = None,
@@ -76,8 +81,8 @@ class AsyncClient:
                      ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
                      ttl_s: float | None = None, deadline: float | None = None,
                      idempotency_key: str | None = None, stream: bool = False,
-                     metadata: dict[str, str] | None = None) -> AsyncJobHandle:
-        args = dict(prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
+                     metadata: dict[str, str] | None = None, model: str | None = None) -> AsyncJobHandle:
+        args = dict(model=model, prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                     repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
                     ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
@@ -105,11 +110,10 @@ class AsyncClient:
         await self.start()
         await self._admit()
         with translated(self.url):
+            if missing := new_models(prepared, self._grouped):
+                await self._ensure_groups(missing)
             pipe = self.redis.pipeline(transaction=True)  # all or nothing, as Client._enqueue
-            for p in prepared:
-                queued = add_to_pipeline(pipe, self._script, p)
-                if inspect.isawaitable(queued):  # an idempotent submit's script call
-                    await queued
+            await enqueue_commands_async(pipe, self._script, prepared, self.keys)
             replies = await pipe.execute()
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)

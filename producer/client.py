@@ -16,12 +16,12 @@ from .handle import JobHandle
 from .idempotency import owner_tag
 from .job_status import JobStatus, job_states_script, job_status
 from .mailbox import ReplyRouter
-from .protocol import Keys, Message, decode_final
+from .protocol import DEFAULT_MODEL, Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
 from .reply_reader import ReaderState, ReplyReader
 from .result import Result
-from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         group_exists, owners, prepare, add_to_pipeline)
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, enqueue_commands,
+                         group_commands, group_exists, new_models, owners, prepare)
 
 CHUNK = 256
 CLOSED_REPLY_TTL_S = 60  # replies still in flight at close may land; the stream goes soon after
@@ -50,11 +50,9 @@ class Client:
         self._script = claim_script(self.redis)
         self._closed = False
         self._states = job_states_script(self.redis)
+        self._grouped: set[str] = set()  # models whose streams have the workers' group
         with translated(self.url):
-            pipe = self.redis.pipeline(transaction=False)
-            group_commands(pipe, self.keys)
-            replies = pipe.execute(raise_on_error=False)
-            check_group_replies(replies, self._groups_exist(replies))
+            self._ensure_groups([DEFAULT_MODEL])
         state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
         conn = redis.Redis.from_url(self.url, socket_timeout=state.block_ms / 1000 + 10)
         self._reader = ReplyReader(conn, state, job_states_script(conn))
@@ -67,9 +65,11 @@ class Client:
                stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
                ttl_s: float | None = None, deadline: float | None = None, idempotency_key: str | None = None,
-               stream: bool = False, metadata: dict[str, str] | None = None) -> JobHandle:
-        """Validate, then enqueue one job. Raises InvalidRequest before anything is enqueued."""
-        args = dict(prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
+               stream: bool = False, metadata: dict[str, str] | None = None,
+               model: str | None = None) -> JobHandle:
+        """Validate, then enqueue one job on its model's streams (`model=None`: the `default` model, which
+        every worker serves unless told not to). Raises InvalidRequest before anything is enqueued."""
+        args = dict(model=model, prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                     repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
                     ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
@@ -100,21 +100,30 @@ class Client:
     def _enqueue(self, prepared: list[Prepared]) -> list[JobHandle]:
         self._admit()
         with translated(self.url):
+            if missing := new_models(prepared, self._grouped):
+                self._ensure_groups(missing)
             pipe = self.redis.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
-            for p in prepared:
-                add_to_pipeline(pipe, self._script, p)
+            enqueue_commands(pipe, self._script, prepared, self.keys)
             replies = pipe.execute()
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
                 for p, c in zip(prepared, owners(prepared, replies))]
 
-    def _groups_exist(self, replies: list) -> list[bool] | None:
+    def _ensure_groups(self, models: list[str]) -> None:
+        streams = [st for m in models for st in self.keys.all_jobs(m)]
+        pipe = self.redis.pipeline(transaction=False)
+        group_commands(pipe, streams)
+        replies = pipe.execute(raise_on_error=False)
+        check_group_replies(replies, self._groups_exist(streams, replies))
+        self._grouped.update(models)
+
+    def _groups_exist(self, streams: list[str], replies: list) -> list[bool] | None:
         """Only when a group creation was refused (Redis full or read-only): which groups are there already."""
         if not any(isinstance(r, Exception) and refusal_of(r) for r in replies):
             return None
         pipe = self.redis.pipeline(transaction=False)
-        for stream in self.keys.all_jobs():
+        for stream in streams:
             pipe.xinfo_groups(stream)
         return [group_exists(r) for r in pipe.execute(raise_on_error=False)]
 

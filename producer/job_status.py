@@ -15,7 +15,8 @@ from typing import Literal
 import msgspec
 import redis
 
-from .protocol import FIELD, PRIORITIES, Keys, as_text
+from .protocol import FIELD, Keys, as_text
+from .queue_stats import known_models
 
 State = Literal["queued", "running", "finished", "lost", "unknown"]
 
@@ -113,8 +114,7 @@ PENDING_SCAN = 1000  # pending entries are bounded by what the fleet can hold at
 
 def find_running(r, keys: Keys, job_id: str) -> JobStatus | None:
     """A bare job id: look for it among the entries the workers hold (no entry id needed)."""
-    for priority in PRIORITIES:
-        stream = keys.jobs(priority)
+    for stream in [st for model in known_models(r, keys) for st in keys.all_jobs(model)]:
         try:
             rows = r.xpending_range(stream, Keys.GROUP, min="-", max="+", count=PENDING_SCAN)
         except redis.exceptions.NoPermissionError:

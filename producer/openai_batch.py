@@ -22,7 +22,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
                    "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",
                    "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "metadata": "metadata"}
-IGNORED_FIELDS = {"model", "user", "stream", "n"}
+IGNORED_FIELDS = {"user", "stream", "n"}  # `model` routes the line to that model's streams
 # Results carry no per-token logprobs, so asking for them fails the line instead of answering without them.
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")
 
@@ -72,7 +72,8 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
         if value is not None and value is not False and not (name == "top_logprobs" and value == 0):
             raise BadLine("unsupported_parameter", f"{name}={body[name]!r} is not supported: kvgate results carry "
                           f"no logprobs; remove body.{name} or set it to null")
-    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - set(LOGPROB_FIELDS) - {"messages", "prompt"})
+    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - set(LOGPROB_FIELDS)
+                     - {"messages", "prompt", "model"})
     if unknown:
         raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported")
     if body.get("n", 1) != 1:
@@ -81,6 +82,8 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
     if key not in body:
         raise BadLine("invalid_request", f"{url} needs body.{key}")
     args = {key: body[key]}
+    if body.get("model") is not None:  # the line's model picks its streams; none: the `default` model
+        args["model"] = body["model"]
     for name, arg in SAMPLING_FIELDS.items():
         if body.get(name) is not None:
             args[arg] = body[name]

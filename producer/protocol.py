@@ -29,6 +29,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_METADATA_BYTES = 16_384
 MAX_TOKENS_LIMIT = 1 << 20
 PRIORITIES = ("high", "normal", "low")  # read in this order
+DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
+MAX_MODEL_NAME_CHARS = 128
 
 Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
@@ -58,7 +60,7 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """One generation job as it sits in `{ns}:jobs:<priority>`."""
+    """One generation job as it sits in `{ns}:jobs:<model>:<priority>`."""
 
     v: int
     job_id: str
@@ -73,6 +75,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     stream: bool = False
     idempotency_key: str | None = None
     metadata: dict[str, str] | None = None
+    model: str | None = None  # None: the `default` model's stream; a worker serves it unless serve_default=False
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -117,6 +120,7 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     timings: Timings = msgspec.field(default_factory=Timings)
     metadata: dict[str, str] | None = None
     attempt: int = 1  # the delivery that produced this result
+    model: str | None = None  # the canonical name of the model that served it (None: answered without a model)
 
 
 Event = Delta | Final
@@ -196,6 +200,18 @@ def validate_sampling(s: Sampling) -> None:
         raise ProtocolError(f"seed={s.seed} must be in [0, 2**63)")
 
 
+def check_model_name(name: object) -> str:
+    """A model name as it appears in stream keys: `random:qwen2.5-0.5b` and `org/name` are fine; whitespace and
+    braces and commas are not (braces would become Redis Cluster hash tags; heartbeats and
+    KVGATE_MODEL_ALIASES list names with commas)."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_MODEL_NAME_CHARS:
+        raise ProtocolError(f"model name {name!r} must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters")
+    if any(c.isspace() or c in "{}," for c in name) or not name.isprintable():
+        raise ProtocolError(f"model name {name!r} must have no whitespace, braces, commas or control characters "
+                            "(for example 'HuggingFaceTB/SmolLM2-135M-Instruct' or 'random:qwen2.5-0.5b')")
+    return name
+
+
 def validate_job(job: Job) -> None:
     given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(job, name) is not None]
     if len(given) != 1:
@@ -218,6 +234,8 @@ def validate_job(job: Job) -> None:
         value = getattr(job, name)
         if value is not None and not math.isfinite(value):
             raise ProtocolError(f"{name}={value!r} must be a finite number of unix seconds")
+    if job.model is not None:
+        check_model_name(job.model)
     validate_sampling(job.sampling)
 
 
@@ -244,11 +262,23 @@ class Keys:
             raise ValueError(f"namespace {namespace!r} must be non-empty with no whitespace or braces")
         self.ns = namespace
 
-    def jobs(self, priority: str) -> str:
-        return f"{self.ns}:jobs:{priority}"
+    def jobs(self, model: str | None, priority: str) -> str:
+        """One model's stream of one priority; `None` is the default model."""
+        return f"{self.ns}:jobs:{model or DEFAULT_MODEL}:{priority}"
 
-    def all_jobs(self) -> list[str]:
-        return [self.jobs(p) for p in PRIORITIES]
+    def all_jobs(self, model: str | None) -> list[str]:
+        """One model's streams, highest priority first."""
+        return [self.jobs(model, p) for p in PRIORITIES]
+
+    def served_jobs(self, models: list[str]) -> list[str]:
+        """The streams of several models in the order a worker reads them: every model's high priority stream
+        before any model's normal one, so a priority means the same across the models one worker serves."""
+        return [self.jobs(m, p) for p in PRIORITIES for m in models]
+
+    def models(self) -> str:
+        """Set of every model name ever submitted to or served: stats, exporter and gateway read it instead of
+        scanning key names."""
+        return f"{self.ns}:models"
 
     def reply(self, client_id: str) -> str:
         return f"{self.ns}:reply:{client_id}"
@@ -273,8 +303,9 @@ class Keys:
 
 
 # Fields of the `{ns}:worker:<id>` heartbeat hash; shared by the worker, `kvgate stats/top` and the exporter.
+# `model` is the canonical name; `models` every name it serves (canonical, aliases, `default`), comma-separated.
 HEARTBEAT_FIELDS = (
-    "worker_id", "model", "started_at", "updated_at", "state",  # state: serving | draining
+    "worker_id", "model", "models", "started_at", "updated_at", "state",  # state: serving | draining
     "running", "waiting", "max_num_seqs", "free_blocks", "total_blocks", "block_size",
     "admissible_tokens", "tokens_per_s", "jobs_done",
 )

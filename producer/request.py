@@ -57,6 +57,13 @@ def _one_or_many(stop: object) -> object:
     return [stop] if isinstance(stop, str) else stop
 
 
+def _model_name(name: str) -> str:
+    try:
+        return wire.check_model_name(name)
+    except wire.ProtocolError as e:
+        raise ValueError(str(e).removeprefix(f"model name {name!r} ")) from None
+
+
 def _idempotency_key(key: str) -> str:
     if not key.isprintable() or any(c.isspace() for c in key):
         raise ValueError("must be printable with no whitespace")
@@ -94,6 +101,7 @@ class SubmitRequest(BaseModel):
     idempotency_key: Annotated[str, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS),
                                AfterValidator(_idempotency_key)] | None = None
     stream: bool = False
+    model: Annotated[str, AfterValidator(_model_name)] | None = None  # None: the `default` model
     metadata: Annotated[dict[Annotated[Text, Field(max_length=256)], Text],
                         AfterValidator(_metadata_size)] | None = None
 
@@ -163,7 +171,7 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
     job = wire.Job(v=wire.JOB_VERSION, job_id=job_id or new_job_id(), client_id=client_id, enqueued_at=now,
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
                    sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
-                   idempotency_key=req.idempotency_key, metadata=req.metadata)
+                   idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model)
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

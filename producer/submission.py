@@ -1,6 +1,7 @@
 """From validated submit arguments to pipelined Redis commands, shared by Client and AsyncClient."""
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -8,7 +9,7 @@ from typing import Any
 from .connection import refusal_of
 from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
-from .protocol import FIELD, PRIORITIES, Job, Keys, as_text
+from .protocol import DEFAULT_MODEL, FIELD, Job, Keys, as_text
 from .request import build_job, encode_job, validate_request
 
 CANCEL_TTL_S = 24 * 3600
@@ -21,6 +22,7 @@ class Prepared:
     job: Job
     payload: bytes
     stream: str
+    model: str  # the name its stream is keyed by (`default` for a job that names none)
     claim: Claim | None = None
     claim_key: str | None = None
     result_prefix: str = ""
@@ -29,7 +31,8 @@ class Prepared:
 def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "") -> Prepared:
     req = validate_request(kwargs, where)
     job = build_job(req, client_id, where=where)
-    prepared = Prepared(job, encode_job(job, where), keys.jobs(req.priority))
+    model = req.model or DEFAULT_MODEL
+    prepared = Prepared(job, encode_job(job, where), keys.jobs(model, req.priority), model)
     if req.idempotency_key is not None:
         prepared.claim = Claim(job.job_id, req.digest(), owner_tag(client_id))
         prepared.claim_key = keys.idempotency(req.idempotency_key)
@@ -45,6 +48,29 @@ def add_to_pipeline(pipe, script, prepared: Prepared):
     return script(keys=[prepared.claim_key, prepared.stream],
                   args=[prepared.claim.encode(), IDEMPOTENCY_TTL_S, FIELD, prepared.payload, Keys.GROUP,
                         prepared.result_prefix, prepared.claim.digest], client=pipe)
+
+
+def enqueue_commands(pipe, script, prepared: list[Prepared], keys: Keys) -> None:
+    """The jobs, then one SADD of their models to `{ns}:models`, in the caller's MULTI: a model is listed
+    exactly when a job of it was enqueued. `owners` reads the jobs' replies only."""
+    for p in prepared:
+        add_to_pipeline(pipe, script, p)
+    pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
+
+
+async def enqueue_commands_async(pipe, script, prepared: list[Prepared], keys: Keys) -> None:
+    """enqueue_commands on an asyncio pipeline, where a script call queues nothing until awaited: each one is
+    awaited in turn, so the commands keep their order."""
+    for p in prepared:
+        queued = add_to_pipeline(pipe, script, p)
+        if inspect.isawaitable(queued):
+            await queued
+    pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
+
+
+def new_models(prepared: list[Prepared], grouped: set[str]) -> list[str]:
+    """Models of these jobs whose streams this client has not yet given the workers' group."""
+    return sorted({p.model for p in prepared} - grouped)
 
 
 def owners(prepared: list[Prepared], replies: list) -> list[Claim]:
@@ -63,10 +89,11 @@ def claim_script(r):
     return r.register_script(CLAIM_AND_ENQUEUE)
 
 
-def group_commands(pipe, keys: Keys) -> None:
-    """Create the workers' group at id 0, so jobs added before any worker exists are not skipped."""
-    for p in PRIORITIES:
-        pipe.xgroup_create(keys.jobs(p), Keys.GROUP, id="0", mkstream=True)
+def group_commands(pipe, streams: list[str]) -> None:
+    """Create the workers' group at id 0, so jobs added before any worker of their model exists are not
+    skipped, and stats count them as backlog."""
+    for stream in streams:
+        pipe.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
 
 
 def check_group_replies(replies: list, exists: list[bool] | None = None) -> None:

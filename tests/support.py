@@ -155,12 +155,13 @@ class RawQueue:
                    client_id=kw.pop("client_id", self.client_id), enqueued_at=time.time(), prompt=prompt,
                    sampling=sampling, **kw)
 
-    def xadd(self, payload: bytes, priority: str = "normal", field_name: str = FIELD) -> str:
-        return self.r.xadd(self.keys.jobs(priority), {field_name: payload}).decode()
+    def xadd(self, payload: bytes, priority: str = "normal", field_name: str = FIELD, model: str | None = None) -> str:
+        return self.r.xadd(self.keys.jobs(model, priority), {field_name: payload}).decode()
 
     def submit(self, prompt: str | None = "hello world", **kw) -> str:
+        """A job on its model's stream (`model=` in kw; none: `default`)."""
         job = self.job(prompt, **kw)
-        self.xadd(encode(job), job.priority)
+        self.xadd(encode(job), job.priority, model=job.model)
         return job.job_id
 
     def submit_validated(self, requests: list[dict]) -> list[str]:
@@ -169,7 +170,7 @@ class RawQueue:
         jobs = [build_job(validate_request(kw), self.client_id) for kw in requests]
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            pipe.xadd(self.keys.jobs(job.priority), {FIELD: encode_job(job)})
+            pipe.xadd(self.keys.jobs(job.model, job.priority), {FIELD: encode_job(job)})
         pipe.execute()
         return [job.job_id for job in jobs]
 
@@ -190,9 +191,9 @@ class RawQueue:
     def cancel(self, job_id: str) -> None:
         self.r.set(self.keys.cancel(job_id), 1, ex=600)
 
-    def pending(self, priority: str = "normal") -> int:
+    def pending(self, priority: str = "normal", model: str | None = None) -> int:
         try:
-            return self.r.xpending(self.keys.jobs(priority), Keys.GROUP)["pending"]
+            return self.r.xpending(self.keys.jobs(model, priority), Keys.GROUP)["pending"]
         except redis.ResponseError:  # no group yet: nobody has read anything
             return 0
 

@@ -2,11 +2,22 @@
 variables, which win over these defaults; `kvgate worker` derives its flags from these fields (worker/flags.py)."""
 from __future__ import annotations
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvgate.engine.config import EngineConfig
-from kvgate.producer.protocol import DEFAULT_URL, check_url
+from kvgate.producer.protocol import DEFAULT_URL, ProtocolError, check_model_name, check_url
+
+
+def _names(value: object) -> object:
+    """KVGATE_MODEL_ALIASES=a,b (and one --model-alias given as a,b) is a list of names."""
+    if isinstance(value, str):
+        return [n.strip() for n in value.split(",") if n.strip()]
+    if isinstance(value, (list, tuple)):
+        return [n.strip() for v in value for n in (v.split(",") if isinstance(v, str) else [v]) if n.strip()]
+    return value
 
 
 def _s(default, description: str, *flags: str, **constraints):
@@ -22,6 +33,13 @@ class WorkerSettings(BaseSettings, EngineConfig):
     namespace: str = _s("kvgate", "key prefix shared by producers and workers")
     worker_id: str | None = _s(None, "stable consumer name; unset: hostname-pid")
     model: str = _s("smollm2-135m", "model alias, HF folder, GGUF file or random:<name>")
+
+    # which job streams this worker serves: {ns}:jobs:<name>:<priority> for each name
+    served_model_name: str | None = _s(None, "the model name jobs ask for and results report; unset: the "
+                                             "engine's own name for the loaded model")
+    model_aliases: Annotated[list[str], NoDecode, BeforeValidator(_names)] = _s(
+        [], "more model names this worker serves (repeat the flag, or comma-separate)", "--model-alias")
+    serve_default: bool = _s(True, "also serve jobs that name no model (the 'default' model)")
 
     # simulated engine (no model; the W-FLEET cost model)
     simulated: bool = _s(False, "run the cost-model engine instead of a model (fleet tests and benchmarks)")
@@ -55,6 +73,16 @@ class WorkerSettings(BaseSettings, EngineConfig):
     metrics_port: int | None = _s(None, "serve Prometheus metrics on this port; unset: no metrics server",
                                   ge=0, le=65535)
     max_backoff_s: float = _s(5.0, "longest wait between retries while Redis is down, seconds", gt=0)
+
+    @field_validator("served_model_name", "model_aliases")
+    @classmethod
+    def _model_names(cls, value):
+        try:
+            for name in [value] if isinstance(value, str) else value or []:
+                check_model_name(name)
+        except ProtocolError as e:
+            raise ValueError(str(e)) from None
+        return value
 
     @field_validator("redis_url")
     @classmethod

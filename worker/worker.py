@@ -27,6 +27,7 @@ from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_para
 from kvgate.worker.leases import Leases
 from kvgate.worker.publisher import Finish, Publisher, Settled
 from kvgate.worker.reader import Reader
+from kvgate.worker.served import served_models
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.trim import trim
 
@@ -68,8 +69,10 @@ class Worker:
         self.settings = s = settings or WorkerSettings(redis_url=redis_url, namespace=namespace)
         self.worker_id = worker_id or s.worker_id or default_worker_id()
         self.keys = Keys(namespace)
-        self.streams = self.keys.all_jobs()
-        self.model = getattr(engine, "model_name", "unknown")
+        self.served = served_models(getattr(engine, "model_name", "unknown"), s.served_model_name, s.model_aliases,
+                                    s.serve_default)
+        self.model = self.served.canonical
+        self.streams = self.keys.served_jobs(list(self.served.names))
         self.url = mask_url(redis_url)  # for messages: the password never reaches a log
         self.client = redis.Redis.from_url(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
                                            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
@@ -78,14 +81,14 @@ class Worker:
         self.flights: dict[str, Flight] = {}
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
                                    s.dead_maxlen)
-        self.reader = Reader(self.client, self.worker_id, self.streams)
+        self.reader = Reader(self.client, self.worker_id, self.streams, len(self.served.names))
         self.leases = Leases(self.client, self.worker_id)
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
         self.renewed_at = time.monotonic()
         self.clock = ServerClock(self.client)
-        self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, engine_capacity(engine),
-                                   s.heartbeat_ttl_s)
+        self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
+                                   engine_capacity(engine), s.heartbeat_ttl_s)
         self.cursors: dict[str, str | None] = {st: "0" for st in self.streams}  # own pending first, then ">"
         self.due: dict[str, float] = {}
         self.offline_until = 0.0
@@ -99,7 +102,8 @@ class Worker:
     # ---- lifecycle -----------------------------------------------------------------------------
     def run(self, stop_event: threading.Event | None = None) -> int:
         stop_event = stop_event or threading.Event()
-        log.info("worker %s serving %s from %s", self.worker_id, self.model, self.settings.namespace)
+        log.info("worker %s serving %s (model names %s) from %s", self.worker_id, self.model,
+                 ", ".join(self.served.names), self.settings.namespace)
         self._redis(self._ensure_groups)
         while True:
             if stop_event.is_set() and not self.draining:
@@ -148,6 +152,7 @@ class Worker:
             self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
 
     def _ensure_groups(self) -> None:
+        self.client.sadd(self.keys.models(), *self.served.names)  # listed by stats and the gateway from now on
         for stream in self.streams:
             try:
                 self.client.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
@@ -173,7 +178,7 @@ class Worker:
             self._read_own_pending(count)
         elif idle and not self.publisher.pending:
             if not self._read_new(count):
-                self._read_blocking()
+                self._read_blocking(count)
         # a busy engine is refilled by _exchange, in the same round trip as the step's publishing
 
     def _read_own_pending(self, count: int) -> None:
@@ -189,10 +194,11 @@ class Worker:
                 self._accept([(stream, i, f, n) for (i, f), n in zip(fresh, deliveries)])
             return
 
-    def _read_blocking(self) -> None:
-        """Wait for the next job on any stream. COUNT 1 per stream: at most 3 entries, which an idle engine
-        plus the local queue (at least 2) always holds within the bound."""
-        streams = {st: ">" for st in self.streams}
+    def _read_blocking(self, count: int) -> None:
+        """Wait for the next job. COUNT 1 per stream, on at most `count` streams (the highest priorities): one
+        entry per stream could arrive at once, and more than `count` would break the local queue's bound. A
+        stream left out of this wait is read by the next non-blocking read, one block_ms later at most."""
+        streams = {st: ">" for st in self.reader.order()[:count]}
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self.settings.block_ms)
         self._accept([(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
@@ -279,7 +285,7 @@ class Worker:
             return
         job_id, client_id, queued = ident
         final = Final(v=PROTOCOL_VERSION, job_id=job_id, status="error", error=reason, worker=self.worker_id,
-                      timings=Timings(queued=queued, finished=time.time()))
+                      timings=Timings(queued=queued, finished=time.time()), model=self.model)
         self.publisher.finish(Finish(final, client_id, stream, entry_id, dead_reason=reason, job_payload=payload))
 
     # ---- local queue -> engine -------------------------------------------------------------------
@@ -336,7 +342,7 @@ class Worker:
         timings = Timings(queued=job.enqueued_at, admitted=flight.admitted_at if flight else None,
                           first_token=flight.first_token_at if flight else None, finished=time.time())
         final = Final(v=PROTOCOL_VERSION, job_id=job.job_id, status=status, error=error, worker=self.worker_id,
-                      timings=timings, metadata=job.metadata, attempt=ticket.attempt)
+                      timings=timings, metadata=job.metadata, attempt=ticket.attempt, model=self.model)
         if out is not None:
             final.text, final.token_ids = out.text or "", list(out.token_ids or [])
             final.finish_reason = out.finish_reason

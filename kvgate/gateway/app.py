@@ -59,7 +59,7 @@ class Gateway:
         s = self.settings
         self.client = AsyncClient(s.redis_url, s.namespace, max_backlog=s.max_backlog, backpressure="raise")
         await self.client.start()
-        self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s)
+        self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s, s.models)
         store = BatchStore(self.client.redis, s.namespace)
         runner = BatchRunner(self.client, store, self.files.store, window=s.batch_window, priority=s.batch_priority,
                              lease_s=s.batch_lease_s, poll_s=s.batch_poll_s, max_backlog=s.max_backlog)
@@ -83,7 +83,8 @@ class Gateway:
         p = plan(kind, await _body(request), self.settings)
         await self.models.check(p.model)
         handles = await self.submit(p)
-        reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}")
+        reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}",
+                      served=await self.models.served_as(p.model))
         headers = {"x-request-id": handles[0].job_id}
         if p.stream:
             events = sse.events(reply, handles, self.settings.request_timeout_s, self.abandon)
@@ -105,8 +106,8 @@ class Gateway:
         name = request.path_params["model"]
         model = (await self.models.get()).get(name)
         if model is None:
-            raise ApiError(404, f"model {name!r} is not served by any live worker", param="model",
-                           code="model_not_found")
+            raise ApiError(404, f"model {name!r} is not served by any live worker and has no jobs waiting",
+                           param="model", code="model_not_found")
         return json_response(model_object(model))
 
     async def health(self, request: Request) -> Response:

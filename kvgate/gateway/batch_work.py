@@ -119,7 +119,7 @@ class Work:
             except JobLost:  # Redis lost it: the same idempotency key enqueues it anew
                 self.todo.append(req)
                 continue
-            row = answer_line(req, result, await self._served_by(result.worker))
+            row = answer_line(req, result, result.model or await self._served_by(result.worker))
             answers.append((req.custom_id, row, is_success(row)))
         if answers:
             await self.store.record_many(self.batch.id, answers)

@@ -17,6 +17,7 @@ class Reply:
 
     plan: Plan
     id: str
+    served: str | None = None  # the canonical name of the model that answers (Final.model; before it, the fleet's)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -25,11 +26,12 @@ class Reply:
 
     def head(self, chunk: bool = False) -> dict[str, Any]:
         kind = self.object + (".chunk" if chunk and self.plan.kind == "chat" else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.plan.model,
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.served or self.plan.model,
                 "system_fingerprint": None}
 
     # -- whole answers ----------------------------------------------------------------------------
     def body(self, results: list[Result]) -> dict[str, Any]:
+        self.served = next((r.model for r in results if r.model), self.served)
         choices = [self.choice(i, r) for i, r in enumerate(results)]
         return self.head() | {"choices": choices, "usage": self.usage(results)}
 

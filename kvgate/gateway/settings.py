@@ -14,6 +14,7 @@ class GatewaySettings:
     request_timeout_s: float = 600.0  # a job with no answer by then is cancelled and answered 504
     default_max_tokens: int = 512  # when a request gives neither max_tokens nor max_completion_tokens
     models_cache_s: float = 2.0  # how long the list of live workers' models is reused
+    models: tuple[str, ...] = ()  # allowed models; none: any model a live worker serves or {ns}:models knows
     max_n: int = 16  # choices (n) times prompts one request may ask for
     files_dir: str | None = None  # the local file store; None: file_store.default_files_dir()
     max_file_bytes: int = 200 * 1024 * 1024  # largest upload to /v1/files (OpenAI's batch limit)

@@ -73,7 +73,7 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
     prompts = chat_prompts(body) if kind == "chat" else completion_prompts(body.get("prompt"))
     n = _choices(body, settings.max_n, len(prompts))
     stream, include_usage = _streaming(body)
-    common = _sampling(kind, body, settings) | {"stream": stream}
+    common = _sampling(kind, body, settings) | {"stream": stream, "model": model}  # the model picks the streams
     names = NAMES | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"}
     submits, prompt_of = [], []
     for p, prompt in enumerate(prompts):

@@ -102,7 +102,7 @@ def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argpa
     with tqdm(total=len(handles), unit="req", desc="batch", disable=not show) as bar:
         for handle in client.as_completed(list(handles), timeout=args.timeout):
             req, result = by_job[handle.job_id], handle.result(timeout=0)
-            row = answer_line(req, result, _served_by(client, result.worker, models))
+            row = answer_line(req, result, result.model or _served_by(client, result.worker, models))
             failed += row["error"] is not None
             _write(out, row)
             bar.update(1)
@@ -110,7 +110,8 @@ def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argpa
 
 
 def _served_by(client: Client, worker_id: str | None, models: dict[str, str | None]) -> str | None:
-    """The model name the worker's heartbeat reports (results carry only the worker id); None when it is gone."""
+    """The model name the worker's heartbeat reports, for results of workers that predate Final.model; None when
+    it is gone."""
     if not worker_id:
         return None
     if worker_id not in models:

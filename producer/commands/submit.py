@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
     parser.add_argument("--priority", choices=("high", "normal", "low"), default="normal")
+    parser.add_argument("--model", help="the model to ask (its workers' name or alias); default: the 'default' "
+                                        "model, which every worker serves unless started with --no-serve-default")
     parser.add_argument("--ttl", type=float, dest="ttl_s", help="seconds before the job expires unanswered")
     parser.add_argument("--timeout", type=float, help="seconds to wait for the answer (default: forever)")
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
@@ -37,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def request_from(args: argparse.Namespace) -> dict:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    seed=args.seed, stop=args.stop, priority=args.priority, ttl_s=args.ttl_s,
+                    seed=args.seed, stop=args.stop, priority=args.priority, ttl_s=args.ttl_s, model=args.model,
                     stream=args.stream and not args.json)
     if args.raw:
         if args.system:
@@ -87,5 +89,6 @@ def _answer(handle, args: argparse.Namespace) -> int:
     elif not args.json:
         tokens = result.usage.completion_tokens
         latency = f", {result.latency_s:.2f} s" if result.latency_s is not None else ""
-        print(f"[{result.status}, {tokens} tokens{latency}, {result.worker}]", file=sys.stderr)
+        served = f", {result.model}" if result.model else ""
+        print(f"[{result.status}, {tokens} tokens{latency}, {result.worker}{served}]", file=sys.stderr)
     return EXIT_BY_STATUS.get(result.status, 1)

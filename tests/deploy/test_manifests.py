@@ -106,7 +106,7 @@ def test_keda_scales_the_worker_to_zero_on_lag_of_every_job_stream():
         assert all(isinstance(v, str) for v in meta.values())  # KEDA metadata is a string map
         assert trigger["authenticationRef"]["name"] in {d["metadata"]["name"] for d in of_kind("TriggerAuthentication")}
         streams.add(meta["stream"])
-    assert streams == set(keys.all_jobs())
+    assert streams == set(keys.all_jobs(None))
 
 
 def test_pod_and_service_monitors_select_the_worker_and_exporter_ports():

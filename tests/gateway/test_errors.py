@@ -90,7 +90,8 @@ def test_with_api_keys_a_missing_or_wrong_key_is_401_and_a_right_one_passes(sim_
 def test_a_full_queue_is_a_429_with_retry_after(redis_server, gateway_factory):
     # no worker: jobs wait, so the backlog only grows
     ns = "gw-backpressure"
-    gw = gateway_factory(redis_server.url, ns, max_backlog=2, retry_after_s=3, request_timeout_s=30)
+    gw = gateway_factory(redis_server.url, ns, max_backlog=2, retry_after_s=3, request_timeout_s=30,
+                         models=("simulated",))  # allowed: accepted with no worker (scale from zero)
     with Client(redis_server.url, namespace=ns) as sdk:
         sdk.submit("one", max_tokens=1), sdk.submit("two", max_tokens=1)
     r = httpx.post(f"{gw.base_url}/chat/completions", json=CHAT)
@@ -98,12 +99,13 @@ def test_a_full_queue_is_a_429_with_retry_after(redis_server, gateway_factory):
     assert r.headers["retry-after"] == "3" and err["type"] == "rate_limit_error" and "2" in err["message"]
     with pytest.raises(openai.RateLimitError):
         openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0).chat.completions.create(**CHAT)
-    assert redis.Redis.from_url(redis_server.url).xlen(f"{ns}:jobs:normal") == 2  # nothing more was enqueued
+    r = redis.Redis.from_url(redis_server.url)  # the backlog counts every model's streams; nothing more was enqueued
+    assert r.xlen(f"{ns}:jobs:default:normal") == 2 and r.xlen(f"{ns}:jobs:simulated:normal") == 0
 
 
 def test_an_unanswered_job_is_a_504_and_is_cancelled(redis_server, gateway_factory):
     ns = "gw-timeout"
-    gw = gateway_factory(redis_server.url, ns, request_timeout_s=0.5)
+    gw = gateway_factory(redis_server.url, ns, request_timeout_s=0.5, models=("simulated",))
     r = httpx.post(f"{gw.base_url}/chat/completions", json=CHAT, timeout=30)
     assert _error(r, 504)["code"] == "timeout"
     r = redis.Redis.from_url(redis_server.url)

@@ -30,7 +30,7 @@ def test_developer_becomes_system_and_text_parts_join_with_newlines():
 def test_defaults_user_metadata_and_extensions_reach_the_submit():
     p = plan("completion", {"model": "m", "prompt": "x", "user": "alice", "top_k": 5, "priority": "high"}, S)
     assert p.submits == [{"prompt": "x", "max_tokens": 77, "stream": False, "metadata": {"user": "alice"},
-                          "top_k": 5, "priority": "high"}]
+                          "top_k": 5, "priority": "high", "model": "m"}]  # the model routes the job
 
 
 def test_n_copies_each_prompt_with_successive_seeds():

@@ -57,4 +57,4 @@ def test_async_idempotent_submits_enqueue_once_and_reuse_the_job(redis_url, name
 
     first, again, many, keys = asyncio.run(scenario())
     assert again.job_id == first.job_id and len(many) == 2 and many[0].job_id == many[1].job_id
-    assert redis_server.client().xlen(keys.jobs("normal")) == 2
+    assert redis_server.client().xlen(keys.jobs(None, "normal")) == 2

@@ -19,7 +19,7 @@ SIM = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0.01", "--max
 def sim_fleet(shared_redis):
     """One simulated worker for the module, on its own namespace of the session's redis-server."""
     ns = f"batch{os.getpid()}-{time.monotonic_ns() % 10**9}"
-    proc = spawn_worker(shared_redis.url, ns, *SIM, worker_id="sim-batch")
+    proc = spawn_worker(shared_redis.url, ns, *SIM, "--model-alias", "gpt-4o-mini", worker_id="sim-batch")
     r = redis.Redis.from_url(shared_redis.url)
     try:
         wait_for(lambda: proc.poll() is not None or r.exists(Keys(ns).worker("sim-batch")), what="simulated worker")
@@ -92,7 +92,7 @@ def test_a_rerun_with_the_same_output_skips_every_answered_line_good_or_bad(sim_
     assert "0 lines written" in capsys.readouterr().err
 
 
-def test_body_model_is_the_model_the_serving_worker_reports(sim_fleet, tmp_path):
+def test_body_model_routes_the_line_and_the_output_names_the_model_that_served_it(sim_fleet, tmp_path):
     served = sim_fleet[2].hget(Keys(sim_fleet[1]).worker("sim-batch"), "model").decode()
     assert served and served != "gpt-4o-mini"
     out = tmp_path / "out.jsonl"
@@ -121,13 +121,13 @@ def test_duplicate_custom_ids_refuse_the_file_before_anything_is_submitted(sim_f
     url, ns, r = sim_fleet
     src = _write(tmp_path, [_chat("a", "one"), _chat("b", "two"), _chat("a", "three"), _chat("b", "four")])
     out = tmp_path / "out.jsonl"
-    before = r.xlen(Keys(ns).jobs("low"))
+    before = r.xlen(Keys(ns).jobs(None, "low"))
     assert _batch(sim_fleet, src, out) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
     assert "custom_id 'a' appears on lines 1, 3" in err and "unique" in err
     assert not out.exists()
-    assert r.xlen(Keys(ns).jobs("low")) == before
+    assert r.xlen(Keys(ns).jobs(None, "low")) == before
 
 
 def test_every_body_field_batch_accepts_is_an_openai_parameter_or_a_named_extension():

@@ -71,7 +71,7 @@ def _lines(tmp_path, rows):
 
 def _chat(custom_id, content, **body):
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}], **body}}
+            "body": {"model": "default", "messages": [{"role": "user", "content": content}], **body}}
 
 
 def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_url, namespace, echo, tmp_path,
@@ -124,7 +124,7 @@ def test_batch_resumes_skipping_answered_lines_and_reusing_in_flight_jobs(redis_
     assert sorted(r["custom_id"] for r in rows) == [f"r{i}" for i in range(6)]
     assert {r["response"]["body"]["choices"][0]["message"]["content"] for r in rows[1:]} == {
         f"echo: q{i}" for i in range(1, 6)}
-    assert worker.r.xlen(worker.keys.jobs("low")) == 6  # nothing resubmitted: in-flight jobs were reused
+    assert worker.r.xlen(worker.keys.jobs(None, "low")) == 6  # nothing resubmitted: in-flight jobs were reused
     assert worker.take("low", block_ms=50) == []
 
 
