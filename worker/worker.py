@@ -393,7 +393,8 @@ class Worker:
                 self.engine.abort(d.request_id)
             status, reason = "done", "stop"
         else:
-            status, reason = flight.ending or ("cancelled" if out.finish_reason == "abort" else "done"), out.finish_reason
+            reason = out.finish_reason
+            status = flight.ending or ("cancelled" if reason == "abort" else "done")
         final = StepOutput(d.request_id, [], "", True, reason, out.prompt_tokens, len(d.output_ids or ()),
                            out.cached_tokens, token_ids=d.output_ids, text=d.output_text)
         self._answer(flight.ticket, status, out=final, flight=flight)
@@ -593,6 +594,7 @@ class Worker:
     def _drained(self) -> bool:
         if self.flights and time.monotonic() < self.drain_deadline:
             return False
+        self._redis(self._settle_exchange)  # what is on its way is sent or back in the outbox
         return not self.publisher.pending or time.monotonic() >= self.drain_deadline + 5
 
     def _finish_drain(self) -> None:
