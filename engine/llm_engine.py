@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.config import EngineConfig
+from kvgate.engine.detokenizer import find_stop, held_back, take_increment
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import ScheduledBatch, Scheduler
@@ -74,9 +75,11 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, stream_text: bool = True) -> int:
+                    arrival_time: float | None = None, stream_text: bool = True, detokenize: bool = True) -> int:
         """Queue a request; returns its prompt length. `stream_text=False` skips incremental detokenization
-        (the text is decoded once at the end) unless stop strings need it."""
+        (the text is decoded once at the end) unless stop strings need it. `detokenize=False` leaves all text to
+        the caller (an engine.detokenizer.Detokenizer off this thread): outputs carry token ids only, stop
+        strings are not looked for here, and the caller aborts the request when it finds one."""
         if request_id in self.seqs:
             raise RequestRejected(f"request_id {request_id!r} is already in the engine: use a unique id")
         if not isinstance(params, SamplingParams):
@@ -102,7 +105,8 @@ class LLMEngine:
                                   f"whole cache has {self.block_manager.num_blocks}: lower max_tokens or enlarge the cache")
         seq = Sequence(request_id, list(token_ids), params, max_tokens,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                       stream_text=(stream_text or bool(params.stop)) and self.tokenizer is not None)
+                       stream_text=detokenize and (stream_text or bool(params.stop)) and self.tokenizer is not None,
+                       detokenize=detokenize)
         if params.logprobs is not None:
             seq.logprobs = []
         self.seqs[request_id] = seq
@@ -205,7 +209,8 @@ class LLMEngine:
             new_text += seq.text[seq.emitted:]  # an abort flushes what was held back
             text = seq.text
         else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) \
+                if self.tokenizer and seq.detokenize else ""
         return StepOutput(seq.request_id, new_ids, new_text, True, seq.finish_reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, seq.num_cached_tokens, token_ids=seq.output_token_ids, text=text,
                           logprobs=lps)
@@ -258,7 +263,7 @@ class LLMEngine:
                            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
 
 
-# ---- incremental detokenization ---------------------------------------------------------------------------
+# ---- incremental detokenization (batched, off the engine thread: engine.detokenizer) ----------------------
 
 def detokenize_increment(tokenizer: Any, seq: Sequence, final: bool = False) -> str:
     """New text since the last call. Decoding a short window of tokens keeps it cheap; a window ending in an
@@ -266,29 +271,4 @@ def detokenize_increment(tokenizer: Any, seq: Sequence, final: bool = False) -> 
     ids = seq.token_ids
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
-    if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
-        return ""
-    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-    return full[len(prefix):]
-
-
-def find_stop(seq: Sequence, stops: list[str]) -> bool:
-    """Cut the text at the earliest stop string, if one appeared; the stop string itself is never emitted."""
-    longest = max(map(len, stops))
-    start = max(0, seq.emitted - longest)
-    hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
-    if not hits:
-        return False
-    seq.text = seq.text[:max(min(hits), seq.emitted)]
-    return True
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that could still grow into a stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
+    return take_increment(seq, prefix, full, final, len(ids))

@@ -40,6 +40,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     # incremental detokenization (see engine.llm_engine.detokenize_increment)
     stream_text: bool = True
+    detokenize: bool = True  # False: the caller turns the ids into text (engine.detokenizer)
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""
