@@ -3,7 +3,8 @@
 Each sequence owns a row of a numpy block table for as long as it decodes; a step writes only the blocks
 appended since the last one (usually none), and a row is rewritten whole when its sequence's table changed
 under it (`Sequence.table_version`: preemption frees the table). Everything a step needs is packed into one
-int64 array, so a device gets it in one (pinned, non-blocking) host-to-device copy."""
+int64 array, so a device gets it in one (pinned, non-blocking) host-to-device copy; on the CPU the arrays are
+the tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ class DecodeInputs:
         self.block_size, self.device = block_size, device
         self.capacity = 2 * max_num_seqs  # rows of sequences not seen lately are reused past this
         self.max_blocks = max_blocks_per_seq
-        self.tables = np.full((self.capacity, max_blocks_per_seq), -1, dtype=np.int64)
+        self.tables = np.full((self.capacity, max_blocks_per_seq), -1, dtype=np.int32)
         self.row_of: dict[int, int] = {}  # seq_id -> row
         self.seq_of_row = [-1] * self.capacity
         self.synced = np.zeros(self.capacity, dtype=np.int64)  # table entries already written
@@ -50,8 +51,11 @@ class DecodeInputs:
         width = width or int(self.synced[rows].max())
         bs = self.block_size
         tables = self.tables[rows, :width]
-        slots = tables[np.arange(n), positions // bs] * bs + positions % bs
-        cu = np.arange(n + 1, dtype=np.int64)
+        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        cu = np.arange(n + 1, dtype=np.int32)
+        if self.device.type == "cpu":  # the arrays themselves, no copy and no conversion
+            return DecodeBatch(*map(torch.from_numpy, (ids, positions, slots, cu, (positions + 1).astype(np.int32),
+                                                       tables)))
         packed = np.concatenate([ids, positions, slots, cu, positions + 1, tables.reshape(-1)])
         flat = self._to_device(packed)
         views = torch.split(flat, [n, n, n, n + 1, n, n * width])
@@ -79,8 +83,6 @@ class DecodeInputs:
 
     def _to_device(self, packed: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(packed)
-        if self.device.type == "cpu":
-            return host
         if self.pinned:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)

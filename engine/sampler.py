@@ -120,6 +120,7 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.seeds = random.Random(seed)  # for requests that did not give one
         self.device = device
+        self.buffer: torch.Tensor | None = None  # scratch for the temperature path's weights
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Next token for each row of `logits` [B, V] (float32), and logprobs for the rows that asked."""
@@ -153,8 +154,9 @@ class Sampler:
             scaled = apply_top_k_top_p(logits * inv_temps, torch.tensor([p.top_k for p in params], device=dev),
                                        torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev))
             weights = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_()
-        else:  # softmax(logits / T) up to each row's total, in two passes over [B, V]
-            weights = (logits - logits.amax(-1, keepdim=True)).mul_(inv_temps).exp_()
+        else:  # softmax(logits / T) up to each row's total, in two passes over [B, V] into a buffer kept between steps
+            weights = torch.sub(logits, logits.amax(-1, keepdim=True), out=self._scratch(logits))
+            weights.mul_(inv_temps).exp_()
         u = uniform_for([self._seed_of(s) for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs])
         if dev.type == "cpu":
             sampled = torch.from_numpy(inverse_cdf(weights.float().numpy(), u))
@@ -165,6 +167,16 @@ class Sampler:
         if any(greedy):
             sampled = torch.where(torch.tensor(greedy, device=dev), argmax_rows(logits), sampled)
         return sampled
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A [B, V] buffer like `like`, kept: a fresh megabyte each step costs the CPU its page faults each time.
+        Made again when the shape, dtype or device changes, or inference mode (an inference tensor can be written
+        only inside it)."""
+        buf, rows = self.buffer, like.shape[0]
+        if (buf is None or buf.shape[0] < rows or buf.shape[1:] != like.shape[1:] or buf.dtype != like.dtype
+                or buf.device != like.device or buf.is_inference() != torch.is_inference_mode_enabled()):
+            buf = self.buffer = torch.empty_like(like)
+        return buf[:rows]
 
     def _seed_of(self, seq: Sequence) -> int:
         if seq.sample_seed is None:
