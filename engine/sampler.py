@@ -2,9 +2,9 @@
 device-to-host transfer.
 
 Penalties (repetition with HF's rule over prompt and output; OpenAI's frequency and presence over the output),
-then temperature, top-k and top-p, then inverse-CDF sampling with one uniform number per row (`inverse_cdf`). That number is a
-hash of the row's seed and its output position, so a seeded request draws the same tokens whatever else is in
-the batch, and no per-row torch.Generator (and no per-row host sync) is needed. Requests without a seed get one
+then temperature, top-k and top-p, then inverse-CDF sampling with one uniform number per row (`inverse_cdf`).
+That number is a hash of the row's seed and its output position, so a seeded request draws the same tokens
+whatever else is in the batch, and no per-row torch.Generator (and no per-row host sync) is needed. Requests without a seed get one
 from the engine's seeded stream when first sampled. Logprobs are the model's own distribution, before any
 transform."""
 from __future__ import annotations
@@ -93,8 +93,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Per row of `weights` [B, V] (float32, non-negative, each row's largest 1), the first token whose cumulative weight
-    exceeds u (float64, in (0, 1)) times the row's total. In two levels, sums of CHUNK-token chunks and then the
+    """Per row of `weights` [B, V] (float32, non-negative, each row's largest 1), the first token whose cumulative
+    weight exceeds u (float64, in (0, 1)) times the row's total. In two levels, sums of CHUNK-token chunks and then the
     one chunk holding the target, so no cumulative sum runs the whole vocabulary (a cumsum over [256, 1,024] alone
     takes 0.24 ms on one CPU thread) and the rest are numpy operations on [B, V / CHUNK]. Each row is computed on
     its own, so a seeded row's token ignores its batch."""
