@@ -4,9 +4,10 @@ device-to-host transfer.
 Penalties (repetition with HF's rule over prompt and output; OpenAI's frequency and presence over the output),
 then temperature, top-k and top-p, then inverse-CDF sampling with one uniform number per row (`inverse_cdf`).
 That number is a hash of the row's seed and its output position, so a seeded request draws the same tokens
-whatever else is in the batch, and no per-row torch.Generator (and no per-row host sync) is needed. Requests without a seed get one
-from the engine's seeded stream when first sampled. Logprobs are the model's own distribution, before any
-transform."""
+whatever else is in the batch, and no per-row torch.Generator (and no per-row host sync) is needed. Requests
+without a seed get one from the engine's seeded stream when first sampled. Logprobs are the model's own
+distribution, before any transform. On the CPU the argmax and the inverse CDF run in numpy (vectorized where
+torch's CPU kernels for these shapes are not); on a GPU everything stays on the device."""
 from __future__ import annotations
 
 import random
