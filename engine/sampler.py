@@ -111,7 +111,7 @@ def inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
     k = (cum[:, 1:] <= target).sum(1)
     chunk = chunks[np.arange(rows), k]
     j = (np.cumsum(chunk, 1, dtype=np.float64) + cum[np.arange(rows), k][:, None] <= target).sum(1)
-    over = np.flatnonzero(j == CHUNK)  # the chunk's own sum rounded above its total: take its last token
+    over = np.flatnonzero(j == CHUNK)  # its float32 sum rounded above its float64 cumsum: its last positive token
     if over.size:
         j[over] = [np.flatnonzero(chunk[i]).max() for i in over.tolist()]
     return k * CHUNK + j
