@@ -16,7 +16,7 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import find_stop, held_back, take_increment
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.scheduler import ScheduledBatch, Scheduler
+from kvgate.engine.scheduler import AllDecode, ScheduledBatch, Scheduler
 from kvgate.engine.sequence import Sequence
 
 RESERVE_RATIO_START, RESERVE_RATIO_FLOOR, RESERVE_RATIO_BUMP, RESERVE_RATIO_DECAY = 0.5, 0.25, 0.25, 0.995
@@ -107,6 +107,7 @@ class LLMEngine:
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                        stream_text=detokenize and (stream_text or bool(params.stop)) and self.tokenizer is not None,
                        detokenize=detokenize)
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
         self.seqs[request_id] = seq
@@ -155,6 +156,8 @@ class LLMEngine:
         if not batch:
             return []
         seqs, tokens, logprobs = self.runner.run(batch)
+        if isinstance(batch, AllDecode) and len(seqs) == len(batch.seqs):
+            return self._step_decode(batch.seqs, tokens, logprobs)
         bs, commit = self.block_size, self.block_manager.commit
         for seq, n in batch:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -167,6 +170,29 @@ class LLMEngine:
         for seq, token, lp in zip(seqs, tokens, logprobs):
             seq.first_token_time = seq.first_token_time or now
             outputs.append(self._append_token(seq, token, lp))
+        self.generation_tokens += len(tokens)
+        return outputs
+
+    def _step_decode(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> list[StepOutput]:
+        """The pure-decode step: every sequence computed its last token and takes one more, accounted and appended
+        in one pass. A token that may end its sequence, one with logprobs and a sequence streaming text go
+        through `_append_token`; the rest need only the new id and the counts."""
+        bs, commit, now, outputs = self.block_size, self.block_manager.commit, time.monotonic(), []
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt's last token, after a cache hit
+                self._count_prefill(seq, 1)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            if computed // bs > seq.num_committed_blocks:
+                commit(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            ids, prompt = seq.token_ids, seq.num_prompt_tokens
+            if seq.stream_text or lp is not None or token in seq.stop_ids or len(ids) + 1 - prompt >= seq.max_tokens:
+                outputs.append(self._append_token(seq, token, lp))
+                continue
+            ids.append(token)
+            outputs.append(StepOutput(seq.request_id, [token], "", False, None, prompt, len(ids) - prompt,
+                                      seq.num_cached_tokens))
         self.generation_tokens += len(tokens)
         return outputs
 
