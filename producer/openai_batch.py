@@ -118,11 +118,16 @@ def duplicate_custom_id(lines: list[str]) -> str | None:
 
 
 def custom_id_of(raw: str) -> str | None:
+    return text_field(raw, "custom_id")
+
+
+def text_field(raw: str, name: str) -> str | None:
+    """A non-empty string field of a raw line, or None when the line is not a JSON object or lacks it."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError:
         return None
-    value = data.get("custom_id") if isinstance(data, dict) else None
+    value = data.get(name) if isinstance(data, dict) else None
     return value if isinstance(value, str) and value else None
 
 

@@ -357,3 +357,22 @@ class SentinelGroup:
         self.replica.stop()
         self.primary.stop()
         self.link.close()
+
+
+@contextlib.contextmanager
+def smollm2_client(url: str, ns: str, *args: str, worker_id: str):
+    """A Client on `ns` with one `kvgate worker` running the bundled SmolLM2 there; the worker must stop cleanly."""
+    from kvgate.producer import Client
+
+    proc = spawn_worker(url, ns, "--model", "smollm2-135m", *args, worker_id=worker_id)
+    client = Client(url, namespace=ns)
+    try:
+        yield client
+    finally:
+        client.close()
+        proc.terminate()
+        try:
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()

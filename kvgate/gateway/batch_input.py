@@ -6,9 +6,7 @@ unusable: no requests, repeated custom_ids, or requests for another endpoint tha
 """
 from __future__ import annotations
 
-import json
-
-from kvgate.producer.openai_batch import duplicate_custom_id, request_lines
+from kvgate.producer.openai_batch import duplicate_custom_id, request_lines, text_field
 
 MAX_LINES = 50_000  # OpenAI's limit per batch
 MAX_ERRORS = 20  # errors listed; the message says how many more there are
@@ -25,7 +23,7 @@ def input_errors(data: bytes, endpoint: str) -> list[dict]:
     duplicate = duplicate_custom_id([raw for _, raw in lines])
     if duplicate:
         return [_error("duplicate_custom_id", duplicate, param="custom_id")]
-    wrong = [(n, url) for n, url in ((n, _url(raw)) for n, raw in lines) if url is not None and url != endpoint]
+    wrong = [(n, url) for n, url in ((n, text_field(raw, "url")) for n, raw in lines) if url is not None and url != endpoint]
     errors = [_error("mismatched_endpoint", f"line {n}: url {url!r} differs from the batch's endpoint {endpoint!r}; "
                                             "every line of a batch must use its endpoint", "url", n)
               for n, url in wrong[:MAX_ERRORS]]
@@ -33,15 +31,6 @@ def input_errors(data: bytes, endpoint: str) -> list[dict]:
         errors.append(_error("mismatched_endpoint", f"{len(wrong) - MAX_ERRORS} more lines use another endpoint",
                              "url"))
     return errors
-
-
-def _url(raw: str) -> str | None:
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError:
-        return None
-    url = data.get("url") if isinstance(data, dict) else None
-    return url if isinstance(url, str) else None
 
 
 def _error(code: str, message: str, param: str | None = None, line: int | None = None) -> dict:

@@ -9,8 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvgate import Client
-from tests.support import spawn_worker
+from tests.support import smollm2_client
 
 PROMPT = "The capital of France is"
 REPETITIVE = "Repeat the word dog forever: dog dog dog dog"
@@ -18,18 +17,9 @@ REPETITIVE = "Repeat the word dog forever: dog dog dog dog"
 
 @pytest.fixture(scope="module")
 def fleet(shared_redis):
-    ns = f"lp{os.getpid()}"
-    proc = spawn_worker(shared_redis.url, ns, "--model", "smollm2-135m", "--max-model-len", "256",
-                        "--max-num-seqs", "4", worker_id="lp-worker")
-    client = Client(shared_redis.url, namespace=ns)
-    yield client
-    client.close()
-    proc.terminate()
-    try:
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with smollm2_client(shared_redis.url, f"lp{os.getpid()}", "--max-model-len", "256", "--max-num-seqs", "4",
+                        worker_id="lp-worker") as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -6,24 +6,14 @@ import os
 
 import pytest
 
-from kvgate import Client
-from tests.support import spawn_worker
+from tests.support import smollm2_client
 
 
 @pytest.fixture(scope="module")
 def fleet(shared_redis):
-    ns = f"e2e{os.getpid()}"
-    proc = spawn_worker(shared_redis.url, ns, "--model", "smollm2-135m", "--max-model-len", "512",
-                                "--max-num-seqs", "8", "--worker-id", "e2e-worker")
-    client = Client(shared_redis.url, namespace=ns)
-    yield client
-    client.close()
-    proc.terminate()
-    try:
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with smollm2_client(shared_redis.url, f"e2e{os.getpid()}", "--max-model-len", "512", "--max-num-seqs", "8",
+                        worker_id="e2e-worker") as client:
+        yield client
 
 
 def test_four_prompts_come_back_with_text_and_a_finish_reason(fleet):
