@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 import redis
 
+from .lanes import parse_lanes
 from .protocol import FIELD, PRIORITIES, Keys, as_text
 
 State = Literal["queued", "running", "finished", "lost", "unknown"]
@@ -113,8 +114,8 @@ PENDING_SCAN = 1000  # pending entries are bounded by what the fleet can hold at
 
 def find_running(r, keys: Keys, job_id: str) -> JobStatus | None:
     """A bare job id: look for it among the entries the workers hold (no entry id needed)."""
-    for priority in PRIORITIES:
-        stream = keys.jobs(priority)
+    lanes = parse_lanes(r.get(keys.lanes()))
+    for stream in keys.all_jobs(lanes):
         try:
             rows = r.xpending_range(stream, Keys.GROUP, min="-", max="+", count=PENDING_SCAN)
         except redis.exceptions.NoPermissionError:

@@ -244,11 +244,24 @@ class Keys:
             raise ValueError(f"namespace {namespace!r} must be non-empty with no whitespace or braces")
         self.ns = namespace
 
-    def jobs(self, priority: str) -> str:
-        return f"{self.ns}:jobs:{priority}"
+    def jobs(self, priority: str, lane: int | None = None) -> str:
+        """The shared stream of a priority, or with `lane` its prefix-affinity lane (producer/lanes.py)."""
+        return f"{self.ns}:jobs:{priority}" if lane is None else f"{self.ns}:jobs:{priority}:{lane}"
 
-    def all_jobs(self) -> list[str]:
-        return [self.jobs(p) for p in PRIORITIES]
+    def job_streams(self, priority: str, lanes: int = 0) -> list[str]:
+        """Every stream a job of `priority` may sit in: the shared one, then each lane's."""
+        return [self.jobs(priority)] + [self.jobs(priority, lane) for lane in range(lanes)]
+
+    def all_jobs(self, lanes: int = 0) -> list[str]:
+        return [st for p in PRIORITIES for st in self.job_streams(p, lanes)]
+
+    def lanes(self) -> str:
+        """The namespace's lane count, set once by the first worker with affinity on; absent: no lanes."""
+        return f"{self.ns}:lanes"
+
+    def lane_ring(self) -> str:
+        """Sorted set of the workers that own lanes (`weight|worker_id`), scored by their last beat (server ms)."""
+        return f"{self.ns}:lanes:ring"
 
     def reply(self, client_id: str) -> str:
         return f"{self.ns}:reply:{client_id}"

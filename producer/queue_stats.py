@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
+from .lanes import parse_lanes
 from .protocol import PRIORITIES, Keys, as_text
 
 COUNT_PAGE = 5_000
@@ -132,12 +133,28 @@ def backlog_of(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> int:
     return count_lag(r, stream, as_text(info["last-delivered-id"]), r.xlen(stream))
 
 
+def lanes_of(r: redis.Redis, keys: Keys) -> int:
+    return parse_lanes(r.get(keys.lanes()))
+
+
 def total_backlog(r: redis.Redis, keys: Keys) -> int:
-    return sum(backlog_of(r, keys.jobs(p)) for p in PRIORITIES)
+    return sum(backlog_of(r, stream) for stream in keys.all_jobs(lanes_of(r, keys)))
 
 
-def read_priority(r: redis.Redis, keys: Keys, priority: str, now_ms: int) -> PriorityStats:
-    stream = keys.jobs(priority)
+def read_priority(r: redis.Redis, keys: Keys, priority: str, now_ms: int, lanes: int = 0) -> PriorityStats:
+    """One priority's figures over its shared stream and every lane: sums, and the oldest job of them all."""
+    stats = PriorityStats(priority)
+    for stream in keys.job_streams(priority, lanes):
+        part = read_stream(r, stream, priority, now_ms)
+        stats.length += part.length
+        stats.backlog += part.backlog
+        stats.pending += part.pending
+        if part.oldest_age_s is not None:
+            stats.oldest_age_s = max(stats.oldest_age_s or 0.0, part.oldest_age_s)
+    return stats
+
+
+def read_stream(r: redis.Redis, stream: str, priority: str, now_ms: int) -> PriorityStats:
     stats = PriorityStats(priority, length=r.xlen(stream))
     if stats.length == 0:
         return stats
@@ -188,6 +205,6 @@ def read_workers(r: redis.Redis, keys: Keys, now_ms: int) -> list[WorkerStats]:
 
 
 def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:
-    now_ms = server_ms(r)
-    return QueueStats(priorities={p: read_priority(r, keys, p, now_ms) for p in PRIORITIES},
+    now_ms, lanes = server_ms(r), lanes_of(r, keys)
+    return QueueStats(priorities={p: read_priority(r, keys, p, now_ms, lanes) for p in PRIORITIES},
                       workers=read_workers(r, keys, now_ms), dead=r.xlen(keys.dead()))

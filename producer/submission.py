@@ -8,6 +8,7 @@ from typing import Any
 from .connection import refusal_of
 from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
+from .lanes import lane_of, routing_key
 from .protocol import FIELD, PRIORITIES, Job, Keys, as_text
 from .request import build_job, encode_job, validate_request
 
@@ -26,15 +27,24 @@ class Prepared:
     result_prefix: str = ""
 
 
-def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "") -> Prepared:
+def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "", lanes: int = 0) -> Prepared:
     req = validate_request(kwargs, where)
     job = build_job(req, client_id, where=where)
-    prepared = Prepared(job, encode_job(job, where), keys.jobs(req.priority))
+    prepared = Prepared(job, encode_job(job, where), stream_for(job, keys, lanes, req.prefix_key))
     if req.idempotency_key is not None:
         prepared.claim = Claim(job.job_id, req.digest(), owner_tag(client_id))
         prepared.claim_key = keys.idempotency(req.idempotency_key)
         prepared.result_prefix = keys.result("")
     return prepared
+
+
+def stream_for(job: Job, keys: Keys, lanes: int, prefix_key: str | None = None) -> str:
+    """The shared stream of the job's priority, or with lanes on, the lane its routing key hashes to."""
+    if not lanes:
+        return keys.jobs(job.priority)
+    key = routing_key(prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,
+                      prefix_key=prefix_key)
+    return keys.jobs(job.priority, lane_of(key, lanes))
 
 
 def add_to_pipeline(pipe, script, prepared: Prepared) -> None:

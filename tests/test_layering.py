@@ -36,7 +36,8 @@ LAYERS = (
     Layer("kvgate", ("kvgate.producer",), HEAVY, exact=True),  # `import kvgate` is the SDK
     Layer("kvgate.kernels", ("kvgate.kernels",), NO_REDIS),
     Layer("kvgate.engine", ("kvgate.engine", "kvgate.kernels"), NO_REDIS),
-    Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", "kvgate.producer.protocol")),
+    Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", "kvgate.producer.protocol",
+                            "kvgate.producer.lanes")),
     Layer("kvgate.producer", ("kvgate.producer",), HEAVY),
     Layer("kvgate", None),
 )
