@@ -15,14 +15,37 @@ import redis
 
 from kvgate.producer.protocol import Keys, as_text
 
-# KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none).
+# KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none), and with
+# affinity lanes the number of leading streams that are ours (the rest are other workers' lanes) and the age in ms
+# a new entry of theirs must reach before we take it (its owner gets the first chance; stream ids are server ms).
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 READ_LUA = """
 local group, consumer = ARGV[1], ARGV[2]
 local want, min_idle = tonumber(ARGV[3]), tonumber(ARGV[4])
+local home, steal_age = tonumber(ARGV[5] or #KEYS), tonumber(ARGV[6] or 0)
+local cutoff = nil
+if steal_age > 0 and home < #KEYS then
+  local t = redis.call('TIME')
+  cutoff = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - steal_age
+end
+local function ripe(key, n)  -- how many of the next n new entries are older than the cutoff
+  local last = nil
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+    local f = {}
+    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+    if f['name'] == group then last = f['last-delivered-id'] end
+  end
+  if not last then return 0 end
+  local k = 0
+  for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', n)) do
+    if tonumber(string.match(e[1], '^(%d+)')) > cutoff then break end
+    k = k + 1
+  end
+  return k
+end
 local out = {}
-for _, key in ipairs(KEYS) do
+for index, key in ipairs(KEYS) do
   if want <= 0 then break end
   local claimed = {}
   if min_idle > 0 then
@@ -40,8 +63,10 @@ for _, key in ipairs(KEYS) do
     want = want - #claimed
   end
   local entries = {}
-  if want > 0 then
-    local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want, 'STREAMS', key, '>')
+  local take = want
+  if cutoff and index > home and want > 0 then take = ripe(key, want) end
+  if take > 0 then
+    local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', take, 'STREAMS', key, '>')
     if reply then
       entries = reply[1][2]
       want = want - #entries
@@ -61,6 +86,8 @@ class Reader:
     consumer: str
     streams: list[str]
     script: object = None
+    home: int | None = None  # with lanes: streams[:home] are ours, the rest are read only when ripe (stealing)
+    steal_age_ms: int = 0
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(READ_LUA)
@@ -70,6 +97,8 @@ class Reader:
         a stream's entries idle that long before its new ones. With `pipe`, only queue the read there and hand
         its reply to `parse` later."""
         args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
+        if self.home is not None:
+            args += [self.home, self.steal_age_ms]
         reply = self.script(keys=self.streams, args=args, client=pipe or self.client)
         return None if pipe is not None else self.parse(reply)
 

@@ -17,9 +17,10 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.engine.outputs import RequestRejected, StepOutput
-from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, as_text,
+from kvgate.producer.protocol import (PRIORITIES, PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, as_text,
                                       decode_job, mask_url)
 from kvgate.worker.admission import AdmissionQueue, Ticket
+from kvgate.worker.affinity import Affinity
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
@@ -61,6 +62,15 @@ def make_metrics(worker_id: str, model: str):
     return WorkerMetrics(worker_id, model)
 
 
+def kv_weight(engine) -> float:
+    """Our share of affinity lanes follows the KV blocks we hold: that is where a prefix cache lives."""
+    try:
+        blocks = engine.stats.total_blocks
+    except AttributeError:
+        return 1.0
+    return float(blocks) if isinstance(blocks, int) and blocks > 0 else 1.0
+
+
 class Worker:
     def __init__(self, redis_url: str, engine, *, namespace: str = "kvgate", worker_id: str | None = None,
                  settings: WorkerSettings | None = None, metrics=None):
@@ -78,12 +88,14 @@ class Worker:
         self.flights: dict[str, Flight] = {}
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
                                    s.dead_maxlen)
-        self.reader = Reader(self.client, self.worker_id, self.streams)
+        self.reader = Reader(self.client, self.worker_id, self.streams, steal_age_ms=s.affinity_steal_age_ms)
         self.leases = Leases(self.client, self.worker_id)
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
         self.renewed_at = time.monotonic()
         self.clock = ServerClock(self.client)
+        self.affinity = Affinity(self.client, self.keys, self.worker_id, s.affinity == "on", s.affinity_lanes,
+                                 s.heartbeat_ttl_s * 1000, weight=kv_weight(engine))
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, engine_capacity(engine),
                                    s.heartbeat_ttl_s)
         self.cursors: dict[str, str | None] = {st: "0" for st in self.streams}  # own pending first, then ">"
@@ -148,7 +160,21 @@ class Worker:
             self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
 
     def _ensure_groups(self) -> None:
-        for stream in self.streams:
+        self._sync_lanes()
+        self._create_groups(self.streams)
+
+    def _sync_lanes(self) -> None:
+        """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded)."""
+        if self.affinity.sync():
+            new = [st for st in self.affinity.streams() if st not in self.streams]
+            self._create_groups(new)
+            self.streams += new
+            self.reader.streams = self.consumers.streams = self.streams
+            self.cursors.update({st: "0" for st in new})  # a restarted worker of the same id may hold entries there
+        self.metrics.on_lanes(len(self.affinity.own))
+
+    def _create_groups(self, streams: list[str]) -> None:
+        for stream in streams:
             try:
                 self.client.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
             except redis.ResponseError as e:
@@ -190,17 +216,22 @@ class Worker:
             return
 
     def _read_blocking(self) -> None:
-        """Wait for the next job on any stream. COUNT 1 per stream: at most 3 entries, which an idle engine
-        plus the local queue (at least 2) always holds within the bound."""
-        streams = {st: ">" for st in self.streams}
+        """Wait for the next job on any stream (with lanes: the shared ones and our own). COUNT 1 per stream, on
+        no more streams than an idle engine plus the local queue holds within the bound (at least 3)."""
+        home = self.affinity.home() if self.affinity.lanes else self.streams
+        room = self.engine.admission().free_seqs + self.queue.size  # one entry per stream at most: keep the bound
+        streams = {st: ">" for st in home[:max(room, len(PRIORITIES))]}
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self.settings.block_ms)
         self._accept([(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
     def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
         if entries is None:
             reclaim_ms = self._reclaim_ms()
+            self.reader.streams, self.reader.home = self.affinity.read_plan()
             entries = self.reader.read(count, reclaim_idle_ms=reclaim_ms)
         got = list(entries)
+        if steals := sum(1 for e in got if e[3] == 1 and self.affinity.stolen(e[0])):
+            self.metrics.on_steals(steals)
         if reclaim_ms:
             claimed = sum(1 for e in got if e[3] > 1 or e[2] is None)
             self.reclaim_due = claimed >= count  # a full take may have left more behind
@@ -359,6 +390,7 @@ class Worker:
         count = self._refill_count()
         reclaim_ms = self._reclaim_ms() if count else 0
         if count:
+            self.reader.streams, self.reader.home = self.affinity.read_plan()
             self.reader.read(count, pipe, reclaim_ms)
         polled = self._cancel_poll_due()
         if polled:
@@ -481,6 +513,8 @@ class Worker:
             self._answer(ticket, "cancelled", out=out, flight=flight)
 
     def _beat(self) -> None:
+        if not self.draining:
+            self._sync_lanes()
         adm = self.engine.admission()
         self.heartbeat.beat(state="draining" if self.draining else "serving", stats=self.engine.stats,
                             admissible_tokens=adm.admissible_tokens, waiting=len(self.queue), jobs_done=self.jobs_done)
@@ -488,6 +522,10 @@ class Worker:
     # ---- drain ---------------------------------------------------------------------------------
     def _begin_drain(self) -> None:
         self.draining = True
+        try:
+            self.affinity.leave()
+        except REDIS_DOWN:
+            log.warning("could not leave the lane ring; our lanes move when our beat there expires")
         self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
         log.info("draining: %d running, %d queued locally; up to %.0fs", len(self.flights), len(self.queue),
                  self.settings.drain_timeout_s)

@@ -1,0 +1,123 @@
+"""Prefix affinity on the worker side: which lanes this worker owns, and the order it reads streams in.
+
+The namespace's lane count lives in `{ns}:lanes`, set once (SET NX) by the first worker started with affinity on
+and never changed by kvgate, so no job can land in a lane beyond the count. Every worker reads every stream the
+count names, whatever its own setting, plus the shared streams (jobs from producers that have not seen the count
+yet, or from before lanes existed): a job is never stranded by a lane nobody reads, only read later or earlier.
+
+Ownership: workers with affinity on put themselves in the ring `{ns}:lanes:ring` on every heartbeat (scored by
+the server's clock, so clocks of different machines never meet); members silent past the heartbeat TTL drop out,
+and a draining worker leaves at once. Each lane belongs to one member by weighted rendezvous (producer/lanes.py).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import redis
+
+from kvgate.producer.lanes import decode_members, encode_member, owned, parse_lanes
+from kvgate.producer.protocol import PRIORITIES, Keys
+
+log = logging.getLogger("kvgate.worker")
+
+# KEYS[1] ring; ARGV: our member ('' when we only look), ttl ms. Server time: every member scored by one clock.
+RING_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now, ARGV[1]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+
+@dataclass(slots=True)
+class Affinity:
+    client: redis.Redis
+    keys: Keys
+    worker_id: str
+    enabled: bool
+    want_lanes: int  # the count this worker proposes when the namespace has none yet
+    ring_ttl_ms: int
+    weight: float = 1.0  # our share of lanes relative to other members: the KV blocks we hold
+    lanes: int = 0  # the namespace's count once seen; never shrinks while we run
+    own: list[int] = field(default_factory=list)
+    own_streams: set[str] = field(default_factory=set)
+    lane_streams: set[str] = field(default_factory=set)
+    member: str = ""
+    turn: int = 0  # rotates the start of each group of lanes, so no lane is always read last
+    script: object = None
+
+    def __post_init__(self) -> None:
+        self.script = self.client.register_script(RING_LUA)
+        self.member = encode_member(self.worker_id, self.weight)
+
+    def sync(self) -> bool:
+        """Read the lane count (proposing ours first), beat in the ring and recompute our lanes. Returns whether
+        the set of streams to read grew (a count seen for the first time)."""
+        pipe = self.client.pipeline(transaction=False)
+        if self.enabled:
+            pipe.set(self.keys.lanes(), self.want_lanes, nx=True)
+            self.script(keys=[self.keys.lane_ring()], args=[self.member, self.ring_ttl_ms], client=pipe)
+        pipe.get(self.keys.lanes())
+        replies = pipe.execute()
+        grew = self._see_count(replies[-1])
+        if self.enabled:
+            self._own(owned(decode_members(replies[1]), self.worker_id, self.lanes) if self.lanes else [])
+        return grew
+
+    def _own(self, lanes: list[int]) -> None:
+        if lanes != self.own:
+            log.info("worker %s owns %d of %d lanes", self.worker_id, len(lanes), self.lanes)
+        self.own = lanes
+        self.own_streams = {self.keys.jobs(p, lane) for p in PRIORITIES for lane in lanes}
+
+    def _see_count(self, raw) -> bool:
+        count = parse_lanes(raw)
+        if count and self.enabled and count != self.want_lanes and not self.lanes:
+            log.warning("namespace %s has %d lanes (set by the first worker with affinity on); using them, not %d",
+                        self.keys.ns, count, self.want_lanes)
+        if count > self.lanes:
+            self.lanes = count
+            self.lane_streams = set(self.streams()) - set(self.keys.all_jobs())
+            return True
+        return False
+
+    def leave(self) -> None:
+        """Draining: give our lanes to the others now rather than when our beat expires."""
+        self._own([])
+        if self.enabled:
+            self.client.zrem(self.keys.lane_ring(), self.member)
+
+    def streams(self) -> list[str]:
+        """Every stream we read: the shared ones and each lane's."""
+        return self.keys.all_jobs(self.lanes)
+
+    def read_plan(self) -> tuple[list[str], int | None]:
+        """The streams to read in order, and how many lead them that are ours (None: no owners, no stealing).
+        Per priority our own lanes and the shared stream, then every other lane: each group starts one lane
+        later than last time, so no lane is always read last."""
+        self.turn += 1
+        if not self.lanes:
+            return self.keys.all_jobs(), None
+        own = _rotated(self.own, self.turn) if self.enabled else []
+        others = _rotated([lane for lane in range(self.lanes) if lane not in set(own)], self.turn)
+        first = [st for p in PRIORITIES for st in [*(self.keys.jobs(p, lane) for lane in own), self.keys.jobs(p)]]
+        rest = [self.keys.jobs(p, lane) for p in PRIORITIES for lane in others]
+        return first + rest, len(first) if self.enabled else None
+
+    def home(self) -> list[str]:
+        """What an idle worker blocks on: the shared streams and our own lanes (others are looked at on each
+        non-blocking read, so a job in a busy owner's lane waits at most one blocking timeout for a thief)."""
+        return [st for p in PRIORITIES for st in [self.keys.jobs(p), *(self.keys.jobs(p, lane) for lane in self.own)]]
+
+    def stolen(self, stream: str) -> bool:
+        """A lane stream we read although another worker owns it."""
+        return self.enabled and stream in self.lane_streams and stream not in self.own_streams
+
+
+def _rotated(items: list[int], turn: int) -> list[int]:
+    if not items:
+        return items
+    k = turn % len(items)
+    return items[k:] + items[:k]
