@@ -20,6 +20,8 @@ from kvgate.producer.lanes import decode_members, encode_member, owned, parse_la
 from kvgate.producer.protocol import PRIORITIES, Keys
 
 log = logging.getLogger("kvgate.worker")
+OVERDUE_CHECKS = 4  # others' lanes per priority looked at for overdue jobs on each read
+HELPED = 4  # others' lanes we remember stealing from, looked at first when we steal again
 
 # KEYS[1] ring; ARGV: our member ('' when we only look), ttl ms. Server time: every member scored by one clock.
 RING_LUA = """
@@ -44,6 +46,12 @@ class Affinity:
     own: list[int] = field(default_factory=list)
     own_streams: set[str] = field(default_factory=set)
     lane_streams: set[str] = field(default_factory=set)
+    names: dict[str, list[str]] = field(default_factory=dict)  # priority -> stream of each lane
+    others: list[int] = field(default_factory=list)  # lanes other workers own
+    others_set: set[int] = field(default_factory=set)
+    lane_of_stream: dict[str, int] = field(default_factory=dict)
+    helped: list[int] = field(default_factory=list)  # others' lanes we stole from, most recent first
+    own_wait_ms: int = 0  # age of the jobs we last read from our own lanes
     member: str = ""
     turn: int = 0  # rotates the start of each group of lanes, so no lane is always read last
     script: object = None
@@ -71,6 +79,8 @@ class Affinity:
             log.info("worker %s owns %d of %d lanes", self.worker_id, len(lanes), self.lanes)
         self.own = lanes
         self.own_streams = {self.keys.jobs(p, lane) for p in PRIORITIES for lane in lanes}
+        self.others = [lane for lane in range(self.lanes) if lane not in set(lanes)]
+        self.others_set = set(self.others)
 
     def _see_count(self, raw) -> bool:
         count = parse_lanes(raw)
@@ -79,7 +89,11 @@ class Affinity:
                         self.keys.ns, count, self.want_lanes)
         if count > self.lanes:
             self.lanes = count
-            self.lane_streams = set(self.streams()) - set(self.keys.all_jobs())
+            self.names = {p: [self.keys.jobs(p, lane) for lane in range(count)] for p in PRIORITIES}
+            self.lane_streams = {name for names in self.names.values() for name in names}
+            self.others = [lane for lane in range(count) if lane not in set(self.own)]
+            self.others_set = set(self.others)
+            self.lane_of_stream = {name: lane for names in self.names.values() for lane, name in enumerate(names)}
             return True
         return False
 
@@ -93,18 +107,41 @@ class Affinity:
         """Every stream we read: the shared ones and each lane's."""
         return self.keys.all_jobs(self.lanes)
 
-    def read_plan(self) -> tuple[list[str], int | None]:
-        """The streams to read in order, and how many lead them that are ours (None: no owners, no stealing).
-        Per priority our own lanes and the shared stream, then every other lane: each group starts one lane
-        later than last time, so no lane is always read last."""
+    def read_plan(self) -> tuple[list[str], int | None, list[str]]:
+        """The streams to read in order; how many lead them that are ours (None: no owners, no stealing); and a
+        few of the others' lanes to check for overdue jobs. Per priority our own lanes and the shared stream, then
+        every other lane: each group starts one lane later than last time, so no lane is always read last."""
         self.turn += 1
         if not self.lanes:
-            return self.keys.all_jobs(), None
-        own = _rotated(self.own, self.turn) if self.enabled else []
-        others = _rotated([lane for lane in range(self.lanes) if lane not in set(own)], self.turn)
-        first = [st for p in PRIORITIES for st in [*(self.keys.jobs(p, lane) for lane in own), self.keys.jobs(p)]]
-        rest = [self.keys.jobs(p, lane) for p in PRIORITIES for lane in others]
-        return first + rest, len(first) if self.enabled else None
+            return self.keys.all_jobs(), None, []
+        own = _rotated(self.own if self.enabled else [], self.turn)
+        helped = [lane for lane in self.helped if lane in self.others_set]
+        others = helped + [lane for lane in _rotated(self.others, self.turn) if lane not in set(helped)]
+        first = [name for p in PRIORITIES for name in [*(self.names[p][lane] for lane in own), self.keys.jobs(p)]]
+        rest = [self.names[p][lane] for p in PRIORITIES for lane in others]
+        if not self.enabled:
+            return first + rest, None, []
+        spread = [lane for lane in _rotated(self.others, self.turn * OVERDUE_CHECKS) if lane not in set(helped)]
+        window = helped[:OVERDUE_CHECKS // 2] + spread[:OVERDUE_CHECKS - len(helped[:OVERDUE_CHECKS // 2])]
+        return first + rest, len(first), [self.names[p][lane] for p in PRIORITIES for lane in window]
+
+    def stole(self, stream: str) -> None:
+        """Remember the lane: its prefix is in our cache now, so we look there first the next time we steal
+        (a lane too hot for its owner gets a steady set of helpers instead of every worker in turn)."""
+        lane = self.lane_of_stream.get(stream)
+        if lane is None:
+            return
+        if lane in self.helped:
+            self.helped.remove(lane)
+        self.helped.insert(0, lane)
+        del self.helped[HELPED:]
+
+    def observe(self, own_ages_ms: list[int], drained: bool) -> None:
+        """How long jobs in our own lanes have been waiting: 0 once a read found them empty."""
+        if drained:
+            self.own_wait_ms = 0
+        elif own_ages_ms:
+            self.own_wait_ms = max(own_ages_ms)
 
     def home(self) -> list[str]:
         """What an idle worker blocks on: the shared streams and our own lanes (others are looked at on each

@@ -44,6 +44,9 @@ class WorkerSettings(BaseSettings, EngineConfig):
     affinity_lanes: int = _s(64, "lanes a namespace gets when a worker with affinity on finds none", ge=1, le=1024)
     affinity_steal_age_ms: int = _s(100, "a job in another worker's lane is taken only once this old, so its owner "
                                     "gets the first chance", ge=0)
+    affinity_max_lag_ms: int = _s(1000, "take a job from another worker's lane before our own once it has waited this "
+                                  "much longer than ours (its owner is not keeping up); 0: only when ours are empty",
+                                  ge=0)
 
     # leases, reclaim, dead letters
     reclaim_idle_ms: int = _s(30_000, "pending jobs idle this long are taken over from dead workers", ge=100)

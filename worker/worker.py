@@ -21,7 +21,7 @@ from kvgate.producer.protocol import (PRIORITIES, PROTOCOL_VERSION, Delta, Final
                                       decode_job, mask_url)
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.affinity import Affinity
-from kvgate.worker.clock import ServerClock
+from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
@@ -203,17 +203,21 @@ class Worker:
         # a busy engine is refilled by _exchange, in the same round trip as the step's publishing
 
     def _read_own_pending(self, count: int) -> None:
-        for stream, cursor in self.cursors.items():
-            if cursor is None:
-                continue
-            reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {stream: cursor}, count=count)
-            entries = [(as_text(i), f) for i, f in (reply[0][1] if reply else [])]
+        """Entries already pending to us (a restart under the same id, a lost reply): every stream in one round
+        trip (with lanes there are hundreds), at most `count` taken; a stream cut short keeps its cursor."""
+        cursors = {st: c for st, c in self.cursors.items() if c is not None}
+        reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, cursors, count=count)
+        found = {as_text(st): entries for st, entries in reply or []}
+        for stream in cursors:
+            entries = [(as_text(i), f) for i, f in found.get(stream, [])][:count]
             self.cursors[stream] = entries[-1][0] if entries else None
             fresh = [(i, f) for i, f in entries if not self._holds(stream, i)]
             if fresh:
                 deliveries = self.leases.count_delivery(stream, [i for i, _ in fresh])
                 self._accept([(stream, i, f, n) for (i, f), n in zip(fresh, deliveries)])
-            return
+            count -= len(entries)
+            if count <= 0:
+                return
 
     def _read_blocking(self) -> None:
         """Wait for the next job on any stream (with lanes: the shared ones and our own). COUNT 1 per stream, on
@@ -227,11 +231,11 @@ class Worker:
     def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
         if entries is None:
             reclaim_ms = self._reclaim_ms()
-            self.reader.streams, self.reader.home = self.affinity.read_plan()
+            self._plan_read()
             entries = self.reader.read(count, reclaim_idle_ms=reclaim_ms)
         got = list(entries)
-        if steals := sum(1 for e in got if e[3] == 1 and self.affinity.stolen(e[0])):
-            self.metrics.on_steals(steals)
+        if self.affinity.lanes:
+            self._observe_lanes(got, count)
         if reclaim_ms:
             claimed = sum(1 for e in got if e[3] > 1 or e[2] is None)
             self.reclaim_due = claimed >= count  # a full take may have left more behind
@@ -244,6 +248,23 @@ class Worker:
             self.empty_reads = 0
         self._accept(got)
         return len(got)
+
+    def _plan_read(self) -> None:
+        r = self.reader
+        r.streams, r.home, r.overdue = self.affinity.read_plan()
+        lag = self.settings.affinity_max_lag_ms
+        r.overdue_ms = self.affinity.own_wait_ms + lag if lag else 0
+
+    def _observe_lanes(self, got: list, count: int) -> None:
+        fresh = [e for e in got if e[3] == 1]
+        stolen = [e for e in fresh if self.affinity.stolen(e[0])]
+        if stolen:
+            self.metrics.on_steals(len(stolen))
+            for stream in dict.fromkeys(e[0] for e in reversed(stolen)):
+                self.affinity.stole(stream)
+        now_ms = int(self.clock.now() * 1000)
+        ages = [now_ms - entry_ms(e[1]) for e in fresh if not self.affinity.stolen(e[0])]
+        self.affinity.observe(ages, drained=len(got) < count)
 
     def _holds(self, stream: str, entry_id: str) -> bool:
         key = f"{stream}|{entry_id}"
@@ -390,7 +411,7 @@ class Worker:
         count = self._refill_count()
         reclaim_ms = self._reclaim_ms() if count else 0
         if count:
-            self.reader.streams, self.reader.home = self.affinity.read_plan()
+            self._plan_read()
             self.reader.read(count, pipe, reclaim_ms)
         polled = self._cancel_poll_due()
         if polled:

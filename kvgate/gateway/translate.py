@@ -21,7 +21,9 @@ Kind = Literal["chat", "completion"]
 DIRECT = {"temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed": "seed",
           # vLLM-style extensions (openai's extra_body)
           "top_k": "top_k", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-          "stop_token_ids": "stop_token_ids", "priority": "priority"}
+          "stop_token_ids": "stop_token_ids", "priority": "priority",
+          # OpenAI's prompt-cache routing hint: with affinity lanes, jobs sharing it go to one worker's prefix cache
+          "prompt_cache_key": "prefix_key"}
 # body fields accepted only at a value that asks for nothing the engine lacks, with why the rest is refused
 NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: v in (None, 0), " (the engine has no frequency penalty; try repetition_penalty)"),

@@ -53,3 +53,10 @@ def test_too_many_choices_disagreeing_max_tokens_and_tool_messages_are_refused()
 def test_api_keys_come_from_flags_and_the_comma_separated_variable():
     assert parse_keys(["a", "b"], " c, ,a ") == ("a", "b", "c")
     assert parse_keys(None, None) == ()
+
+
+def test_prompt_cache_key_becomes_the_jobs_prefix_key_and_a_bad_one_is_named():
+    p = plan("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "t-7"}, S)
+    assert p.submits[0]["prefix_key"] == "t-7"
+    assert "prompt_cache_key" in str(_refused("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                       "prompt_cache_key": ""}).body)
