@@ -21,6 +21,7 @@ from kvgate.producer.protocol import PRIORITIES, Keys
 
 log = logging.getLogger("kvgate.worker")
 OVERDUE_CHECKS = 4  # others' lanes per priority looked at for overdue jobs on each read
+STEAL_WINDOW = 8  # others' lanes per priority a read may steal from, besides those we helped lately
 HELPED = 4  # others' lanes we remember stealing from, looked at first when we steal again
 
 # KEYS[1] ring; ARGV: our member ('' when we only look), ttl ms. Server time: every member scored by one clock.
@@ -107,23 +108,25 @@ class Affinity:
         """Every stream we read: the shared ones and each lane's."""
         return self.keys.all_jobs(self.lanes)
 
-    def read_plan(self) -> tuple[list[str], int | None, list[str]]:
+    def read_plan(self, full: bool = False) -> tuple[list[str], int | None, list[str]]:
         """The streams to read in order; how many lead them that are ours (None: no owners, no stealing); and a
         few of the others' lanes to check for overdue jobs. Per priority our own lanes and the shared stream, then
-        every other lane: each group starts one lane later than last time, so no lane is always read last."""
+        the lanes we stole from lately, then a window of the other lanes that moves on every read (`full`: all of
+        them, for a reclaim pass), so a read costs the same with 16 lanes or 1,024 and no lane is always last."""
         self.turn += 1
         if not self.lanes:
             return self.keys.all_jobs(), None, []
         own = _rotated(self.own if self.enabled else [], self.turn)
-        helped = [lane for lane in self.helped if lane in self.others_set]
-        others = helped + [lane for lane in _rotated(self.others, self.turn) if lane not in set(helped)]
         first = [name for p in PRIORITIES for name in [*(self.names[p][lane] for lane in own), self.keys.jobs(p)]]
-        rest = [self.names[p][lane] for p in PRIORITIES for lane in others]
         if not self.enabled:
-            return first + rest, None, []
-        spread = [lane for lane in _rotated(self.others, self.turn * OVERDUE_CHECKS) if lane not in set(helped)]
-        window = helped[:OVERDUE_CHECKS // 2] + spread[:OVERDUE_CHECKS - len(helped[:OVERDUE_CHECKS // 2])]
-        return first + rest, len(first), [self.names[p][lane] for p in PRIORITIES for lane in window]
+            return first + [self.names[p][lane] for p in PRIORITIES for lane in _rotated(self.others, self.turn)], \
+                None, []
+        helped = [lane for lane in self.helped if lane in self.others_set]
+        spread = [lane for lane in _rotated(self.others, self.turn * STEAL_WINDOW) if lane not in set(helped)]
+        steal = helped + (spread if full else spread[:STEAL_WINDOW])
+        overdue = helped[:OVERDUE_CHECKS // 2] + spread[:OVERDUE_CHECKS - len(helped[:OVERDUE_CHECKS // 2])]
+        return (first + [self.names[p][lane] for p in PRIORITIES for lane in steal], len(first),
+                [self.names[p][lane] for p in PRIORITIES for lane in overdue])
 
     def stole(self, stream: str) -> None:
         """Remember the lane: its prefix is in our cache now, so we look there first the next time we steal

@@ -41,7 +41,7 @@ class WorkerSettings(BaseSettings, EngineConfig):
     affinity: Literal["on", "off"] = _s("off", "own prefix-affinity lanes: read jobs whose prompt prefix hashes to "
                                         "our lanes first, others' only when ours are empty; the first worker with "
                                         "it on gives the namespace its lanes")
-    affinity_lanes: int = _s(64, "lanes a namespace gets when a worker with affinity on finds none", ge=1, le=1024)
+    affinity_lanes: int = _s(32, "lanes a namespace gets when a worker with affinity on finds none", ge=1, le=1024)
     affinity_steal_age_ms: int = _s(100, "a job in another worker's lane is taken only once this old, so its owner "
                                     "gets the first chance", ge=0)
     affinity_max_lag_ms: int = _s(1000, "take a job from another worker's lane before our own once it has waited this "

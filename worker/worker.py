@@ -231,7 +231,7 @@ class Worker:
     def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
         if entries is None:
             reclaim_ms = self._reclaim_ms()
-            self._plan_read()
+            self._plan_read(reclaim_ms)
             entries = self.reader.read(count, reclaim_idle_ms=reclaim_ms)
         got = list(entries)
         if self.affinity.lanes:
@@ -249,9 +249,9 @@ class Worker:
         self._accept(got)
         return len(got)
 
-    def _plan_read(self) -> None:
+    def _plan_read(self, reclaim_ms: int) -> None:
         r = self.reader
-        r.streams, r.home, r.overdue = self.affinity.read_plan()
+        r.streams, r.home, r.overdue = self.affinity.read_plan(full=reclaim_ms > 0)  # a reclaim covers every lane
         lag = self.settings.affinity_max_lag_ms
         r.overdue_ms = self.affinity.own_wait_ms + lag if lag else 0
 
@@ -411,7 +411,7 @@ class Worker:
         count = self._refill_count()
         reclaim_ms = self._reclaim_ms() if count else 0
         if count:
-            self._plan_read()
+            self._plan_read(reclaim_ms)
             self.reader.read(count, pipe, reclaim_ms)
         polled = self._cancel_poll_due()
         if polled:

@@ -146,7 +146,7 @@ def run_contestant(url: str, name: str, phase: str, jobs: list[Job], rate: float
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--workers", type=int, default=16, help="fleet size, mixed as W-FLEET's (default 16)")
-    parser.add_argument("--lanes", type=int, default=64, help="affinity lanes of the lanes contestant (default 64)")
+    parser.add_argument("--lanes", type=int, default=32, help="affinity lanes of the lanes contestant (default 32)")
     parser.add_argument("--prefixes", type=int, default=32, help="distinct 1,024-token system prompts (default 32)")
     parser.add_argument("--saturation-jobs", type=int, default=1200, help="backlog per saturation run (default 1200)")
     parser.add_argument("--seconds", type=float, default=20.0, help="open-loop arrival window (default 20)")
