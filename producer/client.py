@@ -69,7 +69,8 @@ class Client:
                stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
                ttl_s: float | None = None, deadline: float | None = None, idempotency_key: str | None = None,
-               stream: bool = False, metadata: dict[str, str] | None = None, prefix_key: str | None = None) -> JobHandle:
+               stream: bool = False, metadata: dict[str, str] | None = None,
+               prefix_key: str | None = None) -> JobHandle:
         """Validate, then enqueue one job. Raises InvalidRequest before anything is enqueued."""
         args = dict(prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -29,7 +29,7 @@ MAX_LANES = 1024
 LANES_TTL_MS = 10_000  # a member missing from the lane ring this long has left it
 
 
-def _digest(data: bytes) -> int:
+def digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
@@ -47,11 +47,11 @@ def routing_key(*, prompt: str | None = None, messages: Sequence[Message] | None
 
 
 def lane_of(key: str, lanes: int) -> int:
-    return _digest(key.encode()) % lanes
+    return digest(key.encode()) % lanes
 
 
 def _score(member: str, weight: float, lane: int) -> float:
-    u = (_digest(f"{member}\x00{lane}".encode()) + 1) / (2**64 + 1)  # in (0, 1)
+    u = (digest(f"{member}\x00{lane}".encode()) + 1) / (2**64 + 1)  # in (0, 1)
     return weight / -math.log(u)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from kvgate.producer.lanes import decode_members, encode_member, owned, parse_lanes
+from kvgate.producer.lanes import digest, decode_members, encode_member, owned, parse_lanes
 from kvgate.producer.protocol import PRIORITIES, Keys
 
 log = logging.getLogger("kvgate.worker")
@@ -59,6 +59,7 @@ class Affinity:
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(RING_LUA)
+        self.turn = digest(self.worker_id.encode())  # workers' windows move in different phases
         self.member = encode_member(self.worker_id, self.weight)
 
     def sync(self) -> bool:

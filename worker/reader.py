@@ -19,7 +19,8 @@ from kvgate.producer.protocol import Keys, as_text
 # affinity lanes: how many leading streams are ours (the rest are other workers' lanes, in a rotating order), the age
 # in ms a new entry of theirs must reach before we take it (its owner gets the first chance; stream ids are server
 # ms), and an overdue age with how many trailing KEYS are lanes to check for it: their entries that old are taken
-# before our own (their owner is not keeping up; a few lanes per read keeps the cost flat in the number of lanes).
+# before our own (their owner is not keeping up; a few lanes per read keeps the cost flat in the number of lanes),
+# and the most entries a read may take from their lanes in all.
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 READ_LUA = """
@@ -27,6 +28,7 @@ local group, consumer = ARGV[1], ARGV[2]
 local want, min_idle = tonumber(ARGV[3]), tonumber(ARGV[4])
 local home, steal_age = tonumber(ARGV[5] or #KEYS), tonumber(ARGV[6] or 0)
 local overdue_age, overdue_lanes = tonumber(ARGV[7] or 0), tonumber(ARGV[8] or 0)
+local steal_max = tonumber(ARGV[9] or want)
 local last_key = #KEYS - overdue_lanes
 local now = nil
 if home < last_key and (steal_age > 0 or overdue_age > 0) then
@@ -34,6 +36,7 @@ if home < last_key and (steal_age > 0 or overdue_age > 0) then
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function ripe(key, n, cutoff)  -- how many of the next n new entries are at least as old as the cutoff
+  if n <= 0 then return 0 end
   local last = nil
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
     local f = {}
@@ -60,7 +63,8 @@ if overdue_age > 0 and now then
   for index = last_key + 1, #KEYS do
     if want <= 0 then break end
     local key = KEYS[index]
-    local entries = take(key, ripe(key, want, now - overdue_age))
+    local entries = take(key, ripe(key, math.min(want, steal_max), now - overdue_age))
+    steal_max = steal_max - #entries
     if #entries > 0 then table.insert(out, {key, entries, {}}) end
   end
 end
@@ -83,8 +87,12 @@ for index = 1, last_key do
     want = want - #claimed
   end
   local n = want
-  if index > home and steal_age > 0 and now and want > 0 then n = ripe(key, want, now - steal_age) end
+  if index > home then
+    n = math.min(want, steal_max)
+    if steal_age > 0 and now then n = ripe(key, n, now - steal_age) end
+  end
   local entries = take(key, n)
+  if index > home then steal_max = steal_max - #entries end
   if #entries > 0 or #claimed > 0 then table.insert(out, {key, entries, claimed}) end  -- lanes: most are empty
 end
 return out
@@ -103,6 +111,7 @@ class Reader:
     steal_age_ms: int = 0
     overdue_ms: int = 0  # 0: never take others' entries before our own
     overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries on this read
+    steal_max: int = 1  # entries one read may take from others' lanes
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(READ_LUA)
@@ -114,7 +123,7 @@ class Reader:
         args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
         if self.home is not None:
             overdue = self.overdue if self.overdue_ms > 0 else []
-            args += [self.home, self.steal_age_ms, self.overdue_ms, len(overdue)]
+            args += [self.home, self.steal_age_ms, self.overdue_ms, len(overdue), self.steal_max]
         else:
             overdue = []
         reply = self.script(keys=self.streams + overdue, args=args, client=pipe or self.client)

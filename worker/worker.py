@@ -17,8 +17,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.engine.outputs import RequestRejected, StepOutput
-from kvgate.producer.protocol import (PRIORITIES, PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage, as_text,
-                                      decode_job, mask_url)
+from kvgate.producer.protocol import (PRIORITIES, PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage,
+                                      as_text, decode_job, mask_url)
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.affinity import Affinity
 from kvgate.worker.clock import ServerClock, entry_ms
@@ -229,9 +229,9 @@ class Worker:
         self._accept([(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
     def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
-        if entries is None:
+        if entries is None:  # an idle engine's look (the busy one reads in _exchange): it can afford every lane
             reclaim_ms = self._reclaim_ms()
-            self._plan_read(reclaim_ms)
+            self._plan_read(reclaim_ms, full=True)
             entries = self.reader.read(count, reclaim_idle_ms=reclaim_ms)
         got = list(entries)
         if self.affinity.lanes:
@@ -249,11 +249,14 @@ class Worker:
         self._accept(got)
         return len(got)
 
-    def _plan_read(self, reclaim_ms: int) -> None:
+    def _plan_read(self, reclaim_ms: int, full: bool = False) -> None:
         r = self.reader
-        r.streams, r.home, r.overdue = self.affinity.read_plan(full=reclaim_ms > 0)  # a reclaim covers every lane
+        r.streams, r.home, r.overdue = self.affinity.read_plan(full=full or reclaim_ms > 0)  # reclaim: every lane
         lag = self.settings.affinity_max_lag_ms
         r.overdue_ms = self.affinity.own_wait_ms + lag if lag else 0
+        # A stolen job should start now, not wait in our local queue behind a wrong size estimate: one at a time,
+        # and none while jobs wait here already.
+        r.steal_max = 0 if self.queue.tickets else 1
 
     def _observe_lanes(self, got: list, count: int) -> None:
         fresh = [e for e in got if e[3] == 1]

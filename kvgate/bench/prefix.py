@@ -121,7 +121,8 @@ def run_contestant(url: str, name: str, phase: str, jobs: list[Job], rate: float
     specs = contestant_fleet(name, args.workers)
     keys, client = Keys(f"wprefix-{name}-{phase}-{time.time_ns()}"), redis.Redis.from_url(url)
     clients = len(jobs) // 2000 + 1
-    settings = {"affinity": "on", "affinity_lanes": args.lanes} if name == "lanes" else {}
+    settings = {"affinity": "on", "affinity_lanes": args.lanes, "affinity_steal_age_ms": args.steal_age_ms,
+                "affinity_max_lag_ms": args.max_lag_ms} if name == "lanes" else {}
     fleet = fleet_sim.start_fleet(url, keys.ns, specs, "capacity", step_overhead_s=args.step_ms / 1000 / args.speed,
                                   per_token_s=args.per_token_ms / 1000 / args.speed, seed=args.seed, **settings)
     try:
@@ -147,6 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--workers", type=int, default=16, help="fleet size, mixed as W-FLEET's (default 16)")
     parser.add_argument("--lanes", type=int, default=32, help="affinity lanes of the lanes contestant (default 32)")
+    parser.add_argument("--steal-age-ms", type=int, default=100, help="the lanes' affinity_steal_age_ms (default 100)")
+    parser.add_argument("--max-lag-ms", type=int, default=1000, help="the lanes' affinity_max_lag_ms (default 1000)")
     parser.add_argument("--prefixes", type=int, default=32, help="distinct 1,024-token system prompts (default 32)")
     parser.add_argument("--saturation-jobs", type=int, default=1200, help="backlog per saturation run (default 1200)")
     parser.add_argument("--seconds", type=float, default=20.0, help="open-loop arrival window (default 20)")

@@ -10,7 +10,7 @@ from kvgate.bench.prefix import PrefixMix, make_prefix_jobs, ratios, run_contest
 
 
 def _args(**kw) -> Namespace:
-    base = dict(workers=2, lanes=8, step_ms=2.0, per_token_ms=0.005, speed=1.0, seed=3)
+    base = dict(workers=2, lanes=8, step_ms=2.0, per_token_ms=0.005, speed=1.0, seed=3, steal_age_ms=100, max_lag_ms=1000)
     return Namespace(**{**base, **kw})
 
 
