@@ -225,8 +225,14 @@ class Worker:
         home = self.affinity.home() if self.affinity.lanes else self.streams
         room = self.engine.admission().free_seqs + self.queue.size  # one entry per stream at most: keep the bound
         streams = {st: ">" for st in home[:max(room, len(PRIORITIES))]}
-        reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self.settings.block_ms)
+        reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self._block_ms())
         self._accept([(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries])
+
+    def _block_ms(self) -> int:
+        """With lanes an idle worker wakes once per steal age to look at others' lanes (it blocks on its own)."""
+        if self.affinity.enabled and self.affinity.lanes and self.settings.affinity_steal_age_ms:
+            return max(1, min(self.settings.block_ms, self.settings.affinity_steal_age_ms))
+        return self.settings.block_ms
 
     def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
         if entries is None:  # an idle engine's look (the busy one reads in _exchange): it can afford every lane
@@ -435,6 +441,8 @@ class Worker:
         if self.draining or not self.engine.has_unfinished() or any(c is not None for c in self.cursors.values()):
             return 0
         wait_s = self.settings.busy_poll_ms / 1000 * 2 ** min(self.empty_reads, 3)
+        if self.affinity.own:  # look at our lanes at least once per steal age: their jobs wait for us that long
+            wait_s = min(wait_s, self.settings.affinity_steal_age_ms / 1000)
         if time.monotonic() - self.last_read_empty_at < wait_s:
             return 0
         adm = self.engine.admission()
