@@ -34,12 +34,12 @@ def owner_of(queue, key: str) -> str:
     return owners(ring(queue), LANES)[lane_of(routing_key(prefix_key=key), LANES)]
 
 
-def submit_keyed(queue, key: str, n: int, **sampling) -> list[str]:
+def submit_keyed(queue, key: str, n: int, lanes: int = LANES, **sampling) -> list[str]:
     """Jobs routed as the SDK routes them (their prefix_key's lane)."""
     ids = []
     for _ in range(n):
         job = queue.job("same system prompt", **sampling)
-        queue.r.xadd(stream_for(job, queue.keys, LANES, key), {FIELD: encode(job)})
+        queue.r.xadd(stream_for(job, queue.keys, lanes, key), {FIELD: encode(job)})
         ids.append(job.job_id)
     return ids
 
@@ -173,3 +173,12 @@ def test_a_new_job_in_another_workers_lane_is_taken_only_once_it_is_older_than_t
     assert [(st, n) for st, _, _, n in reader.read(4)] == [(theirs, 1)]
     q.r.xadd(own, {FIELD: encode(q.job(max_tokens=2))})
     assert [st for st, *_ in reader.read(4)] == [own]  # our own lane: no wait
+
+
+def test_lanes_work_on_the_embedded_redis_6_2(queue62, thread_worker):
+    """The ring script stamps members with TIME before writing: allowed on 6.2 (effects replication) as on 7."""
+    with thread_worker(q=queue62, affinity="on", affinity_lanes=4, heartbeat_interval_s=0.1) as tw:
+        wait_for(lambda: tw.worker.affinity.own == [0, 1, 2, 3], 10, "the only worker to own every lane")
+        ids = submit_keyed(queue62, "s-1", 2, lanes=4, max_tokens=3)
+        finals = queue62.wait_finals(2)
+    assert sorted(f.job_id for f in finals) == sorted(ids)
