@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any
 
 from kvgate.engine.scheduler import ScheduledBatch
 from kvgate.engine.sequence import Sequence

@@ -1,7 +1,8 @@
 """`kvgate exporter`: queue and fleet gauges read from Redis at scrape time.
 
 One process per kvgate namespace is enough; it holds no state, so any number of replicas agree. The label is
-`kvgate_namespace` because Prometheus already puts the Kubernetes `namespace` on every target. The figures
+`kvgate_namespace` because Prometheus already puts the Kubernetes `namespace` on every target; queue gauges
+carry `model` (the stream's model name, `default` for jobs that name none) and `priority`. The figures
 come from producer.queue_stats, which also counts lag on Redis 6.2 (no `lag` in XINFO GROUPS).
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kvgate.producer.connection import DEFAULT_URL, mask_url, resolve_url
 from kvgate.producer.protocol import Keys
-from kvgate.producer.queue_stats import PriorityStats, QueueStats, read_queue_stats
+from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
+from kvgate.producer.redis_url import connect
 
 
 class FleetCollector:
@@ -41,7 +43,8 @@ class FleetCollector:
             return
         up.add_metric([ns], 1)
         yield up
-        yield from _stream_families(ns, list(snap.priorities.values()))
+        yield from _stream_families(ns, list(snap.models.values()))
+        yield from _model_families(ns, list(snap.models.values()))
         yield from _fleet_families(ns, snap)
         took = GaugeMetricFamily("kvgate_exporter_scrape_seconds", "Time to read the fleet from Redis",
                                  labels=["kvgate_namespace"])
@@ -49,16 +52,31 @@ class FleetCollector:
         yield took
 
 
-def _stream_families(ns: str, streams: list[PriorityStats]):
+def _stream_families(ns: str, models: list[ModelStats]):
     specs = (("queue_lag", "Jobs in the stream not yet delivered to any worker", "backlog"),
              ("queue_pending", "Jobs delivered to a worker and not yet acknowledged", "pending"),
              ("queue_length", "Entries in the job stream (XLEN)", "length"),
              ("queue_oldest_job_age_seconds", "Age of the oldest job not yet acknowledged", "oldest_age_s"))
     for name, doc, attr in specs:
-        family = GaugeMetricFamily(f"kvgate_{name}", doc, labels=["kvgate_namespace", "priority"])
-        for s in streams:
-            family.add_metric([ns, s.priority], getattr(s, attr) or 0)  # no age: nothing waits
+        family = GaugeMetricFamily(f"kvgate_{name}", doc, labels=["kvgate_namespace", "model", "priority"])
+        for m in models:
+            for s in m.priorities.values():
+                family.add_metric([ns, m.model, s.priority], getattr(s, attr) or 0)  # no age: nothing waits
         yield family
+
+
+def _model_families(ns: str, models: list[ModelStats]):
+    """Per model: who serves it, and whether its jobs wait for a scale-up (backlog and no live worker)."""
+    workers = GaugeMetricFamily("kvgate_model_live_workers", "Live workers serving the model name (aliases count)",
+                                labels=["kvgate_namespace", "model"])
+    stranded = GaugeMetricFamily("kvgate_model_waiting_for_workers",
+                                 "1 if the model has jobs waiting and no live worker serves it",
+                                 labels=["kvgate_namespace", "model"])
+    for m in models:
+        workers.add_metric([ns, m.model], len(m.workers))
+        stranded.add_metric([ns, m.model], int(m.waiting_for_workers))
+    yield workers
+    yield stranded
 
 
 def _fleet_families(ns: str, snap: QueueStats):
@@ -95,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     url = resolve_url(args.redis_url, DEFAULT_URL)
-    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    client = connect(url, socket_timeout=5, socket_connect_timeout=5)
     try:  # a user without permission or a missing database will not heal: refuse to start on those
         read_queue_stats(client, Keys(args.namespace))
     except (redis.ConnectionError, redis.TimeoutError) as e:  # Redis may come up later: serve redis_up 0 till then

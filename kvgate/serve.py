@@ -18,11 +18,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", action="append", dest="api_key", metavar="KEY",
         help="accept `Authorization: Bearer KEY`; repeatable, joined with env KVGATE_API_KEYS (comma-separated); "
              "no key at all leaves the gateway open")
+    add("--model", action="append", dest="model", metavar="NAME",
+        help="accept requests for this model even before any worker serves it (scale from zero); repeatable, "
+             "joined with env KVGATE_MODELS (comma-separated). With none, the gateway accepts the models live "
+             "workers serve and those the fleet knows ({ns}:models); with some, only these and live ones")
     add("--max-backlog", type=int, help="answer 429 while this many jobs wait in the queue (default: no limit)")
     add("--retry-after", type=int, default=1, help="seconds a 429's Retry-After asks clients to wait")
     add("--request-timeout", type=float, default=600.0, help="seconds before an unanswered job is cancelled (504)")
     add("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none")
     add("--max-n", type=int, default=16, help="most choices (n times prompts) in one request")
+    add("--durability", choices=("primary", "replicated"), default=os.environ.get("KVGATE_DURABILITY", "primary"),
+        help="replicated: a request is enqueued only once a replica holds it, resent across a failover "
+             "(RELIABILITY.md, Failover; env KVGATE_DURABILITY)")
     add("--log-level", default="info")
 
 
@@ -34,7 +41,15 @@ def settings_from(args: argparse.Namespace):
                            api_keys=parse_keys(args.api_key, os.environ.get("KVGATE_API_KEYS")),
                            max_backlog=args.max_backlog, retry_after_s=args.retry_after,
                            request_timeout_s=args.request_timeout, default_max_tokens=args.default_max_tokens,
-                           max_n=args.max_n)
+                           max_n=args.max_n, models=allowed_models(args.model, os.environ.get("KVGATE_MODELS")),
+                           durability=args.durability)
+
+
+def allowed_models(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
+    from kvgate.producer.protocol import check_model_name
+
+    names = [n.strip() for v in [*(flags or []), env or ""] for n in v.split(",") if n.strip()]
+    return tuple(dict.fromkeys(check_model_name(n) for n in names))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`kvgate top`: a live terminal view of the fleet (workers and their KV room, streams and their backlog)."""
+"""`kvgate top`: a live terminal view of the fleet, grouped by model (workers and their KV room, streams and their
+backlog)."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ from rich.text import Text
 from kvgate.producer.connection import DEFAULT_URL, resolve_url
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import QueueStats, read_queue_stats
+from kvgate.producer.redis_url import connect
 
 
 def _age(seconds: float) -> str:
@@ -28,24 +30,30 @@ def _age(seconds: float) -> str:
 
 def _workers_table(snap: QueueStats) -> Table:
     table = Table(title=f"workers ({len(snap.workers)} live)", expand=True, title_justify="left")
-    for column in ("worker", "state", "running", "waiting", "free KV blocks", "KV used", "tokens/s", "done"):
-        table.add_column(column, justify="left" if column in ("worker", "state") else "right")
-    for w in snap.workers:
-        table.add_row(w.worker_id, w.state, str(w.running), str(w.waiting), f"{w.free_blocks}/{w.total_blocks}",
-                      f"{w.kv_usage:.0%}", f"{w.tokens_per_s:,.0f}", str(w.jobs_done))
+    for column in ("model", "worker", "state", "running", "waiting", "free KV blocks", "KV used", "tokens/s", "done"):
+        table.add_column(column, justify="left" if column in ("model", "worker", "state") else "right")
+    for w in sorted(snap.workers, key=lambda w: (w.model, w.worker_id)):
+        table.add_row(w.model, w.worker_id, w.state, str(w.running), str(w.waiting),
+                      f"{w.free_blocks}/{w.total_blocks}", f"{w.kv_usage:.0%}", f"{w.tokens_per_s:,.0f}",
+                      str(w.jobs_done))
     if not snap.workers:
-        table.add_row(Text("no live workers", style="bold red"), "", "", "", "", "", "", "")
+        table.add_row("", Text("no live workers", style="bold red"), "", "", "", "", "", "", "")
     return table
 
 
 def _streams_table(snap: QueueStats) -> Table:
     table = Table(title="streams", expand=True, title_justify="left")
-    for column in ("priority", "backlog (lag)", "pending", "length", "oldest job"):
-        table.add_column(column, justify="left" if column == "priority" else "right")
-    for s in snap.priorities.values():
-        age = _age(s.oldest_age_s) if s.oldest_age_s is not None else "-"
-        table.add_row(s.priority, str(s.backlog), str(s.pending), str(s.length), age)
-    table.add_row("dead", "", "", str(snap.dead), "")
+    for column in ("model", "priority", "backlog (lag)", "pending", "length", "oldest job", "workers"):
+        table.add_column(column, justify="left" if column in ("model", "priority") else "right")
+    for m in snap.models.values():
+        if not (m.workers or any(s.length or s.pending for s in m.priorities.values())):
+            continue  # a model nobody serves or asks for any more
+        served = Text("none: waiting for scale-up", style="bold red") if m.waiting_for_workers else str(len(m.workers))
+        for i, s in enumerate(m.priorities.values()):
+            age = _age(s.oldest_age_s) if s.oldest_age_s is not None else "-"
+            table.add_row(m.model if i == 0 else "", s.priority, str(s.backlog), str(s.pending), str(s.length), age,
+                          served if i == 0 else "")
+    table.add_row("dead", "", "", "", str(snap.dead), "", "")
     return table
 
 
@@ -97,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     url = resolve_url(args.redis_url, DEFAULT_URL)
-    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    client = connect(url, socket_timeout=5, socket_connect_timeout=5)
     keys = Keys(args.namespace)
     snap = read_queue_stats(client, keys)  # unreachable or refused: one line from `kvgate`, not a live frame
     console = Console()

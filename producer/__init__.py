@@ -9,18 +9,19 @@ Importing this package never imports torch: the SDK is redis, msgspec, pydantic 
 from .async_client import AsyncClient, AsyncJobHandle
 from .client import Client
 from .errors import (Backpressure, ConnectionFailed, FieldError, IdempotencyConflict, InvalidRequest, JobLost,
-                     KvgateError, PartiallySubmitted, ResultTimeout, ServerRefused)
+                     KvgateError, NotReplicatedError, PartiallySubmitted, ResultTimeout, ServerRefused)
 from .handle import JobHandle
 from .job_status import JobStatus
-from .protocol import Delta, Final, Timings, Usage
+from .protocol import Delta, Final, Timings, TokenLogprob, TopLogprob, Usage
 from .queue_stats import PriorityStats, QueueStats, WorkerStats
 from .result import Result
 from .stream import Restart
 
 __all__ = [
     "Client", "AsyncClient", "JobHandle", "AsyncJobHandle", "Result", "Delta", "Restart", "Final", "Usage", "Timings",
+    "TokenLogprob", "TopLogprob",
     "JobStatus", "JobLost", "ServerRefused", "PartiallySubmitted",
     "QueueStats", "PriorityStats", "WorkerStats",
     "KvgateError", "InvalidRequest", "FieldError", "Backpressure", "IdempotencyConflict", "ResultTimeout",
-    "ConnectionFailed",
+    "ConnectionFailed", "NotReplicatedError",
 ]

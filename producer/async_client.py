@@ -18,13 +18,15 @@ from .errors import KvgateError, PartiallySubmitted
 from .idempotency import owner_tag
 from .job_status import JobStatus, job_states_script, job_status, read_states
 from .mailbox import ReplyRouter
-from .protocol import Keys, Message, decode_final
+from .protocol import DEFAULT_MODEL, Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
+from .durable import AsyncDurableSubmitter, with_claim
+from .redis_url import FAILOVER_BUDGET_S, Durability, connect, connect_async
 from .reply_reader import READ_COUNT, ReaderState, is_noperm
 from .result import Result
 from .lane_count import LaneCount
-from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         group_exists, owners, prepare, add_to_pipeline)
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, enqueue_commands,
+                         group_commands, group_exists, new_models, owners, prepare)
 
 log = logging.getLogger(__name__)
 
@@ -34,53 +36,66 @@ class AsyncClient:
 
     def __init__(self, redis_url: str | None = None, namespace: str = "kvgate", *, max_backlog: int | None = None,
                  backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
-                 reply_ttl_s: int = 3600):
+                 reply_ttl_s: int = 3600, durability: Literal["primary", "replicated"] = "primary",
+                 replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S):
         self.url = resolve_url(redis_url)
+        self.durability = Durability(durability, 1, replica_timeout_ms)
+        self._durable = AsyncDurableSubmitter(self.url, self.durability, failover_budget_s) \
+            if self.durability.replicated else None
         self.keys = Keys(namespace)
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
         self._lane_count = LaneCount()
         self._event = asyncio.Event()
         self.router = ReplyRouter(self._notify)
-        self.redis = aioredis.Redis.from_url(self.url)
+        self.redis = connect_async(self.url)
         self._script = claim_script(self.redis)
         self._state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
         self._reader: asyncio.Task | None = None
         self._sync: redis.Redis | None = None  # queue inspection is shared sync code, run in a thread
         self._states = None
         self._closed = False
+        self._grouped: set[str] = set()  # models whose streams have the workers' group
 
     async def start(self) -> "AsyncClient":
         """Create the job groups and start the reply reader; called by `async with` and the first submit."""
         if self._reader is not None:
             return self
         with translated(self.url):
-            pipe = self.redis.pipeline(transaction=False)
-            group_commands(pipe, self.keys)
-            replies = await pipe.execute(raise_on_error=False)
-            exists = None
-            if any(isinstance(r, Exception) and refusal_of(r) for r in replies):  # Redis full: are they there?
-                pipe = self.redis.pipeline(transaction=False)
-                for stream in self.keys.all_jobs():
-                    pipe.xinfo_groups(stream)
-                exists = [group_exists(r) for r in await pipe.execute(raise_on_error=False)]
-            check_group_replies(replies, exists)
-        conn = aioredis.Redis.from_url(self.url, socket_timeout=self._state.block_ms / 1000 + 10)
+            await self._ensure_groups([DEFAULT_MODEL])
+        conn = connect_async(self.url, socket_timeout=self._state.block_ms / 1000 + 10)
         self._reader = asyncio.create_task(self._read(conn), name=f"kvgate-reply-{self.client_id[:6]}")
         return self
+
+    async def _ensure_groups(self, models: list[str]) -> None:
+        streams = [st for m in models for st in self.keys.all_jobs(m)]
+        pipe = self.redis.pipeline(transaction=False)
+        group_commands(pipe, streams)
+        replies = await pipe.execute(raise_on_error=False)
+        exists = None
+        if any(isinstance(r, Exception) and refusal_of(r) for r in replies):  # Redis full: are they there?
+            pipe = self.redis.pipeline(transaction=False)
+            for stream in streams:
+                pipe.xinfo_groups(stream)
+            exists = [group_exists(r) for r in await pipe.execute(raise_on_error=False)]
+        check_group_replies(replies, exists)
+        self._grouped.update(models)
 
     # -- submitting -------------------------------------------------------------------------------
     async def submit(self, prompt: str | None = None, *, messages: list[dict | Message] | None = None,
                      prompt_token_ids: list[int] | None = None, max_tokens: int = 256, temperature: float = 1.0,
                      top_p: float = 1.0, top_k: int = -1, repetition_penalty: float = 1.0,
+                     frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
                      stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                      ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
                      ttl_s: float | None = None, deadline: float | None = None,
                      idempotency_key: str | None = None, stream: bool = False,
-                     metadata: dict[str, str] | None = None, prefix_key: str | None = None) -> AsyncJobHandle:
-        args = dict(prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
+                     metadata: dict[str, str] | None = None, model: str | None = None,
+                     prefix_key: str | None = None) -> AsyncJobHandle:
+        args = dict(model=model, prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                    repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
+                    repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
                     ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
                     idempotency_key=idempotency_key, stream=stream, metadata=metadata,
                     prefix_key=prefix_key)
@@ -108,10 +123,15 @@ class AsyncClient:
         await self.start()
         await self._admit()
         with translated(self.url):
-            pipe = self.redis.pipeline(transaction=True)  # all or nothing, as Client._enqueue
-            for p in prepared:
-                add_to_pipeline(pipe, self._script, p)
-            replies = await pipe.execute()
+            if missing := new_models(prepared, self._grouped):
+                await self._ensure_groups(missing)
+            if self._durable is not None:
+                prepared = [with_claim(p, self.keys) for p in prepared]
+                replies = await self._durable.send(self._script, prepared, self.keys)
+            else:
+                pipe = self.redis.pipeline(transaction=True)  # all or nothing, as Client._enqueue
+                enqueue_commands(pipe, self._script, prepared, self.keys)
+                replies = await pipe.execute()
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
@@ -172,7 +192,7 @@ class AsyncClient:
 
     def _sync_redis(self) -> redis.Redis:
         if self._sync is None:
-            self._sync = redis.Redis.from_url(self.url)
+            self._sync = connect(self.url)
         return self._sync
 
     # -- the reader task --------------------------------------------------------------------------
@@ -261,6 +281,8 @@ class AsyncClient:
         except (redis.RedisError, asyncio.TimeoutError):
             pass
         await self.redis.aclose()
+        if self._durable is not None:
+            await self._durable.close()
         if self._sync is not None:
             self._sync.close()
 

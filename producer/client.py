@@ -11,18 +11,20 @@ import redis
 from tqdm.auto import tqdm
 
 from .connection import refusal_of, resolve_url, translated
+from .durable import DurableSubmitter, with_claim
 from .errors import KvgateError, PartiallySubmitted, ResultTimeout
 from .handle import JobHandle
 from .idempotency import owner_tag
 from .job_status import JobStatus, job_states_script, job_status
 from .mailbox import ReplyRouter
-from .protocol import Keys, Message, decode_final
+from .protocol import DEFAULT_MODEL, Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
+from .redis_url import FAILOVER_BUDGET_S, Durability, connect
 from .reply_reader import ReaderState, ReplyReader
 from .result import Result
 from .lane_count import LaneCount
-from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         group_exists, owners, prepare, add_to_pipeline)
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, enqueue_commands,
+                         group_commands, group_exists, new_models, owners, prepare)
 
 CHUNK = 256
 CLOSED_REPLY_TTL_S = 60  # replies still in flight at close may land; the stream goes soon after
@@ -40,25 +42,30 @@ class Client:
 
     def __init__(self, redis_url: str | None = None, namespace: str = "kvgate", *, max_backlog: int | None = None,
                  backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
-                 reply_ttl_s: int = 3600):
+                 reply_ttl_s: int = 3600, durability: Literal["primary", "replicated"] = "primary",
+                 replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S):
+        """durability="replicated": submit returns once a replica holds the job (WAIT 1 replica_timeout_ms), and a
+        submit interrupted by a failover is sent again, to the new primary, for up to failover_budget_s (see
+        RELIABILITY.md, Failover)."""
         self.url = resolve_url(redis_url)
+        self.durability = Durability(durability, 1, replica_timeout_ms)
+        self._durable = DurableSubmitter(self.url, self.durability, failover_budget_s) \
+            if self.durability.replicated else None
         self.keys = Keys(namespace)
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
         self._lane_count = LaneCount()
         self._changed = threading.Condition()
         self.router = ReplyRouter(self._notify)
-        self.redis = redis.Redis.from_url(self.url)
+        self.redis = connect(self.url)
         self._script = claim_script(self.redis)
         self._closed = False
         self._states = job_states_script(self.redis)
+        self._grouped: set[str] = set()  # models whose streams have the workers' group
         with translated(self.url):
-            pipe = self.redis.pipeline(transaction=False)
-            group_commands(pipe, self.keys)
-            replies = pipe.execute(raise_on_error=False)
-            check_group_replies(replies, self._groups_exist(replies))
+            self._ensure_groups([DEFAULT_MODEL])
         state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
-        conn = redis.Redis.from_url(self.url, socket_timeout=state.block_ms / 1000 + 10)
+        conn = connect(self.url, socket_timeout=state.block_ms / 1000 + 10)
         self._reader = ReplyReader(conn, state, job_states_script(conn))
         self._reader.start()
 
@@ -66,15 +73,18 @@ class Client:
     def submit(self, prompt: str | None = None, *, messages: list[dict | Message] | None = None,
                prompt_token_ids: list[int] | None = None, max_tokens: int = 256, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = -1, repetition_penalty: float = 1.0,
+               frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
                stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
                ttl_s: float | None = None, deadline: float | None = None, idempotency_key: str | None = None,
                stream: bool = False, metadata: dict[str, str] | None = None,
-               prefix_key: str | None = None) -> JobHandle:
-        """Validate, then enqueue one job. Raises InvalidRequest before anything is enqueued."""
-        args = dict(prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
+               model: str | None = None, prefix_key: str | None = None) -> JobHandle:
+        """Validate, then enqueue one job on its model's streams (`model=None`: the `default` model, which
+        every worker serves unless told not to). Raises InvalidRequest before anything is enqueued."""
+        args = dict(model=model, prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                    repetition_penalty=repetition_penalty, stop=stop, stop_token_ids=stop_token_ids,
+                    repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                    presence_penalty=presence_penalty, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
                     ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
                     idempotency_key=idempotency_key, stream=stream, metadata=metadata,
                     prefix_key=prefix_key)
@@ -105,21 +115,34 @@ class Client:
     def _enqueue(self, prepared: list[Prepared]) -> list[JobHandle]:
         self._admit()
         with translated(self.url):
-            pipe = self.redis.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
-            for p in prepared:
-                add_to_pipeline(pipe, self._script, p)
-            replies = pipe.execute()
+            if missing := new_models(prepared, self._grouped):
+                self._ensure_groups(missing)
+            if self._durable is not None:
+                prepared = [with_claim(p, self.keys) for p in prepared]
+                replies = self._durable.send(self._script, prepared, self.keys)
+            else:
+                pipe = self.redis.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
+                enqueue_commands(pipe, self._script, prepared, self.keys)
+                replies = pipe.execute()
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
                 for p, c in zip(prepared, owners(prepared, replies))]
 
-    def _groups_exist(self, replies: list) -> list[bool] | None:
+    def _ensure_groups(self, models: list[str]) -> None:
+        streams = [st for m in models for st in self.keys.all_jobs(m)]
+        pipe = self.redis.pipeline(transaction=False)
+        group_commands(pipe, streams)
+        replies = pipe.execute(raise_on_error=False)
+        check_group_replies(replies, self._groups_exist(streams, replies))
+        self._grouped.update(models)
+
+    def _groups_exist(self, streams: list[str], replies: list) -> list[bool] | None:
         """Only when a group creation was refused (Redis full or read-only): which groups are there already."""
         if not any(isinstance(r, Exception) and refusal_of(r) for r in replies):
             return None
         pipe = self.redis.pipeline(transaction=False)
-        for stream in self.keys.all_jobs():
+        for stream in streams:
             pipe.xinfo_groups(stream)
         return [group_exists(r) for r in pipe.execute(raise_on_error=False)]
 
@@ -218,6 +241,8 @@ class Client:
         except redis.RedisError:
             pass
         self.redis.close()
+        if self._durable is not None:
+            self._durable.close()
 
     def __enter__(self) -> "Client":
         return self

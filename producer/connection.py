@@ -7,8 +7,9 @@ from contextlib import contextmanager
 import redis
 
 from . import protocol
-from .errors import ConnectionFailed, KvgateError, ServerRefused
+from .errors import ConnectionFailed, KvgateError, NotReplicatedError, ServerRefused
 from .protocol import DEFAULT_URL, URL_ENV, mask_url  # noqa: F401 - re-exported for the SDK's commands
+from .redis_url import NotReplicated
 
 OUT_OF_MEMORY = ("it is out of memory (used memory over maxmemory, with maxmemory-policy noeviction)",
                  "Let the workers drain results, shorten their result TTL or raise maxmemory, then retry")
@@ -37,6 +38,8 @@ def translated(url: str):
     """Turn redis-py's connection errors into ConnectionFailed naming the (masked) URL."""
     try:
         yield
+    except NotReplicated as e:
+        raise NotReplicatedError(mask_url(url), e) from e
     except (redis.ConnectionError, redis.TimeoutError) as e:  # AuthenticationError is a ConnectionError
         raise ConnectionFailed(mask_url(url), e) from e
     except redis.ResponseError as e:  # redis-py's message quotes the command, payload bytes and all: not shown

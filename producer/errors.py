@@ -67,6 +67,16 @@ class ConnectionFailed(KvgateError, ConnectionError):
                          "and that the URL and credentials are right")
 
 
+class NotReplicatedError(ConnectionFailed):
+    """durability="replicated": no replica acknowledged the write before failover_budget_s ran out."""
+
+    def __init__(self, url: str, cause: BaseException | str):
+        self.url, self.cause = url, cause
+        KvgateError.__init__(self, f"Redis at {url} kept the write on its primary only: {cause}. It may still be "
+                             "enqueued and run (resubmitting with the same idempotency_key is safe); check that a "
+                             "replica is connected (INFO replication) or raise replica_timeout_ms")
+
+
 class ServerRefused(KvgateError):
     """Redis refused a write: out of memory (maxmemory with noeviction) or a read-only replica after a failover."""
 

@@ -13,16 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidRequest
+from .openai_shapes import BadLogprobs, choice, requested_logprobs
 from .result import Result
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # Body fields we honour, by their submit name; others are refused rather than silently ignored.
 SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
                    "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",
-                   "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "metadata": "metadata"}
-IGNORED_FIELDS = {"model", "user", "stream", "n"}
-# Results carry no per-token logprobs, so asking for them fails the line instead of answering without them.
-LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+                   "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "metadata": "metadata",
+                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty"}
+IGNORED_FIELDS = {"user", "stream", "n"}  # `model` routes the line to that model's streams
+LOGPROB_FIELDS = ("logprobs", "top_logprobs")  # read by requested_logprobs, as the gateway reads them
 
 
 class BadLine(ValueError):
@@ -64,13 +65,15 @@ def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
 
 
 def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    for name in LOGPROB_FIELDS:
-        value = body.get(name)
-        # logprobs: false and top_logprobs: 0 ask for nothing; /v1/completions' logprobs: 0 still asks for some.
-        if value is not None and value is not False and not (name == "top_logprobs" and value == 0):
-            raise BadLine("unsupported_parameter", f"{name}={body[name]!r} is not supported: kvgate results carry "
-                          f"no logprobs; remove body.{name} or set it to null")
-    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - set(LOGPROB_FIELDS) - {"messages", "prompt"})
+    try:
+        logprobs = requested_logprobs(url == CHAT, body)
+    except BadLogprobs as e:
+        raise BadLine("invalid_request", f"body.{e.param}: {e}") from None
+    if url == COMPLETIONS and body.get("top_logprobs") not in (None, 0):
+        raise BadLine("unsupported_parameter", "body.top_logprobs is a chat parameter; /v1/completions takes "
+                      "logprobs: N")
+    unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - set(LOGPROB_FIELDS)
+                     - {"messages", "prompt", "model"})
     if unknown:
         raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported")
     if body.get("n", 1) != 1:
@@ -79,9 +82,13 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
     if key not in body:
         raise BadLine("invalid_request", f"{url} needs body.{key}")
     args = {key: body[key]}
+    if body.get("model") is not None:  # the line's model picks its streams; none: the `default` model
+        args["model"] = body["model"]
     for name, arg in SAMPLING_FIELDS.items():
         if body.get(name) is not None:
             args[arg] = body[name]
+    if logprobs is not None:
+        args["logprobs"] = logprobs
     return args
 
 
@@ -125,19 +132,14 @@ def line_id(file_digest: str, line_no: int) -> str:
 def success_line(req: BatchRequest, result: Result, model: str | None = None) -> dict[str, Any]:
     """model: the model the serving worker reports; the requested one when that is unknown."""
     created = int(result.timings.finished or time.time())
-    if req.url == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "finish_reason": result.finish_reason, "logprobs": None}
-        kind, prefix = "chat.completion", "chatcmpl"
-    else:
-        choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-        kind, prefix = "text_completion", "cmpl"
+    kind, prefix = ("chat.completion", "chatcmpl") if req.url == CHAT else ("text_completion", "cmpl")
     u = result.usage
     usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
              "total_tokens": u.prompt_tokens + u.completion_tokens,
              "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    answer = choice(req.url == CHAT, 0, result.text, result.finish_reason, result.logprobs)
     body = {"id": f"{prefix}-{result.job_id}", "object": kind, "created": created, "model": model or req.model,
-            "choices": [choice], "usage": usage, "system_fingerprint": result.worker}
+            "choices": [answer], "usage": usage, "system_fingerprint": result.worker}
     return {"id": f"batch_req_{result.job_id}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": result.job_id, "body": body}, "error": None}
 

@@ -6,6 +6,7 @@ malformed payload becomes a ProtocolError (and an error result), never a crash o
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -17,6 +18,10 @@ import msgspec
 # SDK still writes jobs at JOB_VERSION 1, whose schema did not change, so version-1 workers keep reading
 # them during a rolling upgrade; upgrade the SDKs first (a version-1 SDK skips version-2 reply events and
 # then finds its finals only by polling the result keys).
+# Sampling's frequency_penalty, presence_penalty and logprobs, and the events' logprobs, came without a version
+# bump: a job that does not use them encodes as before (omit_defaults), and readers of events ignore fields they
+# do not know. A worker from before them keeps forbid_unknown_fields on Sampling, so a job that asks for them
+# gets an error result naming the field from it instead of an answer that silently lacks them.
 PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 JOB_VERSION = 1
@@ -28,7 +33,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_METADATA_BYTES = 16_384
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with top-20 logprobs runs to megabytes
 PRIORITIES = ("high", "normal", "low")  # read in this order
+DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
+MAX_MODEL_NAME_CHARS = 128
 
 Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
@@ -55,10 +64,13 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     seed: int | None = None
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this times the count of the token in the output
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this once the token is in the output
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token's logprob and the N most likely
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """One generation job as it sits in `{ns}:jobs:<priority>`."""
+    """One generation job as it sits in `{ns}:jobs:<model>:<priority>`."""
 
     v: int
     job_id: str
@@ -73,6 +85,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     stream: bool = False
     idempotency_key: str | None = None
     metadata: dict[str, str] | None = None
+    model: str | None = None  # None: the `default` model's stream; a worker serves it unless serve_default=False
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -88,6 +101,26 @@ class Timings(msgspec.Struct, omit_defaults=True):
     finished: float | None = None
 
 
+class TopLogprob(msgspec.Struct, array_like=True):
+    """One of the most likely tokens at a position. array_like: top-20 logprobs over a long answer add up."""
+
+    id: int
+    text: str  # the token as the tokenizer decodes it alone (U+FFFD where it holds part of a character)
+    utf8: bytes  # the token's own bytes: a byte-level token can be part of a multi-byte character
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """The logprob of one generated token (before penalties, as OpenAI and vLLM report it) and the
+    alternatives the job asked for, most likely first."""
+
+    id: int
+    text: str
+    utf8: bytes
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     """Incremental tokens of a streaming job, in order (`index` counts deltas within one attempt).
 
@@ -100,6 +133,7 @@ class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     text: str
     token_ids: list[int]
     attempt: int = 1
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
 
 
 class Final(msgspec.Struct, tag="final", omit_defaults=True):
@@ -117,6 +151,8 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     timings: Timings = msgspec.field(default_factory=Timings)
     metadata: dict[str, str] | None = None
     attempt: int = 1  # the delivery that produced this result
+    model: str | None = None  # the canonical name of the model that served it (None: answered without a model)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
 
 
 Event = Delta | Final
@@ -131,11 +167,11 @@ def encode(msg: Job | Delta | Final) -> bytes:
     return _encoder.encode(msg)
 
 
-def _check_size(data: bytes) -> None:
+def _check_size(data: bytes, limit: int = MAX_PAYLOAD_BYTES) -> None:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"payload must be bytes, got {type(data).__name__}")
-    if len(data) > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(f"payload is {len(data)} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
+    if len(data) > limit:
+        raise ProtocolError(f"payload is {len(data)} bytes, over the limit of {limit}")
 
 
 def _check_version(v: int) -> None:
@@ -157,7 +193,7 @@ def decode_job(data: bytes) -> Job:
 
 
 def decode_event(data: bytes) -> Delta | Final:
-    _check_size(data)
+    _check_size(data, MAX_EVENT_BYTES)
     try:
         event = _event_decoder.decode(data)
     except msgspec.DecodeError as e:
@@ -194,6 +230,25 @@ def validate_sampling(s: Sampling) -> None:
         raise ProtocolError(f"stop_token_ids={s.stop_token_ids[:8]} must be at most {MAX_STOP_STRINGS * 4} non-negative ids")
     if s.seed is not None and not 0 <= s.seed < 2**63:
         raise ProtocolError(f"seed={s.seed} must be in [0, 2**63)")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(s, name)
+        if not -2.0 <= value <= 2.0:  # also rejects NaN
+            raise ProtocolError(f"{name}={value} must be in [-2, 2] (0 disables it)")
+    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+        raise ProtocolError(f"logprobs={s.logprobs} must be None (no logprobs) or 0 to {MAX_LOGPROBS} top "
+                            "alternatives per token")
+
+
+def check_model_name(name: object) -> str:
+    """A model name as it appears in stream keys: `random:qwen2.5-0.5b` and `org/name` are fine; whitespace and
+    braces and commas are not (braces would become Redis Cluster hash tags; heartbeats and
+    KVGATE_MODEL_ALIASES list names with commas)."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_MODEL_NAME_CHARS:
+        raise ProtocolError(f"model name {name!r} must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters")
+    if any(c.isspace() or c in "{}," for c in name) or not name.isprintable():
+        raise ProtocolError(f"model name {name!r} must have no whitespace, braces, commas or control characters "
+                            "(for example 'HuggingFaceTB/SmolLM2-135M-Instruct' or 'random:qwen2.5-0.5b')")
+    return name
 
 
 def validate_job(job: Job) -> None:
@@ -218,6 +273,8 @@ def validate_job(job: Job) -> None:
         value = getattr(job, name)
         if value is not None and not math.isfinite(value):
             raise ProtocolError(f"{name}={value!r} must be a finite number of unix seconds")
+    if job.model is not None:
+        check_model_name(job.model)
     validate_sampling(job.sampling)
 
 
@@ -244,24 +301,39 @@ class Keys:
             raise ValueError(f"namespace {namespace!r} must be non-empty with no whitespace or braces")
         self.ns = namespace
 
-    def jobs(self, priority: str, lane: int | None = None) -> str:
-        """The shared stream of a priority, or with `lane` its prefix-affinity lane (producer/lanes.py)."""
-        return f"{self.ns}:jobs:{priority}" if lane is None else f"{self.ns}:jobs:{priority}:{lane}"
+    def jobs(self, model: str | None, priority: str, lane: int | None = None) -> str:
+        """One model's shared stream of one priority (`None` is the default model), or with `lane` that model's
+        prefix-affinity lane (producer/lanes.py)."""
+        base = f"{self.ns}:jobs:{model or DEFAULT_MODEL}:{priority}"
+        return base if lane is None else f"{base}:{lane}"
 
-    def job_streams(self, priority: str, lanes: int = 0) -> list[str]:
-        """Every stream a job of `priority` may sit in: the shared one, then each lane's."""
-        return [self.jobs(priority)] + [self.jobs(priority, lane) for lane in range(lanes)]
+    def job_streams(self, model: str | None, priority: str, lanes: int = 0) -> list[str]:
+        """Every stream a job of `model` and `priority` may sit in: the shared one, then each lane's."""
+        return [self.jobs(model, priority)] + [self.jobs(model, priority, lane) for lane in range(lanes)]
 
-    def all_jobs(self, lanes: int = 0) -> list[str]:
-        return [st for p in PRIORITIES for st in self.job_streams(p, lanes)]
+    def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
+        """One model's streams, highest priority first, each priority's shared stream before its lanes."""
+        return [st for p in PRIORITIES for st in self.job_streams(model, p, lanes)]
+
+    def served_jobs(self, models: list[str]) -> list[str]:
+        """The streams of several models in the order a worker reads them: every model's high priority stream
+        before any model's normal one, so a priority means the same across the models one worker serves."""
+        return [self.jobs(m, p) for p in PRIORITIES for m in models]
+
+    def models(self) -> str:
+        """Set of every model name ever submitted to or served: stats, exporter and gateway read it instead of
+        scanning key names."""
+        return f"{self.ns}:models"
 
     def lanes(self) -> str:
-        """The namespace's lane count, set once by the first worker with affinity on; absent: no lanes."""
+        """The namespace's lane count, one for every model: set once by the first worker with affinity on;
+        absent: no lanes."""
         return f"{self.ns}:lanes"
 
-    def lane_ring(self) -> str:
-        """Sorted set of the workers that own lanes (`weight|worker_id`), scored by their last beat (server ms)."""
-        return f"{self.ns}:lanes:ring"
+    def lane_ring(self, model: str | None) -> str:
+        """Sorted set of the workers that own `model`'s lanes (`weight|worker_id`), scored by their last beat
+        (server ms): a worker owns lanes only of the models it serves."""
+        return f"{self.ns}:lanes:ring:{model or DEFAULT_MODEL}"
 
     def reply(self, client_id: str) -> str:
         return f"{self.ns}:reply:{client_id}"
@@ -286,8 +358,9 @@ class Keys:
 
 
 # Fields of the `{ns}:worker:<id>` heartbeat hash; shared by the worker, `kvgate stats/top` and the exporter.
+# `model` is the canonical name; `models` every name it serves (canonical, aliases, `default`), comma-separated.
 HEARTBEAT_FIELDS = (
-    "worker_id", "model", "started_at", "updated_at", "state",  # state: serving | draining
+    "worker_id", "model", "models", "started_at", "updated_at", "state",  # state: serving | draining
     "running", "waiting", "max_num_seqs", "free_blocks", "total_blocks", "block_size",
     "admissible_tokens", "tokens_per_s", "jobs_done",
 )
@@ -298,20 +371,22 @@ URL_ENV = "KVGATE_REDIS_URL"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"  # the default of the worker and every `kvgate` command; never the SDK's
 
 
+URL_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel")  # Sentinel: producer/redis_url.py
+
+
 def check_url(url: str) -> str:
-    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss:// or unix:// "
-                         f"(for example {DEFAULT_URL})")
+    if urlsplit(url).scheme not in URL_SCHEMES:
+        raise ValueError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss://, unix:// or "
+                         f"redis+sentinel:// (for example {DEFAULT_URL})")
     return url
 
 
 def mask_url(url: str) -> str:
     """The URL with its password replaced by ***, fit for messages and logs."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    port = f":{parts.port}" if parts.port else ""
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    # the query may carry a Sentinel's own password (redis+sentinel://...?sentinel_password=...)
+    query = re.sub(r"(password=)[^&]*", r"\1***", parts.query)
+    userinfo, at, hosts = parts.netloc.rpartition("@")  # a Sentinel URL lists several host:port, so no .port
+    if ":" in userinfo:
+        userinfo = userinfo.split(":", 1)[0] + ":***"
+    return urlunsplit(parts._replace(netloc=f"{userinfo}{at}{hosts}", query=query))

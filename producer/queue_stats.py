@@ -1,5 +1,9 @@
 """Backlog, pending and live workers per queue, read from Redis by any process.
 
+Per model: every name in `{ns}:models` (each model ever submitted to or served) and `default`, each with its
+three priority streams; workers list the names they serve in their heartbeats, so a model with a backlog and
+no live worker shows as waiting for the autoscaler.
+
 Shared by Client.stats(), `kvgate stats`, `kvgate top` and the exporter: plain functions over a
 redis.Redis and Keys. Lag (entries not yet delivered to the group) comes from XINFO GROUPS on
 Redis 7. Redis 6.2 has no `lag` there (and 7 reports none after some deletions), so it is counted
@@ -14,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from .lanes import parse_lanes
-from .protocol import PRIORITIES, Keys, as_text
+from .protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
 
 COUNT_PAGE = 5_000
 
@@ -31,7 +35,8 @@ class PriorityStats:
 @dataclass(slots=True)
 class WorkerStats:
     worker_id: str
-    model: str = ""
+    model: str = ""  # canonical name
+    models: list[str] = field(default_factory=list)  # every name it serves: canonical, aliases, `default`
     state: str = "serving"
     running: int = 0
     waiting: int = 0
@@ -53,11 +58,16 @@ class WorkerStats:
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
+def _oldest(ages) -> float | None:
+    ages = [a for a in ages if a is not None]
+    return max(ages) if ages else None
+
+
 @dataclass(slots=True)
-class QueueStats:
+class ModelStats:
+    model: str
     priorities: dict[str, PriorityStats] = field(default_factory=dict)
-    workers: list[WorkerStats] = field(default_factory=list)
-    dead: int = 0
+    workers: list[str] = field(default_factory=list)  # live workers serving this name (aliases included)
 
     @property
     def backlog(self) -> int:
@@ -68,16 +78,56 @@ class QueueStats:
         return sum(p.pending for p in self.priorities.values())
 
     @property
+    def oldest_age_s(self) -> float | None:
+        return _oldest(p.oldest_age_s for p in self.priorities.values())
+
+    @property
+    def waiting_for_workers(self) -> bool:
+        """Jobs wait and no live worker serves the model: only a scale-up (from zero) will answer them."""
+        return not self.workers and (self.backlog > 0 or self.pending > 0)
+
+    def to_dict(self) -> dict:
+        return {"priorities": {k: asdict(v) for k, v in self.priorities.items()}, "workers": self.workers,
+                "backlog": self.backlog, "pending": self.pending, "oldest_age_s": self.oldest_age_s,
+                "waiting_for_workers": self.waiting_for_workers}
+
+
+@dataclass(slots=True)
+class QueueStats:
+    models: dict[str, ModelStats] = field(default_factory=dict)
+    workers: list[WorkerStats] = field(default_factory=list)
+    dead: int = 0
+
+    @property
+    def priorities(self) -> dict[str, PriorityStats]:
+        """Each priority summed over all models."""
+        out = {p: PriorityStats(p) for p in PRIORITIES}
+        for m in self.models.values():
+            for p, s in m.priorities.items():
+                t = out[p]
+                t.length, t.backlog, t.pending = t.length + s.length, t.backlog + s.backlog, t.pending + s.pending
+                t.oldest_age_s = _oldest([t.oldest_age_s, s.oldest_age_s])
+        return out
+
+    @property
+    def backlog(self) -> int:
+        return sum(m.backlog for m in self.models.values())
+
+    @property
+    def pending(self) -> int:
+        return sum(m.pending for m in self.models.values())
+
+    @property
     def free_kv_tokens(self) -> int:
         return sum(w.free_kv_tokens for w in self.workers)
 
     @property
     def oldest_age_s(self) -> float | None:
-        ages = [p.oldest_age_s for p in self.priorities.values() if p.oldest_age_s is not None]
-        return max(ages) if ages else None
+        return _oldest(m.oldest_age_s for m in self.models.values())
 
     def to_dict(self) -> dict:
-        return {"priorities": {k: asdict(v) for k, v in self.priorities.items()},
+        return {"models": {k: v.to_dict() for k, v in self.models.items()},
+                "priorities": {k: asdict(v) for k, v in self.priorities.items()},
                 "workers": [asdict(w) | {"free_kv_tokens": w.free_kv_tokens, "kv_usage": w.kv_usage}
                             for w in self.workers],
                 "backlog": self.backlog, "pending": self.pending, "dead": self.dead,
@@ -133,18 +183,26 @@ def backlog_of(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> int:
     return count_lag(r, stream, as_text(info["last-delivered-id"]), r.xlen(stream))
 
 
+def known_models(r: redis.Redis, keys: Keys) -> list[str]:
+    """Every model ever submitted to or served (`{ns}:models`), and `default`."""
+    return sorted({as_text(m) for m in r.smembers(keys.models())} | {DEFAULT_MODEL})
+
+
 def lanes_of(r: redis.Redis, keys: Keys) -> int:
     return parse_lanes(r.get(keys.lanes()))
 
 
 def total_backlog(r: redis.Redis, keys: Keys) -> int:
-    return sum(backlog_of(r, stream) for stream in keys.all_jobs(lanes_of(r, keys)))
+    """Across all models and their lanes: Client(max_backlog=...) bounds what the whole fleet has waiting."""
+    lanes = lanes_of(r, keys)
+    return sum(backlog_of(r, st) for m in known_models(r, keys) for st in keys.all_jobs(m, lanes))
 
 
-def read_priority(r: redis.Redis, keys: Keys, priority: str, now_ms: int, lanes: int = 0) -> PriorityStats:
-    """One priority's figures over its shared stream and every lane: sums, and the oldest job of them all."""
+def read_priority(r: redis.Redis, keys: Keys, model: str, priority: str, now_ms: int,
+                  lanes: int = 0) -> PriorityStats:
+    """One model's priority over its shared stream and every lane: sums, and the oldest job of them all."""
     stats = PriorityStats(priority)
-    for stream in keys.job_streams(priority, lanes):
+    for stream in keys.job_streams(model, priority, lanes):
         part = read_stream(r, stream, priority, now_ms)
         stats.length += part.length
         stats.backlog += part.backlog
@@ -190,7 +248,9 @@ def parse_heartbeat(raw: dict, now_ms: int) -> WorkerStats:
     updated = _number(f, "updated_at", float)
     ints = {n: _number(f, n) for n in ("running", "waiting", "max_num_seqs", "free_blocks", "total_blocks",
                                        "block_size", "admissible_tokens", "jobs_done")}
-    return WorkerStats(worker_id=f.get("worker_id", "?"), model=f.get("model", ""), state=f.get("state", "serving"),
+    model = f.get("model", "")
+    models = [m for m in f.get("models", "").split(",") if m] or ([model] if model else [])
+    return WorkerStats(worker_id=f.get("worker_id", "?"), model=model, models=models, state=f.get("state", "serving"),
                        tokens_per_s=_number(f, "tokens_per_s", float),
                        heartbeat_age_s=max(0.0, now_ms / 1000 - updated) if updated else None, **ints)
 
@@ -204,7 +264,15 @@ def read_workers(r: redis.Redis, keys: Keys, now_ms: int) -> list[WorkerStats]:
     return [parse_heartbeat(raw, now_ms) for raw in pipe.execute() if raw]
 
 
+def read_model(r: redis.Redis, keys: Keys, model: str, workers: list[WorkerStats], now_ms: int,
+               lanes: int = 0) -> ModelStats:
+    return ModelStats(model, {p: read_priority(r, keys, model, p, now_ms, lanes) for p in PRIORITIES},
+                      [w.worker_id for w in workers if model in w.models])
+
+
 def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:
     now_ms, lanes = server_ms(r), lanes_of(r, keys)
-    return QueueStats(priorities={p: read_priority(r, keys, p, now_ms, lanes) for p in PRIORITIES},
-                      workers=read_workers(r, keys, now_ms), dead=r.xlen(keys.dead()))
+    workers = read_workers(r, keys, now_ms)
+    names = sorted(set(known_models(r, keys)) | {m for w in workers for m in w.models})
+    return QueueStats(models={m: read_model(r, keys, m, workers, now_ms, lanes) for m in names}, workers=workers,
+                      dead=r.xlen(keys.dead()))

@@ -57,6 +57,13 @@ def _one_or_many(stop: object) -> object:
     return [stop] if isinstance(stop, str) else stop
 
 
+def _model_name(name: str) -> str:
+    try:
+        return wire.check_model_name(name)
+    except wire.ProtocolError as e:
+        raise ValueError(str(e).removeprefix(f"model name {name!r} ")) from None
+
+
 def _idempotency_key(key: str) -> str:
     if not key.isprintable() or any(c.isspace() for c in key):
         raise ValueError("must be printable with no whitespace")
@@ -83,6 +90,9 @@ class SubmitRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, AfterValidator(_top_k)] = -1
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    logprobs: Annotated[int, Field(ge=0, le=wire.MAX_LOGPROBS)] | None = None
     stop: Annotated[list[Annotated[Text, Field(min_length=1, max_length=wire.MAX_STOP_STRING_CHARS)]],
                     Field(max_length=wire.MAX_STOP_STRINGS), BeforeValidator(_one_or_many)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=wire.MAX_STOP_STRINGS * 4)] | None = None
@@ -95,6 +105,7 @@ class SubmitRequest(BaseModel):
                                AfterValidator(_idempotency_key)] | None = None
     stream: bool = False
     prefix_key: Annotated[str, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS)] | None = None
+    model: Annotated[str, AfterValidator(_model_name)] | None = None  # None: the `default` model
     metadata: Annotated[dict[Annotated[Text, Field(max_length=256)], Text],
                         AfterValidator(_metadata_size)] | None = None
 
@@ -103,7 +114,8 @@ class SubmitRequest(BaseModel):
         return wire.Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                              top_k=self.top_k, repetition_penalty=self.repetition_penalty, stop=stop,
                              stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                             seed=self.seed)
+                             seed=self.seed, frequency_penalty=self.frequency_penalty,
+                             presence_penalty=self.presence_penalty, logprobs=self.logprobs)
 
     def digest(self) -> str:
         """What makes two submits 'the same request' for idempotency: the body, not its timing or key."""
@@ -164,7 +176,7 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
     job = wire.Job(v=wire.JOB_VERSION, job_id=job_id or new_job_id(), client_id=client_id, enqueued_at=now,
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
                    sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
-                   idempotency_key=req.idempotency_key, metadata=req.metadata)
+                   idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model)
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol import Final, FinishReason, Status, Timings, Usage
+from .protocol import Final, FinishReason, Status, Timings, TokenLogprob, Usage
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,11 +19,14 @@ class Result:
     timings: Timings  # unix seconds: queued, admitted, first_token, finished
     metadata: dict[str, str] | None
     attempt: int = 1  # the delivery of the job that produced this result (2 and up after a redelivery)
+    model: str | None = None  # the canonical name of the model that served it
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when submitted with logprobs=N
 
     @classmethod
     def from_final(cls, final: Final) -> "Result":
         return cls(final.job_id, final.status, final.text, list(final.token_ids), final.finish_reason, final.error,
-                   final.usage, final.worker, final.timings, final.metadata, final.attempt)
+                   final.usage, final.worker, final.timings, final.metadata, final.attempt,
+                   model=final.model, logprobs=final.logprobs)
 
     @property
     def ok(self) -> bool:

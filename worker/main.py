@@ -79,7 +79,9 @@ def check_redis(url: str) -> None:
     """Connect once before loading anything: a wrong URL or password fails in a line that names the URL."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    from kvgate.producer.redis_url import connect
+
+    client = connect(url, socket_connect_timeout=5, socket_timeout=5)
     try:
         client.ping()
     except redis.RedisError as e:
@@ -107,12 +109,17 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     install_signals(stop)
     engine = build_engine(s)
+    from kvgate.worker.served import ServedModelError
     from kvgate.worker.worker import Worker
 
-    worker = Worker(s.redis_url, engine, namespace=s.namespace, worker_id=s.worker_id, settings=s)
+    try:
+        worker = Worker(s.redis_url, engine, namespace=s.namespace, worker_id=s.worker_id, settings=s)
+    except ServedModelError as e:
+        raise WorkerStartError(str(e)) from None
     if s.metrics_port:
         worker.metrics.serve(s.metrics_port)
     check_redis(s.redis_url)  # the model load can take minutes; say "serving" only while Redis answers
-    print(f"kvgate worker {worker.worker_id}: serving {mask_url(s.redis_url)} namespace {s.namespace}",
+    print(f"kvgate worker {worker.worker_id}: serving {mask_url(s.redis_url)} namespace {s.namespace}, "
+          f"models {', '.join(worker.served.names)}",
           file=sys.stderr, flush=True)
     return worker.run(stop)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import redis
 
 from kvgate.producer.protocol import FIELD, Delta, Final, Keys, encode
+from kvgate.producer.redis_url import Durability, NotReplicated
 
 # KEYS: result, reply stream, job stream, dead stream
 # ARGV: payload, result ttl, group, entry id, reply maxlen, reply ttl, field, dead reason ('' = none), dead maxlen,
@@ -87,6 +88,8 @@ class Publisher:
     deltas: list[tuple[str, Delta, str]] = field(default_factory=list)  # (client id, delta, request key)
     finishes: list[Finish] = field(default_factory=list)
     script: object = None
+    durability: Durability = field(default_factory=Durability)
+    waiting: bool = False  # the pipeline being filled carries a WAIT after the finals (replicated durability)
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(FINISH_LUA)  # EVALSHA, loading the script on NOSCRIPT
@@ -127,7 +130,10 @@ class Publisher:
             pipe.expire(reply, self.reply_ttl_s)
         for f in self.finishes:
             self._finish(pipe, f)
-        return len(self.deltas) + len(replies) + len(self.finishes)
+        self.waiting = self.durability.replicated and bool(self.finishes)
+        if self.waiting:
+            self.durability.wait(pipe)  # same connection, after the finals: counts them and everything before
+        return len(self.deltas) + len(replies) + len(self.finishes) + self.waiting
 
     def settle(self, results: list) -> Settled:
         """The outbox went out (the pipeline ran with raise_on_error=False): clear it and sort the per-job
@@ -136,12 +142,23 @@ class Publisher:
         server = next((r for r in results if isinstance(r, Exception) and not job_failure(r)), None)
         if server is not None:
             raise server
+        if self.waiting:
+            self._replicated(results.pop())
         deltas, finishes, self.deltas, self.finishes = self.deltas, self.finishes, [], []
         failed_jobs = {key: str(r) for (_, _, key), r in zip(deltas, results) if isinstance(r, Exception)}
         ends = results[len(results) - len(finishes):] if finishes else []
         failed = [(f, str(r)) for f, r in zip(finishes, ends) if isinstance(r, Exception)]
         answered = [(f, bool(r)) for f, r in zip(finishes, ends) if not isinstance(r, Exception)]
         return Settled(answered, failed_jobs, failed)
+
+    def _replicated(self, wait_reply) -> None:
+        """No replica confirmed: the deltas went out, but the finals stay in the outbox and go out again (the
+        script answers once and acks again), so no job counts as settled while a failover could still drop it."""
+        try:
+            self.durability.check(wait_reply)
+        except NotReplicated:
+            self.deltas = []
+            raise
 
     def _finish(self, pipe, f: Finish) -> None:
         payload = encode(f.final)

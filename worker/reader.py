@@ -103,10 +103,16 @@ Entry = tuple[str, str, "dict | None", int]  # stream, entry id, fields (None: g
 
 @dataclass(slots=True)
 class Reader:
+    """`streams` come priority by priority, `per_priority` (the models served) streams each: every model's
+    high before any model's normal. Within one priority the models take turns at going first, so a busy model
+    cannot starve another of the same priority when only a few jobs fit."""
+
     client: redis.Redis
     consumer: str
     streams: list[str]
+    per_priority: int = 1
     script: object = None
+    turn: int = 0
     home: int | None = None  # with lanes: streams[:home] are ours, the rest are read only when ripe (stealing)
     steal_age_ms: int = 0
     overdue_ms: int = 0  # 0: never take others' entries before our own
@@ -116,17 +122,23 @@ class Reader:
     def __post_init__(self) -> None:
         self.script = self.client.register_script(READ_LUA)
 
+    def order(self) -> list[str]:
+        n, shift = self.per_priority, self.turn % self.per_priority
+        blocks = [self.streams[i:i + n] for i in range(0, len(self.streams), n)]
+        return [st for block in blocks for st in block[shift:] + block[:shift]]
+
     def read(self, count: int, pipe=None, reclaim_idle_ms: int = 0) -> list[Entry] | None:
         """Up to `count` entries, all of a higher priority before any of a lower one; with `reclaim_idle_ms`,
         a stream's entries idle that long before its new ones. With `pipe`, only queue the read there and hand
         its reply to `parse` later."""
         args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
-        if self.home is not None:
+        if self.home is not None:  # lanes: `streams` is the affinity's plan, models' turns included
             overdue = self.overdue if self.overdue_ms > 0 else []
             args += [self.home, self.steal_age_ms, self.overdue_ms, len(overdue), self.steal_max]
+            keys = self.streams + overdue
         else:
-            overdue = []
-        reply = self.script(keys=self.streams + overdue, args=args, client=pipe or self.client)
+            keys, self.turn = self.order(), self.turn + 1
+        reply = self.script(keys=keys, args=args, client=pipe or self.client)
         return None if pipe is not None else self.parse(reply)
 
     @staticmethod

@@ -2,13 +2,23 @@
 variables, which win over these defaults; `kvgate worker` derives its flags from these fields (worker/flags.py)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BeforeValidator, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvgate.engine.config import EngineConfig
-from kvgate.producer.protocol import DEFAULT_URL, check_url
+from kvgate.producer.protocol import DEFAULT_URL, ProtocolError, check_model_name, check_url
+from kvgate.producer.redis_url import Durability
+
+
+def _names(value: object) -> object:
+    """KVGATE_MODEL_ALIASES=a,b (and one --model-alias given as a,b) is a list of names."""
+    if isinstance(value, str):
+        return [n.strip() for n in value.split(",") if n.strip()]
+    if isinstance(value, (list, tuple)):
+        return [n.strip() for v in value for n in (v.split(",") if isinstance(v, str) else [v]) if n.strip()]
+    return value
 
 
 def _s(default, description: str, *flags: str, **constraints):
@@ -20,10 +30,18 @@ def _s(default, description: str, *flags: str, **constraints):
 class WorkerSettings(BaseSettings, EngineConfig):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", validate_assignment=True)
 
-    redis_url: str = _s(DEFAULT_URL, "redis://, rediss:// or unix:// URL of the fleet's Redis")
+    redis_url: str = _s(DEFAULT_URL, "redis://, rediss://, unix:// or redis+sentinel://host:26379,.../service URL "
+                                     "of the fleet's Redis")
     namespace: str = _s("kvgate", "key prefix shared by producers and workers")
     worker_id: str | None = _s(None, "stable consumer name; unset: hostname-pid")
     model: str = _s("smollm2-135m", "model alias, HF folder, GGUF file or random:<name>")
+
+    # which job streams this worker serves: {ns}:jobs:<name>:<priority> for each name
+    served_model_name: str | None = _s(None, "the model name jobs ask for and results report; unset: the "
+                                             "engine's own name for the loaded model")
+    model_aliases: Annotated[list[str], NoDecode, BeforeValidator(_names)] = _s(
+        [], "more model names this worker serves (repeat the flag, or comma-separate)", "--model-alias")
+    serve_default: bool = _s(True, "also serve jobs that name no model (the 'default' model)")
 
     # simulated engine (no model; the W-FLEET cost model)
     simulated: bool = _s(False, "run the cost-model engine instead of a model (fleet tests and benchmarks)")
@@ -69,6 +87,22 @@ class WorkerSettings(BaseSettings, EngineConfig):
                                   ge=0, le=65535)
     max_backoff_s: float = _s(5.0, "longest wait between retries while Redis is down, seconds", gt=0)
 
+    @field_validator("served_model_name", "model_aliases")
+    @classmethod
+    def _model_names(cls, value):
+        try:
+            for name in [value] if isinstance(value, str) else value or []:
+                check_model_name(name)
+        except ProtocolError as e:
+            raise ValueError(str(e)) from None
+        return value
+
+    # failover (RELIABILITY.md, Failover)
+    durability: Literal["primary", "replicated"] = _s(
+        "primary", "replicated: a finished job counts as settled only once a replica has its result (WAIT 1), "
+        "else its final is sent again; primary: once the primary has it")
+    replica_timeout_ms: int = _s(1000, "WAIT timeout of the replicated durability, milliseconds", ge=1)
+
     @field_validator("redis_url")
     @classmethod
     def _url_with_scheme(cls, url: str) -> str:
@@ -76,6 +110,10 @@ class WorkerSettings(BaseSettings, EngineConfig):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.model_dump(include=set(EngineConfig.model_fields)))
+
+    @property
+    def replication(self) -> Durability:
+        return Durability(self.durability, 1, self.replica_timeout_ms)
 
     @property
     def renew_interval_s(self) -> float:

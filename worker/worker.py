@@ -17,8 +17,9 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.engine.outputs import RequestRejected, StepOutput
-from kvgate.producer.protocol import (PRIORITIES, PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, Usage,
+from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, TokenLogprob, Usage,
                                       as_text, decode_job, mask_url)
+from kvgate.producer.redis_url import connect
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.affinity import Affinity
 from kvgate.worker.clock import ServerClock, entry_ms
@@ -26,8 +27,10 @@ from kvgate.worker.consumers import Consumers
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
 from kvgate.worker.leases import Leases
+from kvgate.worker.logprobs import TokenRenderer
 from kvgate.worker.publisher import Finish, Publisher, Settled
 from kvgate.worker.reader import Reader
+from kvgate.worker.served import served_models
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.trim import trim
 
@@ -43,6 +46,7 @@ class Flight:
     admitted_at: float
     first_token_at: float | None = None
     deltas: int = 0
+    logprobs: list[TokenLogprob] | None = None  # every token's so far, when the job asked
 
 
 class NullMetrics:
@@ -78,26 +82,30 @@ class Worker:
         self.settings = s = settings or WorkerSettings(redis_url=redis_url, namespace=namespace)
         self.worker_id = worker_id or s.worker_id or default_worker_id()
         self.keys = Keys(namespace)
-        self.streams = self.keys.all_jobs()
-        self.model = getattr(engine, "model_name", "unknown")
+        self.served = served_models(getattr(engine, "model_name", "unknown"), s.served_model_name, s.model_aliases,
+                                    s.serve_default)
+        self.model = self.served.canonical
+        self.streams = self.keys.served_jobs(list(self.served.names))
         self.url = mask_url(redis_url)  # for messages: the password never reaches a log
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
+        self.client = connect(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
                                            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
+        self.renderer = TokenRenderer(getattr(engine, "tokenizer", None))
         self.queue = AdmissionQueue(s.local_queue_size, float(s.initial_tokens_per_job))
         self.flights: dict[str, Flight] = {}
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
-                                   s.dead_maxlen)
-        self.reader = Reader(self.client, self.worker_id, self.streams, steal_age_ms=s.affinity_steal_age_ms)
+                                   s.dead_maxlen, durability=s.replication)
+        self.reader = Reader(self.client, self.worker_id, self.streams, len(self.served.names),
+                             steal_age_ms=s.affinity_steal_age_ms)
         self.leases = Leases(self.client, self.worker_id)
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
         self.renewed_at = time.monotonic()
         self.clock = ServerClock(self.client)
         self.affinity = Affinity(self.client, self.keys, self.worker_id, s.affinity == "on", s.affinity_lanes,
-                                 s.heartbeat_ttl_s * 1000, weight=kv_weight(engine))
-        self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, engine_capacity(engine),
-                                   s.heartbeat_ttl_s)
+                                 s.heartbeat_ttl_s * 1000, weight=kv_weight(engine), models=self.served.names)
+        self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
+                                   engine_capacity(engine), s.heartbeat_ttl_s)
         self.cursors: dict[str, str | None] = {st: "0" for st in self.streams}  # own pending first, then ">"
         self.due: dict[str, float] = {}
         self.offline_until = 0.0
@@ -111,7 +119,8 @@ class Worker:
     # ---- lifecycle -----------------------------------------------------------------------------
     def run(self, stop_event: threading.Event | None = None) -> int:
         stop_event = stop_event or threading.Event()
-        log.info("worker %s serving %s from %s", self.worker_id, self.model, self.settings.namespace)
+        log.info("worker %s serving %s (model names %s) from %s", self.worker_id, self.model,
+                 ", ".join(self.served.names), self.settings.namespace)
         self._redis(self._ensure_groups)
         while True:
             if stop_event.is_set() and not self.draining:
@@ -160,6 +169,7 @@ class Worker:
             self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
 
     def _ensure_groups(self) -> None:
+        self.client.sadd(self.keys.models(), *self.served.names)  # listed by stats and the gateway from now on
         self._sync_lanes()
         self._create_groups(self.streams)
 
@@ -171,7 +181,7 @@ class Worker:
             self.streams += new
             self.reader.streams = self.consumers.streams = self.streams
             self.cursors.update({st: "0" for st in new})  # a restarted worker of the same id may hold entries there
-        self.metrics.on_lanes(len(self.affinity.own))
+        self.metrics.on_lanes(self.affinity.owned_count)
 
     def _create_groups(self, streams: list[str]) -> None:
         for stream in streams:
@@ -199,7 +209,7 @@ class Worker:
             self._read_own_pending(count)
         elif idle and not self.publisher.pending:
             if not self._read_new(count):
-                self._read_blocking()
+                self._read_blocking(count)
         # a busy engine is refilled by _exchange, in the same round trip as the step's publishing
 
     def _read_own_pending(self, count: int) -> None:
@@ -219,12 +229,13 @@ class Worker:
             if count <= 0:
                 return
 
-    def _read_blocking(self) -> None:
-        """Wait for the next job on any stream (with lanes: the shared ones and our own). COUNT 1 per stream, on
-        no more streams than an idle engine plus the local queue holds within the bound (at least 3)."""
-        home = self.affinity.home() if self.affinity.lanes else self.streams
-        room = self.engine.admission().free_seqs + self.queue.size  # one entry per stream at most: keep the bound
-        streams = {st: ">" for st in home[:max(room, len(PRIORITIES))]}
+    def _read_blocking(self, count: int) -> None:
+        """Wait for the next job (with lanes: on the shared streams and our own lanes). COUNT 1 per stream, on at
+        most `count` streams (the highest priorities): one entry per stream could arrive at once, and more than
+        `count` would break the local queue's bound. A stream left out of this wait is read by the next
+        non-blocking read, one block_ms later at most."""
+        home = self.affinity.home() if self.affinity.lanes else self.reader.order()
+        streams = {st: ">" for st in home[:count]}
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self._block_ms())
         self._accept([(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
@@ -340,7 +351,7 @@ class Worker:
             return
         job_id, client_id, queued = ident
         final = Final(v=PROTOCOL_VERSION, job_id=job_id, status="error", error=reason, worker=self.worker_id,
-                      timings=Timings(queued=queued, finished=time.time()))
+                      timings=Timings(queued=queued, finished=time.time()), model=self.model)
         self.publisher.finish(Finish(final, client_id, stream, entry_id, dead_reason=reason, job_payload=payload))
 
     # ---- local queue -> engine -------------------------------------------------------------------
@@ -362,7 +373,7 @@ class Worker:
             self._answer(ticket, "error", error=f"rejected: {e}")
             return
         now = time.time()
-        self.flights[ticket.key] = Flight(ticket, now)
+        self.flights[ticket.key] = Flight(ticket, now, logprobs=None if ticket.params.logprobs is None else [])
         self.metrics.on_admitted(max(0.0, now - ticket.job.enqueued_at))
 
     # ---- engine step -> outbox -------------------------------------------------------------------
@@ -381,9 +392,13 @@ class Worker:
         if out.new_token_ids and flight.first_token_at is None:
             flight.first_token_at = now
             self.metrics.on_first_token(now - flight.admitted_at)
+        logprobs = None
+        if flight.logprobs is not None and out.logprobs:
+            logprobs = self.renderer.tokens(out.new_token_ids, out.logprobs, flight.ticket.params.logprobs)
+            flight.logprobs.extend(logprobs)
         if job.stream and (out.new_token_ids or out.new_text):
             delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, out.new_text, list(out.new_token_ids),
-                          attempt=flight.ticket.attempt)
+                          attempt=flight.ticket.attempt, logprobs=logprobs)
             self.publisher.delta(job.client_id, delta, flight.ticket.key)
             flight.deltas += 1
         if out.finished:
@@ -397,11 +412,12 @@ class Worker:
         timings = Timings(queued=job.enqueued_at, admitted=flight.admitted_at if flight else None,
                           first_token=flight.first_token_at if flight else None, finished=time.time())
         final = Final(v=PROTOCOL_VERSION, job_id=job.job_id, status=status, error=error, worker=self.worker_id,
-                      timings=timings, metadata=job.metadata, attempt=ticket.attempt)
+                      timings=timings, metadata=job.metadata, attempt=ticket.attempt, model=self.model)
         if out is not None:
             final.text, final.token_ids = out.text or "", list(out.token_ids or [])
             final.finish_reason = out.finish_reason
             final.usage = Usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
+            final.logprobs = flight.logprobs if flight is not None else None
         self.publisher.finish(Finish(final, job.client_id, ticket.stream, ticket.entry_id, dead_reason,
                                      ticket.payload if dead_reason else b""))
         if dead_reason:
@@ -441,7 +457,7 @@ class Worker:
         if self.draining or not self.engine.has_unfinished() or any(c is not None for c in self.cursors.values()):
             return 0
         wait_s = self.settings.busy_poll_ms / 1000 * 2 ** min(self.empty_reads, 3)
-        if self.affinity.own:  # look at our lanes at least once per steal age: their jobs wait for us that long
+        if self.affinity.owned_count:  # look at our lanes at least once per steal age: their jobs wait for us that long
             wait_s = min(wait_s, self.settings.affinity_steal_age_ms / 1000)
         if time.monotonic() - self.last_read_empty_at < wait_s:
             return 0

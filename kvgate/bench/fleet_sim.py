@@ -144,7 +144,7 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
         now = time.time()
         for job in jobs[lo:lo + batch]:
             job.enqueued_at = now
-            pipe.xadd(keys.jobs(job.priority), {FIELD: encode(job)})
+            pipe.xadd(keys.jobs(job.model, job.priority), {FIELD: encode(job)})
         pipe.execute()
     return time.time()
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, encode
+from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, encode
 
 TARGETS = {"hit_rate_to_ideal_at_least": 0.9, "prefill_to_shared_at_most": 0.5, "p99_wait_to_shared_at_most": 1.2,
            "saturation_to_shared_at_least": 1.5}
@@ -79,7 +79,7 @@ def enqueue_routed(client: redis.Redis, keys: Keys, jobs: list[Job], lanes: int,
         now = time.time()
         for job in jobs[lo:lo + batch]:
             job.enqueued_at = now
-            pipe.xadd(stream_for(job, keys, lanes), {FIELD: encode(job)})
+            pipe.xadd(stream_for(job, job.model or DEFAULT_MODEL, keys, lanes), {FIELD: encode(job)})
         pipe.execute()
 
 
@@ -107,11 +107,11 @@ def _wait_for_ring(client: redis.Redis, keys: Keys, members: int, timeout: float
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         lanes = client.get(keys.lanes())
-        if lanes is not None and client.zcard(keys.lane_ring()) >= members:
+        if lanes is not None and client.zcard(keys.lane_ring(None)) >= members:
             time.sleep(1.5)  # one more heartbeat: every worker recomputes its lanes with the full ring
             return int(lanes)
         time.sleep(0.1)
-    raise TimeoutError(f"the lane ring has {client.zcard(keys.lane_ring())} of {members} workers after {timeout}s")
+    raise TimeoutError(f"the lane ring has {client.zcard(keys.lane_ring(None))} of {members} workers after {timeout}s")
 
 
 def run_contestant(url: str, name: str, phase: str, jobs: list[Job], rate: float | None, args) -> Outcome:

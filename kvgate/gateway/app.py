@@ -50,9 +50,10 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
         s = self.settings
-        self.client = AsyncClient(s.redis_url, s.namespace, max_backlog=s.max_backlog, backpressure="raise")
+        self.client = AsyncClient(s.redis_url, s.namespace, max_backlog=s.max_backlog, backpressure="raise",
+                                  durability=s.durability)
         await self.client.start()
-        self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s)
+        self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s, s.models)
         try:
             yield
         finally:
@@ -70,7 +71,8 @@ class Gateway:
         p = plan(kind, await _body(request), self.settings)
         await self.models.check(p.model)
         handles = await self.submit(p)
-        reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}")
+        reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}",
+                      served=await self.models.served_as(p.model))
         headers = {"x-request-id": handles[0].job_id}
         if p.stream:
             events = sse.events(reply, handles, self.settings.request_timeout_s, self.abandon)
@@ -92,8 +94,8 @@ class Gateway:
         name = request.path_params["model"]
         model = (await self.models.get()).get(name)
         if model is None:
-            raise ApiError(404, f"model {name!r} is not served by any live worker", param="model",
-                           code="model_not_found")
+            raise ApiError(404, f"model {name!r} is not served by any live worker and has no jobs waiting",
+                           param="model", code="model_not_found")
         return json_response(model_object(model))
 
     async def health(self, request: Request) -> Response:

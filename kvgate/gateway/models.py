@@ -1,16 +1,24 @@
-"""The models live workers serve, read from their heartbeats (`{ns}:worker:<id>`, field `model`).
+"""Which models the gateway answers for: what live workers serve, and what waits for a worker.
 
-A heartbeat expires with its worker, so every hash present is a live worker. The list is cached for
-a moment: it is read on every request, to refuse a model no live worker serves.
+Live workers list every name they serve (canonical, aliases, `default`) in their heartbeats
+(`{ns}:worker:<id>`, field `models`); a heartbeat expires with its worker. `{ns}:models` holds every name ever
+submitted to or served, so a model whose workers scaled to zero is still known, with its backlog counted
+from its streams' consumer group (lag plus pending). The view is cached for a moment: it is read on every request.
+
+A request's model is accepted when a live worker serves it, when it is known (`{ns}:models`), or when the
+operator allowed it (`--model`, for models whose autoscaler has never started a worker yet); with an allow
+list, only allowed and live models are accepted. Anything else is OpenAI's 404 model_not_found, so a typo
+fails at once instead of waiting forever for a worker that will never come.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.lanes import parse_lanes
+from kvgate.producer.protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
 
 from .errors import ApiError
 
@@ -18,48 +26,105 @@ from .errors import ApiError
 @dataclass(slots=True)
 class LiveModel:
     id: str
-    created: int  # the start of the oldest live worker serving it
+    created: int  # the start of the oldest live worker serving it; 0 while none does
     workers: int
+    backlog: int = 0
+    canonical: set[str] = field(default_factory=set)  # the canonical names of the live workers serving it  # jobs in its streams not yet answered: waiting for a worker or running
+
+
+@dataclass(slots=True)
+class FleetModels:
+    live: dict[str, LiveModel]  # served by live workers, with their backlog
+    known: dict[str, LiveModel]  # in {ns}:models: ever submitted to or served
+
+    def listed(self, allowed: tuple[str, ...]) -> dict[str, LiveModel]:
+        """GET /v1/models: live models and models with a backlog; `default` only while jobs wait in it
+        (it names no model, it is whatever the fleet serves); allowed ones, which an autoscaler can start."""
+        out = {k: m for k, m in self.known.items() if m.backlog and (not allowed or k in allowed)}
+        out |= {k: m for k, m in self.live.items() if k != DEFAULT_MODEL or m.backlog}
+        out |= {k: self.known.get(k) or LiveModel(k, 0, 0) for k in allowed if k not in out}
+        return dict(sorted(out.items()))
 
 
 class LiveModels:
-    def __init__(self, r: aioredis.Redis, keys: Keys, cache_s: float):
-        self.r, self.keys, self.cache_s = r, keys, cache_s
-        self._models: dict[str, LiveModel] = {}
+    def __init__(self, r: aioredis.Redis, keys: Keys, cache_s: float, allowed: tuple[str, ...] = ()):
+        self.r, self.keys, self.cache_s, self.allowed = r, keys, cache_s, allowed
+        self._models = FleetModels({}, {})
         self._read_at = float("-inf")
 
-    async def get(self) -> dict[str, LiveModel]:
+    async def fleet(self) -> FleetModels:
         if time.monotonic() - self._read_at > self.cache_s:
             self._models = await self._read()
             self._read_at = time.monotonic()
         return self._models
 
-    async def _read(self) -> dict[str, LiveModel]:
+    async def get(self) -> dict[str, LiveModel]:
+        return (await self.fleet()).listed(self.allowed)
+
+    async def _read(self) -> FleetModels:
         names = [name async for name in self.r.scan_iter(match=self.keys.worker_pattern(), count=1000)]
         pipe = self.r.pipeline(transaction=False)
+        pipe.smembers(self.keys.models())
+        pipe.get(self.keys.lanes())
         for name in names:
-            pipe.hmget(name, "model", "started_at")
-        models: dict[str, LiveModel] = {}
-        for model, started in await pipe.execute():
+            pipe.hmget(name, "model", "models", "started_at")
+        known_names, lanes, *beats = await pipe.execute()
+        lanes = parse_lanes(lanes)
+        live: dict[str, LiveModel] = {}
+        for model, models, started in beats:
             if not model:
                 continue  # expired between SCAN and HMGET, or a heartbeat without a model
-            model, created = model.decode(), int(float(started or 0))
-            seen = models.get(model)
-            if seen is None:
-                models[model] = LiveModel(model, created, 1)
-            else:
+            created = int(float(started or 0))
+            for name in as_text(models or model).split(","):
+                seen = live.setdefault(name, LiveModel(name, created, 0))
                 seen.workers += 1
                 seen.created = min(seen.created, created)
-        return models
+                seen.canonical.add(as_text(model))
+        known = sorted({as_text(n) for n in known_names} | set(live))
+        pipe = self.r.pipeline(transaction=False)
+        for name in known:
+            for stream in self.keys.all_jobs(name, lanes):
+                pipe.xlen(stream)
+                pipe.xinfo_groups(stream)
+        replies = await pipe.execute(raise_on_error=False)
+        models = {name: live.get(name) or LiveModel(name, 0, 0) for name in known}
+        for i, name in enumerate(known):
+            per_model = 2 * len(PRIORITIES) * (1 + lanes)  # XLEN and XINFO GROUPS of each stream, lanes included
+            pairs = replies[per_model * i:per_model * (i + 1)]
+            models[name].backlog = sum(_unfinished(n, g) for n, g in zip(pairs[::2], pairs[1::2]))
+        return FleetModels({k: m for k, m in models.items() if m.workers}, models)
+
+    async def served_as(self, model: str) -> str | None:
+        """The canonical name an alias will be answered under, when every live worker serving it agrees; streamed
+        chunks name it before any result (which carries the name) has arrived."""
+        live = (await self.fleet()).live.get(model)
+        return next(iter(live.canonical)) if live is not None and len(live.canonical) == 1 else None
 
     async def check(self, model: str) -> None:
-        """Refuse a model no live worker serves. With no live worker at all the job is accepted: it waits
-        in Redis for the autoscaler to start one (scale from zero)."""
-        models = await self.get()
-        if models and model not in models:
-            raise ApiError(404, f"model {model!r} is not served by any live worker; served now: {sorted(models)} "
-                                "(GET /v1/models)", param="model", code="model_not_found")
+        """Refuse a model nobody serves, nobody asked for before and the operator did not allow."""
+        fleet = await self.fleet()
+        if model in fleet.live or model in self.allowed or (not self.allowed and model in fleet.known):
+            return
+        served = sorted(set(fleet.live) - {DEFAULT_MODEL})
+        startable = sorted(set(self.allowed or fleet.known) - set(fleet.live) - {DEFAULT_MODEL})
+        raise ApiError(404, f"model {model!r} is not served by any live worker and not known to the fleet; served "
+                            f"now: {served}; known, waiting for a worker: {startable} (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+
+def _unfinished(length, groups) -> int:
+    """Jobs of one stream not yet answered: undelivered (lag) plus in flight (pending). Acknowledged entries stay
+    until the next trim, so the length alone would count finished jobs; without a lag field (Redis 6.2), or
+    without a group, the length is the fallback."""
+    if isinstance(length, Exception) or not length:
+        return 0
+    group = next((g for g in groups if as_text(g["name"]) == Keys.GROUP), None) \
+        if not isinstance(groups, Exception) else None
+    if group is None or group.get("lag") is None:
+        return int(length)
+    return int(group["lag"]) + int(group["pending"])
 
 
 def model_object(m: LiveModel) -> dict:
-    return {"id": m.id, "object": "model", "created": m.created, "owned_by": "kvgate"}
+    return {"id": m.id, "object": "model", "created": m.created, "owned_by": "kvgate", "live_workers": m.workers,
+            "backlog": m.backlog}

@@ -5,7 +5,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.producer import Result
+from kvgate.producer import Result, TokenLogprob
+from kvgate.producer.openai_shapes import chat_logprobs, choice, completion_logprobs, text_length
 
 from .errors import ApiError
 from .translate import Plan
@@ -17,7 +18,9 @@ class Reply:
 
     plan: Plan
     id: str
+    served: str | None = None  # the canonical name of the model that answers (Final.model; before it, the fleet's)
     created: int = field(default_factory=lambda: int(time.time()))
+    offsets: dict[int, int] = field(default_factory=dict)  # choice -> text streamed so far, for text_offset
 
     @property
     def object(self) -> str:
@@ -25,19 +28,17 @@ class Reply:
 
     def head(self, chunk: bool = False) -> dict[str, Any]:
         kind = self.object + (".chunk" if chunk and self.plan.kind == "chat" else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.plan.model,
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.served or self.plan.model,
                 "system_fingerprint": None}
 
     # -- whole answers ----------------------------------------------------------------------------
     def body(self, results: list[Result]) -> dict[str, Any]:
+        self.served = next((r.model for r in results if r.model), self.served)
         choices = [self.choice(i, r) for i, r in enumerate(results)]
         return self.head() | {"choices": choices, "usage": self.usage(results)}
 
     def choice(self, index: int, r: Result) -> dict[str, Any]:
-        if self.plan.kind == "chat":
-            message = {"role": "assistant", "content": r.text, "refusal": None}
-            return {"index": index, "message": message, "logprobs": None, "finish_reason": finish(r)}
-        return {"index": index, "text": r.text, "logprobs": None, "finish_reason": finish(r)}
+        return choice(self.plan.kind == "chat", index, r.text, finish(r), r.logprobs)
 
     def usage(self, results: list[Result]) -> dict[str, Any]:
         prompts: dict[int, Result] = {}
@@ -51,14 +52,18 @@ class Reply:
 
     # -- stream chunks ----------------------------------------------------------------------------
     def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None,
-              first: bool = False) -> dict[str, Any]:
+              first: bool = False, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                      "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            offset = self.offsets.get(index, 0)
+            self.offsets[index] = offset + text_length(logprobs)
+            choice = {"index": index, "text": text or "", "logprobs": completion_logprobs(logprobs, offset),
+                      "finish_reason": finish_reason}
         out = self.head(chunk=True) | {"choices": [choice]}
         if self.plan.include_usage:
             out["usage"] = None

@@ -14,13 +14,17 @@ class GatewaySettings:
     request_timeout_s: float = 600.0  # a job with no answer by then is cancelled and answered 504
     default_max_tokens: int = 512  # when a request gives neither max_tokens nor max_completion_tokens
     models_cache_s: float = 2.0  # how long the list of live workers' models is reused
+    models: tuple[str, ...] = ()  # allowed models; none: any model a live worker serves or {ns}:models knows
     max_n: int = 16  # choices (n) times prompts one request may ask for
+    durability: str = "primary"  # or "replicated": the SDK's, see RELIABILITY.md (Failover)
 
     def __post_init__(self):
         if self.max_backlog is not None and self.max_backlog < 1:
             raise ValueError(f"max_backlog={self.max_backlog} must be at least 1, or None for no limit")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} must be at least 1")
+        if self.durability not in ("primary", "replicated"):
+            raise ValueError(f"durability={self.durability!r}: allowed values: primary, replicated")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s={self.request_timeout_s} must be positive")
         if any(not k or any(c.isspace() for c in k) for k in self.api_keys):

@@ -37,8 +37,8 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
         for _ in range(len(handles)):
             while True:
                 i, item = await inbox.get()
-                if isinstance(item, str):
-                    yield frame(reply.chunk(i, item))
+                if isinstance(item, tuple):
+                    yield frame(reply.chunk(i, *item))
                     continue
                 error = _error_of(item, timeout)
                 if error is not None:
@@ -62,8 +62,10 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
 async def _pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Queue) -> None:
     try:
         async for delta in handle.stream(timeout):
-            if delta.text:  # a token that ends mid-character has no text yet; the next delta carries it
-                inbox.put_nowait((i, delta.text))
+            logprobs = getattr(delta, "logprobs", None)  # a Restart has none
+            # a token that ends mid-character has no text yet (the next delta carries it), but has its logprob
+            if delta.text or logprobs:
+                inbox.put_nowait((i, (delta.text, None, False, logprobs)))
         inbox.put_nowait((i, await handle.result(0)))
     except KvgateError as e:
         inbox.put_nowait((i, e))

@@ -1,7 +1,7 @@
 """An OpenAI request body as SDK submits: one per choice (n per prompt), validated before anything is enqueued.
 
-Every body field is either honoured, accepted only at the value that changes nothing (frequency_penalty=0,
-tools=[], ...), or refused with a 400 naming it: a parameter is never silently ignored.
+Every body field is either honoured, accepted only at the value that changes nothing (tools=[],
+response_format text, ...), or refused with a 400 naming it: a parameter is never silently ignored.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from kvgate.producer import InvalidRequest
+from kvgate.producer.openai_shapes import BadLogprobs, requested_logprobs
 from kvgate.producer.request import validate_request
 
 from .errors import from_sdk, invalid, unsupported
@@ -19,6 +20,7 @@ Kind = Literal["chat", "completion"]
 
 # body field -> SDK argument, taken as given
 DIRECT = {"temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed": "seed",
+          "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
           # vLLM-style extensions (openai's extra_body)
           "top_k": "top_k", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
           "stop_token_ids": "stop_token_ids", "priority": "priority",
@@ -26,10 +28,6 @@ DIRECT = {"temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed"
           "prompt_cache_key": "prefix_key"}
 # body fields accepted only at a value that asks for nothing the engine lacks, with why the rest is refused
 NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "frequency_penalty": (lambda v: v in (None, 0), " (the engine has no frequency penalty; try repetition_penalty)"),
-    "presence_penalty": (lambda v: v in (None, 0), " (the engine has no presence penalty; try repetition_penalty)"),
-    "logprobs": (lambda v: v in (None, False), " (results carry no log probabilities)"),
-    "top_logprobs": (lambda v: v in (None, 0), " (results carry no log probabilities)"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, " (plain text output only)"),
     "tools": (lambda v: v in (None, []), " (no tool calling)"),
     "functions": (lambda v: v in (None, []), " (no tool calling)"),
@@ -43,11 +41,10 @@ NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (lambda v: v in (None, False), ""),
     "suffix": (lambda v: v is None, ""),
 }
-COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", *DIRECT}
+COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", "logprobs", *DIRECT}
 FIELDS: dict[Kind, set[str]] = {
-    "chat": COMMON | {"messages", "max_completion_tokens"} | (NO_OP.keys() - {"echo", "suffix"}),
-    "completion": COMMON | {"prompt", "best_of"} | {"frequency_penalty", "presence_penalty", "logprobs", "echo",
-                                                     "suffix", "logit_bias"},
+    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | (NO_OP.keys() - {"echo", "suffix"}),
+    "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix", "logit_bias"},
 }
 # SDK argument -> body field, to name the field a validation error is about
 NAMES = {v: k for k, v in DIRECT.items()} | {"messages": "messages", "prompt": "prompt",
@@ -75,8 +72,15 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
     prompts = chat_prompts(body) if kind == "chat" else completion_prompts(body.get("prompt"))
     n = _choices(body, settings.max_n, len(prompts))
     stream, include_usage = _streaming(body)
-    common = _sampling(kind, body, settings) | {"stream": stream}
-    names = NAMES | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"}
+    try:
+        logprobs = requested_logprobs(kind == "chat", body)
+    except BadLogprobs as e:
+        raise invalid(e.param, str(e)) from None
+    common = _sampling(kind, body, settings) | {"stream": stream, "model": model}  # the model picks the streams
+    if logprobs is not None:
+        common["logprobs"] = logprobs
+    names = NAMES | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                     "logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
     submits, prompt_of = [], []
     for p, prompt in enumerate(prompts):
         for i in range(n):

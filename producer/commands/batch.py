@@ -118,7 +118,7 @@ def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argpa
         for handle in client.as_completed(list(handles), timeout=args.timeout):
             req, result = by_job[handle.job_id], handle.result(timeout=0)
             if result.status == "done":
-                _write(out, success_line(req, result, _served_by(client, result.worker, models)))
+                _write(out, success_line(req, result, result.model or _served_by(client, result.worker, models)))
             else:
                 failed += 1
                 _write(out, failed_result_line(req, result))
@@ -127,7 +127,8 @@ def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argpa
 
 
 def _served_by(client: Client, worker_id: str | None, models: dict[str, str | None]) -> str | None:
-    """The model name the worker's heartbeat reports (results carry only the worker id); None when it is gone."""
+    """The model name the worker's heartbeat reports, for results of workers that predate Final.model; None when
+    it is gone."""
     if not worker_id:
         return None
     if worker_id not in models:

@@ -1,14 +1,15 @@
-"""`kvgate stats`: backlog, pending and oldest age per priority, and the live workers."""
+"""`kvgate stats`: backlog, pending and oldest age per model and priority, who serves each model, the live workers."""
 from __future__ import annotations
 
 import argparse
 import json
 
-import redis
-
 from ..connection import DEFAULT_URL, resolve_url, translated
 from ..protocol import Keys
-from ..queue_stats import QueueStats, read_queue_stats
+from ..queue_stats import ModelStats, QueueStats, read_queue_stats
+from ..redis_url import connect
+
+NO_WORKER = "no live worker: waiting for scale-up"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     url = resolve_url(args.redis_url, DEFAULT_URL)
     with translated(url):
-        r = redis.Redis.from_url(url)
+        r = connect(url)
         stats = read_queue_stats(r, Keys(args.namespace))
         r.close()
     print(json.dumps(stats.to_dict()) if args.json else render(stats, args.namespace))
@@ -31,16 +32,31 @@ def _age(seconds: float | None) -> str:
 
 def render(stats: QueueStats, namespace: str) -> str:
     lines = [f"namespace {namespace}", "",
-             f"{'priority':<10}{'backlog':>10}{'pending':>10}{'length':>10}{'oldest':>10}"]
-    for p in stats.priorities.values():
-        lines.append(f"{p.priority:<10}{p.backlog:>10}{p.pending:>10}{p.length:>10}{_age(p.oldest_age_s):>10}")
-    lines.append(f"{'total':<10}{stats.backlog:>10}{stats.pending:>10}{'':>10}{_age(stats.oldest_age_s):>10}")
+             f"{'model':<32}{'priority':<10}{'backlog':>10}{'pending':>10}{'length':>10}{'oldest':>10}"]
+    for m in stats.models.values():
+        if m.backlog or m.pending or m.workers or any(p.length for p in m.priorities.values()):
+            lines += _model_lines(m)
+    lines.append(f"{'total':<42}{stats.backlog:>10}{stats.pending:>10}{'':>10}{_age(stats.oldest_age_s):>10}")
     lines += ["", f"live workers: {len(stats.workers)}   free KV tokens: {stats.free_kv_tokens}   "
                   f"dead letters: {stats.dead}"]
     if stats.workers:
         lines.append(f"{'worker':<24}{'state':<10}{'running':>8}{'waiting':>8}{'KV used':>9}{'free tok':>10}"
-                     f"{'tok/s':>9}{'beat':>7}")
+                     f"{'tok/s':>9}{'beat':>7}  models")
         for w in stats.workers:
             lines.append(f"{w.worker_id[:23]:<24}{w.state[:9]:<10}{w.running:>8}{w.waiting:>8}{w.kv_usage:>9.0%}"
-                         f"{w.free_kv_tokens:>10}{w.tokens_per_s:>9.1f}{_age(w.heartbeat_age_s):>7}")
+                         f"{w.free_kv_tokens:>10}{w.tokens_per_s:>9.1f}{_age(w.heartbeat_age_s):>7}  "
+                         f"{', '.join(w.models)}")
     return "\n".join(lines)
+
+
+def _model_lines(m: ModelStats) -> list[str]:
+    """A model's priorities with jobs, its total, and who serves it (or that nobody does)."""
+    served = f"served by {len(m.workers)} worker(s): {', '.join(m.workers)}" if m.workers else "no live worker"
+    if m.waiting_for_workers:
+        served = NO_WORKER
+    lines = [f"{m.model[:31]:<32}{'':<10}{m.backlog:>10}{m.pending:>10}{'':>10}{_age(m.oldest_age_s):>10}  {served}"]
+    for p in m.priorities.values():
+        if p.length or p.backlog or p.pending:
+            lines.append(f"{'':<32}{p.priority:<10}{p.backlog:>10}{p.pending:>10}{p.length:>10}"
+                         f"{_age(p.oldest_age_s):>10}")
+    return lines

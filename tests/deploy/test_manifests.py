@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -105,7 +106,7 @@ def test_keda_scales_the_worker_to_zero_on_lag_of_every_job_stream():
         assert all(isinstance(v, str) for v in meta.values())  # KEDA metadata is a string map
         assert trigger["authenticationRef"]["name"] in {d["metadata"]["name"] for d in of_kind("TriggerAuthentication")}
         streams.add(meta["stream"])
-    assert streams == set(keys.all_jobs())
+    assert streams == set(keys.all_jobs(None))
 
 
 def test_pod_and_service_monitors_select_the_worker_and_exporter_ports():
@@ -175,7 +176,8 @@ def test_grafana_dashboard_has_the_backpressure_and_latency_panels():
 
 def test_compose_stack_has_every_service_and_its_mounted_files_exist():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    assert {"redis", "worker", "exporter", "prometheus", "grafana"} <= compose["services"].keys()
+    assert {"redis", "worker", "gateway", "exporter", "prometheus", "grafana"} <= compose["services"].keys()
+    assert compose["services"]["gateway"]["environment"]["KVGATE_REDIS_URL"].startswith("redis://gateway:")
     for name, svc in compose["services"].items():
         assert "image" in svc or "build" in svc, name
         for volume in svc.get("volumes", []):
@@ -197,7 +199,50 @@ def test_every_kvgate_variable_in_deploy_is_a_setting_the_worker_reads():
 
     known = {f"KVGATE_{name.upper()}" for name in WorkerSettings.model_fields}
     known |= {"KVGATE_EXPORTER_PORT", "KVGATE_EXPORTER_ADDR"}  # read by `kvgate exporter`
+    known |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", (DEPLOY.parent / "kvgate/serve.py").read_text()))  # `kvgate serve`
     used = set()
     for path in [*K8S.glob("*.yaml"), DEPLOY / "compose.yaml"]:
         used |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", path.read_text()))
     assert used and not used - known, f"unknown settings: {sorted(used - known)}"
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu"])
+def test_images_copy_every_package_folder_and_install_worker_and_gateway(name):
+    """`pip install .` in the image builds what pyproject maps: a folder left out breaks every command."""
+    import tomllib
+
+    text = (DEPLOY / name).read_text()
+    copied = set(re.findall(r"^COPY (\S+) ", text, re.M))
+    mapped = set(tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    assert mapped <= copied, f"{name} does not copy {sorted(mapped - copied)}"
+    assert '".[worker,gateway]"' in text and "ENTRYPOINT [\"kvgate\"]" in text
+
+
+def test_cpu_image_pins_the_cpu_torch_and_gpu_image_asks_for_cuda():
+    cpu, gpu = ((DEPLOY / n).read_text() for n in ("Dockerfile", "Dockerfile.gpu"))
+    assert "download.pytorch.org/whl/cpu" in cpu and "KVGATE_DEVICE=cpu" in cpu
+    assert "whl/cpu" not in gpu.split("ARG TORCH_SPEC=")[1].splitlines()[0]
+    assert "KVGATE_DEVICE=cuda" in gpu
+    from kvgate.engine.config import EngineConfig
+
+    assert EngineConfig(device="cuda").device == "cuda"  # a value the worker accepts
+
+
+def test_gateway_reads_its_redis_url_and_api_keys_from_secrets_that_the_example_defines():
+    [gateway] = [d for d in of_kind("Deployment") if d["metadata"]["name"] == "kvgate-gateway"]
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    example = {d["metadata"]["name"]: d["stringData"]
+               for d in yaml.safe_load_all((DEPLOY / "k8s/redis-secret.example.yaml").read_text())}
+    for name in ("KVGATE_REDIS_URL", "KVGATE_API_KEYS"):
+        assert refs[name]["key"] in example[refs[name]["name"]], name
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # a route the gateway serves
+    assert "httpGet" not in container["livenessProbe"]  # a Redis outage must not restart the replicas
+    assert container["args"][:1] == ["serve"] and "0.0.0.0" in container["args"]
+
+
+def test_a_worker_asking_for_cuda_runs_the_cuda_image():
+    for d in of_kind("Deployment"):
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            if env_of(c).get("KVGATE_DEVICE") == "cuda":
+                assert c["image"].endswith("-cuda"), c["image"]

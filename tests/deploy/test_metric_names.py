@@ -38,7 +38,7 @@ def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
     worker.on_lanes(3)
     worker.on_steals(2)
     client, keys = shared_redis.client(), Keys(namespace)
-    client.xadd(keys.jobs("normal"), {"p": b"x"})
+    client.xadd(keys.jobs(None, "normal"), {"p": b"x"})
     client.hset(keys.worker("w"), mapping={"worker_id": "w", "free_blocks": 3})
     names, labels = set(), {"le"}
     for registry in (worker.registry, build_registry(client, keys)):

@@ -31,12 +31,12 @@ def test_the_default_user_is_off(acl_server):
 
 def test_producer_adds_jobs_but_cannot_read_the_job_stream_or_list_keys(acl_server):
     keys, producer, worker = Keys("kvgate"), acl_server("producer"), acl_server("worker")
-    worker.xgroup_create(keys.jobs("normal"), Keys.GROUP, id="0", mkstream=True)
-    producer.xadd(keys.jobs("normal"), {"p": b"job"})
-    assert producer.xlen(keys.jobs("normal")) == 1 and producer.xinfo_groups(keys.jobs("normal"))
-    assert denied(lambda: producer.xrange(keys.jobs("normal")))
-    assert denied(lambda: producer.xread({keys.jobs("normal"): "0"}))
-    assert denied(lambda: producer.xreadgroup(Keys.GROUP, "x", {keys.jobs("normal"): ">"}))
+    worker.xgroup_create(keys.jobs(None, "normal"), Keys.GROUP, id="0", mkstream=True)
+    producer.xadd(keys.jobs(None, "normal"), {"p": b"job"})
+    assert producer.xlen(keys.jobs(None, "normal")) == 1 and producer.xinfo_groups(keys.jobs(None, "normal"))
+    assert denied(lambda: producer.xrange(keys.jobs(None, "normal")))
+    assert denied(lambda: producer.xread({keys.jobs(None, "normal"): "0"}))
+    assert denied(lambda: producer.xreadgroup(Keys.GROUP, "x", {keys.jobs(None, "normal"): ">"}))
     assert denied(lambda: producer.scan(match="kvgate:reply:*"))
     assert denied(lambda: producer.keys("*"))
     assert denied(lambda: producer.xadd(keys.dead(), {"p": b"x"}))
@@ -56,7 +56,7 @@ def test_producer_reads_a_reply_stream_and_result_it_knows_the_name_of(acl_serve
 
 def test_worker_reads_acks_publishes_and_heartbeats_but_cannot_administer(acl_server):
     keys, producer, worker = Keys("kvgate"), acl_server("producer"), acl_server("worker")
-    stream = keys.jobs("high")
+    stream = keys.jobs(None, "high")
     worker.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
     producer.xadd(stream, {"p": b"job"})
     (_, [(entry, _)]), = worker.xreadgroup(Keys.GROUP, "w1", {stream: ">"}, count=1)
@@ -76,19 +76,19 @@ def test_worker_reads_acks_publishes_and_heartbeats_but_cannot_administer(acl_se
 
 def test_monitor_user_serves_the_exporter_but_writes_nothing(acl_server):
     keys, producer, monitor = Keys("kvgate"), acl_server("producer"), acl_server("monitor")
-    producer.xadd(keys.jobs("low"), {"p": b"job"})
+    producer.xadd(keys.jobs(None, "low"), {"p": b"job"})
     acl_server("worker").hset(keys.worker("w1"), mapping={"worker_id": "w1", "free_blocks": 7})
     snap = read_queue_stats(monitor, keys)
     assert snap.priorities["low"].backlog == 1 and snap.workers[0].free_blocks == 7
-    assert denied(lambda: monitor.xadd(keys.jobs("low"), {"p": b"x"}))
+    assert denied(lambda: monitor.xadd(keys.jobs(None, "low"), {"p": b"x"}))
     assert denied(lambda: monitor.delete(keys.worker("w1")))
 
 
 def test_keda_user_reads_group_lag_only(acl_server):
     keys, keda = Keys("kvgate"), acl_server("keda")
-    acl_server("worker").xgroup_create(keys.jobs("normal"), Keys.GROUP, id="0", mkstream=True)
-    assert keda.xinfo_groups(keys.jobs("normal"))[0]["name"] == Keys.GROUP.encode()
-    assert denied(lambda: keda.xrange(keys.jobs("normal")))
+    acl_server("worker").xgroup_create(keys.jobs(None, "normal"), Keys.GROUP, id="0", mkstream=True)
+    assert keda.xinfo_groups(keys.jobs(None, "normal"))[0]["name"] == Keys.GROUP.encode()
+    assert denied(lambda: keda.xrange(keys.jobs(None, "normal")))
 
 
 def test_the_real_sdk_and_worker_serve_a_job_under_their_least_privilege_users(acl_server):
@@ -137,14 +137,47 @@ def test_a_worker_with_affinity_on_owns_lanes_and_beats_under_its_least_privileg
     thread.start()
     try:
         for _ in range(100):
-            if worker.affinity.own and monitor.hgetall(keys.worker("acl-lanes")):
+            if worker.affinity.own.get("default") and monitor.hgetall(keys.worker("acl-lanes")):
                 break
             threading.Event().wait(0.05)
-        assert worker.affinity.own == [0, 1, 2, 3] and monitor.get(keys.lanes()) == b"4"
+        assert worker.affinity.own["default"] == [0, 1, 2, 3] and monitor.get(keys.lanes()) == b"4"
         assert monitor.hgetall(keys.worker("acl-lanes"))  # the heartbeat after the lane sync ran too
         producer = acl_server("producer")
-        assert producer.get(keys.lanes()) == b"4"
+        assert producer.get(keys.lanes()) == acl_server("gateway").get(keys.lanes()) == b"4"
     finally:
         stop.set()
         thread.join(20)
     assert not thread.is_alive()
+
+
+def test_the_gateway_serves_chat_and_models_as_its_acl_user_with_a_worker_as_its_own(acl_server, tmp_path):
+    """The whole path under least privilege: the gateway user enqueues, lists models and reads replies."""
+    import openai
+
+    from tests.gateway.conftest import SIM, start_gateway, stop_worker
+    from tests.support import spawn_worker, wait_for
+
+    port = acl_server("monitor").connection_pool.connection_kwargs["port"]
+    url = lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0"  # noqa: E731
+    worker = spawn_worker(url("worker"), "kvgate", *SIM, worker_id="acl-w", log=tmp_path / "worker.log")
+    gw = start_gateway(url("gateway"), "kvgate")
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
+        wait_for(lambda: client.models.list().data, timeout=60, what="the worker's model in /v1/models")
+        out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=3,
+                                             messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+    finally:
+        gw.stop()
+        stop_worker(worker)
+
+
+def test_producers_and_workers_list_models_in_the_model_set_and_the_monitor_only_reads_it(acl_server):
+    keys, producer, worker, monitor = Keys("kvgate"), acl_server("producer"), acl_server("worker"), acl_server("monitor")
+    producer.sadd(keys.models(), "org/m")
+    worker.sadd(keys.models(), "alpha")
+    assert producer.smembers(keys.models()) == monitor.smembers(keys.models()) == {b"org/m", b"alpha"}
+    producer.xadd(keys.jobs("org/m", "high"), {"p": b"job"})
+    assert denied(lambda: producer.sadd(keys.dead(), "x"))
+    assert denied(lambda: monitor.sadd(keys.models(), "x"))
+    assert denied(lambda: acl_server("keda").smembers(keys.models()))

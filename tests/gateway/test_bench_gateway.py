@@ -18,11 +18,11 @@ def test_bench_gateway_reports_added_latency_first_event_delay_and_requests_per_
     assert bench.run(args) == 0
     report = json.loads(out.read_text())
     seq = report["sequential"]
-    assert set(seq["latency_ms"]) == {"sdk", "gateway", "stream_first_event", "stream_first_token", "stream_done"}
+    assert set(seq["latency_ms"]) == {"sdk", "gateway_http", "gateway", "stream_first_event", "stream_first_token", "stream_done"}
     assert all(p["n"] == 6 and 0 < p["p50"] <= p["p99"] for p in seq["latency_ms"].values())
     first = seq["latency_ms"]
     assert first["stream_first_event"]["p50"] <= first["stream_done"]["p50"]
-    assert seq["added_latency_ms"]["n"] == 6
+    assert seq["added_latency_ms"]["n"] == seq["added_with_openai_client_ms"]["n"] == 6
     assert [level["clients"] for level in report["concurrent"]] == [1, 4]
     for level in report["concurrent"]:
         for path in ("sdk", "gateway"):

@@ -23,9 +23,6 @@ def _error(r: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("response_format", {"type": "json_object"}),
-    ("logprobs", True),
-    ("frequency_penalty", 0.5),
-    ("presence_penalty", -1),
     ("logit_bias", {"42": 10}),
     ("no_such_parameter", 1),
 ])
@@ -36,7 +33,7 @@ def test_an_unsupported_parameter_is_a_400_that_names_it(gateway, field, value):
 
 
 def test_no_op_values_of_unsupported_parameters_are_accepted(gateway):
-    quiet = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "tools": [], "n": 1,
+    quiet = {"logprobs": False, "top_logprobs": 0, "tools": [], "n": 1,
              "response_format": {"type": "text"}, "user": "u-1", "store": False}
     r = httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT | quiet, timeout=30)
     assert r.status_code == 200, r.text
@@ -48,12 +45,19 @@ def test_invalid_values_name_the_openai_field(gateway):
              ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
               "messages[0].content[0].type"),
-             ({"stream_options": {"include_usage": True}}, "stream_options")]
+             ({"stream_options": {"include_usage": True}}, "stream_options"),
+             ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
+             ({"logprobs": 3}, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             ({"top_logprobs": 2}, "top_logprobs")]
     for change, param in cases:
         err = _error(httpx.post(f"{gateway.base_url}/chat/completions", json=CHAT | change), 400)
         assert err["param"] == param, (change, err)
     err = _error(httpx.post(f"{gateway.base_url}/completions", json={"model": "simulated", "prompt": ""}), 400)
     assert err["param"] == "prompt"
+    for bad in (-1, 21, True):
+        err = _error(httpx.post(f"{gateway.base_url}/completions", json={"model": "simulated", "prompt": "x",
+                                                                          "logprobs": bad}), 400)
+        assert err["param"] == "logprobs" and "0 to 20" in err["message"], (bad, err)
     err = _error(httpx.post(f"{gateway.base_url}/completions", json={"model": "simulated", "prompt": "x",
                                                                       "echo": True}), 400)
     assert err["param"] == "echo"
@@ -90,7 +94,8 @@ def test_with_api_keys_a_missing_or_wrong_key_is_401_and_a_right_one_passes(sim_
 def test_a_full_queue_is_a_429_with_retry_after(redis_server, gateway_factory):
     # no worker: jobs wait, so the backlog only grows
     ns = "gw-backpressure"
-    gw = gateway_factory(redis_server.url, ns, max_backlog=2, retry_after_s=3, request_timeout_s=30)
+    gw = gateway_factory(redis_server.url, ns, max_backlog=2, retry_after_s=3, request_timeout_s=30,
+                         models=("simulated",))  # allowed: accepted with no worker (scale from zero)
     with Client(redis_server.url, namespace=ns) as sdk:
         sdk.submit("one", max_tokens=1), sdk.submit("two", max_tokens=1)
     r = httpx.post(f"{gw.base_url}/chat/completions", json=CHAT)
@@ -98,12 +103,13 @@ def test_a_full_queue_is_a_429_with_retry_after(redis_server, gateway_factory):
     assert r.headers["retry-after"] == "3" and err["type"] == "rate_limit_error" and "2" in err["message"]
     with pytest.raises(openai.RateLimitError):
         openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0).chat.completions.create(**CHAT)
-    assert redis.Redis.from_url(redis_server.url).xlen(f"{ns}:jobs:normal") == 2  # nothing more was enqueued
+    r = redis.Redis.from_url(redis_server.url)  # the backlog counts every model's streams; nothing more was enqueued
+    assert r.xlen(f"{ns}:jobs:default:normal") == 2 and r.xlen(f"{ns}:jobs:simulated:normal") == 0
 
 
 def test_an_unanswered_job_is_a_504_and_is_cancelled(redis_server, gateway_factory):
     ns = "gw-timeout"
-    gw = gateway_factory(redis_server.url, ns, request_timeout_s=0.5)
+    gw = gateway_factory(redis_server.url, ns, request_timeout_s=0.5, models=("simulated",))
     r = httpx.post(f"{gw.base_url}/chat/completions", json=CHAT, timeout=30)
     assert _error(r, 504)["code"] == "timeout"
     r = redis.Redis.from_url(redis_server.url)

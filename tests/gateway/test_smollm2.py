@@ -37,3 +37,26 @@ def test_smollm2_answers_a_chat_through_the_openai_client(smol):
     stream = smol.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=6,
                                      stream=True)
     assert "Paris" in "".join(c.choices[0].text for c in stream)
+
+
+def test_smollm2_logprobs_through_the_openai_client(smol):
+    model = smol.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smol.chat.completions.create(model=model, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3,
+                                       messages=messages)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert "".join(t.token for t in content if t.token != "<|im_end|>") == out.choices[0].message.content
+    for t in content:  # greedy: the chosen token heads its three alternatives
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.logprob == t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+    streamed = [t for c in smol.chat.completions.create(model=model, temperature=0, max_tokens=8, logprobs=True,
+                                                        top_logprobs=3, messages=messages, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
+    legacy = smol.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=4,
+                                     logprobs=2, frequency_penalty=0.5)
+    lp = legacy.choices[0].logprobs
+    assert "".join(lp.tokens) == legacy.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(top) == 2 and max(top.values()) == chosen for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))

@@ -30,7 +30,7 @@ def test_developer_becomes_system_and_text_parts_join_with_newlines():
 def test_defaults_user_metadata_and_extensions_reach_the_submit():
     p = plan("completion", {"model": "m", "prompt": "x", "user": "alice", "top_k": 5, "priority": "high"}, S)
     assert p.submits == [{"prompt": "x", "max_tokens": 77, "stream": False, "metadata": {"user": "alice"},
-                          "top_k": 5, "priority": "high"}]
+                          "top_k": 5, "priority": "high", "model": "m"}]  # the model routes the job
 
 
 def test_n_copies_each_prompt_with_successive_seeds():
@@ -60,3 +60,15 @@ def test_prompt_cache_key_becomes_the_jobs_prefix_key_and_a_bad_one_is_named():
     assert p.submits[0]["prefix_key"] == "t-7"
     assert "prompt_cache_key" in str(_refused("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                        "prompt_cache_key": ""}).body)
+
+
+def test_penalties_and_logprobs_become_submit_arguments():
+    chat = plan("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1.5,
+                         "presence_penalty": -0.5, "logprobs": True, "top_logprobs": 4}, S)
+    assert {k: chat.submits[0][k] for k in ("frequency_penalty", "presence_penalty", "logprobs")} == \
+        {"frequency_penalty": 1.5, "presence_penalty": -0.5, "logprobs": 4}
+    assert plan("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, S) \
+        .submits[0]["logprobs"] == 0
+    assert "logprobs" not in plan("completion", {"model": "m", "prompt": "x"}, S).submits[0]
+    assert plan("completion", {"model": "m", "prompt": "x", "logprobs": 0}, S).submits[0]["logprobs"] == 0
+    assert _refused("completion", {"model": "m", "prompt": "x", "top_logprobs": 2}).param == "top_logprobs"

@@ -20,18 +20,19 @@ class FakeWorker:
     r: redis.Redis
     keys: Keys
     name: str = "fake-worker"
+    model: str | None = None  # the model whose streams it reads; None: `default`
     taken: dict[str, tuple[str, str]] = field(default_factory=dict)  # job_id -> (stream, entry id)
 
     def ensure_groups(self) -> None:
         for priority in ("high", "normal", "low"):
             try:
-                self.r.xgroup_create(self.keys.jobs(priority), Keys.GROUP, id="0", mkstream=True)
+                self.r.xgroup_create(self.keys.jobs(self.model, priority), Keys.GROUP, id="0", mkstream=True)
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
 
     def take(self, priority: str = "normal", count: int = 10, block_ms: int = 2000) -> list[Job]:
-        stream = self.keys.jobs(priority)
+        stream = self.keys.jobs(self.model, priority)
         reply = self.r.xreadgroup(Keys.GROUP, self.name, {stream: ">"}, count=count, block=block_ms)
         jobs = []
         for entry_id, fields in (reply[0][1] if reply else []):

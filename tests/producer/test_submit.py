@@ -16,7 +16,7 @@ def test_submit_puts_a_decodable_job_on_its_priority_stream(client, redis_server
     handle = client.submit("Hello", priority=priority, max_tokens=7, temperature=0.0, stop="\n", ttl_s=30,
                            metadata={"user": "u1"}, seed=3)
     r = redis_server.client()
-    [(_, fields)] = r.xrange(keys.jobs(priority))
+    [(_, fields)] = r.xrange(keys.jobs(None, priority))
     job = decode_job(fields[FIELD.encode()])
     assert job.job_id == handle.job_id and job.client_id == client.client_id
     assert job.prompt == "Hello" and job.priority == priority
@@ -24,7 +24,7 @@ def test_submit_puts_a_decodable_job_on_its_priority_stream(client, redis_server
     assert job.sampling.seed == 3 and job.metadata == {"user": "u1"}
     assert before + 30 <= job.deadline <= time.time() + 30
     others = [p for p in ("high", "normal", "low") if p != priority]
-    assert all(r.xlen(keys.jobs(p)) == 0 for p in others)
+    assert all(r.xlen(keys.jobs(None, p)) == 0 for p in others)
 
 
 def test_group_exists_at_id_zero_so_jobs_before_any_worker_are_delivered(client, worker):
@@ -156,7 +156,7 @@ def test_as_completed_yields_handles_in_finishing_order(client, worker):
 
 def test_submit_many_enqueues_in_order_with_distinct_ids(client, worker, redis_server, keys):
     handles = client.submit_many([{"prompt": f"p{i}", "max_tokens": 4} for i in range(600)], progress=False)
-    assert redis_server.client().xlen(keys.jobs("normal")) == 600
+    assert redis_server.client().xlen(keys.jobs(None, "normal")) == 600
     jobs = worker.take(count=600)
     assert [j.job_id for j in jobs] == [h.job_id for h in handles]
     assert [j.prompt for j in jobs] == [f"p{i}" for i in range(600)]

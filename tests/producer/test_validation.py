@@ -56,7 +56,7 @@ def test_bad_argument_raises_invalid_request_naming_field_and_value(client, redi
     assert field in str(err) and "nothing was enqueued" in str(err)
     assert isinstance(err, ValueError)
     r = redis_server.client()
-    assert sum(r.xlen(keys.jobs(p)) for p in PRIORITIES) == 0
+    assert sum(r.xlen(keys.jobs(None, p)) for p in PRIORITIES) == 0
 
 
 def test_deadline_in_the_past_is_rejected_naming_deadline(client):
@@ -76,4 +76,4 @@ def test_unknown_argument_in_submit_many_is_named_with_its_index(client, redis_s
     with pytest.raises(InvalidRequest) as info:
         client.submit_many([{"prompt": "ok"}, {"prompt": "x", "temprature": 0.5}], progress=False)
     assert info.value.field == "requests[1].temprature" and "spelling" in str(info.value)
-    assert redis_server.client().xlen(keys.jobs("normal")) == 0  # the valid first one was not enqueued either
+    assert redis_server.client().xlen(keys.jobs(None, "normal")) == 0  # the valid first one was not enqueued either

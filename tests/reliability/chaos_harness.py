@@ -34,7 +34,7 @@ class Ledger:
 
     def pending(self) -> int:
         total = 0
-        for stream in self.keys.all_jobs():
+        for stream in self.keys.all_jobs(None):
             try:
                 total += self.r.xpending(stream, Keys.GROUP)["pending"]
             except redis.ResponseError:  # no group: nothing was ever read

@@ -149,7 +149,7 @@ def test_entries_with_nobody_to_answer_land_in_the_dead_stream_with_the_reason_a
     queue, ledger, thread = serving
     cases = dead_cases()
     for fields, _ in cases.values():
-        queue.r.xadd(queue.keys.jobs("normal"), fields)
+        queue.r.xadd(queue.keys.jobs(None, "normal"), fields)
     thread.start()
     wait_for(lambda: len(ledger.dead()) >= len(cases), what="a dead-stream entry for each")
     good = queue.submit("still serving", max_tokens=3)
@@ -203,7 +203,7 @@ def test_200_randomly_mutated_payloads_are_each_answered_or_dead_lettered_and_th
     queue, ledger, thread = serving
     sent = {queue.xadd(payload): identify(payload) for payload in mutated_payloads(queue, 200)}
     thread.start()
-    wait_for(lambda: ledger.pending() == 0 and queue.r.xinfo_groups(queue.keys.jobs("normal"))[0]["lag"] == 0,
+    wait_for(lambda: ledger.pending() == 0 and queue.r.xinfo_groups(queue.keys.jobs(None, "normal"))[0]["lag"] == 0,
              timeout=60, what="every mutated entry to be read and settled")
     good = queue.submit("served after the fuzz", max_tokens=3)
     wait_for(lambda: good in ledger.final_counts([queue.client_id]), what="the good job's answer")

@@ -102,7 +102,7 @@ class ChaosRun:
 
     def held_by(self, worker_id: str) -> int:
         r = self.server.client()
-        rows = [row for st in Keys(self.ns).all_jobs() for row in r.xinfo_consumers(st, Keys.GROUP)]
+        rows = [row for st in Keys(self.ns).all_jobs(None) for row in r.xinfo_consumers(st, Keys.GROUP)]
         return sum(row["pending"] for row in rows if row["name"].decode() == worker_id)
 
     def redis_restart(self) -> None:

@@ -23,7 +23,7 @@ ENV = {"OMP_NUM_THREADS": "1", "KVGATE_HEARTBEAT_TTL_S": "2"}  # the departing w
 
 def consumers(r: redis.Redis, keys: Keys) -> dict[str, set[str]]:
     out = {}
-    for stream in keys.all_jobs():
+    for stream in keys.all_jobs(None):
         try:
             out[stream] = {c["name"].decode() for c in r.xinfo_consumers(stream, Keys.GROUP)}
         except redis.ResponseError:
@@ -33,7 +33,7 @@ def consumers(r: redis.Redis, keys: Keys) -> dict[str, set[str]]:
 
 def test_departed_workers_leave_no_consumers_behind_and_stats_count_live_workers(redis_server, namespace, tmp_path):
     r, keys = redis_server.client(), Keys(namespace)
-    for stream in keys.all_jobs():
+    for stream in keys.all_jobs(None):
         r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
     queue = RawQueue(redis_server, namespace)
     transient = [spawn_worker(redis_server.url, namespace, *SIM, worker_id=f"t{i}", log=tmp_path / f"t{i}.log", env=ENV)
@@ -69,7 +69,7 @@ def test_departed_workers_leave_no_consumers_behind_and_stats_count_live_workers
 
 def test_pruning_never_deletes_a_consumer_that_holds_entries_or_has_a_live_heartbeat(redis_server, namespace):
     r, keys = redis_server.client(), Keys(namespace)
-    stream = keys.jobs("normal")
+    stream = keys.jobs(None, "normal")
     r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
     entry = r.xadd(stream, {"job": b"x"})
     r.xreadgroup(Keys.GROUP, "holder", {stream: ">"}, count=1)  # crashed holding an entry: reclaim's, not ours

@@ -16,7 +16,7 @@ SIM = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "8", "--sim-
 
 def test_a_reply_key_of_the_wrong_type_fails_only_its_own_jobs(redis_server, namespace, tmp_path):
     r, keys = redis_server.client(), Keys(namespace)
-    r.xgroup_create(keys.jobs("normal"), Keys.GROUP, id="0", mkstream=True)
+    r.xgroup_create(keys.jobs(None, "normal"), Keys.GROUP, id="0", mkstream=True)
     hostile, good = RawQueue(redis_server, namespace), RawQueue(redis_server, namespace)
     r.set(keys.reply(hostile.client_id), "not a stream")
     worker = spawn_worker(redis_server.url, namespace, *SIM, worker_id="w", log=tmp_path / "w.log", env={"OMP_NUM_THREADS": "1"})

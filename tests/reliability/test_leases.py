@@ -18,7 +18,7 @@ def test_a_renewal_does_not_take_back_an_entry_another_worker_reclaimed(redis_se
     settings = WorkerSettings(redis_url=redis_server.url, namespace=namespace, reclaim_idle_ms=400)  # renew: 0.1 s
     worker = Worker(redis_server.url, engine, namespace=namespace, worker_id="owner", settings=settings)
     queue, stop = RawQueue(redis_server, namespace), threading.Event()
-    stream = queue.keys.jobs("normal")
+    stream = queue.keys.jobs(None, "normal")
     queue.r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)  # as the SDK does; XPENDING needs the group
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()

@@ -58,7 +58,7 @@ def client(shared_redis, namespace):
 
 def enqueued(client) -> int:
     r = client.redis
-    return sum(r.xlen(client.keys.jobs(p)) for p in PRIORITIES) + len(r.keys(f"{client.keys.ns}:idem:*"))
+    return sum(r.xlen(client.keys.jobs(None, p)) for p in PRIORITIES) + len(r.keys(f"{client.keys.ns}:idem:*"))
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -84,4 +84,4 @@ def test_an_idempotency_key_reused_with_another_body_raises_and_enqueues_nothing
     with pytest.raises(IdempotencyConflict) as info:
         client.submit("a different body", idempotency_key="order-99")
     assert info.value.job_id == first.job_id and "order-99" in str(info.value)
-    assert client.redis.xlen(client.keys.jobs("normal")) == 1
+    assert client.redis.xlen(client.keys.jobs(None, "normal")) == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import redis
 
 from kvgate.producer import AsyncClient, Client, ServerRefused
 from kvgate.producer.protocol import Keys
@@ -36,7 +35,7 @@ def fill(server: RedisServer, headroom: int = 0) -> None:
 
 def backlog(server: RedisServer, ns: str) -> int:
     r = server.client()
-    total = sum(r.xlen(s) for s in Keys(ns).all_jobs())
+    total = sum(r.xlen(s) for s in Keys(ns).all_jobs(None))
     r.close()
     return total
 
@@ -107,7 +106,7 @@ def test_a_read_only_replica_is_a_typed_refusal_too(small_redis, tmp_path, names
                                                             str(small_redis.port))).start()
     try:
         r = replica.client()
-        wait_for(lambda: r.exists(*Keys(namespace).all_jobs()) == 3, 20, "the job streams on the replica")
+        wait_for(lambda: r.exists(*Keys(namespace).all_jobs(None)) == 3, 20, "the job streams on the replica")
         with Client(replica.url, namespace) as client:
             with pytest.raises(ServerRefused, match="read-only replica"):
                 client.submit("hello", max_tokens=4)

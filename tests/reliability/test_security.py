@@ -142,7 +142,7 @@ def test_a_producer_cannot_discover_or_read_another_clients_reply_stream(acl):
     try:
         victim.submit("private prompt", idempotency_key="order-42")
         attacker = redis.Redis.from_url(acl("producer"))
-        stream = keys.jobs("normal")
+        stream = keys.jobs(None, "normal")
         refused = {
             "RANDOMKEY": lambda: attacker.randomkey(),
             "XINFO STREAM (first/last entry payloads)": lambda: attacker.xinfo_stream(stream),
@@ -180,7 +180,7 @@ def test_an_idempotent_submit_is_allowed_under_the_producer_acl_and_a_script_sti
         first = client.submit("same body", idempotency_key="order-7")
         assert client.submit("same body", idempotency_key="order-7").job_id == first.job_id
     producer = redis.Redis.from_url(acl("producer"))
-    stream = Keys("kvgate").jobs("normal")
+    stream = Keys("kvgate").jobs(None, "normal")
     script = "return redis.call('XRANGE', KEYS[2], '-', '+')"
     assert nopermission(lambda: producer.eval(script, 2, Keys("kvgate").idempotency("k"), stream))
     assert nopermission(lambda: producer.eval("return redis.call('XTRIM', KEYS[1], 'MAXLEN', 0)", 1, stream))
@@ -256,4 +256,4 @@ def test_the_payload_limit_holds_on_both_sides(shared_redis, namespace):
             client.submit(prompt_token_ids=[2**31 - 1] * 300_000, max_tokens=1)
         assert info.value.field == "request" and str(MAX_PAYLOAD_BYTES) in str(info.value)
         r = shared_redis.client()
-        assert sum(r.xlen(client.keys.jobs(p)) for p in PRIORITIES) == 0
+        assert sum(r.xlen(client.keys.jobs(None, p)) for p in PRIORITIES) == 0

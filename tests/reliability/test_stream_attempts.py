@@ -69,8 +69,8 @@ def fleet(redis_server, namespace, tmp_path):
     stop_all(procs)
 
 
-def submit_long(client):
-    return client.submit("tell a long story", max_tokens=160, ignore_eos=True, stream=True)
+def submit_long(client, **extra):
+    return client.submit("tell a long story", max_tokens=160, ignore_eos=True, stream=True, **extra)
 
 
 def check_reconstructs(reader: Reader, handle) -> None:
@@ -107,6 +107,23 @@ def test_stream_after_a_drain_hand_back_restarts_and_reconstructs_the_result(fle
     assert first.wait(20) == 0
     spawn("b", seed=2)
     check_reconstructs(reader, handle)
+
+
+def test_logprobs_restart_with_the_text_after_a_drain_hand_back(fleet):
+    client, spawn = fleet
+    first = spawn("a", 1, "--drain-timeout", "0.2")
+    handle = submit_long(client, logprobs=2)
+    reader = Reader(handle)
+    wait_for(lambda: reader.deltas() >= 20, 30, "20 deltas from the first worker")
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(20) == 0
+    spawn("b", seed=2)
+    check_reconstructs(reader, handle)
+    result = handle.result(timeout=5)
+    last = max(i for i, item in enumerate(reader.items) if type(item).__name__ == "Restart")
+    streamed = [t for item in reader.items[last + 1:] for t in item.logprobs]
+    assert streamed == result.logprobs and [t.id for t in streamed] == result.token_ids
+    assert "".join(t.text for t in streamed) == result.text
 
 
 def test_a_zombie_workers_late_deltas_are_not_spliced_into_the_stream(fleet):

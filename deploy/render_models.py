@@ -1,0 +1,125 @@
+"""Render one worker Deployment and one KEDA ScaledObject per model, from the single-model manifests in k8s/.
+
+    python deploy/render_models.py Qwen/Qwen2.5-7B-Instruct=/models/Qwen2.5-7B-Instruct \
+        HuggingFaceTB/SmolLM2-135M-Instruct=smollm2-135m --alias HuggingFaceTB/SmolLM2-135M-Instruct=smol \
+        > models.yaml && kubectl apply -f models.yaml
+
+Each model NAME=WEIGHTS gets `kvgate-worker-<slug>`: the worker Deployment of k8s/worker-deployment.yaml loading
+WEIGHTS and serving NAME (KVGATE_SERVED_MODEL_NAME) and its aliases, not the `default` model; and the
+ScaledObject of k8s/keda-scaledobject.yaml with one lag trigger per priority for each name it serves
+(`{ns}:jobs:<name>:<priority>`), so a job for a model with no worker wakes that model's Deployment from zero.
+The base manifests stay the one place to change probes, resources or scaling behaviour. Apply the output
+instead of worker-deployment.yaml and the ScaledObject in keda-scaledobject.yaml (keep its
+TriggerAuthentication); the default model's pair is what those two files are.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+K8S = Path(__file__).parent / "k8s"
+PRIORITIES = ("high", "normal", "low")
+FORBIDDEN = re.compile(r"[\s{},]")
+
+
+@dataclass(slots=True)
+class Model:
+    name: str  # what jobs ask for (KVGATE_SERVED_MODEL_NAME)
+    weights: str  # what the worker loads (KVGATE_MODEL)
+    aliases: list[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+    @property
+    def slug(self) -> str:
+        """A DNS-1123 label part; the hash keeps `Qwen/Qwen2.5` and `qwen-qwen2.5` apart."""
+        base = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")[:40].strip("-")
+        return f"{base}-{hashlib.sha256(self.name.encode()).hexdigest()[:6]}"
+
+
+def check_name(name: str) -> str:
+    if not name or len(name) > 128 or FORBIDDEN.search(name):
+        raise ValueError(f"model name {name!r} must have 1 to 128 characters and no whitespace, braces or commas")
+    return name
+
+
+def parse_models(specs: list[str], aliases: list[str]) -> list[Model]:
+    models: dict[str, Model] = {}
+    for spec in specs:
+        name, sep, weights = spec.rpartition("=")
+        if not sep or not name or not weights:
+            raise ValueError(f"{spec!r}: give NAME=WEIGHTS, e.g. Qwen/Qwen2.5-7B-Instruct=/models/Qwen2.5-7B-Instruct")
+        models[check_name(name)] = Model(name, weights)
+    for spec in aliases:
+        name, sep, alias = spec.rpartition("=")
+        if name not in models:
+            raise ValueError(f"--alias {spec!r}: give MODEL=ALIAS for one of the models {sorted(models)}")
+        models[name].aliases.append(check_name(alias))
+    return list(models.values())
+
+
+def _base(path: str, kind: str) -> dict:
+    return next(d for d in yaml.safe_load_all((K8S / path).read_text()) if d and d["kind"] == kind)
+
+
+def deployment(model: Model, namespace: str) -> dict:
+    d = copy.deepcopy(_base("worker-deployment.yaml", "Deployment"))
+    name = f"kvgate-worker-{model.slug}"
+    labels = {**d["metadata"]["labels"], "kvgate.dev/model": model.slug}
+    d["metadata"] = {"name": name, "labels": labels, "annotations": {"kvgate.dev/model-name": model.name}}
+    d["spec"]["selector"]["matchLabels"] = labels
+    d["spec"]["template"]["metadata"]["labels"] = labels
+    container = d["spec"]["template"]["spec"]["containers"][0]
+    overrides = {"KVGATE_NAMESPACE": namespace, "KVGATE_MODEL": model.weights, "KVGATE_SERVED_MODEL_NAME": model.name,
+                 "KVGATE_MODEL_ALIASES": ",".join(model.aliases), "KVGATE_SERVE_DEFAULT": "false"}
+    env = [e for e in container["env"] if e["name"] not in overrides]
+    container["env"] = env + [{"name": k, "value": v} for k, v in overrides.items() if v]
+    return d
+
+
+def scaled_object(model: Model, namespace: str) -> dict:
+    so = copy.deepcopy(_base("keda-scaledobject.yaml", "ScaledObject"))
+    name = f"kvgate-worker-{model.slug}"
+    so["metadata"] = {"name": name, "annotations": {"kvgate.dev/model-name": model.name}}
+    so["spec"]["scaleTargetRef"] = {"name": name}
+    by_priority = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t for t in so["spec"]["triggers"]}
+    triggers = []
+    for served in model.names:
+        for priority in PRIORITIES:
+            trigger = copy.deepcopy(by_priority[priority])
+            trigger["metadata"]["stream"] = f"{namespace}:jobs:{served}:{priority}"
+            triggers.append(trigger)
+    so["spec"]["triggers"] = triggers
+    return so
+
+
+def render(models: list[Model], namespace: str = "kvgate") -> str:
+    docs = [doc for m in models for doc in (deployment(m, namespace), scaled_object(m, namespace))]
+    return yaml.safe_dump_all(docs, sort_keys=False, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="+", metavar="NAME=WEIGHTS", help="a served model name and what to load")
+    parser.add_argument("--alias", action="append", default=[], metavar="NAME=ALIAS", help="another name for NAME")
+    parser.add_argument("--namespace", default="kvgate", help="the kvgate key namespace (KVGATE_NAMESPACE)")
+    args = parser.parse_args(argv)
+    try:
+        sys.stdout.write(render(parse_models(args.models, args.alias), args.namespace))
+    except ValueError as e:
+        print(f"render_models: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

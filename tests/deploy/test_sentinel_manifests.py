@@ -1,0 +1,34 @@
+"""deploy/k8s/sentinel/: the Sentinel variant scales on the same streams through the same sentinels and primary
+the workers' redis+sentinel:// URL names."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from kvgate.producer.protocol import Keys
+from kvgate.producer.redis_url import parse_sentinel_url
+
+SENTINEL = Path(__file__).parents[2] / "deploy/k8s/sentinel"
+
+
+def docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((SENTINEL / name).read_text()) if d]
+
+
+def test_keda_reads_the_lag_of_every_job_stream_from_the_primary_the_worker_url_names():
+    secret = docs("redis-secret.example.yaml")[0]["stringData"]
+    urls = [parse_sentinel_url(secret[k]) for k in ("worker-url", "monitor-url")]
+    auth, scaled = docs("keda-scaledobject.yaml")
+    assert auth["kind"] == "TriggerAuthentication" and scaled["kind"] == "ScaledObject"
+    streams = set()
+    for trigger in scaled["spec"]["triggers"]:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-sentinel-streams" and meta["consumerGroup"] == Keys.GROUP
+        assert all(isinstance(v, str) for v in meta.values())  # KEDA metadata is a string map
+        addresses = tuple((h, int(p)) for h, p in (a.rsplit(":", 1) for a in meta["addresses"].split(",")))
+        assert all((u.sentinels, u.service) == (addresses, meta["sentinelMaster"]) for u in urls)
+        assert int(meta["lagCount"]) > 0 and trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
+        streams.add(meta["stream"])
+    assert streams == set(Keys("kvgate").all_jobs(None))  # the default model; render_models.py shows one per model
+    assert scaled["spec"]["minReplicaCount"] == 0 and scaled["spec"]["scaleTargetRef"]["name"] == "kvgate-worker"
