@@ -3,7 +3,8 @@
 Each sequence owns a row of a numpy block table for as long as it decodes; a step writes only the blocks
 appended since the last one (usually none), and a row is rewritten whole when its sequence's table changed
 under it (`Sequence.table_version`: preemption frees the table). Everything a step needs is packed into one
-int64 array, so a device gets it in one (pinned, non-blocking) host-to-device copy."""
+int64 array, so a device gets it in one (pinned, non-blocking) host-to-device copy; on the CPU the arrays are
+the tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,11 +30,11 @@ class DecodeInputs:
         self.block_size, self.device = block_size, device
         self.capacity = 2 * max_num_seqs  # rows of sequences not seen lately are reused past this
         self.max_blocks = max_blocks_per_seq
-        self.tables = np.full((self.capacity, max_blocks_per_seq), -1, dtype=np.int64)
+        self.tables = np.full((self.capacity, max_blocks_per_seq), -1, dtype=np.int32)
         self.row_of: dict[int, int] = {}  # seq_id -> row
         self.seq_of_row = [-1] * self.capacity
-        self.synced = [0] * self.capacity  # table entries already written
-        self.version = [-1] * self.capacity
+        self.synced = np.zeros(self.capacity, dtype=np.int64)  # table entries already written
+        self.version = np.full(self.capacity, -1, dtype=np.int64)
         self.last_step = np.full(self.capacity, -1, dtype=np.int64)
         self.free_rows = list(range(self.capacity - 1, -1, -1))
         self.step = 0
@@ -44,37 +45,44 @@ class DecodeInputs:
         graph's), else it is the widest table in the batch."""
         self.step += 1
         n = len(seqs)
-        rows = np.empty(n, dtype=np.int64)
-        ids = np.empty(n, dtype=np.int64)
-        positions = np.empty(n, dtype=np.int64)
-        widest = 0
-        for i, seq in enumerate(seqs):
-            row = self.row_of.get(seq.seq_id)
-            if row is None or self.version[row] != seq.table_version:
-                row = self._claim(seq) if row is None else row
-                self._write(row, seq, 0)
-            elif len(seq.block_table) > self.synced[row]:
-                self._write(row, seq, self.synced[row])
-            rows[i] = row
-            self.last_step[row] = self.step
-            ids[i] = seq.token_ids[-1]
-            positions[i] = seq.num_computed_tokens
-            widest = max(widest, self.synced[row])
-        width = width or widest
+        rows = self._rows(seqs)
+        ids = np.array([seq.token_ids[-1] for seq in seqs], dtype=np.int64)
+        positions = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
+        width = width or int(self.synced[rows].max())
         bs = self.block_size
         tables = self.tables[rows, :width]
-        slots = tables[np.arange(n), positions // bs] * bs + positions % bs
-        cu = np.arange(n + 1, dtype=np.int64)
+        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        cu = np.arange(n + 1, dtype=np.int32)
+        if self.device.type == "cpu":  # the arrays themselves, no copy and no conversion
+            return DecodeBatch(*map(torch.from_numpy, (ids, positions, slots, cu, (positions + 1).astype(np.int32),
+                                                       tables)))
         packed = np.concatenate([ids, positions, slots, cu, positions + 1, tables.reshape(-1)])
         flat = self._to_device(packed)
         views = torch.split(flat, [n, n, n, n + 1, n, n * width])
         return DecodeBatch(views[0], views[1], views[2], views[3].to(torch.int32), views[4].to(torch.int32),
                            views[5].view(n, width).to(torch.int32))
 
+    def _rows(self, seqs: list[Sequence]) -> np.ndarray:
+        """Each sequence's row, its table brought up to date: one vectorized comparison finds the few rows that
+        are new, stale (the table was freed since) or short of blocks appended since the last step."""
+        get = self.row_of.get
+        rows = np.array([get(seq.seq_id, -1) for seq in seqs], dtype=np.int64)
+        versions = np.array([seq.table_version for seq in seqs], dtype=np.int64)
+        lengths = np.array([len(seq.block_table) for seq in seqs], dtype=np.int64)
+        known = rows >= 0
+        lagging = ~known | (self.version[rows] != versions) | (self.synced[rows] != lengths)
+        self.last_step[rows[known]] = self.step  # so that a claim below never evicts a row of this batch
+        for i in np.flatnonzero(lagging).tolist():
+            seq, row = seqs[i], int(rows[i])
+            if not known[i]:
+                row = rows[i] = self._claim(seq)
+                self.last_step[row] = self.step  # claimed rows of this step are not evicted by the next claim
+            same_table = known[i] and self.version[row] == seq.table_version
+            self._write(row, seq, int(self.synced[row]) if same_table else 0)
+        return rows
+
     def _to_device(self, packed: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(packed)
-        if self.device.type == "cpu":
-            return host
         if self.pinned:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)

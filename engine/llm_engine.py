@@ -13,9 +13,10 @@ from typing import Any, Protocol
 
 from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.config import EngineConfig
+from kvgate.engine.detokenizer import find_stop, held_back, take_increment
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.scheduler import ScheduledBatch, Scheduler
+from kvgate.engine.scheduler import AllDecode, ScheduledBatch, Scheduler
 from kvgate.engine.sequence import Sequence
 
 RESERVE_RATIO_START, RESERVE_RATIO_FLOOR, RESERVE_RATIO_BUMP, RESERVE_RATIO_DECAY = 0.5, 0.25, 0.25, 0.995
@@ -74,9 +75,11 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, stream_text: bool = True) -> int:
+                    arrival_time: float | None = None, stream_text: bool = True, detokenize: bool = True) -> int:
         """Queue a request; returns its prompt length. `stream_text=False` skips incremental detokenization
-        (the text is decoded once at the end) unless stop strings need it."""
+        (the text is decoded once at the end) unless stop strings need it. `detokenize=False` leaves all text to
+        the caller (an engine.detokenizer.Detokenizer off this thread): outputs carry token ids only, stop
+        strings are not looked for here, and the caller aborts the request when it finds one."""
         if request_id in self.seqs:
             raise RequestRejected(f"request_id {request_id!r} is already in the engine: use a unique id")
         if not isinstance(params, SamplingParams):
@@ -102,7 +105,9 @@ class LLMEngine:
                                   f"whole cache has {self.block_manager.num_blocks}: lower max_tokens or enlarge the cache")
         seq = Sequence(request_id, list(token_ids), params, max_tokens,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                       stream_text=(stream_text or bool(params.stop)) and self.tokenizer is not None)
+                       stream_text=detokenize and (stream_text or bool(params.stop)) and self.tokenizer is not None,
+                       detokenize=detokenize)
+        seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
         self.seqs[request_id] = seq
@@ -151,6 +156,8 @@ class LLMEngine:
         if not batch:
             return []
         seqs, tokens, logprobs = self.runner.run(batch)
+        if isinstance(batch, AllDecode) and len(seqs) == len(batch.seqs):
+            return self._step_decode(batch.seqs, tokens, logprobs)
         bs, commit = self.block_size, self.block_manager.commit
         for seq, n in batch:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -163,6 +170,29 @@ class LLMEngine:
         for seq, token, lp in zip(seqs, tokens, logprobs):
             seq.first_token_time = seq.first_token_time or now
             outputs.append(self._append_token(seq, token, lp))
+        self.generation_tokens += len(tokens)
+        return outputs
+
+    def _step_decode(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> list[StepOutput]:
+        """The pure-decode step: every sequence computed its last token and takes one more, accounted and appended
+        in one pass. A token that may end its sequence, one with logprobs and a sequence streaming text go
+        through `_append_token`; the rest need only the new id and the counts."""
+        bs, commit, now, outputs = self.block_size, self.block_manager.commit, time.monotonic(), []
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt's last token, after a cache hit
+                self._count_prefill(seq, 1)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            if computed // bs > seq.num_committed_blocks:
+                commit(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            ids, prompt = seq.token_ids, seq.num_prompt_tokens
+            if seq.stream_text or lp is not None or token in seq.stop_ids or len(ids) + 1 - prompt >= seq.max_tokens:
+                outputs.append(self._append_token(seq, token, lp))
+                continue
+            ids.append(token)
+            outputs.append(StepOutput(seq.request_id, [token], "", False, None, prompt, len(ids) - prompt,
+                                      seq.num_cached_tokens))
         self.generation_tokens += len(tokens)
         return outputs
 
@@ -205,7 +235,8 @@ class LLMEngine:
             new_text += seq.text[seq.emitted:]  # an abort flushes what was held back
             text = seq.text
         else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if self.tokenizer else ""
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) \
+                if self.tokenizer and seq.detokenize else ""
         return StepOutput(seq.request_id, new_ids, new_text, True, seq.finish_reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, seq.num_cached_tokens, token_ids=seq.output_token_ids, text=text,
                           logprobs=lps)
@@ -258,7 +289,7 @@ class LLMEngine:
                            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
 
 
-# ---- incremental detokenization ---------------------------------------------------------------------------
+# ---- incremental detokenization (batched, off the engine thread: engine.detokenizer) ----------------------
 
 def detokenize_increment(tokenizer: Any, seq: Sequence, final: bool = False) -> str:
     """New text since the last call. Decoding a short window of tokens keeps it cheap; a window ending in an
@@ -266,29 +297,4 @@ def detokenize_increment(tokenizer: Any, seq: Sequence, final: bool = False) -> 
     ids = seq.token_ids
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
-    if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
-        return ""
-    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-    return full[len(prefix):]
-
-
-def find_stop(seq: Sequence, stops: list[str]) -> bool:
-    """Cut the text at the earliest stop string, if one appeared; the stop string itself is never emitted."""
-    longest = max(map(len, stops))
-    start = max(0, seq.emitted - longest)
-    hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
-    if not hits:
-        return False
-    seq.text = seq.text[:max(min(hits), seq.emitted)]
-    return True
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that could still grow into a stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
+    return take_increment(seq, prefix, full, final, len(ids))

@@ -36,10 +36,12 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, filled lazily
     num_committed_blocks: int = 0  # leading blocks already registered in (or taken from) the prefix cache
     finish_reason: str | None = None
+    stop_ids: frozenset[int] = frozenset()  # set by the engine: stop_token_ids, and EOS unless ignore_eos
     sample_seed: int | None = None  # the sampler's seed for this request: its own, or one drawn at first sample
     logprobs: list[dict[int, float]] | None = None
     # incremental detokenization (see engine.llm_engine.detokenize_increment)
     stream_text: bool = True
+    detokenize: bool = True  # False: the caller turns the ids into text (engine.detokenizer)
     prefix_offset: int = 0
     read_offset: int = 0
     text: str = ""

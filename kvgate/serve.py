@@ -1,7 +1,9 @@
-"""`kvgate serve`: the OpenAI-compatible HTTP gateway (POST /v1/chat/completions, /v1/completions, GET /v1/models).
+"""`kvgate serve`: the OpenAI-compatible HTTP gateway (POST /v1/chat/completions, /v1/completions, GET /v1/models,
+/v1/files, /v1/batches).
 
-Stateless: run as many replicas as you like behind a load balancer; each enqueues through the SDK and
-answers from its own reply stream. Needs the gateway extra: pip install 'kvgate[gateway]'.
+Run as many replicas as you like behind a load balancer; each enqueues through the SDK and answers from its own
+reply stream. Batches keep their state in Redis and their files in the file store, which replicas must share
+(--files-dir on a shared volume). Needs the gateway extra: pip install 'kvgate[gateway]'.
 """
 from __future__ import annotations
 
@@ -30,6 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--durability", choices=("primary", "replicated"), default=os.environ.get("KVGATE_DURABILITY", "primary"),
         help="replicated: a request is enqueued only once a replica holds it, resent across a failover "
              "(RELIABILITY.md, Failover; env KVGATE_DURABILITY)")
+    add("--files-dir", default=os.environ.get("KVGATE_FILES_DIR"),
+        help="where /v1/files and batch outputs are stored (env KVGATE_FILES_DIR; default "
+             "$XDG_DATA_HOME/kvgate/files or ~/.local/share/kvgate/files); replicas must share it")
+    add("--max-file-size", type=int, default=200 * 1024 * 1024, help="largest upload to /v1/files, in bytes")
+    add("--batch-window", type=int, default=256, help="jobs of one batch queued or running at a time")
+    add("--batch-priority", choices=("high", "normal", "low"), default="low", help="queue for batch jobs")
+    add("--batch-lease", type=float, default=float(os.environ.get("KVGATE_BATCH_LEASE_S", "30")),
+        help="seconds after which another replica resumes the batches of a replica that died "
+             "(env KVGATE_BATCH_LEASE_S)")
     add("--log-level", default="info")
 
 
@@ -42,7 +53,11 @@ def settings_from(args: argparse.Namespace):
                            max_backlog=args.max_backlog, retry_after_s=args.retry_after,
                            request_timeout_s=args.request_timeout, default_max_tokens=args.default_max_tokens,
                            max_n=args.max_n, models=allowed_models(args.model, os.environ.get("KVGATE_MODELS")),
-                           durability=args.durability)
+                           durability=args.durability,
+
+                           files_dir=args.files_dir, max_file_bytes=args.max_file_size,
+                           batch_window=args.batch_window, batch_priority=args.batch_priority,
+                           batch_lease_s=args.batch_lease)
 
 
 def allowed_models(flags: list[str] | None, env: str | None) -> tuple[str, ...]:

@@ -25,8 +25,8 @@ from .redis_url import FAILOVER_BUDGET_S, Durability, connect, connect_async
 from .reply_reader import READ_COUNT, ReaderState, is_noperm
 from .result import Result
 from .lane_count import LaneCount
-from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, enqueue_commands,
-                         group_commands, group_exists, new_models, owners, prepare)
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script,
+                         enqueue_commands_async, group_commands, group_exists, new_models, owners, prepare)
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class AsyncClient:
                 replies = await self._durable.send(self._script, prepared, self.keys)
             else:
                 pipe = self.redis.pipeline(transaction=True)  # all or nothing, as Client._enqueue
-                enqueue_commands(pipe, self._script, prepared, self.keys)
+                await enqueue_commands_async(pipe, self._script, prepared, self.keys)
                 replies = await pipe.execute()
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)

@@ -16,7 +16,7 @@ from .protocol import Keys
 from .redis_url import Durability, across_failover, across_failover_async, connect, connect_async
 import dataclasses
 
-from .submission import Prepared, enqueue_commands
+from .submission import Prepared, enqueue_commands, enqueue_commands_async
 
 AUTO_CLAIM_TTL_S = 3600  # only the retries of one submit read it: far past any failover, far short of a day of keys
 
@@ -68,7 +68,7 @@ class AsyncDurableSubmitter:
 
     async def _once(self, script, prepared: list[Prepared], keys: Keys) -> list:
         pipe = self.conn.pipeline(transaction=True)
-        enqueue_commands(pipe, script, prepared, keys)
+        await enqueue_commands_async(pipe, script, prepared, keys)
         replies = await pipe.execute()
         reply = await self.conn.execute_command("WAIT", self.durability.replicas, self.durability.timeout_ms)
         self.durability.check(reply)

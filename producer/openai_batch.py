@@ -14,7 +14,9 @@ from typing import Any
 
 from .errors import InvalidRequest
 from .openai_shapes import BadLogprobs, choice, requested_logprobs
+from .protocol import Keys
 from .result import Result
+from .submission import prepare
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # Body fields we honour, by their submit name; others are refused rather than silently ignored.
@@ -155,3 +157,33 @@ def failed_result_line(req: BatchRequest, result: Result) -> dict[str, Any]:
 
 def invalid_request_line(req: BatchRequest, err: InvalidRequest, digest: str) -> dict[str, Any]:
     return error_line(line_id(digest, req.line_no), req.custom_id, "invalid_request", f"line {req.line_no}: {err}")
+
+
+def plan_line(line_no: int, raw: str, seed: str, priority: str, keys: Keys,
+              client_id: str) -> BatchRequest | dict[str, Any]:
+    """One input line as a request ready to submit, or its error line: the one per-line check `kvgate batch` and
+    the gateway's /v1/batches share. `seed` makes the idempotency keys (the file digest, or the batch id)."""
+    try:
+        req = parse_line(line_no, raw, seed)
+    except BadLine as e:
+        return error_line(line_id(seed, line_no), custom_id_of(raw) or f"line-{line_no}", e.code, str(e))
+    req.submit_args.setdefault("priority", priority)
+    try:
+        prepare(req.submit_args, keys, client_id)  # every check submit would make
+    except InvalidRequest as e:
+        return invalid_request_line(req, e, seed)
+    return req
+
+
+def answer_line(req: BatchRequest, result: Result, model: str | None = None) -> dict[str, Any]:
+    """The output line of a finished job: its answer, or an error line saying why it has none."""
+    return success_line(req, result, model) if result.status == "done" else failed_result_line(req, result)
+
+
+def is_success(row: dict[str, Any]) -> bool:
+    return row.get("error") is None and row.get("response") is not None
+
+
+def request_lines(data: bytes) -> list[tuple[int, str]]:
+    """The non-blank lines of a batch file with their 1-based line numbers."""
+    return [(n, raw) for n, raw in enumerate(data.decode("utf-8", "replace").splitlines(), start=1) if raw.strip()]

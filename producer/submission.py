@@ -1,6 +1,7 @@
 """From validated submit arguments to pipelined Redis commands, shared by Client and AsyncClient."""
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,14 +52,14 @@ def stream_for(job: Job, model: str, keys: Keys, lanes: int, prefix_key: str | N
     return keys.jobs(model, job.priority, lane_of(key, lanes))
 
 
-def add_to_pipeline(pipe, script, prepared: Prepared) -> None:
-    """Add one job's enqueue command to a pipeline (sync or asyncio: both queue commands the same way)."""
+def add_to_pipeline(pipe, script, prepared: Prepared):
+    """Add one job's enqueue command to a pipeline. On an asyncio pipeline a script call is a coroutine that
+    queues nothing until awaited: the caller must await what this returns when it is awaitable."""
     if prepared.claim is None:
-        pipe.xadd(prepared.stream, {FIELD: prepared.payload})
-    else:
-        script(keys=[prepared.claim_key, prepared.stream],
-               args=[prepared.claim.encode(), prepared.claim_ttl_s, FIELD, prepared.payload, Keys.GROUP,
-                     prepared.result_prefix, prepared.claim.digest], client=pipe)
+        return pipe.xadd(prepared.stream, {FIELD: prepared.payload})
+    return script(keys=[prepared.claim_key, prepared.stream],
+                  args=[prepared.claim.encode(), prepared.claim_ttl_s, FIELD, prepared.payload, Keys.GROUP,
+                        prepared.result_prefix, prepared.claim.digest], client=pipe)
 
 
 def enqueue_commands(pipe, script, prepared: list[Prepared], keys: Keys) -> None:
@@ -66,6 +67,16 @@ def enqueue_commands(pipe, script, prepared: list[Prepared], keys: Keys) -> None
     exactly when a job of it was enqueued. `owners` reads the jobs' replies only."""
     for p in prepared:
         add_to_pipeline(pipe, script, p)
+    pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
+
+
+async def enqueue_commands_async(pipe, script, prepared: list[Prepared], keys: Keys) -> None:
+    """enqueue_commands on an asyncio pipeline, where a script call queues nothing until awaited: each one is
+    awaited in turn, so the commands keep their order."""
+    for p in prepared:
+        queued = add_to_pipeline(pipe, script, p)
+        if inspect.isawaitable(queued):
+            await queued
     pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
 
 

@@ -87,6 +87,7 @@ class Publisher:
     dead_maxlen: int
     deltas: list[tuple[str, Delta, str]] = field(default_factory=list)  # (client id, delta, request key)
     finishes: list[Finish] = field(default_factory=list)
+    sending: tuple[list, list] = field(default_factory=lambda: ([], []))  # (deltas, finishes) filled, not settled
     script: object = None
     durability: Durability = field(default_factory=Durability)
     waiting: bool = False  # the pipeline being filled carries a WAIT after the finals (replicated durability)
@@ -104,10 +105,17 @@ class Publisher:
         """Drop what the outbox holds for these jobs (leases lost: another worker answers them)."""
         self.deltas = [d for d in self.deltas if d[2] not in keys]
         self.finishes = [f for f in self.finishes if f.key not in keys]
+        deltas, finishes = self.sending
+        self.sending = [d for d in deltas if d[2] not in keys], [f for f in finishes if f.key not in keys]
 
     @property
     def pending(self) -> int:
-        return len(self.deltas) + len(self.finishes)
+        return len(self.deltas) + len(self.finishes) + len(self.sending[0]) + len(self.sending[1])
+
+    def requeue(self) -> None:
+        """The round trip carrying the last fill failed: its events go out again first, before newer ones."""
+        deltas, finishes = self.sending
+        self.deltas, self.finishes, self.sending = deltas + self.deltas, finishes + self.finishes, ([], [])
 
     def flush(self) -> Settled:
         """Send the outbox in one round trip. Raises on a lost connection or a server-side refusal, keeping the
@@ -116,35 +124,45 @@ class Publisher:
             return Settled([], {}, [])
         pipe = self.client.pipeline(transaction=False)
         n = self.fill(pipe)
-        return self.settle(pipe.execute(raise_on_error=False)[:n])
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except BaseException:
+            self.requeue()
+            raise
+        return self.settle(replies[:n])
 
     def fill(self, pipe) -> int:
         """Queue the outbox on `pipe` (which may carry other commands after it); returns how many replies
-        belong to the outbox, for `settle`."""
+        belong to the outbox, for `settle`. Until then the outbox takes new events for the next fill (the
+        worker steps the engine while the pipeline is on its way)."""
+        if self.sending[0] or self.sending[1]:
+            raise RuntimeError("the previous fill has not settled: settle or requeue it first")
+        self.sending, self.deltas, self.finishes = (self.deltas, self.finishes), [], []
+        deltas, finishes = self.sending
         replies = set()
-        for client_id, delta, _ in self.deltas:
+        for client_id, delta, _ in deltas:
             reply = self.keys.reply(client_id)
             pipe.xadd(reply, {FIELD: encode(delta)}, maxlen=self.reply_maxlen, approximate=True)
             replies.add(reply)
         for reply in replies:
             pipe.expire(reply, self.reply_ttl_s)
-        for f in self.finishes:
+        for f in finishes:
             self._finish(pipe, f)
-        self.waiting = self.durability.replicated and bool(self.finishes)
+        self.waiting = self.durability.replicated and bool(finishes)
         if self.waiting:
             self.durability.wait(pipe)  # same connection, after the finals: counts them and everything before
-        return len(self.deltas) + len(replies) + len(self.finishes) + self.waiting
+        return len(deltas) + len(replies) + len(finishes) + self.waiting
 
     def settle(self, results: list) -> Settled:
-        """The outbox went out (the pipeline ran with raise_on_error=False): clear it and sort the per-job
-        failures out. A server-side error (OOM, READONLY, ...) raises before anything is cleared, so all of it
-        goes out again."""
+        """The last fill went out (the pipeline ran with raise_on_error=False): sort the per-job failures out. A
+        server-side error (OOM, READONLY, ...) puts all of it back in the outbox and raises, so it goes again."""
         server = next((r for r in results if isinstance(r, Exception) and not job_failure(r)), None)
         if server is not None:
+            self.requeue()
             raise server
         if self.waiting:
             self._replicated(results.pop())
-        deltas, finishes, self.deltas, self.finishes = self.deltas, self.finishes, [], []
+        (deltas, finishes), self.sending = self.sending, ([], [])
         failed_jobs = {key: str(r) for (_, _, key), r in zip(deltas, results) if isinstance(r, Exception)}
         ends = results[len(results) - len(finishes):] if finishes else []
         failed = [(f, str(r)) for f, r in zip(finishes, ends) if isinstance(r, Exception)]
@@ -157,7 +175,8 @@ class Publisher:
         try:
             self.durability.check(wait_reply)
         except NotReplicated:
-            self.deltas = []
+            self.sending = ([], self.sending[1])  # the deltas went out; the finals go again, first
+            self.requeue()
             raise
 
     def _finish(self, pipe, f: Finish) -> None:

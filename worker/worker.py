@@ -10,12 +10,15 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from kvgate.engine.detokenizer import TextDelta
+from kvgate.engine.detokenizer_thread import DetokenizerThread, StepText
 from kvgate.engine.outputs import RequestRejected, StepOutput
 from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, TokenLogprob, Usage,
                                       as_text, decode_job, mask_url)
@@ -47,6 +50,19 @@ class Flight:
     first_token_at: float | None = None
     deltas: int = 0
     logprobs: list[TokenLogprob] | None = None  # every token's so far, when the job asked
+    undecoded: list[TokenLogprob] = field(default_factory=list)  # rendered, their text not yet decoded
+    ending: str | None = None  # cancelled in the engine; the status to answer once its last text is decoded
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One round trip on its way on the I/O thread while the engine steps: what its replies belong to."""
+
+    replies: Future
+    n_out: int
+    count: int
+    reclaim_ms: int
+    polled: list[Ticket] = field(default_factory=list)
 
 
 class NullMetrics:
@@ -115,6 +131,11 @@ class Worker:
         self.drain_deadline = 0.0
         self.last_read_empty_at = 0.0
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
+        # Text is decoded on its own thread and Redis round trips run on another, both while the engine steps.
+        tokenizer = getattr(engine, "tokenizer", None)
+        self.detok = DetokenizerThread(tokenizer) if tokenizer is not None else None
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="kvgate-io")
+        self.sent: Exchange | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def run(self, stop_event: threading.Event | None = None) -> int:
@@ -138,11 +159,15 @@ class Worker:
             if not self.draining:
                 self._redis(self._intake)
         self._admit_local()
-        if self.engine.has_unfinished():
-            self._step()
-        elif not online:
+        busy = self.engine.has_unfinished()
+        if busy:
+            self._step()  # the last step's text decodes and its round trip runs meanwhile, on their threads
+        if self.detok is not None and self.detok.in_flight:
+            # the text of the step before this one; all of it when nothing runs now, so nothing waits a step
+            self._collect_text(lag=1 if self.engine.has_unfinished() else 0)
+        if not busy and not online:
             time.sleep(max(0.0, min(self.offline_until - time.monotonic(), 0.5)))
-        elif self.draining:
+        elif not busy and self.draining:
             time.sleep(0.01)  # nothing left to run; waiting for the outbox to go out
         if time.monotonic() >= self.offline_until:
             self._redis(self._exchange)
@@ -205,7 +230,10 @@ class Worker:
         count = self.queue.read_count(adm.free_seqs, adm.admissible_tokens, idle)
         if count <= 0:
             return
-        if any(c is not None for c in self.cursors.values()):
+        own_pending = any(c is not None for c in self.cursors.values())
+        if own_pending or idle:
+            self._settle_exchange()  # a read of its own may be on its way: its entries come first
+        if own_pending:
             self._read_own_pending(count)
         elif idle and not self.publisher.pending:
             if not self._read_new(count):
@@ -368,7 +396,11 @@ class Worker:
 
     def _start(self, ticket: Ticket) -> None:
         try:
-            self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params)
+            if self.detok is None:
+                self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params)
+            else:
+                self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params, detokenize=False)
+                self.detok.add(ticket.key, ticket.params.stop, incremental=ticket.job.stream)
         except (RequestRejected, ValueError) as e:
             self._answer(ticket, "error", error=f"rejected: {e}")
             return
@@ -382,6 +414,10 @@ class Worker:
         outputs = self.engine.step()
         self.metrics.on_step(self.engine.stats, time.perf_counter() - started, len(self.queue))
         now = time.time()
+        if self.detok is not None:
+            self._render_logprobs(outputs)
+            self.detok.submit(outputs, now)
+            return
         for out in outputs:
             flight = self.flights.get(out.request_id)
             if flight is not None:
@@ -406,6 +442,57 @@ class Worker:
             status = "cancelled" if out.finish_reason == "abort" else "done"
             self._answer(flight.ticket, status, out=out, flight=flight)
 
+    def _render_logprobs(self, outputs: list[StepOutput]) -> None:
+        """Logprobs are rendered as the tokens come (the engine's are per step); each text delta then takes
+        those of its own tokens, in order."""
+        for out in outputs:
+            flight = self.flights.get(out.request_id)
+            if flight is not None and flight.logprobs is not None and out.logprobs:
+                flight.undecoded += self.renderer.tokens(out.new_token_ids, out.logprobs,
+                                                         flight.ticket.params.logprobs)
+
+    def _collect_text(self, lag: int) -> None:
+        for step in self.detok.results(lag):
+            for delta in step.deltas:
+                flight = self.flights.get(delta.request_id)
+                if flight is not None:
+                    self._collect_delta(flight, delta, step)
+
+    def _collect_delta(self, flight: Flight, d: TextDelta, step: StepText) -> None:
+        """What the detokenizer made of a step: the same deltas and final `_collect` makes from text the engine
+        decoded itself. A stop string found there ends the job here and the engine drops the request; the ids
+        it generated past the stop meanwhile are not part of the result."""
+        job = flight.ticket.job
+        if d.token_ids and flight.first_token_at is None:
+            flight.first_token_at = step.stamp
+            self.metrics.on_first_token(step.stamp - flight.admitted_at)
+        logprobs = None
+        if flight.logprobs is not None:
+            logprobs, flight.undecoded = flight.undecoded[:len(d.token_ids)], flight.undecoded[len(d.token_ids):]
+            flight.logprobs.extend(logprobs)
+        if job.stream and (d.token_ids or d.text):
+            delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, d.text, list(d.token_ids),
+                          attempt=flight.ticket.attempt, logprobs=logprobs or None)
+            self.publisher.delta(job.client_id, delta, flight.ticket.key)
+            flight.deltas += 1
+        if not d.finished:
+            return
+        if flight.logprobs is not None:  # a job that does not stream gets its ids in one piece at the end
+            flight.logprobs += flight.undecoded
+            del flight.logprobs[len(d.output_ids or ()):]  # none for ids generated past a stop string
+        del self.flights[d.request_id]
+        out = step.outputs[d.request_id]
+        if d.stopped:
+            if not out.finished:
+                self.engine.abort(d.request_id)
+            status, reason = "done", "stop"
+        else:
+            reason = out.finish_reason
+            status = flight.ending or ("cancelled" if reason == "abort" else "done")
+        final = StepOutput(d.request_id, [], "", True, reason, out.prompt_tokens, len(d.output_ids or ()),
+                           out.cached_tokens, token_ids=d.output_ids, text=d.output_text)
+        self._answer(flight.ticket, status, out=final, flight=flight)
+
     def _answer(self, ticket: Ticket, status: str, *, out: StepOutput | None = None, flight: Flight | None = None,
                 error: str | None = None, dead_reason: str = "") -> None:
         job = ticket.job
@@ -424,11 +511,14 @@ class Worker:
             self.metrics.on_dead_letter("max_deliveries")
 
     def _flush(self) -> None:
+        self._settle_exchange()
         self._settled(self.publisher.flush())
 
     def _exchange(self) -> None:
         """One round trip per step: the step's deltas and finals, the refill read for the slots it freed, and
-        the cancellation poll when due."""
+        the cancellation poll when due. It runs on the I/O thread while the engine computes the next step, and
+        its replies are taken in before the next one goes; with nothing to step, at once."""
+        self._settle_exchange()
         if self.flights and time.monotonic() - self.renewed_at > 2 * self.settings.renew_interval_s:
             self._renew()  # we stalled (SIGSTOP, a slow step): check the leases before publishing for them
         pipe = self.client.pipeline(transaction=False)
@@ -443,15 +533,27 @@ class Worker:
             pipe.mget([self.keys.cancel(t.job.job_id) for t in polled])
         if not (n_out or count or polled):
             return
-        replies = pipe.execute(raise_on_error=False)
-        self._settled(self.publisher.settle(replies[:n_out]))
-        error = next((r for r in replies[n_out:] if isinstance(r, Exception)), None)
+        self.sent = Exchange(self.io.submit(pipe.execute, raise_on_error=False), n_out, count, reclaim_ms, polled)
+        if not self.engine.has_unfinished():
+            self._settle_exchange()
+
+    def _settle_exchange(self) -> None:
+        sent, self.sent = self.sent, None
+        if sent is None:
+            return
+        try:
+            replies = sent.replies.result()
+        except BaseException:
+            self.publisher.requeue()
+            raise
+        self._settled(self.publisher.settle(replies[:sent.n_out]))
+        error = next((r for r in replies[sent.n_out:] if isinstance(r, Exception)), None)
         if error is not None:
             raise error
-        if count:
-            self._read_new(count, Reader.parse(replies[n_out]), reclaim_ms)
-        if polled:
-            self._cancel(polled, replies[-1])
+        if sent.count:
+            self._read_new(sent.count, Reader.parse(replies[sent.n_out]), sent.reclaim_ms)
+        if sent.polled:
+            self._cancel(sent.polled, replies[-1])
 
     def _refill_count(self) -> int:
         if self.draining or not self.engine.has_unfinished() or any(c is not None for c in self.cursors.values()):
@@ -482,6 +584,8 @@ class Worker:
             return
         self.publisher.forget({key})
         self.engine.abort(key)
+        if self.detok is not None:
+            self.detok.drop([key])
         reply = self.keys.reply(flight.ticket.job.client_id)
         log.warning("job %s failed: its reply stream %s refused a delta: %s", flight.ticket.job.job_id, reply, reason)
         self._answer(flight.ticket, "error", flight=flight, error=f"could not publish to reply stream {reply}: {reason}")
@@ -530,6 +634,8 @@ class Worker:
             return
         log.warning("%d jobs were taken over by another worker after a stall; stopping them here", len(lost))
         self.publisher.forget(lost)
+        if self.detok is not None:
+            self.detok.drop(lost)
         for key in lost:
             if self.flights.pop(key, None) is not None:
                 self.engine.abort(key)
@@ -558,7 +664,13 @@ class Worker:
                     self._answer(ticket, "cancelled", error="cancelled before it started")
                 continue
             out = self.engine.abort(ticket.key)
-            self._answer(ticket, "cancelled", out=out, flight=flight)
+            if self.detok is None:
+                self._answer(ticket, "cancelled", out=out, flight=flight)
+            elif out is not None:  # its text ends with what the detokenizer still holds: answer when it comes
+                flight.ending, self.flights[ticket.key] = "cancelled", flight
+                self.detok.submit([out], time.time())
+            else:  # the engine finished it already; its final is being decoded
+                self.flights[ticket.key] = flight
 
     def _beat(self) -> None:
         if not self.draining:
@@ -586,6 +698,7 @@ class Worker:
     def _drained(self) -> bool:
         if self.flights and time.monotonic() < self.drain_deadline:
             return False
+        self._redis(self._settle_exchange)  # what is on its way is sent or back in the outbox
         return not self.publisher.pending or time.monotonic() >= self.drain_deadline + 5
 
     def _finish_drain(self) -> None:
@@ -593,6 +706,8 @@ class Worker:
         for key, flight in list(self.flights.items()):
             self.engine.abort(key)
             handed[flight.ticket.stream].append(flight.ticket.entry_id)
+        if self.detok is not None:
+            self.detok.drop(list(self.flights))
         self.flights.clear()
         if any(handed.values()):
             log.info("drain timeout: handing back %d running jobs", sum(map(len, handed.values())))
@@ -606,6 +721,9 @@ class Worker:
                 break
             except REDIS_DOWN:
                 time.sleep(0.5)
+        self.io.shutdown(wait=False)
+        if self.detok is not None:
+            self.detok.close()
         self.client.close()
         log.info("worker %s stopped after %d jobs", self.worker_id, self.jobs_done)
 

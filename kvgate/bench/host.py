@@ -1,6 +1,12 @@
 """`kvgate bench host`: W-HOST from shared/benchmarks.md, the engine thread's CPU time per step, split into
 schedule, input preparation, sampling and post-processing, on a tiny random model whose forward costs nothing.
 
+Streaming detokenization is measured two ways: " detok", the engine decoding inline in its step (what
+`add_request(stream_text=True)` does), and " detok-thread", the worker's way: the engine emits ids only and a
+DetokenizerThread decodes each step while the next one runs; there the engine thread's time includes handing the
+step over and taking the previous step's text back, the wall time per step shows what the detokenizer thread's
+share of the GIL costs the step, and the detokenizer thread's own CPU time per step is reported beside it.
+
 `--baseline-ref REF` runs the same cases on the engine of another commit in the same run, interleaved: the
 commit is extracted with `git archive` into a temporary folder (the repository's worktrees are not touched)
 and each engine's cases run in a fresh subprocess of this file with that tree first on sys.path. The measuring code
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import random
@@ -38,9 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cases_of(args: argparse.Namespace) -> list[dict]:
     out_hi = min(400, args.max_output) if args.max_output else 400
     out = (min(200, out_hi), out_hi)
-    cases = [dict(name=f"b{b} {'t0.6' if t else 'greedy'}{' detok' if d else ''}", batch=b, temperature=t,
-                  stream=d, num_requests=args.num_requests, prompt=(32, 128), output=out, stub=False, seed=args.seed)
-             for b in (int(x) for x in args.batches.split(",")) for t in (0.0, 0.6) for d in (False, True)]
+    # detok: None (ids only), "inline" (the engine decodes in step), "thread" (a DetokenizerThread, as the worker)
+    cases = [dict(name=f"b{b} {'t0.6' if t else 'greedy'}{DETOK_NAMES[d]}", batch=b, temperature=t,
+                  stream=d is not None, detok=d, num_requests=args.num_requests, prompt=(32, 128), output=out,
+                  stub=False, seed=args.seed)
+             for b in (int(x) for x in args.batches.split(",")) for t in (0.0, 0.6) for d in (None, "inline", "thread")]
     if not args.no_gpu_shaped:
         gpu_out = (min(100, out_hi), min(1024, args.max_output or 1024))
         cases.append(dict(name="W-GPU-shaped stub", batch=256, temperature=0.0, stream=False,
@@ -124,6 +133,7 @@ def run_child(cases: list[dict], overlay: Path | None) -> list[dict]:
 # ---- the measurement: imports kvgate.engine only, so either commit's engine can be measured -------------------
 
 PARTS = ("schedule", "prepare", "sampler", "post")
+DETOK_NAMES = {None: "", "inline": " detok", "thread": " detok-thread"}
 _TOKENIZER: dict = {}
 
 
@@ -145,12 +155,22 @@ def measure(case: dict) -> dict:
     tokenizer = _TOKENIZER.get("smollm2") or _TOKENIZER.setdefault("smollm2", resolve_model("smollm2-135m").tokenizer)
     engine = LLMEngine(tiny_source(tokenizer, case["seed"]), max_num_seqs=case["batch"], device="cpu",
                        dtype="float32", seed=case["seed"])
+    detok = None
+    if case.get("detok") == "thread":
+        if "detokenize" not in inspect.signature(LLMEngine.add_request).parameters:
+            return {"skipped": "this engine cannot leave the text to a DetokenizerThread"}
+        from kvgate.engine.detokenizer_thread import DetokenizerThread
+        detok = DetokenizerThread(tokenizer)
     rng = random.Random(case["seed"])
     for i in range(case["num_requests"]):
         prompt = [rng.randrange(TINY["vocab_size"]) for _ in range(rng.randint(*case["prompt"]))]
         params = SamplingParams(temperature=case["temperature"], max_tokens=rng.randint(*case["output"]),
                                 ignore_eos=True, seed=None)
-        engine.add_request(str(i), prompt, params, stream_text=case["stream"])
+        if detok is None:
+            engine.add_request(str(i), prompt, params, stream_text=case["stream"])
+        else:
+            engine.add_request(str(i), prompt, params, detokenize=False)
+            detok.add(str(i), None, incremental=True)
     clock, current, batches = time.thread_time, {}, []
     runner = engine.runner
 
@@ -181,17 +201,25 @@ def measure(case: dict) -> dict:
     runner.sampler = timed("sampler", runner.sampler)
     steps = []
     gc.collect()  # the previous case's engine is garbage: its collection is not this case's host work
+    detok_clock = (lambda: time.clock_gettime(time.pthread_getcpuclockid(detok.thread.ident))) if detok else None
+    detok_start = detok_clock() if detok else 0.0
     while engine.has_unfinished():
         current.clear()
-        start = clock()
-        engine.step()
-        total = clock() - start
+        start, wall = clock(), time.perf_counter()
+        outputs = engine.step()
+        if detok is not None:  # what the worker's engine thread does: hand the step over, take the last one's text
+            detok.submit(outputs, 0.0)
+            detok.results(lag=1 if engine.has_unfinished() else 0)
+        total, wall = clock() - start, time.perf_counter() - wall
         batch = batches[-1]
         full = len(batch) == case["batch"] and all(n == 1 for _, n in batch)
         model = current.get("forward", 0.0) + current.get("logits", 0.0)
         parts = {p: current.get(p, 0.0) for p in PARTS[:-1]}
         parts["post"] = total - model - sum(parts.values())
-        steps.append((full, total - model, model, parts))
+        steps.append((full, total - model, model, parts, wall))
+    detok_s = detok_clock() - detok_start if detok else None
+    if detok is not None:
+        detok.close()
     full = [s for s in steps if s[0]]
     mean = lambda xs: 1e3 * statistics.fmean(xs) if xs else None  # noqa: E731
     import kvgate.engine
@@ -199,22 +227,32 @@ def measure(case: dict) -> dict:
             "host_s_all_steps": sum(s[1] for s in steps), "host_ms_per_step_all": mean([s[1] for s in steps]),
             "model_s_all_steps": sum(s[2] for s in steps),
             "full_decode_ms": {**{p: mean([s[3][p] for s in full]) for p in PARTS},
-                               "host": mean([s[1] for s in full]), "model": mean([s[2] for s in full])}}
+                               "host": mean([s[1] for s in full]), "model": mean([s[2] for s in full]),
+                               "wall": mean([s[4] for s in full])},
+            # the detokenizer thread's own CPU time over the whole run, per step: where the decoding went
+            "detok_thread_ms_per_step": 1e3 * detok_s / len(steps) if detok_s is not None else None}
 
 
 def ratio(baseline: dict, current: dict) -> float | None:
+    if "skipped" in baseline or "skipped" in current:
+        return None
     b, c = baseline["full_decode_ms"]["host"], current["full_decode_ms"]["host"]
     return round(b / c, 2) if b and c else None
 
 
 def print_case(entry: dict) -> None:
     def fmt(r: dict) -> str:
+        if "skipped" in r:
+            return f"skipped: {r['skipped']}"
         ms = r["full_decode_ms"]
         if ms["host"] is None:
             return f"no full-batch decode step of {r['steps']}; host {r['host_s_all_steps']:.2f} s in all"
         parts = " ".join(f"{p} {ms[p]:.3f}" for p in PARTS)
-        return (f"{parts} | host {ms['host']:.3f} ms/step over {r['full_decode_steps']} full decode steps; "
-                f"all {r['steps']} steps {r['host_s_all_steps']:.2f} s ({r['host_ms_per_step_all']:.3f} ms/step)")
+        detok = r.get("detok_thread_ms_per_step")
+        return (f"{parts} | host {ms['host']:.3f} ms/step (wall {ms['wall']:.3f}) over {r['full_decode_steps']} "
+                f"full decode steps; all {r['steps']} steps {r['host_s_all_steps']:.2f} s "
+                f"({r['host_ms_per_step_all']:.3f} ms/step)"
+                + (f"; detokenizer thread {detok:.3f} ms CPU/step" if detok is not None else ""))
     print(entry["case"]["name"])
     for label in ("baseline", "current"):
         if label in entry:

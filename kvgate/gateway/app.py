@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import Any
 
 import msgspec
@@ -17,8 +16,14 @@ from kvgate.producer import AsyncClient, AsyncJobHandle, KvgateError, Result
 
 from . import sse
 from .auth import authorize
-from .errors import ApiError, api_error_handler, from_sdk, http_error_handler, invalid, unexpected_error_handler
+from .batch_runner import BatchRunner
+from .batch_store import BatchStore
+from .batches import BatchesApi
+from .errors import ApiError, api_error_handler, from_sdk, http_error_handler, unexpected_error_handler
+from .file_store import LocalFileStore, default_files_dir
+from .files import FilesApi
 from .models import LiveModels, model_object
+from .request_body import read_json as _body
 from .responses import Reply, failure
 from .settings import GatewaySettings
 from .translate import Kind, Plan, plan
@@ -46,6 +51,8 @@ class Gateway:
         self.client: AsyncClient | None = None
         self.models: LiveModels | None = None
         self._cancelling: set[asyncio.Task] = set()
+        self.files = FilesApi(settings, LocalFileStore(settings.files_dir or default_files_dir()))
+        self.batches = BatchesApi(settings, self.files)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
@@ -54,9 +61,15 @@ class Gateway:
                                   durability=s.durability)
         await self.client.start()
         self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s, s.models)
+        store = BatchStore(self.client.redis, s.namespace)
+        runner = BatchRunner(self.client, store, self.files.store, window=s.batch_window, priority=s.batch_priority,
+                             lease_s=s.batch_lease_s, poll_s=s.batch_poll_s, max_backlog=s.max_backlog)
+        self.batches.store, self.batches.runner = store, runner
+        runner.start()
         try:
             yield
         finally:
+            await runner.stop()
             await close_client(self.client)
 
     # -- routes -----------------------------------------------------------------------------------
@@ -143,13 +156,6 @@ class Gateway:
                 await h.cancel()
 
 
-async def _body(request: Request) -> Any:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid("body", f"the request body is not JSON: {e}", code="invalid_json") from None
-
-
 def create_app(settings: GatewaySettings | None = None) -> Starlette:
     gw = Gateway(settings or GatewaySettings())
     routes = [
@@ -158,6 +164,8 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         Route("/v1/models", gw.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.get_model, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        *gw.files.routes(),
+        *gw.batches.routes(),
     ]
     handlers = {ApiError: api_error_handler, HTTPException: http_error_handler, Exception: unexpected_error_handler}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=gw.lifespan)

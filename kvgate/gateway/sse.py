@@ -1,7 +1,8 @@
 """Server-sent events in OpenAI's framing: `data: {chunk}\n\n` per chunk, `data: [DONE]\n\n` at the end.
 
 The n choices of a request stream side by side, each chunk naming its choice index. A job that fails
-mid-stream becomes one `data: {"error": {...}}` event (the openai client raises it), then [DONE].
+mid-stream becomes one `data: {"error": {...}}` event (the openai client raises it), then [DONE]. A job that
+restarts mid-stream goes on where the client is when it repeats itself (replay.py), else fails so.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import msgspec
 from kvgate.producer import AsyncJobHandle, KvgateError, Result
 
 from .errors import ApiError, from_sdk
+from .replay import Replay
 from .responses import Reply, failure, finish
 
 DONE = b"data: [DONE]\n\n"
@@ -60,18 +62,20 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
 
 
 async def _pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Queue) -> None:
+    replay = Replay()
     try:
-        async for delta in handle.stream(timeout):
-            logprobs = getattr(delta, "logprobs", None)  # a Restart has none
+        async for item in handle.stream(timeout):
             # a token that ends mid-character has no text yet (the next delta carries it), but has its logprob
-            if delta.text or logprobs:
-                inbox.put_nowait((i, (delta.text, None, False, logprobs)))
+            if (new := replay.take(item)) is not None:
+                inbox.put_nowait((i, (new[0], None, False, new[1])))
         inbox.put_nowait((i, await handle.result(0)))
-    except KvgateError as e:
+    except (KvgateError, ApiError) as e:
         inbox.put_nowait((i, e))
 
 
 def _error_of(item: Result | Exception, timeout: float) -> ApiError | None:
     if isinstance(item, Result):
         return failure(item)
+    if isinstance(item, ApiError):
+        return item
     return from_sdk(item, {}, 1)

@@ -15,10 +15,8 @@ from typing import IO
 from tqdm.auto import tqdm
 
 from ..client import Client
-from ..errors import InvalidRequest, ResultTimeout
-from ..openai_batch import (BadLine, BatchRequest, custom_id_of, duplicate_custom_id, error_line, failed_result_line,
-                            file_digest, invalid_request_line, line_id, parse_line, success_line)
-from ..submission import prepare
+from ..errors import ResultTimeout
+from ..openai_batch import BatchRequest, answer_line, duplicate_custom_id, file_digest, plan_line, request_lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,27 +51,14 @@ def read_requests(data: bytes, done: set[str], priority: str, out: IO[str],
                   client: Client) -> tuple[list[BatchRequest], int]:
     """Parse and validate the lines still to do; bad lines get their error line now, and are counted."""
     digest, todo, rejected = file_digest(data), [], 0
-    for line_no, raw in enumerate(data.decode("utf-8", "replace").splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            req = parse_line(line_no, raw, digest)
-        except BadLine as e:
-            custom_id = custom_id_of(raw) or f"line-{line_no}"
-            if custom_id not in done:
-                _write(out, error_line(line_id(digest, line_no), custom_id, e.code, str(e)))
-                rejected += 1
-            continue
-        if req.custom_id in done:
-            continue
-        req.submit_args.setdefault("priority", priority)
-        try:
-            prepare(req.submit_args, client.keys, client.client_id)  # every check submit would make
-        except InvalidRequest as e:
-            _write(out, invalid_request_line(req, e, digest))
+    for line_no, raw in request_lines(data):
+        planned = plan_line(line_no, raw, digest, priority, client.keys, client.client_id)
+        if isinstance(planned, BatchRequest):
+            if planned.custom_id not in done:
+                todo.append(planned)
+        elif planned["custom_id"] not in done:
+            _write(out, planned)
             rejected += 1
-            continue
-        todo.append(req)
     return todo, rejected
 
 
@@ -117,11 +102,9 @@ def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argpa
     with tqdm(total=len(handles), unit="req", desc="batch", disable=not show) as bar:
         for handle in client.as_completed(list(handles), timeout=args.timeout):
             req, result = by_job[handle.job_id], handle.result(timeout=0)
-            if result.status == "done":
-                _write(out, success_line(req, result, result.model or _served_by(client, result.worker, models)))
-            else:
-                failed += 1
-                _write(out, failed_result_line(req, result))
+            row = answer_line(req, result, result.model or _served_by(client, result.worker, models))
+            failed += row["error"] is not None
+            _write(out, row)
             bar.update(1)
     return failed
 

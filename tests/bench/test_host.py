@@ -19,7 +19,8 @@ def test_host_bench_measures_baseline_and_current_engines_side_by_side(tmp_path)
                               "--json", str(out)])
     assert host.run(args) == 0
     report = json.loads(out.read_text())
-    assert report["workload"] == "W-HOST" and len(report["cases"]) == 5  # 2 temperatures x 2 detok + gpu-shaped
+    # 2 temperatures x (no detok, inline detok, detok thread) + gpu-shaped
+    assert report["workload"] == "W-HOST" and len(report["cases"]) == 7
     for entry in report["cases"]:
         base, cur = entry["baseline"], entry["current"]
         assert cur["engine"] == str(ROOT / "engine")  # the editable install: this tree
@@ -32,3 +33,5 @@ def test_host_bench_measures_baseline_and_current_engines_side_by_side(tmp_path)
             assert r["full_decode_steps"] > 0
             assert abs(sum(ms[p] for p in host.PARTS) - ms["host"]) < 1e-6
             assert all(ms[p] >= 0 for p in ("schedule", "prepare", "sampler"))
+            threaded = entry["case"]["detok"] == "thread"
+            assert (r["detok_thread_ms_per_step"] > 0) if threaded else r["detok_thread_ms_per_step"] is None

@@ -241,6 +241,17 @@ def test_gateway_reads_its_redis_url_and_api_keys_from_secrets_that_the_example_
     assert container["args"][:1] == ["serve"] and "0.0.0.0" in container["args"]
 
 
+def test_gateway_replicas_share_one_read_write_many_files_dir():
+    """Batch files must be seen by every replica: the one driving a batch may not be the one that took the upload."""
+    pod = named("Deployment", "kvgate-gateway")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    [mount] = container["volumeMounts"]
+    assert env_of(container)["KVGATE_FILES_DIR"] == mount["mountPath"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    claim = named("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
 def test_a_worker_asking_for_cuda_runs_the_cuda_image():
     for d in of_kind("Deployment"):
         for c in d["spec"]["template"]["spec"]["containers"]:

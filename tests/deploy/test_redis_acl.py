@@ -150,8 +150,9 @@ def test_a_worker_with_affinity_on_owns_lanes_and_beats_under_its_least_privileg
     assert not thread.is_alive()
 
 
-def test_the_gateway_serves_chat_and_models_as_its_acl_user_with_a_worker_as_its_own(acl_server, tmp_path):
-    """The whole path under least privilege: the gateway user enqueues, lists models and reads replies."""
+def test_the_gateway_serves_chat_models_and_batches_as_its_acl_user_with_a_worker_as_its_own(acl_server, tmp_path):
+    """The whole path under least privilege: the gateway user enqueues, lists models, reads replies and runs
+    a managed batch."""
     import openai
 
     from tests.gateway.conftest import SIM, start_gateway, stop_worker
@@ -167,6 +168,15 @@ def test_the_gateway_serves_chat_and_models_as_its_acl_user_with_a_worker_as_its
         out = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=3,
                                              messages=[{"role": "user", "content": "hi"}])
         assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+        # managed batches: create, lease, submit, record, finalize and list, all as the gateway user
+        from tests.gateway.batch_files import jsonl, request, rows_of, wait_final
+
+        f = client.files.create(file=("in.jsonl", jsonl([request(i) for i in range(5)])), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = wait_final(client.batches.retrieve, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 5, done
+        assert len(rows_of(client.files.content(done.output_file_id).content)) == 5
+        assert [b.id for b in client.batches.list().data] == [batch.id]
     finally:
         gw.stop()
         stop_worker(worker)

@@ -2,11 +2,12 @@
 presence penalties, the sampled distribution, logprobs."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvgate.engine import LLM, SamplingParams
-from kvgate.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from kvgate.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p, inverse_cdf
 from kvgate.engine.sequence import Sequence
 from tests.engine.helpers import random_prompts, tiny_source
 
@@ -184,3 +185,26 @@ def test_logprobs_of_mixed_rows_are_the_raw_log_softmax_of_each_asking_row():
     top2 = logp[0].topk(2)
     assert lps[0] == {i: v for i, v in zip(top2.indices.tolist(), top2.values.tolist())}
     assert lps[2] == {tokens[2]: logp[2, tokens[2]].item()}
+
+
+def reference_inverse_cdf(weights: np.ndarray, u: np.ndarray) -> list[int]:
+    cdf = np.cumsum(weights.astype(np.float64), 1)
+    return [int(np.searchsorted(row, t * row[-1], side="right")) for row, t in zip(cdf, u)]
+
+
+@pytest.mark.parametrize("vocab", [1, 6, 32, 50, 1024])
+def test_two_level_inverse_cdf_picks_the_token_a_whole_vocabulary_cdf_picks(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((300, vocab)).astype(np.float32) * 3
+    logits[rng.random((300, vocab)) < 0.3] = -np.inf  # masked tokens (top-k/top-p) weigh 0
+    logits[np.arange(300), rng.integers(0, vocab, 300)] = 0.0  # at least one survivor per row
+    weights = np.exp(logits - logits.max(1, keepdims=True))
+    u = rng.random(300)
+    assert inverse_cdf(weights, u).tolist() == reference_inverse_cdf(weights, u)
+
+
+def test_inverse_cdf_never_picks_a_zero_weight_token_even_at_the_top_of_the_range():
+    weights = np.zeros((3, 70), dtype=np.float32)
+    weights[:, [3, 40, 41]] = [1.0, 1e-30, 0.5]
+    u = np.array([1 - 2.0 ** -48, 0.999999, 0.0])
+    assert inverse_cdf(weights, u).tolist() == [41, 41, 3]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ def start_gateway(redis_url: str, namespace: str, **settings) -> Gateway:
 
     from kvgate.gateway import GatewaySettings, create_app
 
+    settings.setdefault("files_dir", tempfile.mkdtemp(prefix="kvgate-files-"))  # never the user's data dir
     app = create_app(GatewaySettings(redis_url=redis_url, namespace=namespace, **settings))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

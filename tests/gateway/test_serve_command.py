@@ -46,3 +46,20 @@ def test_serve_takes_keys_from_flags_and_env_and_exits_0_on_sigterm(sim_fleet):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_batch_flags_and_their_variables_reach_the_settings(monkeypatch):
+    import argparse
+
+    from kvgate.cli import add_connection_arguments
+    from kvgate.serve import add_arguments, settings_from
+
+    monkeypatch.setenv("KVGATE_FILES_DIR", "/data/kvgate-files")
+    monkeypatch.setenv("KVGATE_BATCH_LEASE_S", "7.5")
+    parser = argparse.ArgumentParser()
+    add_connection_arguments(parser)
+    add_arguments(parser)
+    s = settings_from(parser.parse_args(["--batch-window", "5", "--max-file-size", "1000", "--batch-priority",
+                                         "normal"]))
+    assert (s.files_dir, s.batch_lease_s, s.batch_window, s.max_file_bytes, s.batch_priority) == (
+        "/data/kvgate-files", 7.5, 5, 1000, "normal")

@@ -60,3 +60,20 @@ def test_smollm2_logprobs_through_the_openai_client(smol):
     lp = legacy.choices[0].logprobs
     assert "".join(lp.tokens) == legacy.choices[0].text and lp.text_offset[0] == 0
     assert all(len(top) == 2 and max(top.values()) == chosen for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_smollm2_answers_a_small_managed_batch(smol):
+    from tests.gateway.batch_files import jsonl, rows_of, wait_final
+
+    model = smol.models.list().data[0].id
+    questions = {"france": "What is the capital of France?"}  # one line: the CPU model is slow
+    rows = [{"custom_id": k, "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": model, "temperature": 0, "max_tokens": 8, "messages": [{"role": "user", "content": q}]}}
+            for k, q in questions.items()]
+    f = smol.files.create(file=("q.jsonl", jsonl(rows)), purpose="batch")
+    batch = smol.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_final(smol.batches.retrieve, batch.id, timeout=240)
+    assert done.status == "completed" and done.request_counts.completed == 1
+    answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"]
+               for r in rows_of(smol.files.content(done.output_file_id).content)}
+    assert "Paris" in answers["france"]

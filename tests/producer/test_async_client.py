@@ -61,3 +61,19 @@ def test_async_submit_sends_penalties_and_logprobs_and_the_result_carries_them(r
     sampling, result = asyncio.run(scenario())
     assert (sampling.logprobs, sampling.frequency_penalty, sampling.presence_penalty) == (0, -2.0, 1.0)
     assert result.logprobs == answer
+
+
+def test_async_idempotent_submits_enqueue_once_and_reuse_the_job(redis_url, namespace, redis_server):
+    """An asyncio pipeline queues a script call only once it is awaited: before, idempotent submits enqueued
+    nothing and returned no handles."""
+    async def scenario():
+        async with AsyncClient(redis_url, namespace) as client:
+            first = await client.submit("once", idempotency_key="async-1")
+            again = await client.submit("once", idempotency_key="async-1")
+            many = await client.submit_many([{"prompt": "a", "idempotency_key": "async-2"},
+                                             {"prompt": "a", "idempotency_key": "async-2"}])
+            return first, again, many, client.keys
+
+    first, again, many, keys = asyncio.run(scenario())
+    assert again.job_id == first.job_id and len(many) == 2 and many[0].job_id == many[1].job_id
+    assert redis_server.client().xlen(keys.jobs(None, "normal")) == 2

@@ -49,7 +49,9 @@ def test_jobs_go_in_and_come_back_through_sentinel_with_their_results_on_the_rep
             assert len(client.stats().workers) == 1  # stats read through Sentinel too
         assert [r.status for r in results] == ["done"] * 5
         replica = sentinel_group.replica.client()
-        assert all(replica.exists(Keys(namespace).result(h.job_id)) for h in handles)
+        # the reply event is readable before the worker's WAIT returns, so the replica may trail the client briefly
+        wait_for(lambda: all(replica.exists(Keys(namespace).result(h.job_id)) for h in handles), 10,
+                 "the results on the replica")
     finally:
         stop_all([worker])
 

@@ -1,0 +1,176 @@
+"""The task in each gateway that drives batches: validating -> in_progress -> finalizing -> completed.
+
+Every poll it looks at the batches not yet final and takes the lease of any that nobody drives (SET NX PX,
+renewed at a third of its length). A replica that dies stops renewing, its leases lapse, and another replica
+(or the same one restarted) resumes the batch from what Redis holds: the lines already answered, and the jobs
+already submitted, reattached through their idempotency keys.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import secrets
+import time
+
+from kvgate.producer import AsyncClient
+from kvgate.producer.openai_batch import custom_id_of, is_success, request_lines
+
+from .batch_input import input_errors
+from .batch_store import Batch, BatchStore
+from .batch_work import SUBMIT_CHUNK, Work
+from .file_store import FileStore
+
+log = logging.getLogger(__name__)
+
+
+def result_file_id(batch_id: str, kind: str) -> str:
+    """Fixed per batch, so a finalization redone after a crash replaces its files instead of adding copies."""
+    return "file-" + hashlib.sha256(f"{batch_id}\n{kind}".encode()).hexdigest()[:24]
+
+
+class BatchRunner:
+    def __init__(self, client: AsyncClient, store: BatchStore, files: FileStore, *, window: int, priority: str,
+                 lease_s: float, poll_s: float, max_backlog: int | None = None):
+        self.client, self.store, self.files = client, store, files
+        self.chunk = min(SUBMIT_CHUNK, max_backlog or SUBMIT_CHUNK)
+        self.window, self.priority, self.lease_s, self.poll_s = window, priority, lease_s, poll_s
+        self.token = secrets.token_hex(8)
+        self.driving: dict[str, asyncio.Task] = {}
+        self._loop: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        self._loop = asyncio.create_task(self._watch(), name="kvgate-batches")
+
+    async def stop(self) -> None:
+        """Stop driving; the leases are released, so another replica may resume at once."""
+        tasks = [t for t in [self._loop, *self.driving.values()] if t is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+
+    def wake(self) -> None:
+        """A batch was created here: look now rather than at the next poll."""
+        self._wake.set()
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                for batch_id in await self.store.active():
+                    if batch_id not in self.driving and await self.store.acquire(batch_id, self.token, self.lease_s):
+                        task = asyncio.create_task(self._drive(batch_id), name=f"kvgate-{batch_id}")
+                        self.driving[batch_id] = task
+                        task.add_done_callback(lambda _, b=batch_id: self.driving.pop(b, None))
+            except Exception as e:  # Redis away for a moment: the next poll tries again
+                log.warning("batch runner: %r", e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            self._wake.clear()
+
+    async def _drive(self, batch_id: str) -> None:
+        work = asyncio.create_task(self._advance(batch_id))
+        try:
+            while not work.done():
+                await asyncio.wait({work}, timeout=self.lease_s / 3)
+                if not work.done() and not await self.store.renew(batch_id, self.token, self.lease_s):
+                    log.warning("batch %s: lease lost; another replica drives it now", batch_id)
+                    work.cancel()
+            work.result()
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        except Exception:
+            log.exception("batch %s: driving failed; it is retried at the next poll", batch_id)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.store.release(batch_id, self.token)
+
+    async def _advance(self, batch_id: str) -> None:
+        """Move the batch along until it is final; each step re-reads the status a cancel may have changed."""
+        while (b := await self.store.get(batch_id)) is not None:
+            if b.status == "validating":
+                await self._validate(b)
+            elif b.status == "in_progress":
+                await self._process(b)
+            elif b.status == "finalizing":
+                await self._finalize(b, ("finalizing",), "completed", "completed_at")
+            elif b.status == "cancelling":
+                await Work(b, self.client, self.store, self.window, self.priority).cancel_jobs()
+                await self._finalize(b, ("cancelling",), "cancelled", "cancelled_at")
+            else:
+                return
+
+    async def _validate(self, b: Batch) -> None:
+        data = await self._input(b)
+        errors = [{"code": "file_not_found", "message": f"input file {b.input_file_id} is gone", "param":
+                   "input_file_id", "line": None}] if data is None else input_errors(data, b.endpoint)
+        if b.expired:
+            await self._expire(b, ("validating",))
+        elif errors:
+            await self.store.transition(b.id, ("validating",), "failed", failed_at=_now(),
+                                        errors={"object": "list", "data": errors})
+        else:
+            await self.store.transition(b.id, ("validating",), "in_progress", in_progress_at=_now(),
+                                        total=len(request_lines(data)))
+
+    async def _process(self, b: Batch) -> None:
+        data = await self._input(b)
+        if data is None:  # deleted while the batch ran: what was answered is all there will be
+            await self.store.transition(b.id, ("in_progress",), "finalizing", finalizing_at=_now())
+            return
+        work = Work(b, self.client, self.store, self.window, self.priority, self.chunk)
+        await work.plan(data)
+        outcome = await work.run()
+        if outcome == "done":
+            await self.store.transition(b.id, ("in_progress",), "finalizing", finalizing_at=_now())
+        elif outcome == "expired":
+            await work.cancel_jobs()
+            await self._expire(b, ("in_progress",))
+
+    async def _expire(self, b: Batch, allowed: tuple[str, ...]) -> None:
+        await self._finalize(b, allowed, "expired", "expired_at")
+
+    async def _finalize(self, b: Batch, allowed: tuple[str, ...], status: str, stamp: str) -> None:
+        """Write the output (answers) and error files in input order, then move to the final status."""
+        lines = await self.store.lines(b.id)
+        rows = [lines[c] for c in await self._order(b, lines)]
+        ok = [row for row in rows if is_success(json.loads(row))]
+        bad = [row for row in rows if not is_success(json.loads(row))]
+        output = await self._write(b, "output", ok)
+        error = await self._write(b, "error", bad)
+        if await self.store.transition(b.id, allowed, status, output_file_id=output, error_file_id=error,
+                                       **{stamp: _now()}):
+            await self.store.forget_work(b.id)
+
+    async def _order(self, b: Batch, lines: dict[str, str]) -> list[str]:
+        """custom_ids in the order of the input file; any the file no longer has (it was deleted) at the end."""
+        data = await self._input(b) or b""
+        order = [c for c in (custom_id_of(raw) or f"line-{n}" for n, raw in request_lines(data)) if c in lines]
+        seen = set(order)
+        return order + sorted(c for c in lines if c not in seen)
+
+    async def _write(self, b: Batch, kind: str, rows: list[str]) -> str | None:
+        if not rows:
+            return None
+        data = ("\n".join(rows) + "\n").encode()
+        obj = await asyncio.to_thread(self.files.put, data, f"{b.id}_{kind}.jsonl", "batch_output",
+                                      result_file_id(b.id, kind))
+        return obj.id
+
+    async def _input(self, b: Batch) -> bytes | None:
+        def read() -> bytes | None:
+            f = self.files.open(b.input_file_id)
+            if f is None:
+                return None
+            with f:
+                return f.read()
+
+        return await asyncio.to_thread(read)
+
+
+def _now() -> int:
+    return int(time.time())

@@ -1,0 +1,104 @@
+"""/v1/batches: create a batch over an uploaded file, read it, list them, cancel one. The runner does the work."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvgate.producer.openai_batch import CHAT, COMPLETIONS
+
+from .auth import authorize
+from .batch_runner import BatchRunner
+from .batch_store import WINDOW_S, Batch, BatchStore, new_batch_id
+from .errors import ApiError, invalid
+from .files import FilesApi, not_found
+from .paging import json_ok, limit_of, page_body
+from .request_body import read_json
+from .settings import GatewaySettings
+
+ENDPOINTS = (CHAT, COMPLETIONS)
+CANCELLABLE = ("validating", "in_progress")
+MAX_METADATA = 16
+
+
+@dataclass(slots=True)
+class BatchesApi:
+    settings: GatewaySettings
+    files: FilesApi
+    store: BatchStore | None = None  # set, with the runner, once the gateway's Redis client has started
+    runner: BatchRunner | None = None
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/batches", self.create, methods=["POST"]),
+                Route("/v1/batches", self.list, methods=["GET"]),
+                Route("/v1/batches/{batch_id}", self.retrieve, methods=["GET"]),
+                Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"])]
+
+    async def create(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise invalid("body", "the request body must be a JSON object")
+        endpoint, window = body.get("endpoint"), body.get("completion_window")
+        if endpoint not in ENDPOINTS:
+            raise invalid("endpoint", f"endpoint={endpoint!r} is not supported; use {CHAT} or {COMPLETIONS}",
+                          code="invalid_endpoint")
+        if window != "24h":
+            raise invalid("completion_window", f"completion_window={window!r} is not supported; use '24h'")
+        metadata = _metadata(body.get("metadata"))
+        file_id = body.get("input_file_id")
+        if not isinstance(file_id, str) or not file_id:
+            raise invalid("input_file_id", f"input_file_id={file_id!r} must be the id of an uploaded file")
+        source = await asyncio.to_thread(self.files.store.get, file_id)
+        if source is None:
+            raise not_found(file_id, "input_file_id")
+        if source.purpose != "batch":
+            raise invalid("input_file_id", f"file {file_id} has purpose {source.purpose!r}; upload the input "
+                                           "with purpose 'batch'")
+        now = int(time.time())
+        batch = Batch(new_batch_id(), endpoint, file_id, now, now + WINDOW_S, metadata=metadata)
+        await self.store.create(batch)
+        self.runner.wake()
+        return json_ok(batch.body())
+
+    async def retrieve(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        return json_ok((await self.found(request.path_params["batch_id"])).body())
+
+    async def list(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        batches, more = await self.store.page(limit_of(request, 20, 100), request.query_params.get("after"))
+        return json_ok(page_body([b.body() for b in batches], more))
+
+    async def cancel(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        batch = await self.found(request.path_params["batch_id"])
+        if batch.status not in CANCELLABLE + ("cancelling", "cancelled"):
+            raise ApiError(409, f"batch {batch.id} is {batch.status}; only a validating or in_progress batch can be "
+                                "cancelled", code="batch_not_cancellable")
+        await self.store.transition(batch.id, CANCELLABLE, "cancelling", cancelling_at=int(time.time()))
+        self.runner.wake()
+        return json_ok((await self.found(batch.id)).body())
+
+    async def found(self, batch_id: str) -> Batch:
+        batch = await self.store.get(batch_id)
+        if batch is None:
+            raise ApiError(404, f"no batch with id {batch_id!r}", code="batch_not_found")
+        return batch
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's limits: at most 16 pairs, keys up to 64 characters, string values up to 512."""
+    if value is None:
+        return None
+    ok = isinstance(value, dict) and len(value) <= MAX_METADATA and all(
+        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items())
+    if not ok:
+        raise invalid("metadata", "metadata must be an object of at most 16 string pairs (keys up to 64 characters, "
+                                  "values up to 512)")
+    return value

@@ -1,0 +1,139 @@
+"""/v1/files: upload a batch input file, read files' metadata and content, list and delete them."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from .auth import authorize
+from .errors import ApiError, invalid
+from .file_store import FileObject, FileStore
+from .paging import json_ok, limit_of, page_body
+from .settings import GatewaySettings
+
+PURPOSES = ("batch",)  # what uploads may be for; the gateway itself writes files with purpose batch_output
+READ_CHUNK = 1 << 20
+
+
+@dataclass(slots=True)
+class FilesApi:
+    settings: GatewaySettings
+    store: FileStore
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/files", self.upload, methods=["POST"]),
+                Route("/v1/files", self.list, methods=["GET"]),
+                Route("/v1/files/{file_id}", self.retrieve, methods=["GET"]),
+                Route("/v1/files/{file_id}", self.delete, methods=["DELETE"]),
+                Route("/v1/files/{file_id}/content", self.content, methods=["GET"])]
+
+    async def upload(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        limit = self.settings.max_file_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit + 64 * 1024:  # room for the multipart framing
+            raise _too_large(int(declared), limit)
+        async with request.form(max_files=1, max_fields=8) as form:
+            purpose, upload = form.get("purpose"), form.get("file")
+            if purpose not in PURPOSES:
+                raise invalid("purpose", f"purpose={purpose!r} is not supported; this gateway stores files for "
+                                         f"purpose 'batch' only", code="invalid_purpose")
+            if not isinstance(upload, UploadFile):
+                raise invalid("file", "no file in the upload: send it as the multipart field `file`")
+            data = await _read(upload, limit)
+            filename = upload.filename or "upload.jsonl"
+        check_jsonl(data)
+        obj = await asyncio.to_thread(self.store.put, data, filename, purpose)
+        return json_ok(obj.body())
+
+    async def list(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        limit, after = limit_of(request, 10_000, 10_000), request.query_params.get("after")
+        purpose, order = request.query_params.get("purpose"), request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order", f"order={order!r} must be asc or desc")
+        files = [f for f in await asyncio.to_thread(self.store.list) if purpose is None or f.purpose == purpose]
+        files = files if order == "desc" else files[::-1]
+        if after is not None:
+            ids = [f.id for f in files]
+            files = files[ids.index(after) + 1:] if after in ids else []
+        return json_ok(page_body([f.body() for f in files[:limit]], len(files) > limit))
+
+    async def retrieve(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        return json_ok((await self.found(request.path_params["file_id"])).body())
+
+    async def delete(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        file_id = (await self.found(request.path_params["file_id"])).id
+        deleted = await asyncio.to_thread(self.store.delete, file_id)
+        return json_ok({"id": file_id, "object": "file", "deleted": deleted})
+
+    async def content(self, request: Request) -> Response:
+        authorize(request, self.settings.api_keys)
+        obj = await self.found(request.path_params["file_id"])
+        f = await asyncio.to_thread(self.store.open, obj.id)
+        if f is None:
+            raise not_found(obj.id)
+
+        async def chunks():
+            try:
+                while chunk := await asyncio.to_thread(f.read, READ_CHUNK):
+                    yield chunk
+            finally:
+                f.close()
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream",
+                                 headers={"content-length": str(obj.bytes)})
+
+    async def found(self, file_id: str) -> FileObject:
+        obj = await asyncio.to_thread(self.store.get, file_id)
+        if obj is None:
+            raise not_found(file_id)
+        return obj
+
+
+def not_found(file_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"no file with id {file_id!r}", param=param, code="file_not_found")
+
+
+def check_jsonl(data: bytes) -> None:
+    """A batch input file is UTF-8 JSONL: each non-blank line one JSON object. The message names the first bad line."""
+    if not data.strip():
+        raise invalid("file", "the file is empty; a batch input file has one JSON request per line",
+                      code="invalid_file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid("file", f"the file is not UTF-8 (byte {e.start}): save it as UTF-8 JSONL",
+                      code="invalid_file") from None
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            ok = isinstance(json.loads(line), dict)
+        except json.JSONDecodeError as e:
+            raise invalid("file", f"line {line_no} is not JSON ({e}); a batch input file has one JSON request per "
+                                  "line", code="invalid_file") from None
+        if not ok:
+            raise invalid("file", f"line {line_no} is not a JSON object", code="invalid_file")
+
+
+async def _read(upload: UploadFile, limit: int) -> bytes:
+    parts, size = [], 0
+    while chunk := await upload.read(READ_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the upload has {size} bytes or more, over this gateway's limit of {limit} bytes "
+                         "(--max-file-size); split the file", param="file", code="file_too_large")
