@@ -32,6 +32,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "host": ("kvgate.bench.host", "W-HOST: host CPU time per engine step by part, beside a baseline commit's engine"),
     "gateway": ("kvgate.bench.gateway", "W-GATEWAY: latency and req/s the HTTP gateway adds over the SDK"),
     "fleet": ("kvgate.bench.fleet", "W-FLEET: simulated fleet, capacity admission vs fixed prefetch"),
+    "prefix": ("kvgate.bench.prefix", "W-PREFIX: prefix-affinity lanes vs one shared stream vs an ideal single cache"),
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),
 }
 NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "top", "exporter"}

@@ -24,6 +24,7 @@ from .durable import AsyncDurableSubmitter, with_claim
 from .redis_url import FAILOVER_BUDGET_S, Durability, connect, connect_async
 from .reply_reader import READ_COUNT, ReaderState, is_noperm
 from .result import Result
+from .lane_count import LaneCount
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script,
                          enqueue_commands_async, group_commands, group_exists, new_models, owners, prepare)
 
@@ -44,6 +45,7 @@ class AsyncClient:
         self.keys = Keys(namespace)
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
+        self._lane_count = LaneCount()
         self._event = asyncio.Event()
         self.router = ReplyRouter(self._notify)
         self.redis = connect_async(self.url)
@@ -88,19 +90,22 @@ class AsyncClient:
                      ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
                      ttl_s: float | None = None, deadline: float | None = None,
                      idempotency_key: str | None = None, stream: bool = False,
-                     metadata: dict[str, str] | None = None, model: str | None = None) -> AsyncJobHandle:
+                     metadata: dict[str, str] | None = None, model: str | None = None,
+                     prefix_key: str | None = None) -> AsyncJobHandle:
         args = dict(model=model, prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                     repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                     presence_penalty=presence_penalty, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
                     ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
-                    idempotency_key=idempotency_key, stream=stream, metadata=metadata)
-        prepared = prepare(args, self.keys, self.client_id)
+                    idempotency_key=idempotency_key, stream=stream, metadata=metadata,
+                    prefix_key=prefix_key)
+        prepared = prepare(args, self.keys, self.client_id, lanes=await self._lanes())
         return (await self._enqueue([prepared]))[0]
 
     async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                           chunk_size: int = CHUNK) -> list[AsyncJobHandle]:
-        prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].")
+        lanes = await self._lanes()
+        prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].", lanes=lanes)
                     for i, r in enumerate(requests)]
         handles: list[AsyncJobHandle] = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
@@ -131,6 +136,14 @@ class AsyncClient:
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
                 for p, c in zip(prepared, owners(prepared, replies))]
+
+    async def _lanes(self) -> int:
+        if self._lane_count.stale():
+            try:
+                self._lane_count.record(await self.redis.get(self.keys.lanes()))
+            except redis.RedisError:  # the shared stream is always read: submit goes on without affinity
+                self._lane_count.record(None)
+        return self._lane_count.lanes
 
     async def _admit(self) -> None:
         delay = 0.02

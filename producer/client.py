@@ -22,6 +22,7 @@ from .queue_stats import QueueStats, read_queue_stats, total_backlog
 from .redis_url import FAILOVER_BUDGET_S, Durability, connect
 from .reply_reader import ReaderState, ReplyReader
 from .result import Result
+from .lane_count import LaneCount
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, enqueue_commands,
                          group_commands, group_exists, new_models, owners, prepare)
 
@@ -53,6 +54,7 @@ class Client:
         self.keys = Keys(namespace)
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
+        self._lane_count = LaneCount()
         self._changed = threading.Condition()
         self.router = ReplyRouter(self._notify)
         self.redis = connect(self.url)
@@ -76,7 +78,7 @@ class Client:
                ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
                ttl_s: float | None = None, deadline: float | None = None, idempotency_key: str | None = None,
                stream: bool = False, metadata: dict[str, str] | None = None,
-               model: str | None = None) -> JobHandle:
+               model: str | None = None, prefix_key: str | None = None) -> JobHandle:
         """Validate, then enqueue one job on its model's streams (`model=None`: the `default` model, which
         every worker serves unless told not to). Raises InvalidRequest before anything is enqueued."""
         args = dict(model=model, prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
@@ -84,8 +86,9 @@ class Client:
                     repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                     presence_penalty=presence_penalty, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
                     ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
-                    idempotency_key=idempotency_key, stream=stream, metadata=metadata)
-        prepared = prepare(args, self.keys, self.client_id)
+                    idempotency_key=idempotency_key, stream=stream, metadata=metadata,
+                    prefix_key=prefix_key)
+        prepared = prepare(args, self.keys, self.client_id, lanes=self._lanes())
         return self._enqueue([prepared])[0]
 
     def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
@@ -94,7 +97,8 @@ class Client:
         `chunk_size`, each one MULTI/EXEC: all of a chunk or none of it. A refusal (ServerRefused: Redis out of
         memory or read-only) in the first chunk enqueued nothing; in a later one, PartiallySubmitted says which
         requests were enqueued (with their handles) and which were not."""
-        prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].")
+        lanes = self._lanes()
+        prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].", lanes=lanes)
                     for i, r in enumerate(requests)]
         handles: list[JobHandle] = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
@@ -141,6 +145,14 @@ class Client:
         for stream in streams:
             pipe.xinfo_groups(stream)
         return [group_exists(r) for r in pipe.execute(raise_on_error=False)]
+
+    def _lanes(self) -> int:
+        if self._lane_count.stale():
+            try:
+                self._lane_count.record(self.redis.get(self.keys.lanes()))
+            except redis.RedisError:  # the shared stream is always read: submit goes on without affinity
+                self._lane_count.record(None)
+        return self._lane_count.lanes
 
     def _admit(self) -> None:
         delay = 0.02

@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 import redis
 
+from .lanes import parse_lanes
 from .protocol import FIELD, Keys, as_text
 from .queue_stats import known_models
 
@@ -114,7 +115,8 @@ PENDING_SCAN = 1000  # pending entries are bounded by what the fleet can hold at
 
 def find_running(r, keys: Keys, job_id: str) -> JobStatus | None:
     """A bare job id: look for it among the entries the workers hold (no entry id needed)."""
-    for stream in [st for model in known_models(r, keys) for st in keys.all_jobs(model)]:
+    lanes = parse_lanes(r.get(keys.lanes()))
+    for stream in [st for model in known_models(r, keys) for st in keys.all_jobs(model, lanes)]:
         try:
             rows = r.xpending_range(stream, Keys.GROUP, min="-", max="+", count=PENDING_SCAN)
         except redis.exceptions.NoPermissionError:

@@ -301,13 +301,19 @@ class Keys:
             raise ValueError(f"namespace {namespace!r} must be non-empty with no whitespace or braces")
         self.ns = namespace
 
-    def jobs(self, model: str | None, priority: str) -> str:
-        """One model's stream of one priority; `None` is the default model."""
-        return f"{self.ns}:jobs:{model or DEFAULT_MODEL}:{priority}"
+    def jobs(self, model: str | None, priority: str, lane: int | None = None) -> str:
+        """One model's shared stream of one priority (`None` is the default model), or with `lane` that model's
+        prefix-affinity lane (producer/lanes.py)."""
+        base = f"{self.ns}:jobs:{model or DEFAULT_MODEL}:{priority}"
+        return base if lane is None else f"{base}:{lane}"
 
-    def all_jobs(self, model: str | None) -> list[str]:
-        """One model's streams, highest priority first."""
-        return [self.jobs(model, p) for p in PRIORITIES]
+    def job_streams(self, model: str | None, priority: str, lanes: int = 0) -> list[str]:
+        """Every stream a job of `model` and `priority` may sit in: the shared one, then each lane's."""
+        return [self.jobs(model, priority)] + [self.jobs(model, priority, lane) for lane in range(lanes)]
+
+    def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
+        """One model's streams, highest priority first, each priority's shared stream before its lanes."""
+        return [st for p in PRIORITIES for st in self.job_streams(model, p, lanes)]
 
     def served_jobs(self, models: list[str]) -> list[str]:
         """The streams of several models in the order a worker reads them: every model's high priority stream
@@ -318,6 +324,16 @@ class Keys:
         """Set of every model name ever submitted to or served: stats, exporter and gateway read it instead of
         scanning key names."""
         return f"{self.ns}:models"
+
+    def lanes(self) -> str:
+        """The namespace's lane count, one for every model: set once by the first worker with affinity on;
+        absent: no lanes."""
+        return f"{self.ns}:lanes"
+
+    def lane_ring(self, model: str | None) -> str:
+        """Sorted set of the workers that own `model`'s lanes (`weight|worker_id`), scored by their last beat
+        (server ms): a worker owns lanes only of the models it serves."""
+        return f"{self.ns}:lanes:ring:{model or DEFAULT_MODEL}"
 
     def reply(self, client_id: str) -> str:
         return f"{self.ns}:reply:{client_id}"

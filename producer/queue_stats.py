@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
+from .lanes import parse_lanes
 from .protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
 
 COUNT_PAGE = 5_000
@@ -187,13 +188,31 @@ def known_models(r: redis.Redis, keys: Keys) -> list[str]:
     return sorted({as_text(m) for m in r.smembers(keys.models())} | {DEFAULT_MODEL})
 
 
+def lanes_of(r: redis.Redis, keys: Keys) -> int:
+    return parse_lanes(r.get(keys.lanes()))
+
+
 def total_backlog(r: redis.Redis, keys: Keys) -> int:
-    """Across all models: Client(max_backlog=...) bounds what the whole fleet has waiting."""
-    return sum(backlog_of(r, st) for m in known_models(r, keys) for st in keys.all_jobs(m))
+    """Across all models and their lanes: Client(max_backlog=...) bounds what the whole fleet has waiting."""
+    lanes = lanes_of(r, keys)
+    return sum(backlog_of(r, st) for m in known_models(r, keys) for st in keys.all_jobs(m, lanes))
 
 
-def read_priority(r: redis.Redis, keys: Keys, model: str, priority: str, now_ms: int) -> PriorityStats:
-    stream = keys.jobs(model, priority)
+def read_priority(r: redis.Redis, keys: Keys, model: str, priority: str, now_ms: int,
+                  lanes: int = 0) -> PriorityStats:
+    """One model's priority over its shared stream and every lane: sums, and the oldest job of them all."""
+    stats = PriorityStats(priority)
+    for stream in keys.job_streams(model, priority, lanes):
+        part = read_stream(r, stream, priority, now_ms)
+        stats.length += part.length
+        stats.backlog += part.backlog
+        stats.pending += part.pending
+        if part.oldest_age_s is not None:
+            stats.oldest_age_s = max(stats.oldest_age_s or 0.0, part.oldest_age_s)
+    return stats
+
+
+def read_stream(r: redis.Redis, stream: str, priority: str, now_ms: int) -> PriorityStats:
     stats = PriorityStats(priority, length=r.xlen(stream))
     if stats.length == 0:
         return stats
@@ -245,14 +264,15 @@ def read_workers(r: redis.Redis, keys: Keys, now_ms: int) -> list[WorkerStats]:
     return [parse_heartbeat(raw, now_ms) for raw in pipe.execute() if raw]
 
 
-def read_model(r: redis.Redis, keys: Keys, model: str, workers: list[WorkerStats], now_ms: int) -> ModelStats:
-    return ModelStats(model, {p: read_priority(r, keys, model, p, now_ms) for p in PRIORITIES},
+def read_model(r: redis.Redis, keys: Keys, model: str, workers: list[WorkerStats], now_ms: int,
+               lanes: int = 0) -> ModelStats:
+    return ModelStats(model, {p: read_priority(r, keys, model, p, now_ms, lanes) for p in PRIORITIES},
                       [w.worker_id for w in workers if model in w.models])
 
 
 def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:
-    now_ms = server_ms(r)
+    now_ms, lanes = server_ms(r), lanes_of(r, keys)
     workers = read_workers(r, keys, now_ms)
     names = sorted(set(known_models(r, keys)) | {m for w in workers for m in w.models})
-    return QueueStats(models={m: read_model(r, keys, m, workers, now_ms) for m in names}, workers=workers,
+    return QueueStats(models={m: read_model(r, keys, m, workers, now_ms, lanes) for m in names}, workers=workers,
                       dead=r.xlen(keys.dead()))

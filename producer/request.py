@@ -104,6 +104,7 @@ class SubmitRequest(BaseModel):
     idempotency_key: Annotated[str, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS),
                                AfterValidator(_idempotency_key)] | None = None
     stream: bool = False
+    prefix_key: Annotated[str, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS)] | None = None
     model: Annotated[str, AfterValidator(_model_name)] | None = None  # None: the `default` model
     metadata: Annotated[dict[Annotated[Text, Field(max_length=256)], Text],
                         AfterValidator(_metadata_size)] | None = None
@@ -118,7 +119,7 @@ class SubmitRequest(BaseModel):
 
     def digest(self) -> str:
         """What makes two submits 'the same request' for idempotency: the body, not its timing or key."""
-        body = self.model_dump(exclude={"idempotency_key", "deadline"}, mode="json")
+        body = self.model_dump(exclude={"idempotency_key", "deadline", "prefix_key"}, mode="json")
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:32]
 
 

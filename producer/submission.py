@@ -9,6 +9,7 @@ from typing import Any
 from .connection import refusal_of
 from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
+from .lanes import lane_of, routing_key
 from .protocol import DEFAULT_MODEL, FIELD, Job, Keys, as_text
 from .request import build_job, encode_job, validate_request
 
@@ -29,16 +30,26 @@ class Prepared:
     claim_ttl_s: int = IDEMPOTENCY_TTL_S
 
 
-def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "") -> Prepared:
+def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "", lanes: int = 0) -> Prepared:
     req = validate_request(kwargs, where)
     job = build_job(req, client_id, where=where)
     model = req.model or DEFAULT_MODEL
-    prepared = Prepared(job, encode_job(job, where), keys.jobs(model, req.priority), model)
+    prepared = Prepared(job, encode_job(job, where), stream_for(job, model, keys, lanes, req.prefix_key), model)
     if req.idempotency_key is not None:
         prepared.claim = Claim(job.job_id, req.digest(), owner_tag(client_id))
         prepared.claim_key = keys.idempotency(req.idempotency_key)
         prepared.result_prefix = keys.result("")
     return prepared
+
+
+def stream_for(job: Job, model: str, keys: Keys, lanes: int, prefix_key: str | None = None) -> str:
+    """The model's shared stream of the job's priority, or with lanes on, the model's lane its routing key
+    hashes to."""
+    if not lanes:
+        return keys.jobs(model, job.priority)
+    key = routing_key(prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,
+                      prefix_key=prefix_key)
+    return keys.jobs(model, job.priority, lane_of(key, lanes))
 
 
 def add_to_pipeline(pipe, script, prepared: Prepared):

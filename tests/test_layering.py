@@ -37,7 +37,7 @@ LAYERS = (
     Layer("kvgate.kernels", ("kvgate.kernels",), NO_REDIS),
     Layer("kvgate.engine", ("kvgate.engine", "kvgate.kernels"), NO_REDIS),
     Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", "kvgate.producer.protocol",
-                            "kvgate.producer.redis_url")),
+                            "kvgate.producer.redis_url", "kvgate.producer.lanes")),
     # the one Redis connection factory (Sentinel included) that workers and the SDK share: protocol only
     Layer("kvgate.producer.redis_url", ("kvgate.producer.protocol",), HEAVY),
     Layer("kvgate.producer", ("kvgate.producer",), HEAVY),

@@ -100,6 +100,8 @@ class WorkerMetrics:
         self.cached_tokens = counter("request_cached_tokens", "Prompt tokens of finished jobs served from cache")
         self._finished = Counter("kvgate_jobs_finished", "Jobs answered with a final event, by status",
                                  (*LABELS, "status"), registry=r)
+        self.lanes_owned = gauge("affinity_lanes_owned", "Prefix-affinity lanes this worker owns now")
+        self.steals = counter("affinity_steals", "Jobs read from a lane another worker owns (ours were empty)")
         self.redeliveries = counter("redeliveries", "Jobs this worker received that were delivered before")
         self._dead = Counter("kvgate_dead_letters", "Jobs this worker moved to the dead stream, by reason",
                              (*LABELS, "reason"), registry=r)
@@ -142,6 +144,12 @@ class WorkerMetrics:
             self.request_prompt_tokens.observe(prompt_tokens)
             self.request_completion_tokens.observe(completion_tokens)
         self.cached_tokens.inc(max(0, cached_tokens))
+
+    def on_lanes(self, owned: int) -> None:
+        self.lanes_owned.set(owned)
+
+    def on_steals(self, n: int) -> None:
+        self.steals.inc(n)
 
     def on_redelivery(self) -> None:
         self.redeliveries.inc()

@@ -9,21 +9,68 @@ until the producer stopped.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
 from kvgate.producer.protocol import Keys, as_text
 
-# KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none).
+# KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none), and with
+# affinity lanes: how many leading streams are ours (the rest are other workers' lanes, in a rotating order), the age
+# in ms a new entry of theirs must reach before we take it (its owner gets the first chance; stream ids are server
+# ms), and an overdue age with how many trailing KEYS are lanes to check for it: their entries that old are taken
+# before our own (their owner is not keeping up; a few lanes per read keeps the cost flat in the number of lanes),
+# and the most entries a read may take from their lanes in all.
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 READ_LUA = """
 local group, consumer = ARGV[1], ARGV[2]
 local want, min_idle = tonumber(ARGV[3]), tonumber(ARGV[4])
+local home, steal_age = tonumber(ARGV[5] or #KEYS), tonumber(ARGV[6] or 0)
+local overdue_age, overdue_lanes = tonumber(ARGV[7] or 0), tonumber(ARGV[8] or 0)
+local steal_max = tonumber(ARGV[9] or want)
+local last_key = #KEYS - overdue_lanes
+local now = nil
+if home < last_key and (steal_age > 0 or overdue_age > 0) then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function ripe(key, n, cutoff)  -- how many of the next n new entries are at least as old as the cutoff
+  if n <= 0 then return 0 end
+  local last = nil
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+    local f = {}
+    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+    if f['name'] == group then last = f['last-delivered-id'] end
+  end
+  if not last then return 0 end
+  local k = 0
+  for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', n)) do
+    if tonumber(string.match(e[1], '^(%d+)')) > cutoff then break end
+    k = k + 1
+  end
+  return k
+end
 local out = {}
-for _, key in ipairs(KEYS) do
+local function take(key, n)
+  if n <= 0 then return {} end
+  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
+  if not reply then return {} end
+  want = want - #reply[1][2]
+  return reply[1][2]
+end
+if overdue_age > 0 and now then
+  for index = last_key + 1, #KEYS do
+    if want <= 0 then break end
+    local key = KEYS[index]
+    local entries = take(key, ripe(key, math.min(want, steal_max), now - overdue_age))
+    steal_max = steal_max - #entries
+    if #entries > 0 then table.insert(out, {key, entries, {}}) end
+  end
+end
+for index = 1, last_key do
   if want <= 0 then break end
+  local key = KEYS[index]
   local claimed = {}
   if min_idle > 0 then
     local reply = redis.call('XAUTOCLAIM', key, group, consumer, min_idle, '0-0', 'COUNT', want, 'JUSTID')
@@ -39,15 +86,14 @@ for _, key in ipairs(KEYS) do
     end
     want = want - #claimed
   end
-  local entries = {}
-  if want > 0 then
-    local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', want, 'STREAMS', key, '>')
-    if reply then
-      entries = reply[1][2]
-      want = want - #entries
-    end
+  local n = want
+  if index > home then
+    n = math.min(want, steal_max)
+    if steal_age > 0 and now then n = ripe(key, n, now - steal_age) end
   end
-  table.insert(out, {key, entries, claimed})
+  local entries = take(key, n)
+  if index > home then steal_max = steal_max - #entries end
+  if #entries > 0 or #claimed > 0 then table.insert(out, {key, entries, claimed}) end  -- lanes: most are empty
 end
 return out
 """
@@ -67,6 +113,11 @@ class Reader:
     per_priority: int = 1
     script: object = None
     turn: int = 0
+    home: int | None = None  # with lanes: streams[:home] are ours, the rest are read only when ripe (stealing)
+    steal_age_ms: int = 0
+    overdue_ms: int = 0  # 0: never take others' entries before our own
+    overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries on this read
+    steal_max: int = 1  # entries one read may take from others' lanes
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(READ_LUA)
@@ -81,7 +132,12 @@ class Reader:
         a stream's entries idle that long before its new ones. With `pipe`, only queue the read there and hand
         its reply to `parse` later."""
         args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
-        keys, self.turn = self.order(), self.turn + 1
+        if self.home is not None:  # lanes: `streams` is the affinity's plan, models' turns included
+            overdue = self.overdue if self.overdue_ms > 0 else []
+            args += [self.home, self.steal_age_ms, self.overdue_ms, len(overdue), self.steal_max]
+            keys = self.streams + overdue
+        else:
+            keys, self.turn = self.order(), self.turn + 1
         reply = self.script(keys=keys, args=args, client=pipe or self.client)
         return None if pipe is not None else self.parse(reply)
 

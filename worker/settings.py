@@ -55,6 +55,17 @@ class WorkerSettings(BaseSettings, EngineConfig):
     busy_poll_ms: float = _s(20.0, "while busy, look for new jobs at most this often after an empty look", ge=0)
     initial_tokens_per_job: int = _s(512, "prompt + output tokens assumed per job until jobs have been seen", ge=1)
 
+    # prefix affinity (producer/lanes.py, worker/affinity.py)
+    affinity: Literal["on", "off"] = _s("off", "own prefix-affinity lanes: read jobs whose prompt prefix hashes to "
+                                        "our lanes first, others' only when ours are empty; the first worker with "
+                                        "it on gives the namespace its lanes")
+    affinity_lanes: int = _s(32, "lanes a namespace gets when a worker with affinity on finds none", ge=1, le=1024)
+    affinity_steal_age_ms: int = _s(100, "a job in another worker's lane is taken only once this old, so its owner "
+                                    "gets the first chance", ge=0)
+    affinity_max_lag_ms: int = _s(1000, "take a job from another worker's lane before our own once it has waited this "
+                                  "much longer than ours (its owner is not keeping up); 0: only when ours are empty",
+                                  ge=0)
+
     # leases, reclaim, dead letters
     reclaim_idle_ms: int = _s(30_000, "pending jobs idle this long are taken over from dead workers", ge=100)
     max_deliveries: int = _s(5, "deliveries after which a job goes to the dead stream", ge=1)

@@ -24,7 +24,8 @@ from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, Prot
                                       as_text, decode_job, mask_url)
 from kvgate.producer.redis_url import connect
 from kvgate.worker.admission import AdmissionQueue, Ticket
-from kvgate.worker.clock import ServerClock
+from kvgate.worker.affinity import Affinity
+from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
@@ -81,6 +82,15 @@ def make_metrics(worker_id: str, model: str):
     return WorkerMetrics(worker_id, model)
 
 
+def kv_weight(engine) -> float:
+    """Our share of affinity lanes follows the KV blocks we hold: that is where a prefix cache lives."""
+    try:
+        blocks = engine.stats.total_blocks
+    except AttributeError:
+        return 1.0
+    return float(blocks) if isinstance(blocks, int) and blocks > 0 else 1.0
+
+
 class Worker:
     def __init__(self, redis_url: str, engine, *, namespace: str = "kvgate", worker_id: str | None = None,
                  settings: WorkerSettings | None = None, metrics=None):
@@ -101,12 +111,15 @@ class Worker:
         self.flights: dict[str, Flight] = {}
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
                                    s.dead_maxlen, durability=s.replication)
-        self.reader = Reader(self.client, self.worker_id, self.streams, len(self.served.names))
+        self.reader = Reader(self.client, self.worker_id, self.streams, len(self.served.names),
+                             steal_age_ms=s.affinity_steal_age_ms)
         self.leases = Leases(self.client, self.worker_id)
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
         self.renewed_at = time.monotonic()
         self.clock = ServerClock(self.client)
+        self.affinity = Affinity(self.client, self.keys, self.worker_id, s.affinity == "on", s.affinity_lanes,
+                                 s.heartbeat_ttl_s * 1000, weight=kv_weight(engine), models=self.served.names)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
                                    engine_capacity(engine), s.heartbeat_ttl_s)
         self.cursors: dict[str, str | None] = {st: "0" for st in self.streams}  # own pending first, then ">"
@@ -182,7 +195,21 @@ class Worker:
 
     def _ensure_groups(self) -> None:
         self.client.sadd(self.keys.models(), *self.served.names)  # listed by stats and the gateway from now on
-        for stream in self.streams:
+        self._sync_lanes()
+        self._create_groups(self.streams)
+
+    def _sync_lanes(self) -> None:
+        """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded)."""
+        if self.affinity.sync():
+            new = [st for st in self.affinity.streams() if st not in self.streams]
+            self._create_groups(new)
+            self.streams += new
+            self.reader.streams = self.consumers.streams = self.streams
+            self.cursors.update({st: "0" for st in new})  # a restarted worker of the same id may hold entries there
+        self.metrics.on_lanes(self.affinity.owned_count)
+
+    def _create_groups(self, streams: list[str]) -> None:
+        for stream in streams:
             try:
                 self.client.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
             except redis.ResponseError as e:
@@ -214,31 +241,46 @@ class Worker:
         # a busy engine is refilled by _exchange, in the same round trip as the step's publishing
 
     def _read_own_pending(self, count: int) -> None:
-        for stream, cursor in self.cursors.items():
-            if cursor is None:
-                continue
-            reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {stream: cursor}, count=count)
-            entries = [(as_text(i), f) for i, f in (reply[0][1] if reply else [])]
+        """Entries already pending to us (a restart under the same id, a lost reply): every stream in one round
+        trip (with lanes there are hundreds), at most `count` taken; a stream cut short keeps its cursor."""
+        cursors = {st: c for st, c in self.cursors.items() if c is not None}
+        reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, cursors, count=count)
+        found = {as_text(st): entries for st, entries in reply or []}
+        for stream in cursors:
+            entries = [(as_text(i), f) for i, f in found.get(stream, [])][:count]
             self.cursors[stream] = entries[-1][0] if entries else None
             fresh = [(i, f) for i, f in entries if not self._holds(stream, i)]
             if fresh:
                 deliveries = self.leases.count_delivery(stream, [i for i, _ in fresh])
                 self._accept([(stream, i, f, n) for (i, f), n in zip(fresh, deliveries)])
-            return
+            count -= len(entries)
+            if count <= 0:
+                return
 
     def _read_blocking(self, count: int) -> None:
-        """Wait for the next job. COUNT 1 per stream, on at most `count` streams (the highest priorities): one
-        entry per stream could arrive at once, and more than `count` would break the local queue's bound. A
-        stream left out of this wait is read by the next non-blocking read, one block_ms later at most."""
-        streams = {st: ">" for st in self.reader.order()[:count]}
-        reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self.settings.block_ms)
+        """Wait for the next job (with lanes: on the shared streams and our own lanes). COUNT 1 per stream, on at
+        most `count` streams (the highest priorities): one entry per stream could arrive at once, and more than
+        `count` would break the local queue's bound. A stream left out of this wait is read by the next
+        non-blocking read, one block_ms later at most."""
+        home = self.affinity.home() if self.affinity.lanes else self.reader.order()
+        streams = {st: ">" for st in home[:count]}
+        reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self._block_ms())
         self._accept([(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
+    def _block_ms(self) -> int:
+        """With lanes an idle worker wakes once per steal age to look at others' lanes (it blocks on its own)."""
+        if self.affinity.enabled and self.affinity.lanes and self.settings.affinity_steal_age_ms:
+            return max(1, min(self.settings.block_ms, self.settings.affinity_steal_age_ms))
+        return self.settings.block_ms
+
     def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
-        if entries is None:
+        if entries is None:  # an idle engine's look (the busy one reads in _exchange): it can afford every lane
             reclaim_ms = self._reclaim_ms()
+            self._plan_read(reclaim_ms, full=True)
             entries = self.reader.read(count, reclaim_idle_ms=reclaim_ms)
         got = list(entries)
+        if self.affinity.lanes:
+            self._observe_lanes(got, count)
         if reclaim_ms:
             claimed = sum(1 for e in got if e[3] > 1 or e[2] is None)
             self.reclaim_due = claimed >= count  # a full take may have left more behind
@@ -251,6 +293,26 @@ class Worker:
             self.empty_reads = 0
         self._accept(got)
         return len(got)
+
+    def _plan_read(self, reclaim_ms: int, full: bool = False) -> None:
+        r = self.reader
+        r.streams, r.home, r.overdue = self.affinity.read_plan(full=full or reclaim_ms > 0)  # reclaim: every lane
+        lag = self.settings.affinity_max_lag_ms
+        r.overdue_ms = self.affinity.own_wait_ms + lag if lag else 0
+        # A stolen job should start now, not wait in our local queue behind a wrong size estimate: one at a time,
+        # and none while jobs wait here already.
+        r.steal_max = 0 if self.queue.tickets else 1
+
+    def _observe_lanes(self, got: list, count: int) -> None:
+        fresh = [e for e in got if e[3] == 1]
+        stolen = [e for e in fresh if self.affinity.stolen(e[0])]
+        if stolen:
+            self.metrics.on_steals(len(stolen))
+            for stream in dict.fromkeys(e[0] for e in reversed(stolen)):
+                self.affinity.stole(stream)
+        now_ms = int(self.clock.now() * 1000)
+        ages = [now_ms - entry_ms(e[1]) for e in fresh if not self.affinity.stolen(e[0])]
+        self.affinity.observe(ages, drained=len(got) < count)
 
     def _holds(self, stream: str, entry_id: str) -> bool:
         key = f"{stream}|{entry_id}"
@@ -464,6 +526,7 @@ class Worker:
         count = self._refill_count()
         reclaim_ms = self._reclaim_ms() if count else 0
         if count:
+            self._plan_read(reclaim_ms)
             self.reader.read(count, pipe, reclaim_ms)
         polled = self._cancel_poll_due()
         if polled:
@@ -496,6 +559,8 @@ class Worker:
         if self.draining or not self.engine.has_unfinished() or any(c is not None for c in self.cursors.values()):
             return 0
         wait_s = self.settings.busy_poll_ms / 1000 * 2 ** min(self.empty_reads, 3)
+        if self.affinity.owned_count:  # look at our lanes at least once per steal age: their jobs wait for us that long
+            wait_s = min(wait_s, self.settings.affinity_steal_age_ms / 1000)
         if time.monotonic() - self.last_read_empty_at < wait_s:
             return 0
         adm = self.engine.admission()
@@ -608,6 +673,8 @@ class Worker:
                 self.flights[ticket.key] = flight
 
     def _beat(self) -> None:
+        if not self.draining:
+            self._sync_lanes()
         adm = self.engine.admission()
         self.heartbeat.beat(state="draining" if self.draining else "serving", stats=self.engine.stats,
                             admissible_tokens=adm.admissible_tokens, waiting=len(self.queue), jobs_done=self.jobs_done)
@@ -615,6 +682,10 @@ class Worker:
     # ---- drain ---------------------------------------------------------------------------------
     def _begin_drain(self) -> None:
         self.draining = True
+        try:
+            self.affinity.leave()
+        except REDIS_DOWN:
+            log.warning("could not leave the lane ring; our lanes move when our beat there expires")
         self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
         log.info("draining: %d running, %d queued locally; up to %.0fs", len(self.flights), len(self.queue),
                  self.settings.drain_timeout_s)

@@ -95,9 +95,10 @@ class Fleet:
 
 
 def start_fleet(redis_url: str, namespace: str, specs: list[WorkerSpec], policy: str, *,
-                step_overhead_s: float, per_token_s: float, seed: int = 0) -> Fleet:
+                step_overhead_s: float, per_token_s: float, seed: int = 0, **settings) -> Fleet:
+    """`settings` are further WorkerSettings for every worker (W-PREFIX: affinity="on")."""
     settings = WorkerSettings(redis_url=redis_url, namespace=namespace, drain_timeout_s=5.0, heartbeat_ttl_s=10,
-                              local_queue_size=PREFETCH if policy == "prefetch" else 4)
+                              local_queue_size=PREFETCH if policy == "prefetch" else 4, **settings)
     stop_event = threading.Event()
     workers, threads = [], []
     for i, spec in enumerate(specs):

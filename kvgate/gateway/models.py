@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from kvgate.producer.protocol import DEFAULT_MODEL, Keys, as_text
+from kvgate.producer.lanes import parse_lanes
+from kvgate.producer.protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
 
 from .errors import ApiError
 
@@ -64,9 +65,11 @@ class LiveModels:
         names = [name async for name in self.r.scan_iter(match=self.keys.worker_pattern(), count=1000)]
         pipe = self.r.pipeline(transaction=False)
         pipe.smembers(self.keys.models())
+        pipe.get(self.keys.lanes())
         for name in names:
             pipe.hmget(name, "model", "models", "started_at")
-        known_names, *beats = await pipe.execute()
+        known_names, lanes, *beats = await pipe.execute()
+        lanes = parse_lanes(lanes)
         live: dict[str, LiveModel] = {}
         for model, models, started in beats:
             if not model:
@@ -80,13 +83,14 @@ class LiveModels:
         known = sorted({as_text(n) for n in known_names} | set(live))
         pipe = self.r.pipeline(transaction=False)
         for name in known:
-            for stream in self.keys.all_jobs(name):
+            for stream in self.keys.all_jobs(name, lanes):
                 pipe.xlen(stream)
                 pipe.xinfo_groups(stream)
         replies = await pipe.execute(raise_on_error=False)
         models = {name: live.get(name) or LiveModel(name, 0, 0) for name in known}
         for i, name in enumerate(known):
-            pairs = replies[6 * i:6 * i + 6]
+            per_model = 2 * len(PRIORITIES) * (1 + lanes)  # XLEN and XINFO GROUPS of each stream, lanes included
+            pairs = replies[per_model * i:per_model * (i + 1)]
             models[name].backlog = sum(_unfinished(n, g) for n, g in zip(pairs[::2], pairs[1::2]))
         return FleetModels({k: m for k, m in models.items() if m.workers}, models)
 

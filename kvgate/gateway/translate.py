@@ -23,7 +23,9 @@ DIRECT = {"temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed"
           "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
           # vLLM-style extensions (openai's extra_body)
           "top_k": "top_k", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-          "stop_token_ids": "stop_token_ids", "priority": "priority"}
+          "stop_token_ids": "stop_token_ids", "priority": "priority",
+          # OpenAI's prompt-cache routing hint: with affinity lanes, jobs sharing it go to one worker's prefix cache
+          "prompt_cache_key": "prefix_key"}
 # body fields accepted only at a value that asks for nothing the engine lacks, with why the rest is refused
 NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "response_format": (lambda v: v is None or v == {"type": "text"}, " (plain text output only)"),

@@ -35,6 +35,8 @@ def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
     worker.on_finished("done", 1.0, 0.01, 3, 4, 1)
     worker.on_redelivery()
     worker.on_dead_letter("invalid")
+    worker.on_lanes(3)
+    worker.on_steals(2)
     client, keys = shared_redis.client(), Keys(namespace)
     client.xadd(keys.jobs(None, "normal"), {"p": b"x"})
     client.hset(keys.worker("w"), mapping={"worker_id": "w", "free_blocks": 3})
@@ -68,7 +70,8 @@ def test_every_design_metric_is_exported(shared_redis, namespace):
               "e2e_request_latency_seconds_bucket", "queue_wait_seconds_bucket", "jobs_finished_total",
               "preemptions_total", "redeliveries_total", "dead_letters_total",
               "queue_lag", "queue_pending", "queue_length", "queue_oldest_job_age_seconds", "live_workers",
-              "fleet_free_kv_blocks", "fleet_free_kv_tokens", "dead_stream_length"]
+              "fleet_free_kv_blocks", "fleet_free_kv_tokens", "dead_stream_length",
+              "affinity_lanes_owned", "affinity_steals_total"]
     assert not {f"kvgate_{d}" for d in design} - names
 
 

@@ -118,6 +118,38 @@ def test_the_real_sdk_and_worker_serve_a_job_under_their_least_privilege_users(a
     assert not thread.is_alive()
 
 
+def test_a_worker_with_affinity_on_owns_lanes_and_beats_under_its_least_privilege_user(acl_server):
+    import threading
+
+    from kvgate.engine.simulated import SimulatedEngine
+    from kvgate.worker.settings import WorkerSettings
+    from kvgate.worker.worker import Worker
+
+    keys, monitor = Keys("kvgate"), acl_server("monitor")
+    port = monitor.connection_pool.connection_kwargs["port"]
+    url = f"redis://worker:CHANGE_ME_worker@127.0.0.1:{port}/0"
+    settings = WorkerSettings(redis_url=url, namespace="kvgate", heartbeat_interval_s=0.1, affinity="on",
+                              affinity_lanes=4)
+    worker = Worker(url, SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0), namespace="kvgate",
+                    worker_id="acl-lanes", settings=settings)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            if worker.affinity.own.get("default") and monitor.hgetall(keys.worker("acl-lanes")):
+                break
+            threading.Event().wait(0.05)
+        assert worker.affinity.own["default"] == [0, 1, 2, 3] and monitor.get(keys.lanes()) == b"4"
+        assert monitor.hgetall(keys.worker("acl-lanes"))  # the heartbeat after the lane sync ran too
+        producer = acl_server("producer")
+        assert producer.get(keys.lanes()) == acl_server("gateway").get(keys.lanes()) == b"4"
+    finally:
+        stop.set()
+        thread.join(20)
+    assert not thread.is_alive()
+
+
 def test_the_gateway_serves_chat_models_and_batches_as_its_acl_user_with_a_worker_as_its_own(acl_server, tmp_path):
     """The whole path under least privilege: the gateway user enqueues, lists models, reads replies and runs
     a managed batch."""

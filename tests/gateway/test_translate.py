@@ -55,6 +55,13 @@ def test_api_keys_come_from_flags_and_the_comma_separated_variable():
     assert parse_keys(None, None) == ()
 
 
+def test_prompt_cache_key_becomes_the_jobs_prefix_key_and_a_bad_one_is_named():
+    p = plan("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "t-7"}, S)
+    assert p.submits[0]["prefix_key"] == "t-7"
+    assert "prompt_cache_key" in str(_refused("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                       "prompt_cache_key": ""}).body)
+
+
 def test_penalties_and_logprobs_become_submit_arguments():
     chat = plan("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1.5,
                          "presence_penalty": -0.5, "logprobs": True, "top_logprobs": 4}, S)

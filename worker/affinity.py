@@ -1,0 +1,200 @@
+"""Prefix affinity on the worker side: which lanes this worker owns, and the order it reads streams in.
+
+Lanes are a dimension of each model's streams (`{ns}:jobs:<model>:<priority>:<lane>`). The namespace's lane count,
+one for every model, lives in `{ns}:lanes`, set once (SET NX) by the first worker started with affinity on
+and never changed by kvgate, so no job can land in a lane beyond the count. Every worker reads every stream the
+count names, whatever its own setting, plus the shared streams (jobs from producers that have not seen the count
+yet, or from before lanes existed): a job is never stranded by a lane nobody reads, only read later or earlier.
+
+Ownership is per model, since a worker can hold the prefixes only of models it serves: workers with affinity on
+put themselves in the ring `{ns}:lanes:ring:<model>` of every model name they serve on every heartbeat (scored by
+the server's clock, so clocks of different machines never meet); members silent past the heartbeat TTL drop out,
+and a draining worker leaves at once. Each lane belongs to one member by weighted rendezvous (producer/lanes.py).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import redis
+
+from kvgate.producer.lanes import digest, decode_members, encode_member, owned, parse_lanes
+from kvgate.producer.protocol import DEFAULT_MODEL, PRIORITIES, Keys
+
+log = logging.getLogger("kvgate.worker")
+OVERDUE_CHECKS = 4  # others' lanes per model and priority looked at for overdue jobs on each read
+STEAL_WINDOW = 8  # others' lanes per model and priority a read may steal from, besides those we helped lately
+HELPED = 4  # others' lanes we remember stealing from, looked at first when we steal again
+
+# KEYS[1] ring; ARGV: our member ('' when we only look), ttl ms. Server time: every member scored by one clock.
+RING_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now, ARGV[1]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+
+Lane = tuple[str, int]  # (model, lane number)
+
+
+@dataclass(slots=True)
+class Affinity:
+    client: redis.Redis
+    keys: Keys
+    worker_id: str
+    enabled: bool
+    want_lanes: int  # the count this worker proposes when the namespace has none yet
+    ring_ttl_ms: int
+    weight: float = 1.0  # our share of lanes relative to other members: the KV blocks we hold
+    models: tuple[str, ...] = (DEFAULT_MODEL,)  # the names we serve, in the order the worker reads them
+    lanes: int = 0  # the namespace's count once seen; never shrinks while we run
+    own: dict[str, list[int]] = field(default_factory=dict)  # model -> the lanes of it we own
+    own_streams: set[str] = field(default_factory=set)
+    lane_streams: set[str] = field(default_factory=set)
+    names: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (model, priority) -> stream of each lane
+    others: dict[str, list[int]] = field(default_factory=dict)  # model -> its lanes other workers own
+    lane_of_stream: dict[str, Lane] = field(default_factory=dict)
+    helped: list[Lane] = field(default_factory=list)  # others' lanes we stole from, most recent first
+    own_wait_ms: int = 0  # age of the jobs we last read from our own lanes
+    member: str = ""
+    turn: int = 0  # rotates the start of each group of lanes, so no lane is always read last
+    script: object = None
+
+    def __post_init__(self) -> None:
+        self.script = self.client.register_script(RING_LUA)
+        self.turn = digest(self.worker_id.encode())  # workers' windows move in different phases
+        self.member = encode_member(self.worker_id, self.weight)
+        self.others = {m: [] for m in self.models}
+
+    @property
+    def owned_count(self) -> int:
+        return sum(len(lanes) for lanes in self.own.values())
+
+    def sync(self) -> bool:
+        """Read the lane count (proposing ours first), beat in our models' rings and recompute our lanes. Returns
+        whether the set of streams to read grew (a count seen for the first time)."""
+        pipe = self.client.pipeline(transaction=False)
+        if self.enabled:
+            pipe.set(self.keys.lanes(), self.want_lanes, nx=True)
+            for model in self.models:
+                self.script(keys=[self.keys.lane_ring(model)], args=[self.member, self.ring_ttl_ms], client=pipe)
+        pipe.get(self.keys.lanes())
+        replies = pipe.execute()
+        grew = self._see_count(replies[-1])
+        if self.enabled:
+            rings = dict(zip(self.models, replies[1:-1]))
+            self._own({m: owned(decode_members(rings[m]), self.worker_id, self.lanes) if self.lanes else []
+                       for m in self.models})
+        return grew
+
+    def _own(self, own: dict[str, list[int]]) -> None:
+        if own != self.own:
+            log.info("worker %s owns %s of %d lanes each", self.worker_id,
+                     ", ".join(f"{len(lanes)} of {m}" for m, lanes in own.items()), self.lanes)
+        self.own = own
+        self.own_streams = {self.keys.jobs(m, p, lane) for m, lanes in own.items() for p in PRIORITIES for lane in lanes}
+        self._others()
+
+    def _others(self) -> None:
+        self.others = {m: [lane for lane in range(self.lanes) if lane not in set(self.own.get(m, ()))]
+                       for m in self.models}
+
+    def _see_count(self, raw) -> bool:
+        count = parse_lanes(raw)
+        if count and self.enabled and count != self.want_lanes and not self.lanes:
+            log.warning("namespace %s has %d lanes (set by the first worker with affinity on); using them, not %d",
+                        self.keys.ns, count, self.want_lanes)
+        if count > self.lanes:
+            self.lanes = count
+            self.names = {(m, p): [self.keys.jobs(m, p, lane) for lane in range(count)]
+                          for m in self.models for p in PRIORITIES}
+            self.lane_streams = {name for names in self.names.values() for name in names}
+            self.lane_of_stream = {name: (m, lane) for (m, _), names in self.names.items()
+                                   for lane, name in enumerate(names)}
+            self._others()
+            return True
+        return False
+
+    def leave(self) -> None:
+        """Draining: give our lanes to the others now rather than when our beat expires."""
+        self._own({})
+        if self.enabled:
+            pipe = self.client.pipeline(transaction=False)
+            for model in self.models:
+                pipe.zrem(self.keys.lane_ring(model), self.member)
+            pipe.execute()
+
+    def streams(self) -> list[str]:
+        """Every stream we read: each served model's shared ones and its lanes'."""
+        return [st for m in self.models for st in self.keys.all_jobs(m, self.lanes)]
+
+    def read_plan(self, full: bool = False) -> tuple[list[str], int | None, list[str]]:
+        """The streams to read in order; how many lead them that are ours (None: no lanes, the reader takes
+        turns between models itself); and a few of the others' lanes to check for overdue jobs. Per priority,
+        for each model in turn, our own lanes and the shared stream; then, per priority and model, the lanes we
+        stole from lately and a window of the other lanes that moves on every read (`full`: all of them, for a
+        reclaim pass), so a read costs the same with 16 lanes or 1,024 and no lane is always last."""
+        self.turn += 1
+        if not self.lanes:
+            return self.keys.served_jobs(list(self.models)), None, []
+        models = _rotated(list(self.models), self.turn)  # models take turns at going first within a priority
+        own = {m: _rotated(self.own.get(m, []) if self.enabled else [], self.turn) for m in models}
+        first = [name for p in PRIORITIES for m in models
+                 for name in [*(self.names[m, p][lane] for lane in own[m]), self.keys.jobs(m, p)]]
+        if not self.enabled:
+            rest = [self.names[m, p][lane] for p in PRIORITIES for m in models
+                    for lane in _rotated(self.others[m], self.turn)]
+            return first + rest, len(first + rest), []
+        steal, overdue = {}, {}
+        for m in models:
+            steal[m], overdue[m] = self._steal_window(m, full)
+        return (first + [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in steal[m]], len(first),
+                [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in overdue[m]])
+
+    def _steal_window(self, model: str, full: bool) -> tuple[list[int], list[int]]:
+        """Others' lanes of one model to steal from on this read, and those to check for overdue jobs."""
+        others = set(self.others[model])
+        helped = [lane for m, lane in self.helped if m == model and lane in others]
+        spread = [lane for lane in _rotated(self.others[model], self.turn * STEAL_WINDOW) if lane not in set(helped)]
+        steal = helped + (spread if full else spread[:STEAL_WINDOW])
+        overdue = helped[:OVERDUE_CHECKS // 2] + spread[:OVERDUE_CHECKS - len(helped[:OVERDUE_CHECKS // 2])]
+        return steal, overdue
+
+    def stole(self, stream: str) -> None:
+        """Remember the lane: its prefix is in our cache now, so we look there first the next time we steal
+        (a lane too hot for its owner gets a steady set of helpers instead of every worker in turn)."""
+        lane = self.lane_of_stream.get(stream)
+        if lane is None:
+            return
+        if lane in self.helped:
+            self.helped.remove(lane)
+        self.helped.insert(0, lane)
+        del self.helped[HELPED * len(self.models):]
+
+    def observe(self, own_ages_ms: list[int], drained: bool) -> None:
+        """How long jobs in our own lanes have been waiting: 0 once a read found them empty."""
+        if drained:
+            self.own_wait_ms = 0
+        elif own_ages_ms:
+            self.own_wait_ms = max(own_ages_ms)
+
+    def home(self) -> list[str]:
+        """What an idle worker blocks on: per priority, each model's shared stream and our own lanes of it (others
+        are looked at on each non-blocking read, so a job in a busy owner's lane waits at most one blocking
+        timeout for a thief). Models take turns at going first, as in read_plan."""
+        models = _rotated(list(self.models), self.turn)
+        return [st for p in PRIORITIES for m in models
+                for st in [self.keys.jobs(m, p), *(self.keys.jobs(m, p, lane) for lane in self.own.get(m, []))]]
+
+    def stolen(self, stream: str) -> bool:
+        """A lane stream we read although another worker owns it."""
+        return self.enabled and stream in self.lane_streams and stream not in self.own_streams
+
+
+def _rotated(items: list, turn: int) -> list:
+    if not items:
+        return items
+    k = turn % len(items)
+    return items[k:] + items[:k]
