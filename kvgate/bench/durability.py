@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis
 
+from kvgate.bench.queue import server_version
+
 MODES = ("primary", "replicated")
 
 
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 for mode in MODES:
                     samples["submit", mode] += time_submits(url, mode, args.jobs)
                     samples["finish", mode] += time_finishes(url, mode, args.jobs)
-            version = redis.Redis.from_url(url).info("server")["redis_version"]
+            version = server_version(url)
         finally:
             for proc in procs:
                 proc.kill()  # nothing here needs keeping

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from kvgate.bench.queue import server_version
 from kvgate.producer.protocol import Keys
 
 TARGET_JOBS_PER_S = 5000
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(asdict(r)), file=sys.stderr, flush=True)
         throughput = run_throughput(server, args) if args.throughput_jobs else {"jobs_per_s": 0.0}
         print(json.dumps({"throughput": throughput}), file=sys.stderr, flush=True)
-        redis_version = redis.Redis.from_url(url).info("server")["redis_version"]
+        redis_version = server_version(url)
     head = max(sizes)
     by = {(r.policy, r.workers): r for r in runs}
     cap, pre = by[("capacity", head)], by[("prefetch", head)]

@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 
 from kvgate.engine.simulated import SimulatedEngine
-from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, decode_event, encode
+from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, decode_event, encode
 from kvgate.worker.admission import AdmissionQueue
 from kvgate.worker.embedded_redis import EmbeddedRedis
 from kvgate.worker.settings import WorkerSettings
@@ -133,9 +133,12 @@ def make_jobs(n: int, mix: JobMix, *, seed: int, clients: int) -> list[Job]:
     return jobs
 
 
-def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | None, batch: int = 200) -> float:
-    """XADD jobs in pipelined batches; with `rate` (jobs/s) paced as an open-loop arrival stream.
-    Returns the time the last batch went in."""
+def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | None, batch: int = 200,
+            lanes: int = 0) -> float:
+    """XADD jobs in pipelined batches, each where the SDK would put it (with `lanes`, its affinity lane); with
+    `rate` (jobs/s) paced as an open-loop arrival stream. Returns the time the last batch went in."""
+    from kvgate.producer.submission import stream_for
+
     started = time.time()
     for lo in range(0, len(jobs), batch):
         if rate:
@@ -144,7 +147,7 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
         now = time.time()
         for job in jobs[lo:lo + batch]:
             job.enqueued_at = now
-            pipe.xadd(keys.jobs(job.model, job.priority), {FIELD: encode(job)})
+            pipe.xadd(stream_for(job, job.model or DEFAULT_MODEL, keys, lanes), {FIELD: encode(job)})
         pipe.execute()
     return time.time()
 

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, encode
+from kvgate.bench.queue import server_version
+from kvgate.producer.protocol import PROTOCOL_VERSION, Job, Keys, Sampling
 
 TARGETS = {"hit_rate_to_ideal_at_least": 0.9, "prefill_to_shared_at_most": 0.5, "p99_wait_to_shared_at_most": 1.2,
            "saturation_to_shared_at_least": 1.5}
@@ -64,23 +65,6 @@ def make_prefix_jobs(n: int, mix: PrefixMix, *, seed: int, clients: int) -> list
         jobs.append(Job(v=PROTOCOL_VERSION, job_id=f"j{i}", client_id=f"bench-{i % clients}", enqueued_at=0.0,
                         prompt_token_ids=prefix + suffix, sampling=sampling))
     return jobs
-
-
-def enqueue_routed(client: redis.Redis, keys: Keys, jobs: list[Job], lanes: int, *, rate: float | None,
-                   batch: int) -> None:
-    """XADD each job where the SDK would put it (its lane, or the shared stream); paced open-loop with `rate`."""
-    from kvgate.producer.submission import stream_for
-
-    started = time.time()
-    for lo in range(0, len(jobs), batch):
-        if rate:
-            time.sleep(max(0.0, started + lo / rate - time.time()))
-        pipe = client.pipeline(transaction=False)
-        now = time.time()
-        for job in jobs[lo:lo + batch]:
-            job.enqueued_at = now
-            pipe.xadd(stream_for(job, job.model or DEFAULT_MODEL, keys, lanes), {FIELD: encode(job)})
-        pipe.execute()
 
 
 def contestant_fleet(name: str, n_workers: int) -> list:
@@ -127,7 +111,7 @@ def run_contestant(url: str, name: str, phase: str, jobs: list[Job], rate: float
                                   per_token_s=args.per_token_ms / 1000 / args.speed, seed=args.seed, **settings)
     try:
         lanes = _wait_for_ring(client, keys, len(specs)) if name == "lanes" else 0
-        enqueue_routed(client, keys, jobs, lanes, rate=rate, batch=max(1, int((rate or 1000) / 50)))
+        fleet_sim.enqueue(client, keys, jobs, rate=rate, batch=max(1, int((rate or 1000) / 50)), lanes=lanes)
         _wait_answered(client, keys, jobs, timeout=120 + len(jobs) / 5)
     finally:
         fleet.stop()
@@ -188,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         for name in ("shared", "lanes", "ideal"):
             runs.append(run_contestant(server.url, name, "open-loop", [_copy(j) for j in arrivals], rate, args))
             print(json.dumps(asdict(runs[-1])), file=sys.stderr, flush=True)
-        redis_version = redis.Redis.from_url(server.url).info("server")["redis_version"]
+        redis_version = server_version(server.url)
     by = {(r.contestant, r.phase): r for r in runs}
     got = ratios(by)
     met = {"hit_rate_to_ideal": (got["hit_rate_to_ideal"] or 0) >= TARGETS["hit_rate_to_ideal_at_least"],
