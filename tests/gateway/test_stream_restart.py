@@ -16,10 +16,10 @@ from kvgate.gateway.replay import Replay
 from kvgate.producer import Client, Delta, Restart
 from tests.gateway.conftest import start_gateway, wait_for_workers
 from tests.reliability.chaos_harness import stop_all
+from tests.reliability.test_stream_attempts import SLOW as STREAM_ATTEMPTS_WORKER
 from tests.support import spawn_worker, wait_for
 
-SLOW = ("--simulated", "--sim-step-ms", "15", "--sim-per-token-ms", "0", "--max-num-seqs", "4",
-        "--reclaim-idle-ms", "1000", "--drain-timeout", "0.2")
+SLOW = (*STREAM_ATTEMPTS_WORKER, "--drain-timeout", "0.2")
 
 
 def delta(text: str, n: int = 1, attempt: int = 1, logprobs=None) -> Delta:

@@ -269,14 +269,19 @@ def report(outcome: dict, tmp_path: Path) -> str:
     return text
 
 
-@pytest.mark.chaos
-def test_replicated_durability_rides_out_a_primary_and_a_worker_sigkill_with_one_result_per_job(namespace, tmp_path):
+def run_failover(namespace: str, tmp_path, durability: str) -> tuple[dict, str]:
+    """One chaos run on a fresh Sentinel group: its outcome and the report printed for it."""
     group = SentinelGroup(tmp_path / "sentinel").start()
     try:
-        outcome = FailoverRun(group, namespace, tmp_path, "replicated").run()
+        outcome = FailoverRun(group, namespace, tmp_path, durability).run()
     finally:
         group.stop()
-    text = report(outcome, tmp_path)
+    return outcome, report(outcome, tmp_path)
+
+
+@pytest.mark.chaos
+def test_replicated_durability_rides_out_a_primary_and_a_worker_sigkill_with_one_result_per_job(namespace, tmp_path):
+    outcome, text = run_failover(namespace, tmp_path, "replicated")
     assert outcome["answered"] == outcome["jobs"], text
     assert (outcome["lost"], outcome["lost_then_answered"], outcome["submit_failed"]) == ([], [], []), text
     assert outcome["answered_twice"] == [], text
@@ -287,12 +292,7 @@ def test_replicated_durability_rides_out_a_primary_and_a_worker_sigkill_with_one
 def test_default_durability_accounts_for_every_job_across_a_failover(namespace, tmp_path):
     """Redis's default replication is asynchronous: what the old primary had acknowledged but not yet sent
     may be gone. Whatever happened, each job is answered, reported lost or refused at submit: never missing."""
-    group = SentinelGroup(tmp_path / "sentinel").start()
-    try:
-        outcome = FailoverRun(group, namespace, tmp_path, "primary").run()
-    finally:
-        group.stop()
-    text = report(outcome, tmp_path)
+    outcome, text = run_failover(namespace, tmp_path, "primary")
     accounted = outcome["answered"] + len(outcome["lost_then_answered"]) + len(outcome["lost"]) + \
         len(outcome["submit_failed"])
     assert accounted == outcome["jobs"], text

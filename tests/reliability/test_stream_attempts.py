@@ -73,6 +73,16 @@ def submit_long(client, **extra):
     return client.submit("tell a long story", max_tokens=160, ignore_eos=True, stream=True, **extra)
 
 
+def stream_from_first_worker(fleet, *worker_args: str, **submit):
+    """Worker "a" (engine seed 1) streams a long job until 20 deltas are in: its process, handle and reader."""
+    client, spawn = fleet
+    first = spawn("a", 1, *worker_args)
+    handle = submit_long(client, **submit)
+    reader = Reader(handle)
+    wait_for(lambda: reader.deltas() >= 20, 30, "20 deltas from the first worker")
+    return first, handle, reader
+
+
 def check_reconstructs(reader: Reader, handle) -> None:
     reader.join()
     result = handle.result(timeout=5)
@@ -85,11 +95,8 @@ def check_reconstructs(reader: Reader, handle) -> None:
 
 
 def test_stream_after_a_sigkill_mid_generation_restarts_and_reconstructs_the_result(fleet):
-    client, spawn = fleet
-    first = spawn("a", seed=1)
-    handle = submit_long(client)
-    reader = Reader(handle)
-    wait_for(lambda: reader.deltas() >= 20, 30, "20 deltas from the first worker")
+    _, spawn = fleet
+    first, handle, reader = stream_from_first_worker(fleet)
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     spawn("b", seed=2)
@@ -98,11 +105,8 @@ def test_stream_after_a_sigkill_mid_generation_restarts_and_reconstructs_the_res
 
 
 def test_stream_after_a_drain_hand_back_restarts_and_reconstructs_the_result(fleet):
-    client, spawn = fleet
-    first = spawn("a", 1, "--drain-timeout", "0.2")
-    handle = submit_long(client)
-    reader = Reader(handle)
-    wait_for(lambda: reader.deltas() >= 20, 30, "20 deltas from the first worker")
+    _, spawn = fleet
+    first, handle, reader = stream_from_first_worker(fleet, "--drain-timeout", "0.2")
     first.send_signal(signal.SIGTERM)  # drains: its running job is aborted and handed back after 0.2 s
     assert first.wait(20) == 0
     spawn("b", seed=2)
@@ -110,11 +114,8 @@ def test_stream_after_a_drain_hand_back_restarts_and_reconstructs_the_result(fle
 
 
 def test_logprobs_restart_with_the_text_after_a_drain_hand_back(fleet):
-    client, spawn = fleet
-    first = spawn("a", 1, "--drain-timeout", "0.2")
-    handle = submit_long(client, logprobs=2)
-    reader = Reader(handle)
-    wait_for(lambda: reader.deltas() >= 20, 30, "20 deltas from the first worker")
+    _, spawn = fleet
+    first, handle, reader = stream_from_first_worker(fleet, "--drain-timeout", "0.2", logprobs=2)
     first.send_signal(signal.SIGTERM)
     assert first.wait(20) == 0
     spawn("b", seed=2)
@@ -127,11 +128,8 @@ def test_logprobs_restart_with_the_text_after_a_drain_hand_back(fleet):
 
 
 def test_a_zombie_workers_late_deltas_are_not_spliced_into_the_stream(fleet):
-    client, spawn = fleet
-    zombie = spawn("a", seed=1)
-    handle = submit_long(client)
-    reader = Reader(handle)
-    wait_for(lambda: reader.deltas() >= 20, 30, "20 deltas from the first worker")
+    _, spawn = fleet
+    zombie, handle, reader = stream_from_first_worker(fleet)
     zombie.send_signal(signal.SIGSTOP)  # stalls past the 1 s reclaim timeout: its job is taken over
     spawn("b", seed=2)
     wait_for(lambda: any(getattr(i, "attempt", 1) > 1 or type(i).__name__ == "Restart" for i in reader.items)
