@@ -359,6 +359,74 @@ class SentinelGroup:
         self.link.close()
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is also free and valid (<= 65535)."""
+    while True:
+        port = free_port()
+        if port <= 55535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
+
+@dataclass(slots=True)
+class ClusterGroup:
+    """A Redis Cluster on loopback: `primaries` primaries with `replicas` replicas each, made with `redis-cli
+    --cluster create`, tight node timeouts so a SIGKILLed primary's replica is promoted within seconds. `url`
+    is the redis+cluster:// form every kvgate component takes."""
+
+    workdir: Path
+    primaries: int = 3
+    replicas: int = 1
+    binary: str = field(default_factory=redis_server_binary)
+    node_timeout_ms: int = 1000
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:self.primaries]) + "/"
+
+    def start(self, timeout: float = 30.0) -> "ClusterGroup":
+        for i in range(self.primaries * (1 + self.replicas)):
+            node = RedisServer(self.workdir / f"n{i}", self.binary, port=cluster_port(), extra_args=(
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(self.node_timeout_ms), "--appendfsync", "everysec"))
+            self.nodes.append(node.start())
+        cli = shutil.which("redis-cli") or str(Path(self.binary).with_name("redis-cli"))
+        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                       check=True, capture_output=True, timeout=timeout)
+        wait_for(self._ok, timeout, "every node to report cluster_state:ok")
+        return self
+
+    def _ok(self) -> bool:
+        try:
+            return all(n.client().cluster("info")["cluster_state"] == "ok" for n in self.nodes if n.proc)
+        except redis.RedisError:
+            return False
+
+    def primary_nodes(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.proc and n.client().info("replication")["role"] == "master"]
+
+    def node_of(self, key: str) -> RedisServer:
+        """The live primary that holds `key`'s slot now."""
+        slot = redis.crc.key_slot(key.encode())
+        for n in self.primary_nodes():
+            for start, end, *_ in n.client().cluster("slots"):
+                pass
+            if any(int(r[0]) <= slot <= int(r[1]) for r in n.client().execute_command("CLUSTER", "SLOTS")
+                   if r[2][1] == n.port):
+                return n
+        raise AssertionError(f"no live primary holds slot {slot}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop(9)
+
+
 @contextlib.contextmanager
 def smollm2_client(url: str, ns: str, *args: str, worker_id: str):
     """A Client on `ns` with one `kvgate worker` running the bundled SmolLM2 there; the worker must stop cleanly."""

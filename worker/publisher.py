@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from kvgate.producer.cluster import run_script
 from kvgate.producer.protocol import FIELD, Delta, Final, Keys, encode
 from kvgate.producer.redis_url import Durability, NotReplicated
 
@@ -86,6 +87,7 @@ class Publisher:
     reply_maxlen: int
     dead_maxlen: int
     deltas: list[tuple[str, Delta, str]] = field(default_factory=list)  # (client id, delta, request key)
+    # a request key is `stream|entry id`: the job's reply stream is in its stream's shard (producer/shards.py)
     finishes: list[Finish] = field(default_factory=list)
     sending: tuple[list, list] = field(default_factory=lambda: ([], []))  # (deltas, finishes) filled, not settled
     script: object = None
@@ -140,8 +142,8 @@ class Publisher:
         self.sending, self.deltas, self.finishes = (self.deltas, self.finishes), [], []
         deltas, finishes = self.sending
         replies = set()
-        for client_id, delta, _ in deltas:
-            reply = self.keys.reply(client_id)
+        for client_id, delta, key in deltas:
+            reply = self.reply_of(client_id, key.partition("|")[0])
             pipe.xadd(reply, {FIELD: encode(delta)}, maxlen=self.reply_maxlen, approximate=True)
             replies.add(reply)
         for reply in replies:
@@ -179,17 +181,22 @@ class Publisher:
             self.requeue()
             raise
 
+    def reply_of(self, client_id: str, stream: str) -> str:
+        """The client's reply stream in the shard of the job's stream."""
+        return self.keys.of_stream(stream).reply(client_id)
+
     def _finish(self, pipe, f: Finish) -> None:
         payload = encode(f.final)
-        keys = [self.keys.result(f.final.job_id), self.keys.reply(f.client_id), f.stream, self.keys.dead()]
+        shard = self.keys.of_stream(f.stream)
+        keys = [shard.result(f.final.job_id), shard.reply(f.client_id), f.stream, shard.dead()]
         args = [payload, self.result_ttl_s, Keys.GROUP, f.entry_id, self.reply_maxlen, self.reply_ttl_s, FIELD,
                 f.dead_reason, self.dead_maxlen, f.job_payload]
-        self.script(keys=keys, args=args, client=pipe)
+        run_script(self.script, keys, args, pipe)
 
     def dead_letter(self, stream: str, entry_id: str, reason: str, payload: bytes | None) -> None:
         """A job nobody can be told about: record it in the dead stream and acknowledge it, atomically."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead(), {"reason": reason, "stream": stream, "entry": entry_id, "job": payload or b""},
+        pipe.xadd(self.keys.of_stream(stream).dead(), {"reason": reason, "stream": stream, "entry": entry_id, "job": payload or b""},
                   maxlen=self.dead_maxlen, approximate=True)
         pipe.xack(stream, Keys.GROUP, entry_id)
         pipe.execute()
