@@ -102,13 +102,25 @@ def is_cluster_client(client) -> bool:
 
 # ---- scripts ----------------------------------------------------------------------------------------------------
 def run_script(script, keys: list, args: list, client):
-    """`script(keys=, args=, client=)`, also on a cluster pipeline (where redis-py refuses it)."""
+    """`script(keys=, args=, client=)`, also on a cluster pipeline (where redis-py refuses it). On an asyncio
+    pipeline the caller awaits what this returns, as it would a script call."""
+    from redis.asyncio.cluster import ClusterPipeline as AsyncPipeline
+
+    if isinstance(client, AsyncPipeline):
+        return _queue_async(script, keys, args, client)
     if not isinstance(client, ClusterPipeline):
         return script(keys=keys, args=args, client=client)
     if not getattr(script, "_kvgate_loaded", False):
         script.registered_client.script_load(script.script)  # SCRIPT LOAD goes to every primary
         script._kvgate_loaded = True
     return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+async def _queue_async(script, keys: list, args: list, pipe) -> None:
+    if not getattr(script, "_kvgate_loaded", False):
+        await script.registered_client.script_load(script.script)
+        script._kvgate_loaded = True
+    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
 def get_many(client, names: list[str]):

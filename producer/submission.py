@@ -129,7 +129,7 @@ async def enqueue_commands_async(pipe, script, prepared: list[Prepared], keys: K
     awaited in turn, so the commands keep their order."""
     for p in prepared:
         queued = add_to_pipeline(pipe, script, p)
-        if inspect.isawaitable(queued):
+        if inspect.iscoroutine(queued):  # not a pipeline: awaiting a cluster pipeline resets its command stack
             await queued
     if models:
         pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))

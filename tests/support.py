@@ -412,15 +412,24 @@ class ClusterGroup:
         return [n for n in self.nodes if n.proc and n.client().info("replication")["role"] == "master"]
 
     def node_of(self, key: str) -> RedisServer:
-        """The live primary that holds `key`'s slot now."""
+        """The primary that holds `key`'s slot now, as the live nodes see it."""
         slot = redis.crc.key_slot(key.encode())
-        for n in self.primary_nodes():
-            for start, end, *_ in n.client().cluster("slots"):
-                pass
-            if any(int(r[0]) <= slot <= int(r[1]) for r in n.client().execute_command("CLUSTER", "SLOTS")
-                   if r[2][1] == n.port):
-                return n
-        raise AssertionError(f"no live primary holds slot {slot}")
+        for node in [n for n in self.nodes if n.proc]:
+            try:
+                ranges = node.client().execute_command("CLUSTER", "SLOTS")
+            except redis.RedisError:
+                continue
+            port = next(int(r[2][1]) for r in ranges if int(r[0]) <= slot <= int(r[1]))
+            return next(n for n in self.nodes if n.port == port)
+        raise AssertionError(f"no live node answers CLUSTER SLOTS for slot {slot}")
+
+    def replica_of(self, primary: RedisServer) -> RedisServer:
+        return next(n for n in self.nodes if n.proc and n is not primary and
+                    n.client().info("replication").get("master_port") == primary.port)
+
+    def kill(self, node: RedisServer) -> None:
+        """SIGKILL a node; a killed primary's replica takes over after the node timeout and an election."""
+        node.stop(9)
 
     def stop(self) -> None:
         for node in self.nodes:
