@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 
 from .protocol import mask_url
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379
+FAILOVER_RETRIES, FAILOVER_BACKOFF_CAP_S = 20, 0.5  # about 9 s of retrying: a replica's promotion takes a few
 SHARDS_PER_PRIMARY = 2  # the default when a namespace is first used: room to add primaries without resharding keys
 
 
@@ -76,9 +79,13 @@ def _host_port(text: str, shown: str) -> tuple[str, int]:
     return host, int(port) if port else DEFAULT_PORT
 
 
-def _kwargs(c: ClusterUrl, kwargs: dict) -> dict:
-    kw = {k: v for k, v in kwargs.items() if k != "retry"}  # the cluster client retries across failovers itself
-    kw |= {"username": c.username, "password": c.password}
+def _kwargs(c: ClusterUrl, kwargs: dict, retry_class=None) -> dict:
+    """The caller's connection options, with the cluster's own retry: a refused or dropped connection (a primary
+    died) makes the client read the slots again and retry, with backoff, long enough for the replica's promotion
+    (the node timeout plus an election: a few seconds)."""
+    kw = {k: v for k, v in kwargs.items() if k != "retry"}
+    kw |= {"username": c.username, "password": c.password,
+           "retry": (retry_class or Retry)(ExponentialBackoff(cap=FAILOVER_BACKOFF_CAP_S, base=0.05), FAILOVER_RETRIES)}
     return {**kw, "ssl": True} if c.ssl else kw
 
 
@@ -89,9 +96,10 @@ def connect_cluster(url: str, **kwargs) -> RedisCluster:
 
 def connect_cluster_async(url: str, **kwargs):
     from redis.asyncio.cluster import ClusterNode as AsyncNode, RedisCluster as AsyncCluster
+    from redis.asyncio.retry import Retry as AsyncRetry
 
     c = parse_cluster_url(url)
-    return AsyncCluster(startup_nodes=[AsyncNode(h, p) for h, p in c.nodes], **_kwargs(c, kwargs))
+    return AsyncCluster(startup_nodes=[AsyncNode(h, p) for h, p in c.nodes], **_kwargs(c, kwargs, AsyncRetry))
 
 
 def is_cluster_client(client) -> bool:

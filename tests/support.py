@@ -349,6 +349,23 @@ class SentinelGroup:
                  self.replica.client().info("replication")["role"] == "master", timeout,
                  lambda: f"the replica (port {self.replica.port}) promoted: sentinels say {self._views()}")
 
+    def fail_over(self, lag_s: float) -> str:
+        """Cut the replica's link for `lag_s`, SIGKILL the primary, wait for the promotion, restart the old primary
+        (Sentinel makes it the new primary's replica); returns what happened, for a chaos report."""
+        started = time.monotonic()
+        self.link.hold()
+        time.sleep(lag_s)
+        self.kill_primary()
+        self.wait_failover()
+        took = time.monotonic() - started
+        self.primary.start()
+        return (f"replica link cut {lag_s:g}s, then SIGKILL primary :{self.primary.port}; replica "
+                f":{self.replica.port} promoted after {took:.1f}s; old primary restarted")
+
+    def data_client(self) -> redis.Redis:
+        """A client of the primary after `fail_over`."""
+        return self.replica.client()
+
     def stop(self) -> None:
         for proc in self.sentinels:
             if proc.poll() is None:
@@ -393,7 +410,8 @@ class ClusterGroup:
         for i in range(self.primaries * (1 + self.replicas)):
             node = RedisServer(self.workdir / f"n{i}", self.binary, port=cluster_port(), extra_args=(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms), "--appendfsync", "everysec"))
+                "--cluster-node-timeout", str(self.node_timeout_ms), "--appendfsync", "everysec",
+                "--enable-debug-command", "yes"))  # DEBUG SLEEP: a replica that falls behind, on purpose
             self.nodes.append(node.start())
         cli = shutil.which("redis-cli") or str(Path(self.binary).with_name("redis-cli"))
         subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
@@ -430,6 +448,30 @@ class ClusterGroup:
     def kill(self, node: RedisServer) -> None:
         """SIGKILL a node; a killed primary's replica takes over after the node timeout and an election."""
         node.stop(9)
+
+    def fail_over(self, lag_s: float, victim: RedisServer | None = None) -> str:
+        """Make a primary's replica deaf for `lag_s` (DEBUG SLEEP), SIGKILL the primary meanwhile, wait for the
+        replica's promotion and a healthy cluster, restart the old primary (it rejoins as a replica); returns what
+        happened, for a chaos report."""
+        victim = victim or self.primary_nodes()[0]
+        replica, started = self.replica_of(victim), time.monotonic()
+        deaf = threading.Thread(target=lambda: replica.client(socket_timeout=lag_s + 5).execute_command(
+            "DEBUG", "SLEEP", lag_s), daemon=True)
+        deaf.start()
+        time.sleep(lag_s / 2)
+        self.kill(victim)
+        deaf.join()
+        wait_for(lambda: replica.client().info("replication")["role"] == "master" and self._ok(), 30,
+                 lambda: f"replica :{replica.port} of :{victim.port} promoted")
+        took = time.monotonic() - started
+        victim.start()
+        return (f"replica :{replica.port} deaf {lag_s:g}s, SIGKILL primary :{victim.port} halfway; replica "
+                f"promoted after {took:.1f}s; old primary restarted as a replica")
+
+    def data_client(self):
+        from kvgate.producer.redis_url import connect
+
+        return connect(self.url)
 
     def stop(self) -> None:
         for node in self.nodes:
