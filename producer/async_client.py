@@ -27,7 +27,8 @@ from .reply_reader import READ_COUNT, ReaderState, is_noperm
 from .result import Result
 from .lane_count import LaneCount
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         group_exists, new_models, owners, prepare, send_async)
+                         group_exists, new_models, owners, prepare,
+                         send_riding_failovers_async)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class AsyncClient:
                  replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S):
         self.url = resolve_url(redis_url)
         self.durability = Durability(durability, 1, replica_timeout_ms)
+        self._failover_budget_s = failover_budget_s
         self._durable = AsyncDurableSubmitter(self.url, self.durability, failover_budget_s) \
             if self.durability.replicated else None
         self.namespace = namespace
@@ -145,7 +147,8 @@ class AsyncClient:
                 prepared = [with_claim(p, self.keys) for p in prepared]
                 replies = await self._durable.send(self._script, prepared, self.keys)
             else:
-                replies = await send_async(self.redis, self._script, prepared, self.keys)  # as Client._enqueue
+                replies = await send_riding_failovers_async(self.redis, self._script, prepared, self.keys,
+                                                            self._failover_budget_s)  # as Client._enqueue
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)

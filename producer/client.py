@@ -24,7 +24,7 @@ from .reply_reader import ReaderState, ReplyReader
 from .result import Result
 from .lane_count import LaneCount
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
-                         group_exists, new_models, owners, prepare, send)
+                         group_exists, new_models, owners, prepare, send_riding_failovers)
 
 CHUNK = 256
 CLOSED_REPLY_TTL_S = 60  # replies still in flight at close may land; the stream goes soon after
@@ -49,6 +49,7 @@ class Client:
         RELIABILITY.md, Failover)."""
         self.url = resolve_url(redis_url)
         self.durability = Durability(durability, 1, replica_timeout_ms)
+        self._failover_budget_s = failover_budget_s
         self._durable = DurableSubmitter(self.url, self.durability, failover_budget_s) \
             if self.durability.replicated else None
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
@@ -60,6 +61,8 @@ class Client:
         with translated(self.url):
             self.keys = keys_for(self.url, self.redis, namespace)  # on a cluster: the namespace's shards
         if self._durable is not None and self.keys.cluster:
+            self._durable.close()
+            self.redis.close()
             raise ValueError("durability='replicated' is not available on a Redis Cluster yet: use a primary with "
                              "replicas behind Sentinel (redis+sentinel://) for it, or durability='primary'")
         self._script = claim_script(self.redis)
@@ -127,7 +130,7 @@ class Client:
                 prepared = [with_claim(p, self.keys) for p in prepared]
                 replies = self._durable.send(self._script, prepared, self.keys)
             else:
-                replies = send(self.redis, self._script, prepared, self.keys)
+                replies = send_riding_failovers(self.redis, self._script, prepared, self.keys, self._failover_budget_s)
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)

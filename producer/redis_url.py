@@ -30,7 +30,8 @@ from .protocol import Keys, mask_url
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379
 SENTINEL_QUERY = ("sentinel_username", "sentinel_password")
-FAILOVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)  # MasterNotFound included
+# MasterNotFound included; ClusterError: a cluster with a slot uncovered while a replica takes over
+FAILOVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.exceptions.ClusterError)
 FAILOVER_BUDGET_S = 30.0  # Sentinel's default failover takes down-after (30 s in its sample config) plus an election
 
 

@@ -11,6 +11,7 @@ from .connection import refusal_of
 from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .lanes import lane_of, routing_key
+from .redis_url import across_failover, across_failover_async
 from .protocol import DEFAULT_MODEL, FIELD, Job, Keys, as_text
 from .request import build_job, encode_job, new_job_id, validate_request
 
@@ -114,6 +115,21 @@ async def send_async(r, script, prepared: list[Prepared], keys: Keys) -> list:
         for i, reply in zip(group, await pipe.execute()):
             replies[i] = reply
     return replies
+
+
+def send_riding_failovers(r, script, prepared: list[Prepared], keys: Keys, budget_s: float) -> list:
+    """`send`; on a cluster, sent again while a primary is down (its replica takes over within seconds), up to
+    `budget_s`. Safe to repeat: an entry sent twice carries the same job id, and the finish script answers a job
+    id once (a claim, when there is one, finds its own job)."""
+    if not keys.cluster:
+        return send(r, script, prepared, keys)
+    return across_failover(lambda: send(r, script, prepared, keys), budget_s)
+
+
+async def send_riding_failovers_async(r, script, prepared: list[Prepared], keys: Keys, budget_s: float) -> list:
+    if not keys.cluster:
+        return await send_async(r, script, prepared, keys)
+    return await across_failover_async(lambda: send_async(r, script, prepared, keys), budget_s)
 
 
 def by_shard(prepared: list[Prepared], keys: Keys) -> list[list[int]]:

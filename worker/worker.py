@@ -108,6 +108,9 @@ class Worker:
         self.client = connect(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
                                            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
         self.keys = keys_for(redis_url, self.client, namespace)  # on a cluster: learns the namespace's shards
+        if self.keys.cluster and s.replication.replicated:
+            raise ValueError("--durability replicated is not available on a Redis Cluster yet: run a primary with "
+                             "replicas behind Sentinel (redis+sentinel://) for it, or use --durability primary")
         self.streams = self.keys.served_jobs(list(self.served.names))
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
         self.renderer = TokenRenderer(getattr(engine, "tokenizer", None))

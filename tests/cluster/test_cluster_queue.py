@@ -126,3 +126,14 @@ def test_a_job_in_another_shards_stream_is_answered_in_that_shard_and_the_worker
     finally:
         stop_all(procs)
         r.close()
+
+
+def test_replicated_durability_is_refused_on_a_cluster_with_what_to_use_instead(cluster, namespace):
+    import pytest
+
+    with pytest.raises(ValueError, match=r"not available on a Redis Cluster yet.*redis\+sentinel://"):
+        Client(cluster.url, namespace, durability="replicated")
+    proc = spawn_worker(cluster.url, namespace, *SIM, "--durability", "replicated")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "--durability replicated is not available on a Redis Cluster yet" in out, out
+    assert "Traceback" not in out
