@@ -69,9 +69,6 @@ class AsyncClient:
         with translated(self.url):
             if self.keys is None:
                 self.keys = await keys_for_async(self.url, self.redis, self.namespace)
-                if self._durable is not None:
-                    raise ValueError("durability='replicated' is not available on a Redis Cluster yet: use a "
-                                     "primary with replicas behind Sentinel (redis+sentinel://), or durability='primary'")
             await self._ensure_groups([DEFAULT_MODEL])
         self._readers = []
         for shard in range(len(self.keys.parts)):  # one per shard: a blocking read covers one slot

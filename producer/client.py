@@ -60,11 +60,6 @@ class Client:
         self.redis = connect(self.url)
         with translated(self.url):
             self.keys = keys_for(self.url, self.redis, namespace)  # on a cluster: the namespace's shards
-        if self._durable is not None and self.keys.cluster:
-            self._durable.close()
-            self.redis.close()
-            raise ValueError("durability='replicated' is not available on a Redis Cluster yet: use a primary with "
-                             "replicas behind Sentinel (redis+sentinel://) for it, or durability='primary'")
         self._script = claim_script(self.redis)
         self._closed = False
         self._states = job_states_script(self.redis)

@@ -170,3 +170,108 @@ async def agreed_shards_async(client, namespace: str, wanted: int | None) -> int
         log.warning("namespace %s is split into %d shards (recorded at %s); ignoring shards=%d from the URL",
                     namespace, recorded, shards_key(namespace), wanted)
     return check_shards(recorded)
+
+
+# ---- WAIT on a cluster: a connection of our own per primary ----------------------------------------------------
+MOVED_REPLIES = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
+
+
+def is_moved(error: BaseException) -> bool:
+    """A reply that says the slot is served elsewhere now (or not at all, mid-failover): a redirection, a MULTI that
+    one aborted, or a WAIT sent to what has become a replica."""
+    if isinstance(error, redis.exceptions.ExecAbortError):
+        return True
+    return isinstance(error, redis.ResponseError) and (str(error).split(" ", 1)[0] in MOVED_REPLIES or
+                                                       "used with replica" in str(error))
+
+
+class SlotMoved(redis.ConnectionError):
+    """A node link wrote to a node that no longer serves the slot: the topology is read again and the caller's
+    retry (every retry-on-outage path treats a ConnectionError as one) goes to the new primary."""
+
+
+class NodeLinks:
+    """One single-connection client per primary, for writes a WAIT must count. WAIT counts the writes of its own
+    connection, and a cluster client's WAIT has no key to route it to the node that took them, so replicated writes
+    on a cluster go through these: the writes of one shard, then WAIT, on the link to the shard's primary."""
+
+    def __init__(self, cluster: RedisCluster, url: str):
+        c = parse_cluster_url(url)
+        self.cluster, self.links = cluster, {}
+        self.kwargs = {"username": c.username, "password": c.password, "ssl": c.ssl, "max_connections": 1,
+                       "socket_timeout": 10, "socket_connect_timeout": 2}
+
+    def link(self, key: str) -> redis.Redis:
+        node = self.cluster.get_node_from_key(key)
+        if node.name not in self.links:
+            self.links[node.name] = redis.Redis(host=node.host, port=node.port, **self.kwargs)
+        return self.links[node.name]
+
+    def run(self, key: str, writes):
+        """`writes(link)` on the link to `key`'s primary. A dead primary (ConnectionError) or a slot served elsewhere
+        now (a redirection among the replies, or raised) reads the slots again and raises a ConnectionError, so the
+        caller's retry goes to the new primary; other errors stay the caller's."""
+        try:
+            replies = writes(self.link(key))
+        except redis.ConnectionError:
+            self.forget()
+            raise
+        except redis.ResponseError as e:
+            if is_moved(e):
+                self.forget()
+                raise SlotMoved(f"a shard's slot is served elsewhere now ({e}); the slots were read again") from e
+            raise
+        moved = next((r for r in replies if isinstance(r, Exception) and is_moved(r)), None)
+        if moved is not None:
+            self.forget()
+            raise SlotMoved(f"a shard's slot is served elsewhere now ({moved}); the slots were read again")
+        return replies
+
+    def forget(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+        self.cluster.nodes_manager.initialize()
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
+
+
+class AsyncNodeLinks(NodeLinks):
+    """NodeLinks on redis.asyncio."""
+
+    def link(self, key: str):
+        import redis.asyncio as aioredis
+
+        node = self.cluster.get_node_from_key(key)
+        if node.name not in self.links:
+            self.links[node.name] = aioredis.Redis(host=node.host, port=node.port, **self.kwargs)
+        return self.links[node.name]
+
+    async def run(self, key: str, writes):
+        try:
+            replies = await writes(self.link(key))
+        except redis.ConnectionError:
+            await self.forget()
+            raise
+        except redis.ResponseError as e:
+            if is_moved(e):
+                await self.forget()
+                raise SlotMoved(f"a shard's slot is served elsewhere now ({e}); the slots were read again") from e
+            raise
+        moved = next((r for r in replies if isinstance(r, Exception) and is_moved(r)), None)
+        if moved is not None:
+            await self.forget()
+            raise SlotMoved(f"a shard's slot is served elsewhere now ({moved}); the slots were read again")
+        return replies
+
+    async def forget(self) -> None:
+        await self.close()
+        await self.cluster.nodes_manager.initialize()
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            await link.aclose()
+        self.links.clear()

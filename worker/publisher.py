@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from kvgate.producer.cluster import run_script
+from kvgate.producer.cluster import NodeLinks, run_script
 from kvgate.producer.protocol import FIELD, Delta, Final, Keys, encode
 from kvgate.producer.redis_url import Durability, NotReplicated
 
@@ -93,6 +93,8 @@ class Publisher:
     script: object = None
     durability: Durability = field(default_factory=Durability)
     waiting: bool = False  # the pipeline being filled carries a WAIT after the finals (replicated durability)
+    links: NodeLinks | None = None  # replicated on a Redis Cluster: finals go per shard on links, each with a WAIT
+    linked_at: int | None = None  # where the finals' replies belong among the pipeline's, when they went on links
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(FINISH_LUA)  # EVALSHA, loading the script on NOSCRIPT
@@ -127,7 +129,7 @@ class Publisher:
         pipe = self.client.pipeline(transaction=False)
         n = self.fill(pipe)
         try:
-            replies = pipe.execute(raise_on_error=False)
+            replies = self.round_trip(pipe)
         except BaseException:
             self.requeue()
             raise
@@ -148,12 +150,46 @@ class Publisher:
             replies.add(reply)
         for reply in replies:
             pipe.expire(reply, self.reply_ttl_s)
-        for f in finishes:
-            self._finish(pipe, f)
         self.waiting = self.durability.replicated and bool(finishes)
-        if self.waiting:
-            self.durability.wait(pipe)  # same connection, after the finals: counts them and everything before
+        self.linked_at = len(deltas) + len(replies) if self.links is not None and finishes else None
+        if self.linked_at is None:
+            for f in finishes:
+                self._finish(pipe, f)
+            if self.waiting:
+                self.durability.wait(pipe)  # same connection, after the finals: counts them and everything before
         return len(deltas) + len(replies) + len(finishes) + self.waiting
+
+    def round_trip(self, pipe) -> list:
+        """Run the pipeline `fill` filled (raise_on_error=False); with links, then the finals on them, their replies
+        put where `settle` expects them."""
+        replies = pipe.execute(raise_on_error=False)
+        if self.linked_at is None:
+            return replies
+        return replies[:self.linked_at] + self._send_linked() + replies[self.linked_at:]
+
+    def _send_linked(self) -> list:
+        """Each shard's finals on the link to its primary, then WAIT there; the replies in the finals' order, and the
+        fewest replicas any WAIT saw (or its error) last."""
+        finishes = self.sending[1]
+        out: list = [None] * len(finishes)
+        waits = []
+        by_shard: dict[int, list[int]] = {}
+        for i, f in enumerate(finishes):
+            by_shard.setdefault(self.keys.of_stream(f.stream).shard, []).append(i)
+        for group in by_shard.values():
+            def writes(link, group=group):
+                pipe = link.pipeline(transaction=False)
+                for i in group:
+                    self._finish(pipe, finishes[i])
+                self.durability.wait(pipe)
+                return pipe.execute(raise_on_error=False)
+
+            replies = self.links.run(finishes[group[0]].stream, writes)
+            for i, reply in zip(group, replies):
+                out[i] = reply
+            waits.append(replies[-1])
+        failed = next((w for w in waits if isinstance(w, Exception)), None)
+        return out + [failed if failed is not None else min(int(w) for w in waits)]
 
     def settle(self, results: list) -> Settled:
         """The last fill went out (the pipeline ran with raise_on_error=False): sort the per-job failures out. A

@@ -22,7 +22,7 @@ from kvgate.engine.detokenizer_thread import DetokenizerThread, StepText
 from kvgate.engine.outputs import RequestRejected, StepOutput
 from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, TokenLogprob, Usage,
                                       as_text, decode_job, mask_url)
-from kvgate.producer.cluster import is_noscript, scripts_lost
+from kvgate.producer.cluster import NodeLinks, is_noscript, scripts_lost
 from kvgate.producer.redis_url import connect, keys_for
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.affinity import Affinity
@@ -108,16 +108,15 @@ class Worker:
         self.client = connect(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
                                            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
         self.keys = keys_for(redis_url, self.client, namespace)  # on a cluster: learns the namespace's shards
-        if self.keys.cluster and s.replication.replicated:
-            raise ValueError("--durability replicated is not available on a Redis Cluster yet: run a primary with "
-                             "replicas behind Sentinel (redis+sentinel://) for it, or use --durability primary")
         self.streams = self.keys.served_jobs(list(self.served.names))
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
         self.renderer = TokenRenderer(getattr(engine, "tokenizer", None))
         self.queue = AdmissionQueue(s.local_queue_size, float(s.initial_tokens_per_job))
         self.flights: dict[str, Flight] = {}
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
-                                   s.dead_maxlen, durability=s.replication)
+                                   s.dead_maxlen, durability=s.replication,
+                                   links=NodeLinks(self.client, redis_url) if self.keys.cluster and
+                                   s.replication.replicated else None)
         self.reader = Reader(self.client, self.worker_id, self.streams, len(self.served.names),
                              steal_age_ms=s.affinity_steal_age_ms, keys=self.keys)
         self.leases = Leases(self.client, self.worker_id)
@@ -565,8 +564,7 @@ class Worker:
         n_polls = self._cancel_flags(polled, pipe) if polled else 0
         if not (n_out or count or polled):
             return
-        self.sent = Exchange(self.io.submit(pipe.execute, raise_on_error=False), n_out, count, reclaim_ms, polled,
-                             n_polls)
+        self.sent = Exchange(self.io.submit(self.publisher.round_trip, pipe), n_out, count, reclaim_ms, polled, n_polls)
         if not self.engine.has_unfinished():
             self._settle_exchange()
 

@@ -128,12 +128,23 @@ def test_a_job_in_another_shards_stream_is_answered_in_that_shard_and_the_worker
         r.close()
 
 
-def test_replicated_durability_is_refused_on_a_cluster_with_what_to_use_instead(cluster, namespace):
-    import pytest
 
-    with pytest.raises(ValueError, match=r"not available on a Redis Cluster yet.*redis\+sentinel://"):
-        Client(cluster.url, namespace, durability="replicated")
-    proc = spawn_worker(cluster.url, namespace, *SIM, "--durability", "replicated")
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and "--durability replicated is not available on a Redis Cluster yet" in out, out
-    assert "Traceback" not in out
+def test_replicated_durability_works_on_a_cluster_with_results_on_the_replicas(cluster, namespace):
+    procs = workers(cluster, namespace, 1, "--durability", "replicated")
+    try:
+        with Client(cluster.url, namespace, durability="replicated") as client:
+            handles = client.submit_many([dict(prompt=f"safe {i}", max_tokens=4) for i in range(24)])
+            results = [h.result(timeout=60) for h in handles]
+        assert [r.status for r in results] == ["done"] * 24
+        keys = keys_for(cluster.url, connect(cluster.url), namespace)
+        for h in handles:  # the worker counts a final settled only once WAIT saw the replica take it
+            key = keys.result(h.job_id)
+            replica = cluster.replica_of(cluster.node_of(key)).client()
+            wait_for(lambda: _on_replica(replica, key), 10, f"{key} on the replica")
+    finally:
+        stop_all(procs)
+
+
+def _on_replica(replica, key: str) -> bool:
+    replica.execute_command("READONLY")  # a cluster replica answers reads of its primary's slots once asked to
+    return replica.exists(key) == 1
