@@ -153,9 +153,11 @@ def shards_key(namespace: str) -> str:
 
 def agreed_shards(client: RedisCluster, namespace: str, wanted: int | None) -> int:
     """The namespace's recorded shard count; the first caller records `wanted` (or the default)."""
-    default = wanted or SHARDS_PER_PRIMARY * max(1, len(client.get_primaries()))
-    client.set(shards_key(namespace), default, nx=True)
-    recorded = int(client.get(shards_key(namespace)))
+    recorded = client.get(shards_key(namespace))  # read first: a read-only user (monitor, KEDA) may not record it
+    if recorded is None:
+        client.set(shards_key(namespace), wanted or SHARDS_PER_PRIMARY * max(1, len(client.get_primaries())), nx=True)
+        recorded = client.get(shards_key(namespace))
+    recorded = int(recorded)
     if wanted and wanted != recorded:
         log.warning("namespace %s is split into %d shards (recorded at %s); ignoring shards=%d from the URL",
                     namespace, recorded, shards_key(namespace), wanted)
@@ -163,9 +165,12 @@ def agreed_shards(client: RedisCluster, namespace: str, wanted: int | None) -> i
 
 
 async def agreed_shards_async(client, namespace: str, wanted: int | None) -> int:
-    default = wanted or SHARDS_PER_PRIMARY * max(1, len(client.get_primaries()))
-    await client.set(shards_key(namespace), default, nx=True)
-    recorded = int(await client.get(shards_key(namespace)))
+    recorded = await client.get(shards_key(namespace))
+    if recorded is None:
+        await client.set(shards_key(namespace), wanted or SHARDS_PER_PRIMARY * max(1, len(client.get_primaries())),
+                         nx=True)
+        recorded = await client.get(shards_key(namespace))
+    recorded = int(recorded)
     if wanted and wanted != recorded:
         log.warning("namespace %s is split into %d shards (recorded at %s); ignoring shards=%d from the URL",
                     namespace, recorded, shards_key(namespace), wanted)

@@ -400,6 +400,7 @@ class ClusterGroup:
     replicas: int = 1
     binary: str = field(default_factory=redis_server_binary)
     node_timeout_ms: int = 1000
+    extra_args: tuple[str, ...] = ()  # for every node, after the cluster's own
     nodes: list[RedisServer] = field(default_factory=list)
 
     @property
@@ -411,7 +412,7 @@ class ClusterGroup:
             node = RedisServer(self.workdir / f"n{i}", self.binary, port=cluster_port(), extra_args=(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(self.node_timeout_ms), "--appendfsync", "everysec",
-                "--enable-debug-command", "yes"))  # DEBUG SLEEP: a replica that falls behind, on purpose
+                "--enable-debug-command", "yes", *self.extra_args))  # DEBUG SLEEP: a replica lagging on purpose
             self.nodes.append(node.start())
         cli = shutil.which("redis-cli") or str(Path(self.binary).with_name("redis-cli"))
         subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
