@@ -148,3 +148,18 @@ def test_replicated_durability_works_on_a_cluster_with_results_on_the_replicas(c
 def _on_replica(replica, key: str) -> bool:
     replica.execute_command("READONLY")  # a cluster replica answers reads of its primary's slots once asked to
     return replica.exists(key) == 1
+
+
+def test_the_exporter_sums_every_shard_into_one_series_per_model_and_priority(cluster, namespace):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvgate import exporter
+
+    with Client(cluster.url, namespace) as client:
+        client.submit_many([dict(prompt=f"x {i}", max_tokens=4) for i in range(18)])
+    r = connect(cluster.url)
+    registry = exporter.build_registry(r, keys_for(cluster.url, r, namespace))
+    samples = [s for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples
+               if s.name == "kvgate_queue_lag" and s.labels.get("priority") == "normal"]
+    assert [s.value for s in samples] == [18]  # one series, not one per shard
