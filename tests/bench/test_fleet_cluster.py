@@ -1,0 +1,42 @@
+"""W-FLEET's cluster contestant, tiny: one Redis and a 3-primary cluster each drain a small backlog of one-token jobs
+with worker processes; every job is answered once on both, and each primary's Redis CPU is counted against the
+jobs of the shards it holds."""
+from __future__ import annotations
+
+from argparse import Namespace
+
+import pytest
+
+from kvgate.bench.fleet_cluster import cluster_unavailable, compare, per_job, run_cluster
+
+
+def _args(**kw) -> Namespace:
+    base = dict(cluster_jobs=600, cluster_rounds=1, cluster_primaries=3, cluster_replicas=0, cluster_shards=0,
+                procs=1, seed=0)
+    return Namespace(**{**base, **kw})
+
+
+def test_one_redis_and_a_three_primary_cluster_answer_every_job_once_and_count_cpu_per_primary():
+    if why := cluster_unavailable():
+        pytest.skip(why)
+    r = run_cluster(_args())
+    assert r["answered_once"]
+    cluster, single = r["runs"]["cluster"][0], r["runs"]["single"][0]
+    assert cluster["shards"] == 6 and single["shards"] == 1  # two shards per primary; one Redis has no shards
+    assert len(cluster["per_node"]) == 3 and sum(n["jobs"] for n in cluster["per_node"].values()) == 600
+    assert all(n["jobs"] > 100 for n in cluster["per_node"].values())  # the shards spread the jobs over every primary
+    assert all(n["redis_cpu_s"] > 0 for n in cluster["per_node"].values()) and single["per_node"]
+    assert set(r["ratio_per_primary"]) == set(cluster["per_node"]) and r["worst_ratio"] > 0
+    assert r["single"]["jobs_per_s"][0] > 0 and all(v > 0 for v in r["cluster"]["jobs_per_s"])
+
+
+def test_the_ratio_is_each_primarys_cpu_per_job_over_one_redis_and_a_job_answered_twice_fails():
+    one = {"runs": [{"per_node": {1: {"jobs": 1000, "redis_cpu_s": 0.05}}, "jobs_per_s": 900.0,
+                     "answered_once": True}]}
+    many = {"runs": [{"per_node": {7: {"jobs": 500, "redis_cpu_s": 0.025}, 8: {"jobs": 250, "redis_cpu_s": 0.02},
+                                   9: {"jobs": 250, "redis_cpu_s": 0.0125}},
+                      "jobs_per_s": 800.0, "shards": 6, "answered_once": False}]}
+    assert per_job(many["runs"])[8] == {"jobs": 250, "redis_cpu_s": 0.02, "cpu_us_per_job": 80.0}
+    r = compare(one, many)
+    assert r["ratio_per_primary"] == {7: 1.0, 8: 1.6, 9: 1.0}
+    assert r["worst_ratio"] == 1.6 and not r["met"] and not r["answered_once"]
