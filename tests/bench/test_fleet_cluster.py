@@ -31,6 +31,24 @@ def test_one_redis_and_a_three_primary_cluster_answer_every_job_once_and_count_c
     assert r["single"]["jobs_per_s"][0] > 0 and all(v > 0 for v in r["cluster"]["jobs_per_s"])
 
 
+
+def test_kvgate_bench_fleet_runs_the_cluster_contestant_alone_and_writes_its_json(tmp_path):
+    if why := cluster_unavailable():
+        pytest.skip(why)
+    import argparse
+    import json
+
+    from kvgate.bench.fleet import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workers", "", "--throughput-jobs", "0", "--cluster-jobs", "300", "--procs", "1",
+                              "--cluster-shards", "3", "--json", str(tmp_path / "w.json")])
+    assert run(args) == 0
+    result = json.loads((tmp_path / "w.json").read_text())
+    assert result["answered_once"] and "p99_wait_s" not in result and result["runs"] == []
+    assert result["cluster"]["cluster"]["shards"] == 3 and len(result["cluster"]["ratio_per_primary"]) == 3
+
 def test_the_ratio_is_each_primarys_cpu_per_job_over_one_redis_and_a_job_answered_twice_fails():
     one = {"runs": [{"per_node": {1: {"jobs": 1000, "redis_cpu_s": 0.05}}, "jobs_per_s": 900.0,
                      "answered_once": True}]}
