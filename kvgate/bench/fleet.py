@@ -1,11 +1,13 @@
-"""W-FLEET: a simulated fleet of 1 to 64 mixed-size workers on one real redis-server.
+"""W-FLEET: a simulated fleet of 1 to 64 mixed-size workers on one real redis-server, and on a Redis Cluster.
 
-Two measurements:
+Three measurements:
 - latency: for each fleet size and both admission policies (KV-capacity vs a naive fixed prefetch of 16),
   an open-loop stream of mixed jobs at `--load` of the fleet's estimated capacity; queue wait (enqueue to
   admission into an engine), end-to-end latency and fleet KV utilisation, from the final events in Redis.
 - throughput: a backlog of one-token jobs drained by worker processes (the GIL would cap threads); jobs/s
   through the one Redis.
+- cluster (fleet_cluster.py): the same backlog drained on one Redis and on a cluster of 3 primaries, turn by turn;
+  jobs/s and Redis CPU per job on each primary against one Redis's.
 Every job must get exactly one final event, or the run fails.
 """
 from __future__ import annotations

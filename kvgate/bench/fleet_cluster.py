@@ -75,7 +75,7 @@ def drain_on(url: str, nodes: list[RedisServer], owner_of, args) -> dict:
 
 
 @contextlib.contextmanager
-def one_redis(args, workdir: Path):
+def one_redis(workdir: Path):
     """The single-Redis contestant: (url, the nodes whose CPU counts, owner_of)."""
     server = RedisServer(workdir / "single", extra_args=NO_PERSISTENCE).start()
     try:
@@ -146,7 +146,7 @@ def run_cluster(args) -> dict:
     if why:
         return {"skipped": why, "answered_once": True}
     with tempfile.TemporaryDirectory(prefix="kvgate-wfleet-cluster-") as tmp, \
-            one_redis(args, Path(tmp)) as single, redis_cluster(args, Path(tmp)) as cluster:
+            one_redis(Path(tmp)) as single, redis_cluster(args, Path(tmp)) as cluster:
         idle = {"single": idle_cpu_per_s(single[1]), "cluster": idle_cpu_per_s(cluster[1])}
         one, many = {"runs": []}, {"runs": []}
         for _ in range(args.cluster_rounds):
