@@ -22,6 +22,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.crc import key_slot
 
 from .protocol import mask_url
 from .shards import check_shards
@@ -121,7 +122,10 @@ def run_script(script, keys: list, args: list, client):
     if not getattr(script, "_kvgate_loaded", False):
         script.registered_client.script_load(script.script)  # SCRIPT LOAD goes to every primary
         script._kvgate_loaded = True
-    return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    # the node named: else redis-py 8 asks its default node COMMAND GETKEYS for every EVALSHA in a pipeline, an
+    # extra round trip per job on one node of the whole fleet (W-FLEET's hot primary)
+    node = client.nodes_manager.get_node_from_slot(key_slot(keys[0].encode()))
+    return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, target_nodes=node)
 
 
 async def _queue_async(script, keys: list, args: list, pipe) -> None:

@@ -13,15 +13,14 @@ import redis
 
 from kvgate.producer.protocol import Keys, as_text
 
-# KEYS: job streams of one shard; ARGV: group, min idle ms, heartbeat key prefix, our own consumer (never pruned),
-# and on a Redis Cluster (heartbeats are in another slot, which a script may not touch) an empty prefix and the live
-# workers' ids, from a SCAN just before.
+# KEYS: job streams of one shard; ARGV: group, min idle ms, heartbeat key prefix, our own consumer (never pruned).
+# On a Redis Cluster the heartbeats are in another slot, which a script may not touch, and listing them would take a
+# SCAN of every node's whole keyspace per worker and housekeeping: there the prefix is empty and the heartbeat is not
+# asked. That is safe: a consumer goes only with nothing pending (checked here, atomically), and a live worker's
+# next read creates its consumer again; a live worker is rarely idle that long anyway (it reads every shard often).
 PRUNE_LUA = """
-local live = {}
-for i = 5, #ARGV do live[ARGV[i]] = true end
 local function alive(name)
-  if ARGV[3] == '' then return live[name] == true end
-  return redis.call('EXISTS', ARGV[3] .. name) == 1
+  return ARGV[3] ~= '' and redis.call('EXISTS', ARGV[3] .. name) == 1
 end
 local gone = {}
 for _, key in ipairs(KEYS) do
@@ -73,11 +72,7 @@ class Consumers:
 
     def prune(self) -> list[str]:
         """Delete departed consumers (idle, nothing pending, no heartbeat); returns their names."""
-        args = [Keys.GROUP, self.min_idle_ms, self.keys.worker(""), self.consumer]
-        if self.keys.cluster:
-            prefix = self.keys.worker("")
-            args[2:3] = [""]
-            args += [as_text(k)[len(prefix):] for k in self.client.scan_iter(match=self.keys.worker_pattern(), count=1000)]
+        args = [Keys.GROUP, self.min_idle_ms, "" if self.keys.cluster else self.keys.worker(""), self.consumer]
         gone = set()
         for streams in self.keys.by_shard(self.streams):
             gone |= {as_text(n) for n in self.prune_script(keys=streams, args=args)}

@@ -16,7 +16,6 @@ HERE = Path(__file__).resolve().parent
 NAMESPACE = "kvgate"
 DISCOVERY = "+cluster|slots +cluster|shards +cluster|nodes +cluster|myid +command +command|docs +command|info"
 RECORDS_SHARDS = ("worker", "producer", "gateway")  # the first to use a namespace records its shard count
-EXTRA = {"worker": "+scan"}  # pruning departed consumers lists the live heartbeats (a script may not read them there)
 
 
 def cluster_acl(text: str, namespace: str = NAMESPACE) -> str:
@@ -26,8 +25,7 @@ def cluster_acl(text: str, namespace: str = NAMESPACE) -> str:
             user = line.split()[1]
             line = re.sub(rf"(~){re.escape(namespace)}:", rf"\g<1>{namespace}:{{*}}:", line)
             shards = f"~{namespace}:shards" if user in RECORDS_SHARDS else f"%R~{namespace}:shards"
-            extra = f" {EXTRA[user]}" if user in EXTRA else ""
-            line = line.replace(" -@all ", f" -@all {DISCOVERY}{extra} ", 1) + f" ({shards} +get +set)"
+            line = line.replace(" -@all ", f" -@all {DISCOVERY} ", 1) + f" ({shards} +get +set)"
         lines.append(line)
     return "\n".join(lines) + "\n"
 

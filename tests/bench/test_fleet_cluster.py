@@ -61,10 +61,6 @@ def test_the_ratio_is_each_primarys_cpu_per_job_over_one_redis_and_a_job_answere
     assert r["worst_ratio"] == 1.6 and not r["met"] and not r["answered_once"]
 
 
-@pytest.mark.xfail(strict=True, reason="redis-py 8.1's ClusterPipeline asks the default node COMMAND GETKEYS for each "
-                   "EVALSHA (movablekeys; its routing skips determine_slot's EVAL/EVALSHA case), so the worker's finish "
-                   "costs that node an extra round trip per job: W-FLEET's hot primary. Reported to the owner of "
-                   "producer/cluster.py; drop this mark with the fix")
 def test_the_finish_script_in_a_cluster_pipeline_costs_the_default_node_no_round_trip_per_job(tmp_path):
     if why := cluster_unavailable():
         pytest.skip(why)
@@ -86,10 +82,6 @@ def test_the_finish_script_in_a_cluster_pipeline_costs_the_default_node_no_round
         group.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="on a cluster Consumers.prune lists live workers with a SCAN MATCH of every "
-                   "node's whole keyspace (results, replies, ...), each housekeeping run of each worker: W-FLEET's Redis "
-                   "CPU per job grew round after round with the results kept. Reported to the owner of worker/; drop "
-                   "this mark with the fix")
 def test_a_workers_consumer_prune_on_a_cluster_costs_the_same_however_many_results_are_kept(tmp_path):
     if why := cluster_unavailable():
         pytest.skip(why)
