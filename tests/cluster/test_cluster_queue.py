@@ -136,6 +136,13 @@ def test_replicated_durability_works_on_a_cluster_with_results_on_the_replicas(c
             handles = client.submit_many([dict(prompt=f"safe {i}", max_tokens=4) for i in range(24)])
             results = [h.result(timeout=60) for h in handles]
         assert [r.status for r in results] == ["done"] * 24
+
+        async def through_the_async_sdk():  # the gateway's client: its own links, on redis.asyncio
+            async with AsyncClient(cluster.url, namespace, durability="replicated") as client:
+                more = await client.submit_many([dict(prompt=f"async {i}", max_tokens=4) for i in range(12)])
+                return [(await h.result(timeout=60)).status for h in more]
+
+        assert asyncio.run(through_the_async_sdk()) == ["done"] * 12
         keys = keys_for(cluster.url, connect(cluster.url), namespace)
         for h in handles:  # the worker counts a final settled only once WAIT saw the replica take it
             key = keys.result(h.job_id)
