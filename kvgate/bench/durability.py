@@ -4,6 +4,8 @@ WAIT 1, in alternating rounds so both modes see the same machine load.
 
 A submit in replicated mode also goes through an idempotency claim (so that it can be resent): its cost includes
 that script, not only the WAIT. Loopback replication is the best case; across zones add a network round trip.
+`--cluster`: the same on a Redis Cluster of 3 primaries with a replica each, where the replicated writes go on a
+link of their own to the shard's primary (kvgate.producer.cluster.NodeLinks).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ MODES = ("primary", "replicated")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=500, help="submits and finishes timed per mode and round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of both modes")
+    parser.add_argument("--cluster", action="store_true", help="on a Redis Cluster of 3 primaries with a replica each")
     parser.add_argument("--json", type=Path, help="write the report here")
 
 
@@ -53,6 +56,14 @@ def start_pair(folder: Path) -> tuple[list[subprocess.Popen], str]:
     raise RuntimeError("the replica did not sync with its primary within 20 s")
 
 
+def start_cluster(folder: Path) -> tuple[list, str]:
+    """A cluster of 3 primaries with a replica each, its nodes as start_pair gives its processes."""
+    from kvgate.bench.redis_cluster import ClusterGroup
+
+    group = ClusterGroup(folder, primaries=3, replicas=1).start()
+    return [n.proc for n in group.nodes], group.url
+
+
 def time_submits(url: str, mode: str, jobs: int) -> list[float]:
     from kvgate.producer import Client
 
@@ -68,16 +79,21 @@ def time_submits(url: str, mode: str, jobs: int) -> list[float]:
 
 def time_finishes(url: str, mode: str, jobs: int) -> list[float]:
     """The worker's finish, as it runs it: the publisher's script (result, reply, ack), plus WAIT when replicated."""
-    from kvgate.producer.protocol import PROTOCOL_VERSION, FIELD, Final, Keys, Timings
+    from kvgate.producer.protocol import PROTOCOL_VERSION, FIELD, Final, Keys, Timings, as_text
     from kvgate.producer.redis_url import Durability
     from kvgate.worker.publisher import Finish, Publisher
 
-    r, keys = redis.Redis.from_url(url), Keys(f"wdur-{uuid.uuid4().hex[:8]}")
+    from kvgate.producer.cluster import NodeLinks
+    from kvgate.producer.redis_url import connect, keys_for
+
+    r = connect(url)
+    keys = keys_for(url, r, f"wdur-{uuid.uuid4().hex[:8]}")
     stream = keys.jobs(None, "normal")
     r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
-    entries = [r.xadd(stream, {FIELD: b"x"}).decode() for _ in range(jobs)]
+    entries = [as_text(r.xadd(stream, {FIELD: b"x"})) for _ in range(jobs)]
     r.xreadgroup(Keys.GROUP, "bench", {stream: ">"}, count=jobs)
-    publisher = Publisher(r, keys, 3600, 3600, 10_000, 1000, durability=Durability(mode))
+    links = NodeLinks(r, url) if keys.cluster and mode == "replicated" else None
+    publisher = Publisher(r, keys, 3600, 3600, 10_000, 1000, durability=Durability(mode), links=links)
     out = []
     for i, entry in enumerate(entries):
         final = Final(v=PROTOCOL_VERSION, job_id=f"j{i}", status="done", text="ok", worker="bench",
@@ -98,7 +114,7 @@ def summary(samples: list[float]) -> dict:
 def run(args: argparse.Namespace) -> int:
     samples = {(kind, mode): [] for kind in ("submit", "finish") for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="kvgate-wdur-") as folder:
-        procs, url = start_pair(Path(folder))
+        procs, url = start_cluster(Path(folder)) if args.cluster else start_pair(Path(folder))
         try:
             for _ in range(args.rounds):
                 for mode in MODES:
@@ -109,9 +125,10 @@ def run(args: argparse.Namespace) -> int:
             for proc in procs:
                 proc.kill()  # nothing here needs keeping
                 proc.wait(10)
-    report = {"redis": version, "jobs": args.jobs, "rounds": args.rounds,
+    report = {"redis": version, "jobs": args.jobs, "rounds": args.rounds, "cluster": args.cluster,
               **{f"{kind}_{mode}": summary(s) for (kind, mode), s in samples.items()}}
-    print(f"W-DURABILITY, redis {version}, primary + 1 replica on loopback, {args.rounds} x {args.jobs} per cell")
+    where = "3 primaries + 1 replica each (Redis Cluster)" if args.cluster else "primary + 1 replica"
+    print(f"W-DURABILITY, redis {version}, {where} on loopback, {args.rounds} x {args.jobs} per cell")
     print(f"{'':8} {'primary p50/p99 ms':>20} {'replicated p50/p99 ms':>24}")
     for kind in ("submit", "finish"):
         a, b = report[f"{kind}_primary"], report[f"{kind}_replicated"]

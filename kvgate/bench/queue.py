@@ -128,9 +128,11 @@ class redis_for:
 
 
 def server_version(url: str) -> str:
-    import redis
+    from kvgate.producer.redis_url import connect
 
-    return redis.Redis.from_url(url).info("server")["redis_version"]
+    info = connect(url).info("server")
+    info = next(iter(info.values())) if "redis_version" not in info else info  # a cluster answers per node
+    return info["redis_version"]
 
 
 # ---- the contestants -----------------------------------------------------------------------------
