@@ -199,6 +199,13 @@ class SlotMoved(redis.ConnectionError):
     retry (every retry-on-outage path treats a ConnectionError as one) goes to the new primary."""
 
 
+def first_moved(replies: list) -> SlotMoved | None:
+    """The SlotMoved to raise when a pipeline's replies hold a redirection, else None."""
+    moved = next((r for r in replies if isinstance(r, Exception) and is_moved(r)), None)
+    return None if moved is None else SlotMoved(f"a shard's slot is served elsewhere now ({moved}); the slots "
+                                                "were read again")
+
+
 class NodeLinks:
     """One single-connection client per primary, for writes a WAIT must count. WAIT counts the writes of its own
     connection, and a cluster client's WAIT has no key to route it to the node that took them, so replicated writes
@@ -230,10 +237,9 @@ class NodeLinks:
                 self.forget()
                 raise SlotMoved(f"a shard's slot is served elsewhere now ({e}); the slots were read again") from e
             raise
-        moved = next((r for r in replies if isinstance(r, Exception) and is_moved(r)), None)
-        if moved is not None:
+        if (moved := first_moved(replies)) is not None:
             self.forget()
-            raise SlotMoved(f"a shard's slot is served elsewhere now ({moved}); the slots were read again")
+            raise moved
         return replies
 
     def forget(self) -> None:
@@ -270,10 +276,9 @@ class AsyncNodeLinks(NodeLinks):
                 await self.forget()
                 raise SlotMoved(f"a shard's slot is served elsewhere now ({e}); the slots were read again") from e
             raise
-        moved = next((r for r in replies if isinstance(r, Exception) and is_moved(r)), None)
-        if moved is not None:
+        if (moved := first_moved(replies)) is not None:
             await self.forget()
-            raise SlotMoved(f"a shard's slot is served elsewhere now ({moved}); the slots were read again")
+            raise moved
         return replies
 
     async def forget(self) -> None:

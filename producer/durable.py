@@ -31,6 +31,14 @@ def with_claim(p: Prepared, keys: Keys) -> Prepared:
                                result_prefix=keys.of_stream(p.stream).result(""), claim_ttl_s=AUTO_CLAIM_TTL_S)
 
 
+def place(replies: list, group: list[int], done: list) -> None:
+    """One shard's replies into their jobs' places; a job's own error (a conflicting claim) is the caller's."""
+    for i, reply in zip(group, done):
+        if isinstance(reply, Exception):
+            raise reply
+        replies[i] = reply
+
+
 class DurableSubmitter:
     """Client's replicated submits: MULTI/EXEC of the claims, then WAIT, on one connection, across failovers. On a
     Redis Cluster, the same per shard, on a link of its own to the shard's primary (cluster.NodeLinks)."""
@@ -66,10 +74,7 @@ class DurableSubmitter:
 
             *done, acked = self.links.run(prepared[group[0]].stream, writes)
             self.durability.check(acked)
-            for i, reply in zip(group, done):
-                if isinstance(reply, Exception):
-                    raise reply
-                replies[i] = reply
+            place(replies, group, done)
         return replies
 
     def close(self) -> None:
@@ -113,10 +118,7 @@ class AsyncDurableSubmitter:
 
             *done, acked = await self.links.run(prepared[group[0]].stream, writes)
             self.durability.check(acked)
-            for i, reply in zip(group, done):
-                if isinstance(reply, Exception):
-                    raise reply
-                replies[i] = reply
+            place(replies, group, done)
         return replies
 
     async def close(self) -> None:
