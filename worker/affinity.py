@@ -59,6 +59,7 @@ class Affinity:
     helped: list[Lane] = field(default_factory=list)  # others' lanes we stole from, most recent first
     own_wait_ms: int = 0  # age of the jobs we last read from our own lanes
     member: str = ""
+    ring_seen: dict[str, tuple] = field(default_factory=dict)  # model -> (its ring and count, our lanes of it)
     turn: int = 0  # rotates the start of each group of lanes, so no lane is always read last
     script: object = None
 
@@ -85,9 +86,18 @@ class Affinity:
         grew = self._see_count(replies[-1])
         if self.enabled:
             rings = dict(zip(self.models, replies[1:-1]))
-            self._own({m: owned(decode_members(rings[m]), self.worker_id, self.lanes) if self.lanes else []
-                       for m in self.models})
+            self._own({m: self._owned(m, decode_members(rings[m])) for m in self.models})
         return grew
+
+    def _owned(self, model: str, members: dict[str, float]) -> list[int]:
+        """Our lanes of the model; recomputed only when its ring or the count changed (a beat per second on every
+        worker would otherwise score every lane against every member each time)."""
+        if not self.lanes:
+            return []
+        seen = (tuple(sorted(members.items())), self.lanes)
+        if self.ring_seen.get(model, (None,))[0] != seen:
+            self.ring_seen[model] = (seen, owned(members, self.worker_id, self.lanes))
+        return self.ring_seen[model][1]
 
     def _own(self, own: dict[str, list[int]]) -> None:
         if own != self.own:
