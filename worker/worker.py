@@ -359,6 +359,7 @@ class Worker:
             ticket.params = sampling_params(job.sampling)
             ticket.prompt_ids = prompt_ids(self.engine, job)
             self._clamp_budget(ticket)
+            ticket.shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # sizes later reads
         except Exception as e:  # a tokenizer or chat template refusing this input is bad input, not a crash
             self._answer(ticket, "error", error=f"invalid job: {e}")
             return None
@@ -390,10 +391,14 @@ class Worker:
                 self.queue.pop()
                 self._answer(ticket, "expired", error="deadline passed while waiting for KV cache room")
                 continue
-            if self.engine.has_unfinished() and not self.engine.fits(len(ticket.prompt_ids), ticket.params.max_tokens):
+            if self.engine.has_unfinished() and not self._fits(ticket):
                 return
             self.queue.pop()
             self._start(ticket)
+
+    def _fits(self, ticket: Ticket) -> bool:
+        shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)
+        return self.engine.fits(len(ticket.prompt_ids), ticket.params.max_tokens, shared)
 
     def _start(self, ticket: Ticket) -> None:
         try:
