@@ -335,6 +335,11 @@ class Keys:
         (server ms): a worker owns lanes only of the models it serves."""
         return f"{self.ns}:lanes:ring:{model or DEFAULT_MODEL}"
 
+    def lanes_full(self, model: str | None) -> str:
+        """Sorted set of the ring's workers that cannot take a job of `model`'s lanes now (no KV room, or a job
+        waiting locally): others take their lanes' jobs without waiting the steal age."""
+        return f"{self.ns}:lanes:full:{model or DEFAULT_MODEL}"
+
     def reply(self, client_id: str) -> str:
         return f"{self.ns}:reply:{client_id}"
 

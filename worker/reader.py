@@ -20,7 +20,8 @@ from kvgate.producer.protocol import Keys, as_text
 # in ms a new entry of theirs must reach before we take it (its owner gets the first chance; stream ids are server
 # ms), and an overdue age with how many trailing KEYS are lanes to check for it: their entries that old are taken
 # before our own (their owner is not keeping up; a few lanes per read keeps the cost flat in the number of lanes),
-# and the most entries a read may take from their lanes in all.
+# and the most entries a read may take from their lanes in all; and how many of the streams right after ours are lanes
+# of owners that said they are full: their entries are taken without waiting the steal age.
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 READ_LUA = """
@@ -29,6 +30,7 @@ local want, min_idle = tonumber(ARGV[3]), tonumber(ARGV[4])
 local home, steal_age = tonumber(ARGV[5] or #KEYS), tonumber(ARGV[6] or 0)
 local overdue_age, overdue_lanes = tonumber(ARGV[7] or 0), tonumber(ARGV[8] or 0)
 local steal_max = tonumber(ARGV[9] or want)
+local urgent = home + tonumber(ARGV[10] or 0)
 local last_key = #KEYS - overdue_lanes
 local now = nil
 if home < last_key and (steal_age > 0 or overdue_age > 0) then
@@ -89,7 +91,7 @@ for index = 1, last_key do
   local n = want
   if index > home then
     n = math.min(want, steal_max)
-    if steal_age > 0 and now then n = ripe(key, n, now - steal_age) end
+    if steal_age > 0 and now and index > urgent then n = ripe(key, n, now - steal_age) end
   end
   local entries = take(key, n)
   if index > home then steal_max = steal_max - #entries end
@@ -114,6 +116,7 @@ class Reader:
     script: object = None
     turn: int = 0
     home: int | None = None  # with lanes: streams[:home] are ours, the rest are read only when ripe (stealing)
+    urgent: int = 0  # with lanes: streams[home:home + urgent] are full owners' lanes, read without waiting to ripen
     steal_age_ms: int = 0
     overdue_ms: int = 0  # 0: never take others' entries before our own
     overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries on this read
@@ -134,7 +137,7 @@ class Reader:
         args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
         if self.home is not None:  # lanes: `streams` is the affinity's plan, models' turns included
             overdue = self.overdue if self.overdue_ms > 0 else []
-            args += [self.home, self.steal_age_ms, self.overdue_ms, len(overdue), self.steal_max]
+            args += [self.home, self.steal_age_ms, self.overdue_ms, len(overdue), self.steal_max, self.urgent]
             keys = self.streams + overdue
         else:
             keys, self.turn = self.order(), self.turn + 1
