@@ -90,9 +90,20 @@ class Affinity:
         replies = pipe.execute()
         grew = self._see_count(replies[-1])
         if self.enabled:
-            rings = dict(zip(self.models, replies[1:-1]))
-            self._own({m: self._owned(m, decode_members(rings[m])) for m in self.models})
+            rings = {m: decode_members(ring) for m, ring in zip(self.models, replies[1:-1])}
+            self._own({m: self._owned(m, rings[m]) for m in self.models})
+            self._forget_departed(rings)
         return grew
+
+    def _forget_departed(self, rings: dict[str, dict[str, float]]) -> None:
+        """A worker killed while full stays in the full sets: drop members that left every ring we see."""
+        gone = self.full - {w for members in rings.values() for w in members}
+        if gone:
+            pipe = self.client.pipeline(transaction=False)
+            for model in self.models:
+                pipe.zrem(self.keys.lanes_full(model), *gone)
+            pipe.execute()
+            self.full -= gone
 
     def _owned(self, model: str, members: dict[str, float]) -> list[int]:
         """Our lanes of the model; the owners are recomputed only when its ring or the count changed (a beat per
@@ -112,7 +123,7 @@ class Affinity:
         """Queue on `pipe` whether we can take a job of our lanes now (when that changed, or is due again); how
         many commands. While we cannot, the others take our lanes' jobs at once rather than after the steal age:
         waiting for us would only add to their wait. Nothing is said without lanes."""
-        if not (self.enabled and self.lanes):
+        if not (self.enabled and self.lanes and self.own):  # a worker that left the ring has nothing to say
             return 0
         now = time.monotonic()
         if (not room) == self.told_full and now < self.retell_at:
@@ -182,7 +193,7 @@ class Affinity:
         """The streams to read in order; how many lead them that are ours (None: no lanes, the reader takes
         turns between models itself); how many follow those that are lanes of full owners (taken at once); and a
         few of the others' lanes to check for overdue jobs. Per priority, for each model in turn, our own lanes
-        and the shared stream; then every lane whose owner said it is full; then, per priority and model, the
+        and the shared stream; then lanes whose owners said they are full; then, per priority and model, the
         lanes we stole from lately and a window of the other lanes that moves on every read (`full`: all of
         them, for a reclaim pass), so a read costs the same with 16 lanes or 1,024 and no lane is always last.
         `home_only`: only our own lanes and the shared streams (a look between steals)."""
@@ -208,12 +219,13 @@ class Affinity:
                 [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in overdue[m]])
 
     def _steal_window(self, model: str, full: bool) -> tuple[list[int], list[int], list[int]]:
-        """Others' lanes of one model: those of full owners (every one, helped first), those to steal from on
-        this read once ripe, and those to check for overdue jobs."""
+        """Others' lanes of one model: those of full owners (helped first, then the moving window's order), those
+        to steal from on this read once ripe, and those to check for overdue jobs."""
         others = set(self.others[model])
         helped = [lane for m, lane in self.helped if m == model and lane in others]
         spread = [lane for lane in _rotated(self.others[model], self.turn * STEAL_WINDOW) if lane not in set(helped)]
         urgent = [lane for lane in helped + spread if self.owner(model, lane) in self.full] if self.full else []
+        del urgent[STEAL_WINDOW:]  # under a backlog everyone is full: a read must not grow to every lane
         if urgent:
             helped = [lane for lane in helped if lane not in urgent]
             spread = [lane for lane in spread if lane not in urgent]

@@ -39,6 +39,7 @@ from kvgate.worker.trim import trim
 
 log = logging.getLogger("kvgate.worker")
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+TRIM_ALL_EVERY = 12  # trims: every 12th looks at every stream (a minute at the default trim_interval_s)
 
 
 @dataclass(slots=True)
@@ -134,6 +135,8 @@ class Worker:
         self.drain_deadline = 0.0
         self.last_read_empty_at = 0.0
         self.last_look_at = 0.0  # the last refill read sent, whatever it looked at
+        self.acked: set[str] = set()  # streams we acknowledged entries of since the last trim
+        self.trims = 0
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
         # Text is decoded on its own thread and Redis round trips run on another, both while the engine steps.
         tokenizer = getattr(engine, "tokenizer", None)
@@ -613,6 +616,7 @@ class Worker:
     def _settled(self, settled: Settled) -> None:
         for finish, fresh in settled.answered:
             self.jobs_done += 1
+            self.acked.add(finish.stream)
             if fresh:
                 self._observe_finished(finish.final)
         for key, reason in settled.failed_jobs.items():
@@ -663,7 +667,11 @@ class Worker:
         if self._every("heartbeat", s.heartbeat_interval_s):
             self._beat()
         if self._every("trim", s.trim_interval_s):
-            trim(self.client, self.streams)
+            self.trims += 1
+            # Only streams with entries we acknowledged can have more to trim; all of them now and then, for
+            # entries others acknowledged before leaving.
+            trim(self.client, self.streams if self.trims % TRIM_ALL_EVERY == 0 else sorted(self.acked))
+            self.acked.clear()
             if gone := self.consumers.prune():
                 log.info("deleted %d departed consumers: %s", len(gone), ", ".join(gone))
 

@@ -219,6 +219,11 @@ def test_owners_say_when_they_are_full_and_the_others_plan_to_take_their_lanes_a
     plan_after(room=False)
     peer.leave()  # a draining worker is nobody's reason to steal at once any more
     assert not queue.r.exists(keys.lanes_full(None))
+    peer.sync()  # back in the ring
+    queue.r.zadd(keys.lanes_full(None), {"peer": 0, "killed": 0})  # a worker killed while full stays there...
+    me.seen([[b"peer", b"killed"]])
+    me.sync()  # ...until a beat finds it in no ring
+    assert queue.r.zrange(keys.lanes_full(None), 0, -1) == [b"peer"] and me.full == {"peer"}
 
 
 def test_lanes_work_on_the_embedded_redis_6_2(queue62, thread_worker):
