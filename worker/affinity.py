@@ -189,14 +189,13 @@ class Affinity:
         """Every stream we read: each served model's shared ones and its lanes'."""
         return [st for m in self.models for st in self.keys.all_jobs(m, self.lanes)]
 
-    def read_plan(self, full: bool = False, home_only: bool = False) -> tuple[list[str], int | None, int, list[str]]:
+    def read_plan(self, full: bool = False) -> tuple[list[str], int | None, int, list[str]]:
         """The streams to read in order; how many lead them that are ours (None: no lanes, the reader takes
         turns between models itself); how many follow those that are lanes of full owners (taken at once); and a
         few of the others' lanes to check for overdue jobs. Per priority, for each model in turn, our own lanes
         and the shared stream; then lanes whose owners said they are full; then, per priority and model, the
         lanes we stole from lately and a window of the other lanes that moves on every read (`full`: all of
-        them, for a reclaim pass), so a read costs the same with 16 lanes or 1,024 and no lane is always last.
-        `home_only`: only our own lanes and the shared streams (a look between steals)."""
+        them, for a reclaim pass), so a read costs the same with 16 lanes or 1,024 and no lane is always last."""
         self.turn += 1
         if not self.lanes:
             return self.keys.served_jobs(list(self.models)), None, 0, []
@@ -204,8 +203,6 @@ class Affinity:
         own = {m: _rotated(self.own.get(m, []) if self.enabled else [], self.turn) for m in models}
         first = [name for p in PRIORITIES for m in models
                  for name in [*(self.names[m, p][lane] for lane in own[m]), self.keys.jobs(m, p)]]
-        if home_only and self.enabled:
-            return first, len(first), 0, []
         if not self.enabled:
             rest = [self.names[m, p][lane] for p in PRIORITIES for m in models
                     for lane in _rotated(self.others[m], self.turn)]

@@ -64,7 +64,6 @@ class Exchange:
     count: int
     reclaim_ms: int
     polled: list[Ticket] = field(default_factory=list)
-    home_only: bool = False  # the read looked only at our own lanes and the shared streams
     told: int = 0  # commands saying whether we are full (lanes), right after the publishing
     looked: int = 0  # reads of who is full (lanes), right after the refill read
 
@@ -134,7 +133,6 @@ class Worker:
         self.draining = False
         self.drain_deadline = 0.0
         self.last_read_empty_at = 0.0
-        self.last_look_at = 0.0  # the last refill read sent, whatever it looked at
         self.acked: set[str] = set()  # streams we acknowledged entries of since the last trim
         self.trims = 0
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
@@ -283,8 +281,7 @@ class Worker:
             return max(1, min(self.settings.block_ms, self.settings.affinity_steal_age_ms))
         return self.settings.block_ms
 
-    def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0,
-                  home_only: bool = False) -> int:
+    def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
         if entries is None:  # an idle engine's look (the busy one reads in _exchange): it can afford every lane
             reclaim_ms = self._reclaim_ms()
             self._plan_read(reclaim_ms, full=True)
@@ -304,18 +301,16 @@ class Worker:
             if claimed:
                 log.info("reclaimed %d entries idle past %d ms", claimed, reclaim_ms)
         if not got:
-            if not home_only:  # a look at our own lanes between steals does not put off the next steal
-                self.last_read_empty_at = time.monotonic()
-                self.empty_reads += 1
+            self.last_read_empty_at = time.monotonic()
+            self.empty_reads += 1
         else:
             self.empty_reads = 0
         self._accept(got)
         return len(got)
 
-    def _plan_read(self, reclaim_ms: int, full: bool = False, home_only: bool = False) -> None:
+    def _plan_read(self, reclaim_ms: int, full: bool = False) -> None:
         r = self.reader
-        full = full or reclaim_ms > 0  # a reclaim pass looks at every lane
-        r.streams, r.home, r.urgent, r.overdue = self.affinity.read_plan(full=full, home_only=home_only and not full)
+        r.streams, r.home, r.urgent, r.overdue = self.affinity.read_plan(full=full or reclaim_ms > 0)  # reclaim: all
         lag = self.settings.affinity_max_lag_ms
         r.overdue_ms = self.affinity.own_wait_ms + lag if lag else 0
         # A stolen job should start now, not wait in our local queue behind a wrong size estimate: one at a time,
@@ -548,12 +543,11 @@ class Worker:
         pipe = self.client.pipeline(transaction=False)
         n_out = self.publisher.fill(pipe)
         told = self.affinity.tell(pipe, self._has_room()) if self.affinity.enabled and self.affinity.lanes else 0
-        count, home_only = self._refill_count()
+        count = self._refill_count()
         reclaim_ms = self._reclaim_ms() if count else 0
         looked = 0
         if count:
-            self._plan_read(reclaim_ms, home_only=home_only)
-            self.last_look_at = time.monotonic()
+            self._plan_read(reclaim_ms)
             self.reader.read(count, pipe, reclaim_ms)
             looked = self.affinity.look(pipe)
         polled = self._cancel_poll_due()
@@ -562,7 +556,7 @@ class Worker:
         if not (n_out or told or count or polled):
             return
         self.sent = Exchange(self.io.submit(pipe.execute, raise_on_error=False), n_out, count, reclaim_ms, polled,
-                             home_only and not reclaim_ms, told, looked)
+                             told, looked)
         if not self.engine.has_unfinished():
             self._settle_exchange()
 
@@ -583,7 +577,7 @@ class Worker:
             at = sent.n_out + sent.told
             if sent.looked:
                 self.affinity.seen(replies[at + 1:at + 1 + sent.looked])
-            self._read_new(sent.count, Reader.parse(replies[at]), sent.reclaim_ms, sent.home_only)
+            self._read_new(sent.count, Reader.parse(replies[at]), sent.reclaim_ms)
         if sent.polled:
             self._cancel(sent.polled, replies[-1])
 
@@ -597,21 +591,16 @@ class Worker:
         adm = self.engine.admission()
         return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False) > 0
 
-    def _refill_count(self) -> tuple[int, bool]:
-        """How many jobs the busy engine's next read asks for, and whether it looks only at our own lanes (and the
-        shared streams): after empty reads the look at everything backs off, but an owner still looks at its own
-        lanes every busy_poll_ms, since their jobs wait for it (the steal age) before anyone else takes them."""
+    def _refill_count(self) -> int:
         if self.draining or not self.engine.has_unfinished() or any(c is not None for c in self.cursors.values()):
-            return 0, False
-        now, poll_s = time.monotonic(), self.settings.busy_poll_ms / 1000
-        wait_s = poll_s * 2 ** min(self.empty_reads, 3)
-        if self.affinity.owned_count:
+            return 0
+        wait_s = self.settings.busy_poll_ms / 1000 * 2 ** min(self.empty_reads, 3)
+        if self.affinity.owned_count:  # look at our lanes at least once per steal age: their jobs wait for us that long
             wait_s = min(wait_s, self.settings.affinity_steal_age_ms / 1000)
-        home_only = now - self.last_read_empty_at < wait_s
-        if home_only and not (self.affinity.owned_count and now - self.last_look_at >= poll_s):
-            return 0, False
+        if time.monotonic() - self.last_read_empty_at < wait_s:
+            return 0
         adm = self.engine.admission()
-        return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False), home_only
+        return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False)
 
     def _settled(self, settled: Settled) -> None:
         for finish, fresh in settled.answered:
