@@ -11,6 +11,12 @@ ScaledObject of k8s/keda-scaledobject.yaml with one lag trigger per priority for
 The base manifests stay the one place to change probes, resources or scaling behaviour. Apply the output
 instead of worker-deployment.yaml and the ScaledObject in keda-scaledobject.yaml (keep its
 TriggerAuthentication); the default model's pair is what those two files are.
+
+On a Redis Cluster, `--cluster-shards N` (the namespace's shard count: `?shards=` in the workers' URL, recorded at
+`{ns}:shards`) renders `redis-cluster-streams` triggers instead, one per shard and priority of each name, on the
+stream names kvgate's Keys give (their hash tags put each shard in its slot); `--cluster-addresses` are the nodes
+KEDA starts from. Keep k8s/cluster/keda-scaledobject.yaml's TriggerAuthentication; its ScaledObject is the default
+model's, rendered by `default_cluster_scaled_object`.
 """
 from __future__ import annotations
 
@@ -24,9 +30,14 @@ from pathlib import Path
 
 import yaml
 
+from kvgate.producer.protocol import Keys  # stream names as kvgate writes them (needs the SDK: pip install kvgate)
+from kvgate.producer.shards import MAX_SHARDS
+
 K8S = Path(__file__).parent / "k8s"
 PRIORITIES = ("high", "normal", "low")
 FORBIDDEN = re.compile(r"[\s{},]")
+CLUSTER_ADDRESSES = ",".join(f"kvgate-redis-cluster-{i}.kvgate-redis-cluster-headless:6379" for i in range(6))
+CLUSTER_AUTH = "kvgate-redis-cluster-keda"
 
 
 @dataclass(slots=True)
@@ -50,6 +61,16 @@ def check_name(name: str) -> str:
     if not name or len(name) > 128 or FORBIDDEN.search(name):
         raise ValueError(f"model name {name!r} must have 1 to 128 characters and no whitespace, braces or commas")
     return name
+
+
+def check_cluster(shards: int, addresses: str) -> int:
+    if shards < 0 or shards > MAX_SHARDS:
+        raise ValueError(f"--cluster-shards {shards} must be from 1 to {MAX_SHARDS} (0: a single Redis, no shards); "
+                         "give the namespace's count, `?shards=` in the workers' redis+cluster:// URL")
+    bad = [a for a in addresses.split(",") if not re.fullmatch(r"[^\s:,]+:\d+", a)]
+    if shards and bad:
+        raise ValueError(f"--cluster-addresses: {bad[0]!r} is not host:port; give host1:6379,host2:6379")
+    return shards
 
 
 def parse_models(specs: list[str], aliases: list[str]) -> list[Model]:
@@ -86,24 +107,50 @@ def deployment(model: Model, namespace: str) -> dict:
     return d
 
 
-def scaled_object(model: Model, namespace: str) -> dict:
+def scaled_object(model: Model, namespace: str, shards: int = 0, addresses: str = CLUSTER_ADDRESSES) -> dict:
     so = copy.deepcopy(_base("keda-scaledobject.yaml", "ScaledObject"))
     name = f"kvgate-worker-{model.slug}"
     so["metadata"] = {"name": name, "annotations": {"kvgate.dev/model-name": model.name}}
     so["spec"]["scaleTargetRef"] = {"name": name}
-    by_priority = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t for t in so["spec"]["triggers"]}
-    triggers = []
-    for served in model.names:
-        for priority in PRIORITIES:
-            trigger = copy.deepcopy(by_priority[priority])
-            trigger["metadata"]["stream"] = f"{namespace}:jobs:{served}:{priority}"
-            triggers.append(trigger)
-    so["spec"]["triggers"] = triggers
+    so["spec"]["triggers"] = triggers(so, model.names, namespace, shards, addresses)
     return so
 
 
-def render(models: list[Model], namespace: str = "kvgate") -> str:
-    docs = [doc for m in models for doc in (deployment(m, namespace), scaled_object(m, namespace))]
+def triggers(so: dict, names: list[str], namespace: str, shards: int, addresses: str) -> list[dict]:
+    """One lag trigger per priority of each name; on a cluster (`shards` > 0) one per shard and priority."""
+    by_priority = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t for t in so["spec"]["triggers"]}
+    keys = Keys(namespace, shards, cluster=True) if shards else Keys(namespace)
+    out = []
+    for served in names:
+        for priority in PRIORITIES:
+            for shard in range(len(keys.parts)):
+                trigger = copy.deepcopy(by_priority[priority])
+                trigger["metadata"]["stream"] = keys.jobs(served, priority, shard=shard)
+                out.append(cluster_trigger(trigger, shards, addresses) if shards else trigger)
+    return out
+
+
+def cluster_trigger(trigger: dict, shards: int, addresses: str) -> dict:
+    """The same trigger read through KEDA's cluster client. HPA scales to the largest trigger, not their sum, and
+    a backlog spread evenly over the shards shows each trigger 1/shards of it: so each shard's lagCount is the
+    single stream's divided by the shard count, to add a pod at about the same total backlog."""
+    meta = trigger["metadata"]
+    lag = max(1, round(int(meta["lagCount"]) / shards))
+    return {"type": "redis-cluster-streams",
+            "metadata": {"addresses": addresses, "stream": meta["stream"], "consumerGroup": meta["consumerGroup"],
+                         "lagCount": str(lag), "activationLagCount": meta["activationLagCount"]},
+            "authenticationRef": {"name": CLUSTER_AUTH}}
+
+
+def default_cluster_scaled_object(namespace: str, shards: int, addresses: str = CLUSTER_ADDRESSES) -> dict:
+    """k8s/keda-scaledobject.yaml's ScaledObject (the `default` model's) on a cluster: k8s/cluster/ holds it."""
+    so = copy.deepcopy(_base("keda-scaledobject.yaml", "ScaledObject"))
+    so["spec"]["triggers"] = triggers(so, ["default"], namespace, shards, addresses)
+    return so
+
+
+def render(models: list[Model], namespace: str = "kvgate", shards: int = 0, addresses: str = CLUSTER_ADDRESSES) -> str:
+    docs = [doc for m in models for doc in (deployment(m, namespace), scaled_object(m, namespace, shards, addresses))]
     return yaml.safe_dump_all(docs, sort_keys=False, width=120)
 
 
@@ -112,9 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("models", nargs="+", metavar="NAME=WEIGHTS", help="a served model name and what to load")
     parser.add_argument("--alias", action="append", default=[], metavar="NAME=ALIAS", help="another name for NAME")
     parser.add_argument("--namespace", default="kvgate", help="the kvgate key namespace (KVGATE_NAMESPACE)")
+    parser.add_argument("--cluster-shards", type=int, default=0, metavar="N",
+                        help="a Redis Cluster namespace split into N shards (the workers' URL ?shards=N): "
+                             "redis-cluster-streams triggers, one per shard and priority")
+    parser.add_argument("--cluster-addresses", default=CLUSTER_ADDRESSES, metavar="HOST:PORT,...",
+                        help="cluster nodes KEDA connects to (default: a 6-node kvgate-redis-cluster StatefulSet)")
     args = parser.parse_args(argv)
     try:
-        sys.stdout.write(render(parse_models(args.models, args.alias), args.namespace))
+        shards = check_cluster(args.cluster_shards, args.cluster_addresses)
+        sys.stdout.write(render(parse_models(args.models, args.alias), args.namespace, shards, args.cluster_addresses))
     except ValueError as e:
         print(f"render_models: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from kvgate.producer.connection import DEFAULT_URL, mask_url, resolve_url
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
-from kvgate.producer.redis_url import connect
+from kvgate.producer.redis_url import connect, keys_for
 
 
 class FleetCollector:
@@ -114,12 +114,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     url = resolve_url(args.redis_url, DEFAULT_URL)
     client = connect(url, socket_timeout=5, socket_connect_timeout=5)
+    keys = Keys(args.namespace)
     try:  # a user without permission or a missing database will not heal: refuse to start on those
-        read_queue_stats(client, Keys(args.namespace))
+        keys = keys_for(url, client, args.namespace)  # a cluster's shards: reachable, since connect found it
+        read_queue_stats(client, keys)
     except (redis.ConnectionError, redis.TimeoutError) as e:  # Redis may come up later: serve redis_up 0 till then
         print(f"kvgate exporter: Redis at {mask_url(url)} is not reachable yet ({e}); "
               "serving kvgate_exporter_redis_up 0 until it is", file=sys.stderr, flush=True)
-    server, _ = start_http_server(args.port, addr=args.addr, registry=build_registry(client, Keys(args.namespace)))
+    server, _ = start_http_server(args.port, addr=args.addr, registry=build_registry(client, keys))
     print(f"kvgate exporter: http://{args.addr}:{server.server_port}/metrics for namespace {args.namespace}",
           flush=True)
     stop = threading.Event()

@@ -17,7 +17,7 @@ from rich.text import Text
 from kvgate.producer.connection import DEFAULT_URL, resolve_url
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import QueueStats, read_queue_stats
-from kvgate.producer.redis_url import connect
+from kvgate.producer.redis_url import connect, keys_for
 
 
 def _age(seconds: float) -> str:
@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     url = resolve_url(args.redis_url, DEFAULT_URL)
     client = connect(url, socket_timeout=5, socket_connect_timeout=5)
-    keys = Keys(args.namespace)
+    keys = keys_for(url, client, args.namespace)
     snap = read_queue_stats(client, keys)  # unreachable or refused: one line from `kvgate`, not a live frame
     console = Console()
     if args.once:

@@ -21,12 +21,14 @@ from .mailbox import ReplyRouter
 from .protocol import DEFAULT_MODEL, Keys, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
 from .durable import AsyncDurableSubmitter, with_claim
-from .redis_url import FAILOVER_BUDGET_S, Durability, connect, connect_async
+from .cluster import get_many, is_cluster
+from .redis_url import FAILOVER_BUDGET_S, Durability, connect, connect_async, keys_for_async
 from .reply_reader import READ_COUNT, ReaderState, is_noperm
 from .result import Result
 from .lane_count import LaneCount
-from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script,
-                         enqueue_commands_async, group_commands, group_exists, new_models, owners, prepare)
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
+                         group_exists, new_models, owners, prepare,
+                         send_riding_failovers_async)
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +42,11 @@ class AsyncClient:
                  replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S):
         self.url = resolve_url(redis_url)
         self.durability = Durability(durability, 1, replica_timeout_ms)
+        self._failover_budget_s = failover_budget_s
         self._durable = AsyncDurableSubmitter(self.url, self.durability, failover_budget_s) \
             if self.durability.replicated else None
-        self.keys = Keys(namespace)
+        self.namespace = namespace
+        self.keys = None if is_cluster(self.url) else Keys(namespace)  # a cluster's shards are read at start()
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
         self._lane_count = LaneCount()
@@ -50,8 +54,9 @@ class AsyncClient:
         self.router = ReplyRouter(self._notify)
         self.redis = connect_async(self.url)
         self._script = claim_script(self.redis)
-        self._state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
-        self._reader: asyncio.Task | None = None
+        self._reply_ttl_s = reply_ttl_s
+        self._states_by_shard: list[ReaderState] = []
+        self._reader: asyncio.Task | None = None  # the reader of shard 0; `_readers` all of them
         self._sync: redis.Redis | None = None  # queue inspection is shared sync code, run in a thread
         self._states = None
         self._closed = False
@@ -62,9 +67,17 @@ class AsyncClient:
         if self._reader is not None:
             return self
         with translated(self.url):
+            if self.keys is None:
+                self.keys = await keys_for_async(self.url, self.redis, self.namespace)
             await self._ensure_groups([DEFAULT_MODEL])
-        conn = connect_async(self.url, socket_timeout=self._state.block_ms / 1000 + 10)
-        self._reader = asyncio.create_task(self._read(conn), name=f"kvgate-reply-{self.client_id[:6]}")
+        self._readers = []
+        for shard in range(len(self.keys.parts)):  # one per shard: a blocking read covers one slot
+            state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=self._reply_ttl_s, shard=shard)
+            self._states_by_shard.append(state)
+            conn = connect_async(self.url, socket_timeout=state.block_ms / 1000 + 10)
+            self._readers.append(asyncio.create_task(self._read(conn, state),
+                                                     name=f"kvgate-reply-{self.client_id[:6]}-{shard}"))
+        self._reader = self._readers[0]
         return self
 
     async def _ensure_groups(self, models: list[str]) -> None:
@@ -99,11 +112,13 @@ class AsyncClient:
                     ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
                     idempotency_key=idempotency_key, stream=stream, metadata=metadata,
                     prefix_key=prefix_key)
+        await self.start()
         prepared = prepare(args, self.keys, self.client_id, lanes=await self._lanes())
         return (await self._enqueue([prepared]))[0]
 
     async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                           chunk_size: int = CHUNK) -> list[AsyncJobHandle]:
+        await self.start()
         lanes = await self._lanes()
         prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].", lanes=lanes)
                     for i, r in enumerate(requests)]
@@ -129,9 +144,8 @@ class AsyncClient:
                 prepared = [with_claim(p, self.keys) for p in prepared]
                 replies = await self._durable.send(self._script, prepared, self.keys)
             else:
-                pipe = self.redis.pipeline(transaction=True)  # all or nothing, as Client._enqueue
-                await enqueue_commands_async(pipe, self._script, prepared, self.keys)
-                replies = await pipe.execute()
+                replies = await send_riding_failovers_async(self.redis, self._script, prepared, self.keys,
+                                                            self._failover_budget_s)  # as Client._enqueue
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
@@ -168,6 +182,7 @@ class AsyncClient:
 
     async def status(self, job_id: str) -> JobStatus:
         """As Client.status: queued / running (on which worker) / finished / lost / unknown."""
+        await self.start()  # on a cluster, the shards are known from then on
         r, entry = self._sync_redis(), self.router.entry(job_id)
         with translated(self.url):
             return await asyncio.to_thread(job_status, r, self._states_script(), self.keys, job_id, entry)
@@ -178,15 +193,18 @@ class AsyncClient:
         return self._states
 
     async def get(self, job_id: str) -> Result | None:
+        await self.start()  # on a cluster, the shards are known from then on
         with translated(self.url):
             raw = await self.redis.get(self.keys.result(job_id))
         return None if raw is None else Result.from_final(decode_final(raw))
 
     async def cancel(self, job_id: str) -> None:
+        await self.start()  # on a cluster, the shards are known from then on
         with translated(self.url):
             await self.redis.set(self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
 
     async def stats(self) -> QueueStats:
+        await self.start()  # on a cluster, the shards are known from then on
         with translated(self.url):
             return await asyncio.to_thread(read_queue_stats, self._sync_redis(), self.keys)
 
@@ -196,12 +214,12 @@ class AsyncClient:
         return self._sync
 
     # -- the reader task --------------------------------------------------------------------------
-    async def _read(self, conn: aioredis.Redis) -> None:
+    async def _read(self, conn: aioredis.Redis, state: ReaderState) -> None:
         backoff = 0.05
         try:
             while not self._closed:
                 try:
-                    await self._step(conn)
+                    await self._step(conn, state)
                     backoff = 0.05
                 except Exception as e:
                     if self._closed:  # redis-py may turn close's cancellation of a blocking read into its own error
@@ -212,21 +230,20 @@ class AsyncClient:
         finally:
             await conn.aclose()
 
-    async def _step(self, conn: aioredis.Redis) -> None:
-        s, now = self._state, time.monotonic()
+    async def _step(self, conn: aioredis.Redis, s: ReaderState) -> None:
+        now = time.monotonic()
         if s.expire_due(now):
-            await self._maintain(conn.expire(s.stream, s.reply_ttl_s))
+            await self._maintain(s, conn.expire(s.stream, s.reply_ttl_s))
         ids = s.polls_due(now)
         for i in range(0, len(ids), 1000):
-            s.absorb_results(await conn.mget([s.keys.result(j) for j in ids[i:i + 1000]]))
-        await self._check_liveness(ids)
+            s.absorb_results(await get_many(conn, [s.keys.result(j) for j in ids[i:i + 1000]]))
+        await self._check_liveness(s, ids)
         response = await conn.xread({s.stream: s.last_id}, count=READ_COUNT, block=s.block_for_ms())
         if s.absorb(response) and s.maintain:
-            await self._maintain(conn.xtrim(s.stream, minid=s.last_id, approximate=True))
+            await self._maintain(s, conn.xtrim(s.stream, minid=s.last_id, approximate=True))
 
-    async def _check_liveness(self, ids: list[str]) -> None:
+    async def _check_liveness(self, s: ReaderState, ids: list[str]) -> None:
         """The thread reader's check_liveness: the script runs in a thread, the marking here in the loop."""
-        s = self._state
         suspects = s.suspects(ids)
         if not suspects:
             return
@@ -240,11 +257,12 @@ class AsyncClient:
                 s.liveness_refused(e)
                 return
 
-    async def _maintain(self, call) -> None:
+    @staticmethod
+    async def _maintain(state: ReaderState, call) -> None:
         try:
             await call
         except redis.exceptions.NoPermissionError as e:  # a read-only reply stream: see ReaderState.refused
-            self._state.refused(e)
+            state.refused(e)
 
     # -- waiting ----------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -274,10 +292,13 @@ class AsyncClient:
             return
         self._closed = True
         if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.wait([self._reader], timeout=5)
+            for task in self._readers:
+                task.cancel()
+            await asyncio.wait(self._readers, timeout=5)
         try:  # bounded: a connection a refused transaction left behind must not hang the close
-            await asyncio.wait_for(self.redis.expire(self.keys.reply(self.client_id), CLOSED_REPLY_TTL_S), 5)
+            if self.keys is not None:
+                for stream in self.keys.replies(self.client_id):
+                    await asyncio.wait_for(self.redis.expire(stream, CLOSED_REPLY_TTL_S), 5)
         except (redis.RedisError, asyncio.TimeoutError):
             pass
         await self.redis.aclose()

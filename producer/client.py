@@ -17,14 +17,14 @@ from .handle import JobHandle
 from .idempotency import owner_tag
 from .job_status import JobStatus, job_states_script, job_status
 from .mailbox import ReplyRouter
-from .protocol import DEFAULT_MODEL, Keys, Message, decode_final
+from .protocol import DEFAULT_MODEL, Message, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
-from .redis_url import FAILOVER_BUDGET_S, Durability, connect
+from .redis_url import FAILOVER_BUDGET_S, Durability, connect, keys_for
 from .reply_reader import ReaderState, ReplyReader
 from .result import Result
 from .lane_count import LaneCount
-from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, enqueue_commands,
-                         group_commands, group_exists, new_models, owners, prepare)
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
+                         group_exists, new_models, owners, prepare, send_riding_failovers)
 
 CHUNK = 256
 CLOSED_REPLY_TTL_S = 60  # replies still in flight at close may land; the stream goes soon after
@@ -49,25 +49,29 @@ class Client:
         RELIABILITY.md, Failover)."""
         self.url = resolve_url(redis_url)
         self.durability = Durability(durability, 1, replica_timeout_ms)
+        self._failover_budget_s = failover_budget_s
         self._durable = DurableSubmitter(self.url, self.durability, failover_budget_s) \
             if self.durability.replicated else None
-        self.keys = Keys(namespace)
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
         self._lane_count = LaneCount()
         self._changed = threading.Condition()
         self.router = ReplyRouter(self._notify)
         self.redis = connect(self.url)
+        with translated(self.url):
+            self.keys = keys_for(self.url, self.redis, namespace)  # on a cluster: the namespace's shards
         self._script = claim_script(self.redis)
         self._closed = False
         self._states = job_states_script(self.redis)
         self._grouped: set[str] = set()  # models whose streams have the workers' group
         with translated(self.url):
             self._ensure_groups([DEFAULT_MODEL])
-        state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s)
-        conn = connect(self.url, socket_timeout=state.block_ms / 1000 + 10)
-        self._reader = ReplyReader(conn, state, job_states_script(conn))
-        self._reader.start()
+        self._readers = []  # one per shard: a blocking read covers one slot
+        for shard in range(len(self.keys.parts)):
+            state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s, shard=shard)
+            conn = connect(self.url, socket_timeout=state.block_ms / 1000 + 10)
+            self._readers.append(ReplyReader(conn, state, job_states_script(conn)))
+            self._readers[-1].start()
 
     # -- submitting -------------------------------------------------------------------------------
     def submit(self, prompt: str | None = None, *, messages: list[dict | Message] | None = None,
@@ -121,9 +125,7 @@ class Client:
                 prepared = [with_claim(p, self.keys) for p in prepared]
                 replies = self._durable.send(self._script, prepared, self.keys)
             else:
-                pipe = self.redis.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
-                enqueue_commands(pipe, self._script, prepared, self.keys)
-                replies = pipe.execute()
+                replies = send_riding_failovers(self.redis, self._script, prepared, self.keys, self._failover_budget_s)
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
@@ -235,9 +237,11 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        self._reader.stop(self.redis)
+        for reader in self._readers:
+            reader.stop(self.redis)
         try:
-            self.redis.expire(self.keys.reply(self.client_id), CLOSED_REPLY_TTL_S)
+            for stream in self.keys.replies(self.client_id):
+                self.redis.expire(stream, CLOSED_REPLY_TTL_S)
         except redis.RedisError:
             pass
         self.redis.close()

@@ -90,7 +90,8 @@ def read_states(r, script, keys: Keys, stream: str, jobs: list[tuple[str, str]])
     if not jobs:
         return []
     rows = script(keys=[stream], args=[Keys.GROUP, *(e for _, e in jobs)], client=r)
-    results = r.mget([keys.result(j) for j, _ in jobs])
+    shard = keys.of_stream(stream)
+    results = r.execute_command("MGET", *[shard.result(j) for j, _ in jobs])  # one slot: the stream's shard
     return [state_of(job_id, as_text(state), as_text(detail), result is not None)
             for (job_id, _), (state, detail), result in zip(jobs, rows, results)]
 

@@ -13,6 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
+from .shards import check_shards, shard_of, shard_tags
+
 # Version 2 added `attempt` to Delta and Final (which delivery of the job produced them; see stream.py).
 # Readers accept every version from MIN_PROTOCOL_VERSION on: a version-1 message reads as attempt 1. The
 # SDK still writes jobs at JOB_VERSION 1, whose schema did not change, so version-1 workers keep reading
@@ -292,24 +294,75 @@ def as_text(value) -> str:
 
 
 class Keys:
-    """Redis key names for one namespace (see design.md, 'Redis keys')."""
+    """Redis key names for one namespace (see design.md, 'Redis keys'). On a Redis Cluster (`cluster=True`) the
+    namespace is split into `shards`, each under its own hash tag (producer/shards.py): this root object names a
+    job's keys in the job's shard (by its id, or its idempotency key), lists streams of every shard, and puts the
+    fleet's own keys (heartbeats, models, lanes) in shard 0; `at(k)` and `of_stream` name one shard's keys."""
 
     GROUP = "workers"
 
-    def __init__(self, namespace: str = "kvgate"):
+    def __init__(self, namespace: str = "kvgate", shards: int = 1, cluster: bool = False):
         if not namespace or any(c in namespace for c in " \n\r\t{}"):
             raise ValueError(f"namespace {namespace!r} must be non-empty with no whitespace or braces")
-        self.ns = namespace
+        if not cluster and shards != 1:
+            raise ValueError(f"shards={shards}: a namespace is split into shards only on a Redis Cluster")
+        self.ns, self.shards, self.cluster = namespace, check_shards(shards), cluster
+        self.prefix, self.shard = namespace, 0
+        self.parts: list[Keys] = [self]
+        if cluster:
+            self.parts = [self._part(k, f"{namespace}:{{{tag}}}") for k, tag in enumerate(shard_tags(shards))]
+            self.prefix = self.parts[0].prefix
+        self._by_prefix = {p.prefix: p for p in self.parts}
 
-    def jobs(self, model: str | None, priority: str, lane: int | None = None) -> str:
-        """One model's shared stream of one priority (`None` is the default model), or with `lane` that model's
-        prefix-affinity lane (producer/lanes.py)."""
-        base = f"{self.ns}:jobs:{model or DEFAULT_MODEL}:{priority}"
+    def _part(self, shard: int, prefix: str) -> "Keys":
+        part = object.__new__(Keys)
+        part.ns, part.shards, part.cluster, part.prefix, part.shard = self.ns, 1, self.cluster, prefix, shard
+        part.parts, part._by_prefix = [part], {prefix: part}
+        return part
+
+    # -- shards --------------------------------------------------------------------------------------------
+    def at(self, shard: int) -> "Keys":
+        """One shard's key names."""
+        return self.parts[shard]
+
+    def shard_of(self, text: str) -> int:
+        """The shard of a job id or an idempotency key."""
+        return shard_of(text, len(self.parts))
+
+    def of_stream(self, stream: str) -> "Keys":
+        """The shard a job or reply stream's name is in: a job's result, reply and dead letter go there, whatever
+        its job id says (a hostile producer's job in another shard's stream must not make a cross-slot script)."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        head, brace, _ = stream.partition("}")
+        part = self._by_prefix.get(head + brace)
+        if part is None:
+            raise ValueError(f"stream {stream!r} is in no shard of namespace {self.ns!r}")
+        return part
+
+    def by_shard(self, names: list[str]) -> list[list[str]]:
+        """Stream names grouped by shard (one group on a single Redis), each group in the given order: a command
+        or script may touch one shard's keys only."""
+        groups: dict[int, list[str]] = {}
+        for name in names:
+            groups.setdefault(self.of_stream(name).shard, []).append(name)
+        return [groups[k] for k in sorted(groups)]
+
+    def _job(self, text: str) -> "Keys":
+        return self.parts[self.shard_of(text)]
+
+    # -- job streams ---------------------------------------------------------------------------------------
+    def jobs(self, model: str | None, priority: str, lane: int | None = None, shard: int = 0) -> str:
+        """One model's shared stream of one priority in one shard (`None` is the default model), or with `lane`
+        that model's prefix-affinity lane (producer/lanes.py)."""
+        base = f"{self.parts[shard].prefix}:jobs:{model or DEFAULT_MODEL}:{priority}"
         return base if lane is None else f"{base}:{lane}"
 
     def job_streams(self, model: str | None, priority: str, lanes: int = 0) -> list[str]:
-        """Every stream a job of `model` and `priority` may sit in: the shared one, then each lane's."""
-        return [self.jobs(model, priority)] + [self.jobs(model, priority, lane) for lane in range(lanes)]
+        """Every stream a job of `model` and `priority` may sit in, shard by shard: the shared one, then each lane's."""
+        return [st for k in range(len(self.parts))
+                for st in [self.jobs(model, priority, shard=k)] +
+                [self.jobs(model, priority, lane, k) for lane in range(lanes)]]
 
     def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
         """One model's streams, highest priority first, each priority's shared stream before its lanes."""
@@ -317,49 +370,59 @@ class Keys:
 
     def served_jobs(self, models: list[str]) -> list[str]:
         """The streams of several models in the order a worker reads them: every model's high priority stream
-        before any model's normal one, so a priority means the same across the models one worker serves."""
-        return [self.jobs(m, p) for p in PRIORITIES for m in models]
+        before any model's normal one, so a priority means the same across the models one worker serves; shard
+        by shard within a priority (a read touches one shard: one slot)."""
+        return [self.jobs(m, p, shard=k) for p in PRIORITIES for k in range(len(self.parts)) for m in models]
 
+    # -- the fleet's keys, in shard 0 ----------------------------------------------------------------------
     def models(self) -> str:
         """Set of every model name ever submitted to or served: stats, exporter and gateway read it instead of
         scanning key names."""
-        return f"{self.ns}:models"
+        return f"{self.prefix}:models"
 
     def lanes(self) -> str:
         """The namespace's lane count, one for every model: set once by the first worker with affinity on;
         absent: no lanes."""
-        return f"{self.ns}:lanes"
+        return f"{self.prefix}:lanes"
 
     def lane_ring(self, model: str | None) -> str:
         """Sorted set of the workers that own `model`'s lanes (`weight|worker_id`), scored by their last beat
         (server ms): a worker owns lanes only of the models it serves."""
-        return f"{self.ns}:lanes:ring:{model or DEFAULT_MODEL}"
+        return f"{self.prefix}:lanes:ring:{model or DEFAULT_MODEL}"
 
     def lanes_full(self, model: str | None) -> str:
-        """Sorted set of the ring's workers that cannot take a job of `model`'s lanes now (no KV room, or a job
-        waiting locally): others take their lanes' jobs without waiting the steal age."""
-        return f"{self.ns}:lanes:full:{model or DEFAULT_MODEL}"
-
-    def reply(self, client_id: str) -> str:
-        return f"{self.ns}:reply:{client_id}"
-
-    def result(self, job_id: str) -> str:
-        return f"{self.ns}:result:{job_id}"
-
-    def cancel(self, job_id: str) -> str:
-        return f"{self.ns}:cancel:{job_id}"
-
-    def idempotency(self, key: str) -> str:
-        return f"{self.ns}:idem:{key}"
-
-    def dead(self) -> str:
-        return f"{self.ns}:dead"
+        """Sorted set of the ring's workers that cannot take a job of `model`'s lanes now (no KV room): others
+        take their lanes' jobs without waiting the steal age. In shard 0, with the ring."""
+        return f"{self.prefix}:lanes:full:{model or DEFAULT_MODEL}"
 
     def worker(self, worker_id: str) -> str:
-        return f"{self.ns}:worker:{worker_id}"
+        return f"{self.prefix}:worker:{worker_id}"
 
     def worker_pattern(self) -> str:
-        return f"{self.ns}:worker:*"
+        return f"{self.prefix}:worker:*"
+
+    # -- a job's keys, in its shard ------------------------------------------------------------------------
+    def reply(self, client_id: str, shard: int = 0) -> str:
+        return f"{self.parts[shard].prefix}:reply:{client_id}"
+
+    def replies(self, client_id: str) -> list[str]:
+        """A client's reply stream in every shard."""
+        return [self.reply(client_id, k) for k in range(len(self.parts))]
+
+    def result(self, job_id: str) -> str:
+        return f"{self._job(job_id).prefix}:result:{job_id}"
+
+    def cancel(self, job_id: str) -> str:
+        return f"{self._job(job_id).prefix}:cancel:{job_id}"
+
+    def idempotency(self, key: str) -> str:
+        return f"{self._job(key).prefix}:idem:{key}"
+
+    def dead(self, shard: int = 0) -> str:
+        return f"{self.parts[shard].prefix}:dead"
+
+    def deads(self) -> list[str]:
+        return [self.dead(k) for k in range(len(self.parts))]
 
 
 # Fields of the `{ns}:worker:<id>` heartbeat hash; shared by the worker, `kvgate stats/top` and the exporter.
@@ -376,13 +439,14 @@ URL_ENV = "KVGATE_REDIS_URL"
 DEFAULT_URL = "redis://127.0.0.1:6379/0"  # the default of the worker and every `kvgate` command; never the SDK's
 
 
-URL_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel")  # Sentinel: producer/redis_url.py
+URL_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel",  # Sentinel: producer/redis_url.py
+               "redis+cluster", "rediss+cluster")  # Redis Cluster: producer/cluster.py
 
 
 def check_url(url: str) -> str:
     if urlsplit(url).scheme not in URL_SCHEMES:
-        raise ValueError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss://, unix:// or "
-                         f"redis+sentinel:// (for example {DEFAULT_URL})")
+        raise ValueError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss://, unix://, "
+                         f"redis+sentinel:// or redis+cluster:// (for example {DEFAULT_URL})")
     return url
 
 

@@ -275,4 +275,4 @@ def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:
     workers = read_workers(r, keys, now_ms)
     names = sorted(set(known_models(r, keys)) | {m for w in workers for m in w.models})
     return QueueStats(models={m: read_model(r, keys, m, workers, now_ms, lanes) for m in names}, workers=workers,
-                      dead=r.xlen(keys.dead()))
+                      dead=sum(r.xlen(dead) for dead in keys.deads()))

@@ -1,5 +1,6 @@
-"""Every component's Redis client, built from one URL: redis://, rediss://, unix:// as redis-py reads them, or a
-Sentinel URL that follows the primary across a failover.
+"""Every component's Redis client, built from one URL: redis://, rediss://, unix:// as redis-py reads them, a
+Redis Cluster URL (redis+cluster://, producer/cluster.py), or a Sentinel URL that follows the primary across a
+failover.
 
     redis+sentinel://[user:password@]host1:26379,host2:26379/<service>[/<db>][?sentinel_username=..&sentinel_password=..]
 
@@ -22,12 +23,15 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from .protocol import mask_url
+from .cluster import agreed_shards, agreed_shards_async, connect_cluster, connect_cluster_async, is_cluster, \
+    parse_cluster_url
+from .protocol import Keys, mask_url
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379
 SENTINEL_QUERY = ("sentinel_username", "sentinel_password")
-FAILOVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)  # MasterNotFound included
+# MasterNotFound included; ClusterError: a cluster with a slot uncovered while a replica takes over
+FAILOVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.exceptions.ClusterError)
 FAILOVER_BUDGET_S = 30.0  # Sentinel's default failover takes down-after (30 s in its sample config) plus an election
 
 
@@ -139,6 +143,8 @@ class NewestAsyncSentinel(AsyncSentinel):
 def connect(url: str, **kwargs) -> redis.Redis:
     """A client for `url`; kwargs (socket timeouts, retry, ...) go to the data-node connections, and the socket
     timeouts also to the sentinel connections."""
+    if is_cluster(url):
+        return connect_cluster(url, **kwargs)
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **kwargs)
     s = parse_sentinel_url(url)
@@ -148,11 +154,26 @@ def connect(url: str, **kwargs) -> redis.Redis:
 
 def connect_async(url: str, **kwargs) -> aioredis.Redis:
     """The asyncio twin of `connect`."""
+    if is_cluster(url):
+        return connect_cluster_async(url, **kwargs)
     if not is_sentinel(url):
         return aioredis.Redis.from_url(url, **kwargs)
     s = parse_sentinel_url(url)
     sentinel = NewestAsyncSentinel(list(s.sentinels), sentinel_kwargs=s.sentinel_kwargs(kwargs))
     return sentinel.master_for(s.service, **(s.node_kwargs() | kwargs))
+
+
+def keys_for(url: str, client, namespace: str) -> Keys:
+    """The namespace's key names on the Redis `client` talks to: on a cluster, split into its recorded shards."""
+    if not is_cluster(url):
+        return Keys(namespace)
+    return Keys(namespace, agreed_shards(client, namespace, parse_cluster_url(url).shards), cluster=True)
+
+
+async def keys_for_async(url: str, client, namespace: str) -> Keys:
+    if not is_cluster(url):
+        return Keys(namespace)
+    return Keys(namespace, await agreed_shards_async(client, namespace, parse_cluster_url(url).shards), cluster=True)
 
 
 def across_failover(call, budget_s: float = FAILOVER_BUDGET_S, first_wait_s: float = 0.05):

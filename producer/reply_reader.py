@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from .cluster import get_many
 from .mailbox import ReplyRouter
 from .job_status import read_states
 from .protocol import FIELD, Delta, Final, Keys, ProtocolError, decode_event, decode_final
@@ -40,10 +41,11 @@ class ReaderState:
     maintain: bool = True  # EXPIRE and XTRIM our own reply stream; off once Redis says this user may not
     liveness: bool = True  # look for lost jobs; off once Redis says this user may not run the script
     liveness_due: bool = False
+    shard: int = 0  # the shard whose reply stream this reader follows; shard 0's also polls results and liveness
     stream: str = field(init=False)
 
     def __post_init__(self):
-        self.stream = self.keys.reply(self.client_id)
+        self.stream = self.keys.reply(self.client_id, self.shard)
 
     def block_for_ms(self) -> int:
         if self.router.has_foreign():
@@ -81,6 +83,8 @@ class ReaderState:
     def polls_due(self, now: float) -> list[str]:
         """Job ids whose result key to read now."""
         ids: list[str] = []
+        if self.shard != 0:
+            return ids
         if now >= self.next_foreign:
             self.next_foreign = now + self.foreign_poll_s
             ids += self.router.unfinished(foreign=True)
@@ -150,7 +154,7 @@ class ReplyReader(threading.Thread):
             self._maintain(lambda: self.conn.expire(s.stream, s.reply_ttl_s))
         ids = s.polls_due(now)
         for i in range(0, len(ids), 1000):
-            s.absorb_results(self.conn.mget([s.keys.result(j) for j in ids[i:i + 1000]]))
+            s.absorb_results(get_many(self.conn, [s.keys.result(j) for j in ids[i:i + 1000]]))
         check_liveness(s, ids, lambda stream, jobs: read_states(self.conn, self.states_script, s.keys, stream, jobs))
         response = self.conn.xread({s.stream: s.last_id}, count=READ_COUNT, block=s.block_for_ms())
         if s.absorb(response) and s.maintain:

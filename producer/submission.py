@@ -6,12 +6,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .cluster import run_script
 from .connection import refusal_of
 from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .lanes import lane_of, routing_key
+from .redis_url import across_failover, across_failover_async
 from .protocol import DEFAULT_MODEL, FIELD, Job, Keys, as_text
-from .request import build_job, encode_job, validate_request
+from .request import build_job, encode_job, new_job_id, validate_request
 
 CANCEL_TTL_S = 24 * 3600
 
@@ -32,24 +34,36 @@ class Prepared:
 
 def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "", lanes: int = 0) -> Prepared:
     req = validate_request(kwargs, where)
-    job = build_job(req, client_id, where=where)
+    job = build_job(req, client_id, job_id=job_id_for(keys, req.idempotency_key), where=where)
     model = req.model or DEFAULT_MODEL
     prepared = Prepared(job, encode_job(job, where), stream_for(job, model, keys, lanes, req.prefix_key), model)
     if req.idempotency_key is not None:
         prepared.claim = Claim(job.job_id, req.digest(), owner_tag(client_id))
         prepared.claim_key = keys.idempotency(req.idempotency_key)
-        prepared.result_prefix = keys.result("")
+        prepared.result_prefix = keys.at(keys.shard_of(job.job_id)).result("")
     return prepared
 
 
+def job_id_for(keys: Keys, idempotency_key: str | None) -> str | None:
+    """On a cluster, a job with an idempotency key lives in the key's shard (a resubmission must meet the claim), so
+    its id is drawn until it hashes there too: every key of the job is then in one slot. None: any new id."""
+    if idempotency_key is None or len(keys.parts) == 1:
+        return None
+    shard = keys.shard_of(idempotency_key)
+    while keys.shard_of(job_id := new_job_id()) != shard:
+        pass
+    return job_id
+
+
 def stream_for(job: Job, model: str, keys: Keys, lanes: int, prefix_key: str | None = None) -> str:
-    """The model's shared stream of the job's priority, or with lanes on, the model's lane its routing key
-    hashes to."""
+    """The model's shared stream of the job's priority in the job's shard, or with lanes on, the model's lane its
+    routing key hashes to."""
+    shard = keys.shard_of(job.job_id)
     if not lanes:
-        return keys.jobs(model, job.priority)
+        return keys.jobs(model, job.priority, shard=shard)
     key = routing_key(prompt=job.prompt, messages=job.messages, prompt_token_ids=job.prompt_token_ids,
                       prefix_key=prefix_key)
-    return keys.jobs(model, job.priority, lane_of(key, lanes))
+    return keys.jobs(model, job.priority, lane_of(key, lanes), shard)
 
 
 def add_to_pipeline(pipe, script, prepared: Prepared):
@@ -57,27 +71,84 @@ def add_to_pipeline(pipe, script, prepared: Prepared):
     queues nothing until awaited: the caller must await what this returns when it is awaitable."""
     if prepared.claim is None:
         return pipe.xadd(prepared.stream, {FIELD: prepared.payload})
-    return script(keys=[prepared.claim_key, prepared.stream],
-                  args=[prepared.claim.encode(), prepared.claim_ttl_s, FIELD, prepared.payload, Keys.GROUP,
-                        prepared.result_prefix, prepared.claim.digest], client=pipe)
+    return run_script(script, [prepared.claim_key, prepared.stream],
+                      [prepared.claim.encode(), prepared.claim_ttl_s, FIELD, prepared.payload, Keys.GROUP,
+                       prepared.result_prefix, prepared.claim.digest], pipe)
 
 
-def enqueue_commands(pipe, script, prepared: list[Prepared], keys: Keys) -> None:
+def enqueue_commands(pipe, script, prepared: list[Prepared], keys: Keys, models: bool = True) -> None:
     """The jobs, then one SADD of their models to `{ns}:models`, in the caller's MULTI: a model is listed
-    exactly when a job of it was enqueued. `owners` reads the jobs' replies only."""
+    exactly when a job of it was enqueued. `owners` reads the jobs' replies only. (On a cluster the models set
+    is in another slot than most jobs: the caller adds it first, alone.)"""
     for p in prepared:
         add_to_pipeline(pipe, script, p)
-    pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
+    if models:
+        pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
 
 
-async def enqueue_commands_async(pipe, script, prepared: list[Prepared], keys: Keys) -> None:
+def send(r, script, prepared: list[Prepared], keys: Keys) -> list:
+    """Enqueue in one MULTI: all or nothing. On a cluster, one MULTI per shard after the models' SADD: all or
+    nothing per shard (a refusal in a later shard leaves the earlier shards' jobs enqueued, and raises)."""
+    if len(keys.parts) == 1:
+        pipe = r.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
+        enqueue_commands(pipe, script, prepared, keys)
+        return pipe.execute()
+    r.sadd(keys.models(), *sorted({p.model for p in prepared}))
+    replies: list = [None] * len(prepared)
+    for group in by_shard(prepared, keys):
+        pipe = r.pipeline(transaction=True)
+        enqueue_commands(pipe, script, [prepared[i] for i in group], keys, models=False)
+        for i, reply in zip(group, pipe.execute()):
+            replies[i] = reply
+    return replies
+
+
+async def send_async(r, script, prepared: list[Prepared], keys: Keys) -> list:
+    """`send` on an asyncio client."""
+    groups = by_shard(prepared, keys) if len(keys.parts) > 1 else [list(range(len(prepared)))]
+    if len(keys.parts) > 1:
+        await r.sadd(keys.models(), *sorted({p.model for p in prepared}))
+    replies: list = [None] * len(prepared)
+    for group in groups:
+        pipe = r.pipeline(transaction=True)
+        await enqueue_commands_async(pipe, script, [prepared[i] for i in group], keys, models=len(keys.parts) == 1)
+        for i, reply in zip(group, await pipe.execute()):
+            replies[i] = reply
+    return replies
+
+
+def send_riding_failovers(r, script, prepared: list[Prepared], keys: Keys, budget_s: float) -> list:
+    """`send`; on a cluster, sent again while a primary is down (its replica takes over within seconds), up to
+    `budget_s`. Safe to repeat: an entry sent twice carries the same job id, and the finish script answers a job
+    id once (a claim, when there is one, finds its own job)."""
+    if not keys.cluster:
+        return send(r, script, prepared, keys)
+    return across_failover(lambda: send(r, script, prepared, keys), budget_s)
+
+
+async def send_riding_failovers_async(r, script, prepared: list[Prepared], keys: Keys, budget_s: float) -> list:
+    if not keys.cluster:
+        return await send_async(r, script, prepared, keys)
+    return await across_failover_async(lambda: send_async(r, script, prepared, keys), budget_s)
+
+
+def by_shard(prepared: list[Prepared], keys: Keys) -> list[list[int]]:
+    """Indexes of `prepared` grouped by shard: one MULTI each on a cluster (a MULTI touches one slot)."""
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prepared):
+        groups.setdefault(keys.of_stream(p.stream).shard, []).append(i)
+    return [groups[k] for k in sorted(groups)]
+
+
+async def enqueue_commands_async(pipe, script, prepared: list[Prepared], keys: Keys, models: bool = True) -> None:
     """enqueue_commands on an asyncio pipeline, where a script call queues nothing until awaited: each one is
     awaited in turn, so the commands keep their order."""
     for p in prepared:
         queued = add_to_pipeline(pipe, script, p)
-        if inspect.isawaitable(queued):
+        if inspect.iscoroutine(queued):  # not a pipeline: awaiting a cluster pipeline resets its command stack
             await queued
-    pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
+    if models:
+        pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
 
 
 def new_models(prepared: list[Prepared], grouped: set[str]) -> list[str]:

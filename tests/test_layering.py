@@ -37,9 +37,13 @@ LAYERS = (
     Layer("kvgate.kernels", ("kvgate.kernels",), NO_REDIS),
     Layer("kvgate.engine", ("kvgate.engine", "kvgate.kernels"), NO_REDIS),
     Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", "kvgate.producer.protocol",
-                            "kvgate.producer.redis_url", "kvgate.producer.lanes")),
-    # the one Redis connection factory (Sentinel included) that workers and the SDK share: protocol only
-    Layer("kvgate.producer.redis_url", ("kvgate.producer.protocol",), HEAVY),
+                            "kvgate.producer.redis_url", "kvgate.producer.lanes", "kvgate.producer.cluster",
+                            "kvgate.producer.shards")),
+    # the one Redis connection factory (Sentinel and Cluster included) that workers and the SDK share
+    Layer("kvgate.producer.redis_url", ("kvgate.producer.protocol", "kvgate.producer.cluster",
+                                        "kvgate.producer.shards"), HEAVY),
+    Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards"), HEAVY),
+    Layer("kvgate.producer.shards", (), HEAVY),
     Layer("kvgate.producer", ("kvgate.producer",), HEAVY),
     Layer("kvgate", None),
 )

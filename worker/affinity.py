@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from kvgate.producer.cluster import run_script
 from kvgate.producer.lanes import digest, decode_members, encode_member, owners, parse_lanes
 from kvgate.producer.protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
 
@@ -85,7 +86,7 @@ class Affinity:
         if self.enabled:
             pipe.set(self.keys.lanes(), self.want_lanes, nx=True)
             for model in self.models:
-                self.script(keys=[self.keys.lane_ring(model)], args=[self.member, self.ring_ttl_ms], client=pipe)
+                run_script(self.script, [self.keys.lane_ring(model)], [self.member, self.ring_ttl_ms], pipe)
         pipe.get(self.keys.lanes())
         replies = pipe.execute()
         grew = self._see_count(replies[-1])

@@ -13,8 +13,16 @@ import redis
 
 from kvgate.producer.protocol import Keys, as_text
 
-# KEYS: job streams; ARGV: group, min idle ms, heartbeat key prefix, our own consumer (never pruned)
+# KEYS: job streams of one shard; ARGV: group, min idle ms, heartbeat key prefix, our own consumer (never pruned),
+# and on a Redis Cluster (heartbeats are in another slot, which a script may not touch) an empty prefix and the live
+# workers' ids, from a SCAN just before.
 PRUNE_LUA = """
+local live = {}
+for i = 5, #ARGV do live[ARGV[i]] = true end
+local function alive(name)
+  if ARGV[3] == '' then return live[name] == true end
+  return redis.call('EXISTS', ARGV[3] .. name) == 1
+end
 local gone = {}
 for _, key in ipairs(KEYS) do
   local ok, rows = pcall(redis.call, 'XINFO', 'CONSUMERS', key, ARGV[1])
@@ -23,7 +31,7 @@ for _, key in ipairs(KEYS) do
       local c = {}
       for i = 1, #row, 2 do c[row[i]] = row[i + 1] end
       if c['pending'] == 0 and c['idle'] >= tonumber(ARGV[2]) and c['name'] ~= ARGV[4]
-          and redis.call('EXISTS', ARGV[3] .. c['name']) == 0 then
+          and not alive(c['name']) then
         redis.call('XGROUP', 'DELCONSUMER', key, ARGV[1], c['name'])
         gone[#gone + 1] = c['name']
       end
@@ -66,10 +74,17 @@ class Consumers:
     def prune(self) -> list[str]:
         """Delete departed consumers (idle, nothing pending, no heartbeat); returns their names."""
         args = [Keys.GROUP, self.min_idle_ms, self.keys.worker(""), self.consumer]
-        return sorted({as_text(n) for n in self.prune_script(keys=self.streams, args=args)})
+        if self.keys.cluster:
+            prefix = self.keys.worker("")
+            args[2:3] = [""]
+            args += [as_text(k)[len(prefix):] for k in self.client.scan_iter(match=self.keys.worker_pattern(), count=1000)]
+        gone = set()
+        for streams in self.keys.by_shard(self.streams):
+            gone |= {as_text(n) for n in self.prune_script(keys=streams, args=args)}
+        return sorted(gone)
 
     def retire(self) -> list[str]:
         """Delete our own consumer where we hold nothing; returns the streams where entries still wait on us
         (handed back: others reclaim them, then prune us)."""
-        kept = self.retire_script(keys=self.streams, args=[Keys.GROUP, self.consumer])
-        return [as_text(k) for k in kept]
+        return [as_text(k) for streams in self.keys.by_shard(self.streams)
+                for k in self.retire_script(keys=streams, args=[Keys.GROUP, self.consumer])]

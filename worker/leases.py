@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
+from kvgate.producer.cluster import run_script
 from kvgate.producer.protocol import Keys, as_text
 
 HANDBACK_IDLE_MS = 10**12  # an entry this idle is past every worker's reclaim timeout: reclaimable at once
@@ -34,6 +35,10 @@ return lost
 class Leases:
     client: redis.Redis
     consumer: str
+    script: object = None
+
+    def __post_init__(self) -> None:
+        self.script = self.client.register_script(RENEW_OWN)
 
     def renew(self, entries: dict[str, list[str]]) -> set[str]:
         """Reset the idle time of our in-flight entries; returns those no longer pending to us, as request keys
@@ -45,10 +50,9 @@ class Leases:
         streams = [(s, ids) for s, ids in entries.items() if ids]
         if not streams:
             return set()
-        script = self.client.register_script(RENEW_OWN)
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in streams:
-            script(keys=[stream], args=[Keys.GROUP, self.consumer, *ids], client=pipe)
+            run_script(self.script, [stream], [Keys.GROUP, self.consumer, *ids], pipe)
         return {f"{stream}|{as_text(i)}" for (stream, _), lost in zip(streams, pipe.execute()) for i in lost}
 
     def count_delivery(self, stream: str, ids: list[str]) -> list[int]:

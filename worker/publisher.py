@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from kvgate.producer.cluster import NodeLinks, run_script
 from kvgate.producer.protocol import FIELD, Delta, Final, Keys, encode
 from kvgate.producer.redis_url import Durability, NotReplicated
 
@@ -86,11 +87,14 @@ class Publisher:
     reply_maxlen: int
     dead_maxlen: int
     deltas: list[tuple[str, Delta, str]] = field(default_factory=list)  # (client id, delta, request key)
+    # a request key is `stream|entry id`: the job's reply stream is in its stream's shard (producer/shards.py)
     finishes: list[Finish] = field(default_factory=list)
     sending: tuple[list, list] = field(default_factory=lambda: ([], []))  # (deltas, finishes) filled, not settled
     script: object = None
     durability: Durability = field(default_factory=Durability)
     waiting: bool = False  # the pipeline being filled carries a WAIT after the finals (replicated durability)
+    links: NodeLinks | None = None  # replicated on a Redis Cluster: finals go per shard on links, each with a WAIT
+    linked_at: int | None = None  # where the finals' replies belong among the pipeline's, when they went on links
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(FINISH_LUA)  # EVALSHA, loading the script on NOSCRIPT
@@ -125,7 +129,7 @@ class Publisher:
         pipe = self.client.pipeline(transaction=False)
         n = self.fill(pipe)
         try:
-            replies = pipe.execute(raise_on_error=False)
+            replies = self.round_trip(pipe)
         except BaseException:
             self.requeue()
             raise
@@ -140,18 +144,52 @@ class Publisher:
         self.sending, self.deltas, self.finishes = (self.deltas, self.finishes), [], []
         deltas, finishes = self.sending
         replies = set()
-        for client_id, delta, _ in deltas:
-            reply = self.keys.reply(client_id)
+        for client_id, delta, key in deltas:
+            reply = self.reply_of(client_id, key.partition("|")[0])
             pipe.xadd(reply, {FIELD: encode(delta)}, maxlen=self.reply_maxlen, approximate=True)
             replies.add(reply)
         for reply in replies:
             pipe.expire(reply, self.reply_ttl_s)
-        for f in finishes:
-            self._finish(pipe, f)
         self.waiting = self.durability.replicated and bool(finishes)
-        if self.waiting:
-            self.durability.wait(pipe)  # same connection, after the finals: counts them and everything before
+        self.linked_at = len(deltas) + len(replies) if self.links is not None and finishes else None
+        if self.linked_at is None:
+            for f in finishes:
+                self._finish(pipe, f)
+            if self.waiting:
+                self.durability.wait(pipe)  # same connection, after the finals: counts them and everything before
         return len(deltas) + len(replies) + len(finishes) + self.waiting
+
+    def round_trip(self, pipe) -> list:
+        """Run the pipeline `fill` filled (raise_on_error=False); with links, then the finals on them, their replies
+        put where `settle` expects them."""
+        replies = pipe.execute(raise_on_error=False)
+        if self.linked_at is None:
+            return replies
+        return replies[:self.linked_at] + self._send_linked() + replies[self.linked_at:]
+
+    def _send_linked(self) -> list:
+        """Each shard's finals on the link to its primary, then WAIT there; the replies in the finals' order, and the
+        fewest replicas any WAIT saw (or its error) last."""
+        finishes = self.sending[1]
+        out: list = [None] * len(finishes)
+        waits = []
+        by_shard: dict[int, list[int]] = {}
+        for i, f in enumerate(finishes):
+            by_shard.setdefault(self.keys.of_stream(f.stream).shard, []).append(i)
+        for group in by_shard.values():
+            def writes(link, group=group):
+                pipe = link.pipeline(transaction=False)
+                for i in group:
+                    self._finish(pipe, finishes[i])
+                self.durability.wait(pipe)
+                return pipe.execute(raise_on_error=False)
+
+            replies = self.links.run(finishes[group[0]].stream, writes)
+            for i, reply in zip(group, replies):
+                out[i] = reply
+            waits.append(replies[-1])
+        failed = next((w for w in waits if isinstance(w, Exception)), None)
+        return out + [failed if failed is not None else min(int(w) for w in waits)]
 
     def settle(self, results: list) -> Settled:
         """The last fill went out (the pipeline ran with raise_on_error=False): sort the per-job failures out. A
@@ -179,17 +217,22 @@ class Publisher:
             self.requeue()
             raise
 
+    def reply_of(self, client_id: str, stream: str) -> str:
+        """The client's reply stream in the shard of the job's stream."""
+        return self.keys.of_stream(stream).reply(client_id)
+
     def _finish(self, pipe, f: Finish) -> None:
         payload = encode(f.final)
-        keys = [self.keys.result(f.final.job_id), self.keys.reply(f.client_id), f.stream, self.keys.dead()]
+        shard = self.keys.of_stream(f.stream)
+        keys = [shard.result(f.final.job_id), shard.reply(f.client_id), f.stream, shard.dead()]
         args = [payload, self.result_ttl_s, Keys.GROUP, f.entry_id, self.reply_maxlen, self.reply_ttl_s, FIELD,
                 f.dead_reason, self.dead_maxlen, f.job_payload]
-        self.script(keys=keys, args=args, client=pipe)
+        run_script(self.script, keys, args, pipe)
 
     def dead_letter(self, stream: str, entry_id: str, reason: str, payload: bytes | None) -> None:
         """A job nobody can be told about: record it in the dead stream and acknowledge it, atomically."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead(), {"reason": reason, "stream": stream, "entry": entry_id, "job": payload or b""},
+        pipe.xadd(self.keys.of_stream(stream).dead(), {"reason": reason, "stream": stream, "entry": entry_id, "job": payload or b""},
                   maxlen=self.dead_maxlen, approximate=True)
         pipe.xack(stream, Keys.GROUP, entry_id)
         pipe.execute()

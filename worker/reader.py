@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from kvgate.producer.cluster import run_script
 from kvgate.producer.protocol import Keys, as_text
 
 # KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none), and with
@@ -121,6 +122,8 @@ class Reader:
     overdue_ms: int = 0  # 0: never take others' entries before our own
     overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries on this read
     steal_max: int = 1  # entries one read may take from others' lanes
+    keys: Keys | None = None  # on a Redis Cluster: tells which shard each stream is in
+    shard_turn: int = 0
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(READ_LUA)
@@ -133,16 +136,47 @@ class Reader:
     def read(self, count: int, pipe=None, reclaim_idle_ms: int = 0) -> list[Entry] | None:
         """Up to `count` entries, all of a higher priority before any of a lower one; with `reclaim_idle_ms`,
         a stream's entries idle that long before its new ones. With `pipe`, only queue the read there and hand
-        its reply to `parse` later."""
-        args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
+        its reply to `parse` later.
+
+        On a Redis Cluster a script touches one shard (one slot): a read looks at the shards in turn, starting
+        one further each time, until `count` are taken; a queued read looks at one shard, so priority holds
+        within a shard and the shards take turns."""
         if self.home is not None:  # lanes: `streams` is the affinity's plan, models' turns included
-            overdue = self.overdue if self.overdue_ms > 0 else []
-            args += [self.home, self.steal_age_ms, self.overdue_ms, len(overdue), self.steal_max, self.urgent]
-            keys = self.streams + overdue
+            plan, overdue = self.streams, self.overdue if self.overdue_ms > 0 else []
         else:
-            keys, self.turn = self.order(), self.turn + 1
-        reply = self.script(keys=keys, args=args, client=pipe or self.client)
-        return None if pipe is not None else self.parse(reply)
+            plan, overdue, self.turn = self.order(), [], self.turn + 1
+        groups = self._by_shard(plan, overdue)
+        self.shard_turn += 1
+        out: list[Entry] = []
+        for i in range(len(groups)):
+            streams, home, urgent, others = groups[(self.shard_turn + i) % len(groups)]
+            args = [Keys.GROUP, self.consumer, count - len(out), reclaim_idle_ms]
+            if self.home is not None:
+                args += [home, self.steal_age_ms, self.overdue_ms, len(others), self.steal_max, urgent]
+            reply = self.script(keys=streams + others, args=args, client=pipe or self.client) if pipe is None \
+                else run_script(self.script, streams + others, args, pipe)
+            if pipe is not None:
+                return None
+            out += self.parse(reply)
+            if len(out) >= count:
+                break
+        return out
+
+    def _by_shard(self, plan: list[str], overdue: list[str]) -> list[tuple[list[str], int, int, list[str]]]:
+        """(streams in plan order, how many lead as ours, how many follow those as full owners' lanes, others'
+        lanes to check for overdue entries) per shard."""
+        home = len(plan) if self.home is None else self.home
+        if self.keys is None or len(self.keys.parts) == 1:
+            return [(plan, home, self.urgent, overdue)]
+        groups: dict[int, tuple[list[str], list[int], list[str]]] = {}
+        for i, stream in enumerate(plan):
+            g = groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))
+            g[0].append(stream)
+            g[1][0] += i < home
+            g[1][1] += home <= i < home + self.urgent
+        for stream in overdue:
+            groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))[2].append(stream)
+        return [(streams, n[0], n[1], others) for _, (streams, n, others) in sorted(groups.items())]
 
     @staticmethod
     def parse(reply) -> list[Entry]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import redis
 
+from kvgate.producer.cluster import run_script
+
 # KEYS[1] a job stream. Returns how many entries went. Ids compare as (ms, seq) pairs of Lua numbers: exact below 2^53.
 TRIM_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('XLEN', KEYS[1]) == 0 then return 0 end
@@ -43,5 +45,5 @@ def trim(client: redis.Redis, streams: list[str]) -> int:
     script = client.register_script(TRIM_LUA)
     pipe = client.pipeline(transaction=False)
     for stream in streams:
-        script(keys=[stream], client=pipe)
+        run_script(script, [stream], [], pipe)
     return sum(n for n in pipe.execute(raise_on_error=False) if isinstance(n, int))

@@ -22,7 +22,8 @@ from kvgate.engine.detokenizer_thread import DetokenizerThread, StepText
 from kvgate.engine.outputs import RequestRejected, StepOutput
 from kvgate.producer.protocol import (PROTOCOL_VERSION, Delta, Final, Keys, ProtocolError, Timings, TokenLogprob, Usage,
                                       as_text, decode_job, mask_url)
-from kvgate.producer.redis_url import connect
+from kvgate.producer.cluster import NodeLinks, is_noscript, scripts_lost
+from kvgate.producer.redis_url import connect, keys_for
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.affinity import Affinity
 from kvgate.worker.clock import ServerClock, entry_ms
@@ -38,7 +39,9 @@ from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.trim import trim
 
 log = logging.getLogger("kvgate.worker")
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+# ClusterError: a Redis Cluster with slots uncovered (a failover under way) or a node's connections exhausted
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.exceptions.ClusterError)
+CLUSTER_BLOCK_MS = 100  # a blocking read waits on one shard of a cluster; then the next look covers them all
 TRIM_ALL_EVERY = 12  # trims: every 12th looks at every stream (a minute at the default trim_interval_s)
 
 
@@ -64,6 +67,7 @@ class Exchange:
     count: int
     reclaim_ms: int
     polled: list[Ticket] = field(default_factory=list)
+    n_polls: int = 0  # MGETs of cancel flags at the end of the replies, one per shard
     told: int = 0  # commands saying whether we are full (lanes), right after the publishing
     looked: int = 0  # reads of who is full (lanes), right after the refill read
 
@@ -100,22 +104,24 @@ class Worker:
         self.engine = engine
         self.settings = s = settings or WorkerSettings(redis_url=redis_url, namespace=namespace)
         self.worker_id = worker_id or s.worker_id or default_worker_id()
-        self.keys = Keys(namespace)
         self.served = served_models(getattr(engine, "model_name", "unknown"), s.served_model_name, s.model_aliases,
                                     s.serve_default)
         self.model = self.served.canonical
-        self.streams = self.keys.served_jobs(list(self.served.names))
         self.url = mask_url(redis_url)  # for messages: the password never reaches a log
         self.client = connect(redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
                                            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
+        self.keys = keys_for(redis_url, self.client, namespace)  # on a cluster: learns the namespace's shards
+        self.streams = self.keys.served_jobs(list(self.served.names))
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
         self.renderer = TokenRenderer(getattr(engine, "tokenizer", None))
         self.queue = AdmissionQueue(s.local_queue_size, float(s.initial_tokens_per_job))
         self.flights: dict[str, Flight] = {}
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
-                                   s.dead_maxlen, durability=s.replication)
+                                   s.dead_maxlen, durability=s.replication,
+                                   links=NodeLinks(self.client, redis_url) if self.keys.cluster and
+                                   s.replication.replicated else None)
         self.reader = Reader(self.client, self.worker_id, self.streams, len(self.served.names),
-                             steal_age_ms=s.affinity_steal_age_ms)
+                             steal_age_ms=s.affinity_steal_age_ms, keys=self.keys)
         self.leases = Leases(self.client, self.worker_id)
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
@@ -135,6 +141,7 @@ class Worker:
         self.last_read_empty_at = 0.0
         self.acked: set[str] = set()  # streams we acknowledged entries of since the last trim
         self.trims = 0
+        self.block_turn = 0  # on a cluster: the shard the next blocking read waits on
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
         # Text is decoded on its own thread and Redis round trips run on another, both while the engine steps.
         tokenizer = getattr(engine, "tokenizer", None)
@@ -192,6 +199,8 @@ class Worker:
             if "NOGROUP" in str(e):  # streams deleted or Redis restarted without persistence
                 self._redis(self._ensure_groups)
                 return
+            if is_noscript(e):  # a cluster primary that never loaded our scripts (promoted, or new after a reshard)
+                scripts_lost(self.reader.script, self.publisher.script)
             # OOM, READONLY after a failover, BUSY script: the server's state, not ours; back off and retry
             log.error("redis refused a command: %s; retrying in %.2fs", e, self.backoff_s)
             self.offline_until = time.monotonic() + self.backoff_s
@@ -250,8 +259,10 @@ class Worker:
         """Entries already pending to us (a restart under the same id, a lost reply): every stream in one round
         trip (with lanes there are hundreds), at most `count` taken; a stream cut short keeps its cursor."""
         cursors = {st: c for st, c in self.cursors.items() if c is not None}
-        reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, cursors, count=count)
-        found = {as_text(st): entries for st, entries in reply or []}
+        found = {}
+        for group in self.keys.by_shard(list(cursors)):  # one slot per command on a cluster
+            reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {st: cursors[st] for st in group}, count=count)
+            found |= {as_text(st): entries for st, entries in reply or []}
         for stream in cursors:
             entries = [(as_text(i), f) for i, f in found.get(stream, [])][:count]
             self.cursors[stream] = entries[-1][0] if entries else None
@@ -271,27 +282,45 @@ class Worker:
         r = self.reader
         # with lanes, also on the lanes of owners that said they are full: their jobs are ours to take at once
         home = self.affinity.home() + r.streams[r.home:r.home + r.urgent] if self.affinity.lanes else r.order()
-        streams = {st: ">" for st in home[:count]}
+        shards = self.keys.by_shard(home)  # on a cluster: wait on one shard, the next one each time
+        self.block_turn += 1
+        streams = {st: ">" for st in shards[self.block_turn % len(shards)][:count]}
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self._block_ms())
         self._accept([(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries])
 
     def _block_ms(self) -> int:
         """With lanes an idle worker wakes once per steal age to look at others' lanes (it blocks on its own)."""
+        block_ms = self.settings.block_ms
+        if len(self.keys.parts) > 1:  # a wait covers one shard: come back soon to look at the others
+            block_ms = min(block_ms, CLUSTER_BLOCK_MS)
         if self.affinity.enabled and self.affinity.lanes and self.settings.affinity_steal_age_ms:
-            return max(1, min(self.settings.block_ms, self.settings.affinity_steal_age_ms))
-        return self.settings.block_ms
+            return max(1, min(block_ms, self.settings.affinity_steal_age_ms))
+        return block_ms
+
+    def _cancel_flags(self, tickets: list[Ticket], pipe=None) -> tuple[list[Ticket], list] | int:
+        """MGET of the tickets' cancel flags, one per shard. Without `pipe`: (tickets, flags) in the order of the
+        flags; with it: queues the MGETs and returns how many, for `_cancel_replies`."""
+        by_shard: dict[int, list[Ticket]] = {}
+        for t in tickets:
+            by_shard.setdefault(self.keys.of_stream(t.stream).shard, []).append(t)
+        groups = [by_shard[k] for k in sorted(by_shard)]
+        target = pipe if pipe is not None else self.client
+        replies = [target.execute_command("MGET", *[self.keys.of_stream(t.stream).cancel(t.job.job_id) for t in g])
+                   for g in groups]
+        if pipe is not None:
+            return len(groups)
+        return [t for g in groups for t in g], [flag for reply in replies for flag in reply]
 
     def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
         if entries is None:  # an idle engine's look (the busy one reads in _exchange): it can afford every lane
             reclaim_ms = self._reclaim_ms()
             self._plan_read(reclaim_ms, full=True)
-            pipe = self.client.pipeline(transaction=False)
-            told = self.affinity.tell(pipe, room=True)
-            self.reader.read(count, pipe, reclaim_ms)
-            self.affinity.look(pipe)
-            replies = pipe.execute()
-            entries = Reader.parse(replies[told])
-            self.affinity.seen(replies[told + 1:])
+            entries = self.reader.read(count, reclaim_idle_ms=reclaim_ms)  # on a cluster: shard after shard
+            if self.affinity.enabled and self.affinity.lanes:
+                pipe = self.client.pipeline(transaction=False)
+                told = self.affinity.tell(pipe, room=True)
+                self.affinity.look(pipe)
+                self.affinity.seen(pipe.execute()[told:])
         got = list(entries)
         if self.affinity.lanes:
             self._observe_lanes(got, count)
@@ -339,8 +368,10 @@ class Worker:
         # an idle worker's admission fast, and the periodic cancel poll still catches a late flag.
         recent = time.time() - self.settings.cancel_poll_ms / 1000
         waited = [t for t in tickets if t.job.enqueued_at < recent]
-        flags = dict(zip((t.key for t in waited), self.client.mget([self.keys.cancel(t.job.job_id) for t in waited]))) \
-            if waited else {}
+        flags = {}
+        if waited:
+            ordered, values = self._cancel_flags(waited)
+            flags = dict(zip((t.key for t in ordered), values))
         for ticket in tickets:
             flag = flags.get(ticket.key)
             if flag is not None:
@@ -551,11 +582,10 @@ class Worker:
             self.reader.read(count, pipe, reclaim_ms)
             looked = self.affinity.look(pipe)
         polled = self._cancel_poll_due()
-        if polled:
-            pipe.mget([self.keys.cancel(t.job.job_id) for t in polled])
+        n_polls = self._cancel_flags(polled, pipe) if polled else 0
         if not (n_out or told or count or polled):
             return
-        self.sent = Exchange(self.io.submit(pipe.execute, raise_on_error=False), n_out, count, reclaim_ms, polled,
+        self.sent = Exchange(self.io.submit(self.publisher.round_trip, pipe), n_out, count, reclaim_ms, polled, n_polls,
                              told, looked)
         if not self.engine.has_unfinished():
             self._settle_exchange()
@@ -579,7 +609,8 @@ class Worker:
                 self.affinity.seen(replies[at + 1:at + 1 + sent.looked])
             self._read_new(sent.count, Reader.parse(replies[at]), sent.reclaim_ms)
         if sent.polled:
-            self._cancel(sent.polled, replies[-1])
+            ordered = sorted(sent.polled, key=lambda t: self.keys.of_stream(t.stream).shard)  # as _cancel_flags
+            self._cancel(ordered, [flag for reply in replies[-sent.n_polls:] for flag in reply])
 
     def _has_room(self) -> bool:
         """Whether a job of our lanes could start now; told to the others (Affinity.tell). Jobs just read wait in
@@ -623,7 +654,7 @@ class Worker:
         self.engine.abort(key)
         if self.detok is not None:
             self.detok.drop([key])
-        reply = self.keys.reply(flight.ticket.job.client_id)
+        reply = self.publisher.reply_of(flight.ticket.job.client_id, flight.ticket.stream)
         log.warning("job %s failed: its reply stream %s refused a delta: %s", flight.ticket.job.job_id, reply, reason)
         self._answer(flight.ticket, "error", flight=flight, error=f"could not publish to reply stream {reply}: {reason}")
 

@@ -1,11 +1,13 @@
-"""W-FLEET: a simulated fleet of 1 to 64 mixed-size workers on one real redis-server.
+"""W-FLEET: a simulated fleet of 1 to 64 mixed-size workers on one real redis-server, and on a Redis Cluster.
 
-Two measurements:
+Three measurements:
 - latency: for each fleet size and both admission policies (KV-capacity vs a naive fixed prefetch of 16),
   an open-loop stream of mixed jobs at `--load` of the fleet's estimated capacity; queue wait (enqueue to
   admission into an engine), end-to-end latency and fleet KV utilisation, from the final events in Redis.
 - throughput: a backlog of one-token jobs drained by worker processes (the GIL would cap threads); jobs/s
   through the one Redis.
+- cluster (fleet_cluster.py): the same backlog drained on one Redis and on a cluster of 3 primaries, turn by turn;
+  jobs/s and Redis CPU per job on each primary against one Redis's.
 Every job must get exactly one final event, or the run fails.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
+from kvgate.bench.fleet_cluster import TARGET_RATIO as TARGET_CLUSTER_RATIO
 from kvgate.bench.queue import server_version
 from kvgate.producer.protocol import Keys
 
@@ -124,6 +127,55 @@ def _throughput_child(url: str, namespace: str, first: int, count: int, ready, s
     fleet.stop()
 
 
+def backlog(n: int, seed: int) -> tuple[list, int]:
+    """A throughput run's `n` jobs (one output token each) and how many reply clients they use."""
+    from kvgate.bench import fleet_sim
+
+    mix = fleet_sim.JobMix(prompt_tokens=(4, 16), max_tokens=(1, 1))
+    clients = n // 2000 + 1  # reply streams are capped at 10k entries
+    return fleet_sim.make_jobs(n, mix, seed=seed, clients=clients), clients
+
+
+def drain_backlog(url: str, client, keys: Keys, jobs: list, procs: int, timeout: float = 300) -> None:
+    """Enqueue `jobs` where the SDK would (each in its shard), then drain them with `procs` processes of 4 workers
+    until every stream they went into is read and acknowledged."""
+    from kvgate.bench import fleet_sim
+    from kvgate.producer.protocol import DEFAULT_MODEL
+    from kvgate.producer.submission import stream_for
+
+    fleet_sim.enqueue(client, keys, jobs, rate=None, batch=1000)
+    streams = sorted({stream_for(job, job.model or DEFAULT_MODEL, keys, 0) for job in jobs})
+    ctx = mp.get_context("fork")
+    stop, readies, children = ctx.Event(), [], []
+    for p in range(procs):
+        ready = ctx.Event()
+        children.append(ctx.Process(target=_throughput_child, args=(url, keys.ns, p * 4, 4, ready, stop), daemon=True))
+        readies.append(ready)
+    for child in children:
+        child.start()
+    try:
+        for ready in readies:
+            ready.wait(60)
+        deadline = time.monotonic() + timeout
+        while not fleet_sim.drained(client, streams):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(jobs)} jobs not drained within {timeout:g}s: "
+                                   f"{fleet_sim.count_results(client, keys, jobs)} answered")
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for child in children:
+            child.join(30)
+
+
+def drain_stats(n: int, finals: dict) -> dict:
+    """Jobs/s from the first admission to the last finish, and whether each of `n` jobs got exactly one final."""
+    firsts = [f[0] for f in finals.values()]
+    started = min(f.timings.admitted for f in firsts if f.timings.admitted)
+    span = max(f.timings.finished for f in firsts) - started
+    return {"jobs_per_s": round(n / span, 1), "answered_once": len(finals) == n and all(len(f) == 1 for f in finals.values())}
+
+
 def run_throughput(server, args) -> dict:
     """A backlog of one-token jobs, drained by `--procs` processes of 4 workers each: the queue path's ceiling.
     CPU seconds of Redis and of the workers are measured too: on a shared machine wall-clock jobs/s moves with
@@ -131,48 +183,28 @@ def run_throughput(server, args) -> dict:
     import resource
 
     from kvgate.bench import fleet_sim
+    from kvgate.producer.redis_url import connect, keys_for
 
     url = server.url
     redis_cpu0 = server.cpu_seconds()
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    mix = fleet_sim.JobMix(prompt_tokens=(4, 16), max_tokens=(1, 1))
-    n, clients = args.throughput_jobs, args.throughput_jobs // 2000 + 1
-    jobs = fleet_sim.make_jobs(n, mix, seed=args.seed, clients=clients)
-    keys, client = Keys(f"wfleet-throughput-{time.time_ns()}"), redis.Redis.from_url(url)
-    fleet_sim.enqueue(client, keys, jobs, rate=None, batch=1000)
-    ctx = mp.get_context("fork")
-    stop, readies, procs = ctx.Event(), [], []
-    for p in range(args.procs):
-        ready = ctx.Event()
-        procs.append(ctx.Process(target=_throughput_child, args=(url, keys.ns, p * 4, 4, ready, stop), daemon=True))
-        readies.append(ready)
-    for proc in procs:
-        proc.start()
-    try:
-        for ready in readies:
-            ready.wait(60)
-        _wait_answered(client, keys, jobs, timeout=300)
-    finally:
-        stop.set()
-        for proc in procs:
-            proc.join(30)
+    jobs, clients = backlog(args.throughput_jobs, args.seed)
+    n, client = len(jobs), connect(url)
+    keys = keys_for(url, client, f"wfleet-throughput-{time.time_ns()}")
+    drain_backlog(url, client, keys, jobs, args.procs)
     redis_cpu = server.cpu_seconds() - redis_cpu0  # enqueue, reads, results and acks
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     worker_cpu = children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime
-    finals = fleet_sim.collect_finals(client, keys, clients)
-    firsts = [f[0] for f in finals.values()]
-    started = min(f.timings.admitted for f in firsts if f.timings.admitted)
-    span = max(f.timings.finished for f in firsts) - started
-    once = len(finals) == n and all(len(f) == 1 for f in finals.values())
+    drain = drain_stats(n, fleet_sim.collect_finals(client, keys, clients))
     from kvgate.bench.bare_loop import bare_loop_for
 
     bare = bare_loop_for(server, jobs, args.procs)
-    return {"jobs": n, "processes": args.procs, "workers": args.procs * 4, "jobs_per_s": round(n / span, 1),
-            "bare_loop": bare, "ratio_to_bare_loop": round(n / span / bare["jobs_per_s"], 3),
+    return {"jobs": n, "processes": args.procs, "workers": args.procs * 4, "jobs_per_s": drain["jobs_per_s"],
+            "bare_loop": bare, "ratio_to_bare_loop": round(drain["jobs_per_s"] / bare["jobs_per_s"], 3),
             "redis_cpu_s": round(redis_cpu, 2), "worker_cpu_s": round(worker_cpu, 2),
             "jobs_per_redis_cpu_s": round(n / max(redis_cpu, 1e-9), 1),
             "jobs_per_worker_cpu_s": round(n / max(worker_cpu, 1e-9), 1),
-            "load_avg_1m": os.getloadavg()[0], "answered_once": once}
+            "load_avg_1m": os.getloadavg()[0], "answered_once": drain["answered_once"]}
 
 
 def plot(path: str, runs: list[RunResult], throughput: dict) -> None:
@@ -205,8 +237,9 @@ def plot(path: str, runs: list[RunResult], throughput: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
-    parser.add_argument("--workers", default="1,4,16,64", help="fleet sizes, comma-separated (default 1,4,16,64)")
+    parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib and the latency runs)")
+    parser.add_argument("--workers", default="1,4,16,64",
+                        help="fleet sizes of the latency runs, comma-separated (default 1,4,16,64; '' = skip them)")
     parser.add_argument("--jobs", type=int, default=6000, help="most jobs per latency run (default 6000)")
     parser.add_argument("--seconds", type=float, default=8.0, help="arrival window per latency run (default 8)")
     parser.add_argument("--load", type=float, default=0.6, help="offered load / estimated capacity (default 0.6)")
@@ -214,14 +247,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-token-ms", type=float, default=0.05, help="simulated cost per token (default 0.05)")
     parser.add_argument("--throughput-jobs", type=int, default=30000, help="backlog for the jobs/s run (0 = skip)")
     parser.add_argument("--procs", type=int, default=max(2, min(4, os.cpu_count() or 2)),
-                        help="worker processes for the jobs/s run (4 workers each)")
+                        help="worker processes for the jobs/s runs (4 workers each)")
+    parser.add_argument("--cluster-primaries", type=int, default=3,
+                        help="one Redis vs a cluster of this many primaries, Redis CPU per job (default 3; 0 = skip)")
+    parser.add_argument("--cluster-replicas", type=int, default=0, help="replicas per primary (default 0)")
+    parser.add_argument("--cluster-shards", type=int, default=0,
+                        help="shards of the cluster's namespace (default 0: 2 per primary, as kvgate does)")
+    parser.add_argument("--cluster-jobs", type=int, default=30000, help="backlog per contestant (default 30000)")
+    parser.add_argument("--cluster-rounds", type=int, default=1, help="backlogs per contestant (default 1)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvgate.bench.fleet_sim import RedisProcess
 
-    sizes = [int(w) for w in args.workers.split(",")]
+    sizes = [int(w) for w in args.workers.split(",") if w.strip()]
     with RedisProcess() as server:
         url = server.url
         runs = []
@@ -233,28 +273,42 @@ def run(args: argparse.Namespace) -> int:
         throughput = run_throughput(server, args) if args.throughput_jobs else {"jobs_per_s": 0.0}
         print(json.dumps({"throughput": throughput}), file=sys.stderr, flush=True)
         redis_version = server_version(url)
-    head = max(sizes)
-    by = {(r.policy, r.workers): r for r in runs}
-    cap, pre = by[("capacity", head)], by[("prefetch", head)]
+    cluster = {}
+    if args.cluster_primaries:
+        from kvgate.bench.fleet_cluster import run_cluster
+
+        cluster = run_cluster(args)
+        print(json.dumps({"cluster": cluster}), file=sys.stderr, flush=True)
     result = {
-        "workload": "W-FLEET", "jobs_per_s": throughput["jobs_per_s"],
-        "p99_wait_s": {"capacity": cap.p99_wait_s, "prefetch": pre.p99_wait_s},
-        "p50_wait_s": {"capacity": cap.p50_wait_s, "prefetch": pre.p50_wait_s},
-        "kv_utilisation": {"capacity": cap.kv_utilisation, "prefetch": pre.kv_utilisation},
-        "headline_workers": head,
-        "wait_ratio_p99": round(cap.p99_wait_s / pre.p99_wait_s, 4) if pre.p99_wait_s else None,
-        "answered_once": all(r.answered_once for r in runs) and throughput.get("answered_once", True),
-        "throughput": throughput, "runs": [asdict(r) for r in runs],
+        "workload": "W-FLEET", "jobs_per_s": throughput["jobs_per_s"], **headline(runs),
+        "answered_once": all(r.answered_once for r in runs) and throughput.get("answered_once", True)
+        and cluster.get("answered_once", True),
+        "throughput": throughput, "cluster": cluster, "runs": [asdict(r) for r in runs],
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
         "redis_version": redis_version, "cpus": os.cpu_count(),
         "targets": {"jobs_per_s": TARGET_JOBS_PER_S, "wait_ratio_p99_at_most": TARGET_WAIT_RATIO,
-                    "ratio_to_bare_loop_at_least": TARGET_BARE_RATIO},
+                    "ratio_to_bare_loop_at_least": TARGET_BARE_RATIO,
+                    "cluster_cpu_per_job_ratio_at_most": TARGET_CLUSTER_RATIO},
     }
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    if args.plot:
+    if args.plot and runs:
         plot(args.plot, runs, throughput)
     return 0 if result["answered_once"] else 1
+
+
+def headline(runs: list[RunResult]) -> dict:
+    """Capacity admission vs prefetch at the largest fleet size of the latency runs (none: nothing)."""
+    if not runs:
+        return {}
+    head = max(r.workers for r in runs)
+    by = {(r.policy, r.workers): r for r in runs}
+    cap, pre = by[("capacity", head)], by[("prefetch", head)]
+    return {"p99_wait_s": {"capacity": cap.p99_wait_s, "prefetch": pre.p99_wait_s},
+            "p50_wait_s": {"capacity": cap.p50_wait_s, "prefetch": pre.p50_wait_s},
+            "kv_utilisation": {"capacity": cap.kv_utilisation, "prefetch": pre.kv_utilisation},
+            "headline_workers": head,
+            "wait_ratio_p99": round(cap.p99_wait_s / pre.p99_wait_s, 4) if pre.p99_wait_s else None}

@@ -152,21 +152,43 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
     return time.time()
 
 
-def collect_finals(client: redis.Redis, keys: Keys, clients: int) -> dict[str, list]:
-    """Every final event per job id, read back from the reply streams (a job answered twice shows as 2)."""
+def collect_finals(client, keys: Keys, clients: int) -> dict[str, list]:
+    """Every final event per job id, read back from the reply streams of every shard (a worker answers a job in its
+    stream's shard; a job answered twice shows as 2)."""
     finals: dict[str, list] = {}
     for c in range(clients):
-        last = "0"
-        while entries := client.xrange(keys.reply(f"bench-{c}"), min=f"({last}" if last != "0" else "-", count=5000):
-            for entry_id, fields in entries:
-                event = decode_event(fields[FIELD.encode()])
-                finals.setdefault(event.job_id, []).append(event)
-            last = entries[-1][0].decode()
+        for reply in keys.replies(f"bench-{c}"):
+            last = "0"
+            while entries := client.xrange(reply, min=f"({last}" if last != "0" else "-", count=5000):
+                for entry_id, fields in entries:
+                    event = decode_event(fields[FIELD.encode()])
+                    finals.setdefault(event.job_id, []).append(event)
+                last = entries[-1][0].decode()
     return finals
 
 
-def count_results(client: redis.Redis, keys: Keys, jobs: list[Job]) -> int:
+def count_results(client, keys: Keys, jobs: list[Job]) -> int:
+    """Jobs with a stored result, each looked up in its own shard."""
     pipe = client.pipeline(transaction=False)
     for job in jobs:
         pipe.exists(keys.result(job.job_id))
     return sum(pipe.execute())
+
+
+def drained(client, streams: list[str]) -> bool:
+    """Every entry of `streams` read and acknowledged: with the result stored in the same script as the ack, every
+    job is answered. Two commands a stream, where counting results costs one per job: a poll that must not weigh on
+    the Redis CPU a throughput run measures (XINFO's `lag` needs Redis 7, so compare ids instead)."""
+    for stream in streams:
+        try:
+            info = client.xinfo_stream(stream)
+            group = next(g for g in client.xinfo_groups(stream) if g["name"] in (Keys.GROUP, Keys.GROUP.encode()))
+        except (redis.ResponseError, StopIteration):  # no stream or no group yet: nothing read
+            return False
+        if group["pending"] or _text(group["last-delivered-id"]) != _text(info["last-generated-id"]):
+            return False
+    return True
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

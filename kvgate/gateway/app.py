@@ -61,7 +61,7 @@ class Gateway:
                                   durability=s.durability)
         await self.client.start()
         self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s, s.models)
-        store = BatchStore(self.client.redis, s.namespace)
+        store = BatchStore(self.client.redis, self.client.keys.prefix)  # a cluster's shard 0: batch scripts, one slot
         runner = BatchRunner(self.client, store, self.files.store, window=s.batch_window, priority=s.batch_priority,
                              lease_s=s.batch_lease_s, poll_s=s.batch_poll_s, max_backlog=s.max_backlog)
         self.batches.store, self.batches.runner = store, runner

@@ -10,6 +10,7 @@ Keys, under the namespace ns:
 """
 from __future__ import annotations
 
+import inspect
 import json
 import secrets
 import time
@@ -17,6 +18,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import redis.asyncio as aioredis
+
+from kvgate.producer.cluster import run_script
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -125,6 +128,8 @@ def decode_batch(raw: dict[bytes, bytes]) -> Batch:
 
 class BatchStore:
     def __init__(self, r: aioredis.Redis, namespace: str):
+        """`namespace`: the key prefix of the namespace's fleet keys (Keys.prefix: on a Redis Cluster its shard 0, so
+        that a batch's keys, its index and the active set share one slot)."""
         self.r, self.ns = r, namespace
         self._transition = r.register_script(TRANSITION)
         self._record = r.register_script(RECORD)
@@ -197,7 +202,9 @@ class BatchStore:
         pipe = self.r.pipeline(transaction=False)
         for custom_id, row, ok in answers:
             line = json.dumps(row, ensure_ascii=False)
-            await self._record(keys=keys, args=[custom_id, line, "completed" if ok else "failed"], client=pipe)
+            queued = run_script(self._record, keys, [custom_id, line, "completed" if ok else "failed"], pipe)
+            if inspect.iscoroutine(queued):
+                await queued
         return [bool(r) for r in await pipe.execute()]
 
     async def answered(self, batch_id: str) -> set[str]:

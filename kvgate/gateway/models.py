@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from kvgate.producer.lanes import parse_lanes
-from kvgate.producer.protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
+from kvgate.producer.protocol import DEFAULT_MODEL, Keys, as_text
 
 from .errors import ApiError
 
@@ -89,7 +89,7 @@ class LiveModels:
         replies = await pipe.execute(raise_on_error=False)
         models = {name: live.get(name) or LiveModel(name, 0, 0) for name in known}
         for i, name in enumerate(known):
-            per_model = 2 * len(PRIORITIES) * (1 + lanes)  # XLEN and XINFO GROUPS of each stream, lanes included
+            per_model = 2 * len(self.keys.all_jobs(name, lanes))  # XLEN and XINFO GROUPS of each stream (lanes, shards)
             pairs = replies[per_model * i:per_model * (i + 1)]
             models[name].backlog = sum(_unfinished(n, g) for n, g in zip(pairs[::2], pairs[1::2]))
         return FleetModels({k: m for k, m in models.items() if m.workers}, models)

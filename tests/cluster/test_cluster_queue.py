@@ -1,0 +1,165 @@
+"""The queue on a Redis Cluster of 3 primaries and 3 replicas: the SDKs and `kvgate worker --simulated` processes,
+unchanged but for the redis+cluster:// URL. Jobs spread over every primary, each gets one final event, streams
+reconstruct their text, idempotency and cancellation hold, stats add up every shard, a SIGKILLed worker's jobs
+are reclaimed in every shard, and a job a producer put in the wrong shard's stream is answered, not stuck."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+
+from kvgate.producer import AsyncClient, Client
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, decode_final, encode
+from kvgate.producer.redis_url import connect, keys_for
+from tests.reliability.chaos_harness import stop_all
+from tests.support import spawn_worker, wait_for
+
+SIM = ("--simulated", "--sim-step-ms", "2", "--sim-per-token-ms", "0.01", "--max-num-seqs", "16")
+
+
+def workers(cluster, ns: str, n: int, *args: str, tmp_path=None) -> list:
+    procs = [spawn_worker(cluster.url, ns, *SIM, *args, worker_id=f"w{i}",
+                          log=tmp_path / f"w{i}.log" if tmp_path else None) for i in range(n)]
+    r = connect(cluster.url)
+    keys = keys_for(cluster.url, r, ns)
+    wait_for(lambda: len(list(r.scan_iter(match=keys.worker_pattern()))) == n, 60, f"{n} worker heartbeats")
+    return procs
+
+
+def test_jobs_spread_over_every_primary_and_each_gets_one_final_event(cluster, namespace, tmp_path):
+    procs = workers(cluster, namespace, 2, tmp_path=tmp_path)
+    try:
+        with Client(cluster.url, namespace) as client:
+            assert len(client.keys.parts) == 6  # two shards per primary by default, recorded for the namespace
+            handles = client.submit_many([dict(prompt=f"job {i}", max_tokens=8) for i in range(150)])
+            streamed = [client.submit(f"streamed {i}", max_tokens=12, stream=True) for i in range(6)]
+            results = [h.result(timeout=60) for h in handles + streamed]
+            texts = ["".join(d.text for d in h.stream()) for h in streamed]
+        assert [r.status for r in results] == ["done"] * 156
+        assert texts == [r.text for r in results[150:]]
+        keys = keys_for(cluster.url, connect(cluster.url), namespace)
+        primaries = {cluster.node_of(keys.result(h.job_id)).port for h in handles}
+        assert primaries == {n.port for n in cluster.primary_nodes()}
+        assert {keys.shard_of(h.job_id) for h in handles} == set(range(6))
+    finally:
+        stop_all(procs)
+
+
+def test_an_idempotency_key_meets_its_claim_from_another_client_and_its_job_stays_in_one_slot(cluster, namespace):
+    procs = workers(cluster, namespace, 1)
+    try:
+        with Client(cluster.url, namespace) as a, Client(cluster.url, namespace) as b:
+            first = a.submit("same", max_tokens=4, idempotency_key="order-17")
+            again = b.submit("same", max_tokens=4, idempotency_key="order-17")
+            assert again.job_id == first.job_id
+            assert a.keys.shard_of(first.job_id) == a.keys.shard_of("order-17")
+            assert again.result(timeout=30).status == "done" and first.result(timeout=30).status == "done"
+    finally:
+        stop_all(procs)
+
+
+def test_the_async_sdk_cancels_and_reads_stats_over_every_shard(cluster, namespace):
+    async def scenario():
+        async with AsyncClient(cluster.url, namespace) as client:
+            handles = await client.submit_many([dict(prompt=f"waiting {i}", max_tokens=4) for i in range(30)])
+            stats = await client.stats()
+            cancelled = handles[:5]
+            for h in cancelled:
+                await client.cancel(h.job_id)
+            procs = await asyncio.to_thread(workers, cluster, namespace, 1)
+            try:
+                results = [await h.result(timeout=60) for h in handles]
+            finally:
+                stop_all(procs)
+            return stats, results
+
+    stats, results = asyncio.run(scenario())
+    assert stats.backlog == 30 and stats.models["default"].backlog == 30
+    assert [r.status for r in results] == ["cancelled"] * 5 + ["done"] * 25
+
+
+def test_kvgate_stats_adds_up_the_shards(cluster, namespace):
+    with Client(cluster.url, namespace) as client:
+        client.submit_many([dict(prompt=f"x {i}", max_tokens=4, priority="high" if i % 2 else "low")
+                            for i in range(12)])
+    out = subprocess.run([sys.executable, "-m", "kvgate.cli", "stats", "--redis-url", cluster.url, "--namespace",
+                          namespace, "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)
+    assert stats["backlog"] == 12, stats
+
+
+def test_a_sigkilled_workers_jobs_are_reclaimed_in_every_shard(cluster, namespace, tmp_path):
+    slow = ("--sim-step-ms", "20", "--reclaim-idle-ms", "1500", "--max-backoff-s", "0.3")
+    procs = workers(cluster, namespace, 2, *slow, tmp_path=tmp_path)
+    try:
+        with Client(cluster.url, namespace) as client:
+            handles = client.submit_many([dict(prompt=f"long {i}", max_tokens=60, ignore_eos=True)
+                                          for i in range(60)])
+            wait_for(lambda: sum(h.done() for h in handles) >= 5, 60, "the first results")
+            procs[0].kill()
+            procs[0].wait(10)
+            results = [h.result(timeout=90) for h in handles]
+        assert [r.status for r in results] == ["done"] * 60
+        assert any(r.attempt > 1 for r in results)  # the victim held jobs: they ran again, each answered once
+        assert {r.worker for r in results if r.attempt > 1} == {"w1"}
+    finally:
+        stop_all(procs)
+
+
+def test_a_job_in_another_shards_stream_is_answered_in_that_shard_and_the_worker_serves_on(cluster, namespace):
+    """A raw producer writes a job whose id hashes to shard 0 into shard 1's stream: the worker's finish must keep
+    to the stream's slot (result, reply and ack together), not fail with CROSSSLOT for ever."""
+    r = connect(cluster.url)
+    keys = keys_for(cluster.url, r, namespace)
+    procs = workers(cluster, namespace, 1)
+    try:
+        job_id = next(j for j in (uuid.uuid4().hex for _ in range(1000)) if keys.shard_of(j) == 0)
+        job = Job(v=PROTOCOL_VERSION, job_id=job_id, client_id=uuid.uuid4().hex, enqueued_at=0.0, prompt="misplaced")
+        r.xadd(keys.jobs(None, "normal", shard=1), {FIELD: encode(job)})
+        wait_for(lambda: r.get(keys.at(1).result(job_id)), 30, "the result in shard 1")
+        assert decode_final(r.get(keys.at(1).result(job_id))).status == "done"
+        with Client(cluster.url, namespace) as client:
+            assert client.submit("after", max_tokens=4).result(timeout=30).status == "done"
+    finally:
+        stop_all(procs)
+        r.close()
+
+
+
+def test_replicated_durability_works_on_a_cluster_with_results_on_the_replicas(cluster, namespace):
+    procs = workers(cluster, namespace, 1, "--durability", "replicated")
+    try:
+        with Client(cluster.url, namespace, durability="replicated") as client:
+            handles = client.submit_many([dict(prompt=f"safe {i}", max_tokens=4) for i in range(24)])
+            results = [h.result(timeout=60) for h in handles]
+        assert [r.status for r in results] == ["done"] * 24
+        keys = keys_for(cluster.url, connect(cluster.url), namespace)
+        for h in handles:  # the worker counts a final settled only once WAIT saw the replica take it
+            key = keys.result(h.job_id)
+            replica = cluster.replica_of(cluster.node_of(key)).client()
+            wait_for(lambda: _on_replica(replica, key), 10, f"{key} on the replica")
+    finally:
+        stop_all(procs)
+
+
+def _on_replica(replica, key: str) -> bool:
+    replica.execute_command("READONLY")  # a cluster replica answers reads of its primary's slots once asked to
+    return replica.exists(key) == 1
+
+
+def test_the_exporter_sums_every_shard_into_one_series_per_model_and_priority(cluster, namespace):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvgate import exporter
+
+    with Client(cluster.url, namespace) as client:
+        client.submit_many([dict(prompt=f"x {i}", max_tokens=4) for i in range(18)])
+    r = connect(cluster.url)
+    registry = exporter.build_registry(r, keys_for(cluster.url, r, namespace))
+    samples = [s for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples
+               if s.name == "kvgate_queue_lag" and s.labels.get("priority") == "normal"]
+    assert [s.value for s in samples] == [18]  # one series, not one per shard
