@@ -63,6 +63,25 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def held_prefix(self, token_ids: list[int], hashes: list[int]) -> int:
+        """Leading full blocks of these tokens that sequences hold now (cached, ref count > 0): a new sequence
+        starting with them shares those blocks instead of taking free ones. Cached blocks nobody holds are not
+        counted: reviving one takes a free block. `hashes` keeps the chained hashes between calls."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs, held = self.block_size, 0
+        for i in range((len(token_ids) - 1) // bs):
+            if len(hashes) <= i:
+                hashes.append(chain_hash(hashes[-1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs])))
+            block_id = self.hash_to_block.get(hashes[i])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0 or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break
+            held += 1
+        return held
+
     def can_allocate(self, hits: list[int], num_tokens: int) -> bool:
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.blocks_for(num_tokens) - len(hits) + revived <= self.num_free

@@ -254,9 +254,10 @@ class LLMEngine:
     def _reserved_tokens(self) -> int:
         """Tokens the sequences already inside will still claim: unallocated context in full, expected output
         growth times the adaptive ratio."""
-        bs, reserve = self.block_size, 0.0
+        bs, bm, reserve = self.block_size, self.block_manager, 0.0
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            reserve += max(0, seq.num_tokens - len(seq.block_table) * bs)
+            held = 0 if seq.block_table else bm.held_prefix(seq.token_ids, seq.block_hashes)  # shared, not claimed
+            reserve += max(0, seq.num_tokens - (len(seq.block_table) + held) * bs)
             reserve += self.reserve_ratio * seq.remaining_tokens
         return math.ceil(reserve)
 
@@ -266,8 +267,15 @@ class LLMEngine:
         return Admission(free_seqs=max(0, self.config.max_num_seqs - len(s.running) - len(s.waiting)),
                          admissible_tokens=max(0, free_tokens - self._reserved_tokens()), block_size=self.block_size)
 
-    def fits(self, prompt_len: int, max_tokens: int) -> bool:
-        """Could this candidate be admitted now without expecting a preemption? An idle engine takes anything
+    def shared_prefix_tokens(self, prompt_ids: list[int], hashes: list[int] | None = None) -> int:
+        """Leading prompt tokens in KV blocks that running sequences hold now: a request with this prompt shares
+        them rather than taking free blocks, so admission does not count them. `hashes` caches the prompt's
+        block hashes between calls (a candidate is checked again on each step until it fits)."""
+        return self.block_manager.held_prefix(prompt_ids, [] if hashes is None else hashes) * self.block_size
+
+    def fits(self, prompt_len: int, max_tokens: int, shared: int = 0) -> bool:
+        """Could this candidate be admitted now without expecting a preemption? `shared`: its leading prompt
+        tokens already held (shared_prefix_tokens), which cost no free block. An idle engine takes anything
         that fits the whole cache, so a big job is never starved."""
         if not 0 < prompt_len < self.max_model_len:
             return False
@@ -277,7 +285,8 @@ class LLMEngine:
         if not self.has_unfinished():
             return True
         a = self.admission()
-        return a.free_seqs > 0 and prompt_len + math.ceil(self.reserve_ratio * max_tokens) <= a.admissible_tokens
+        need = prompt_len - shared + math.ceil(self.reserve_ratio * max_tokens)
+        return a.free_seqs > 0 and need <= a.admissible_tokens
 
     @property
     def stats(self) -> EngineStats:

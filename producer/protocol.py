@@ -390,6 +390,11 @@ class Keys:
         (server ms): a worker owns lanes only of the models it serves."""
         return f"{self.prefix}:lanes:ring:{model or DEFAULT_MODEL}"
 
+    def lanes_full(self, model: str | None) -> str:
+        """Sorted set of the ring's workers that cannot take a job of `model`'s lanes now (no KV room): others
+        take their lanes' jobs without waiting the steal age. In shard 0, with the ring."""
+        return f"{self.prefix}:lanes:full:{model or DEFAULT_MODEL}"
+
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 

@@ -10,6 +10,7 @@ from kvgate.engine.sampling_params import SamplingParams
 from kvgate.producer.protocol import Job
 
 MAX_MOVE = 2.0  # one job's tokens count as at most twice (at least half) the estimate: a step of 1.2x (0.9x)
+LIKELY_SHARED = 0.8  # share of recent jobs that came with a prefix we held, above which we read one job more
 
 
 @dataclass(slots=True)
@@ -23,6 +24,8 @@ class Ticket:
     params: SamplingParams
     payload: bytes
     attempt: int = 1  # the entry's delivery count: tags this run's deltas so a client never splices two runs
+    shared: int = 0  # leading prompt tokens the engine held in its prefix cache when the job was read
+    hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, kept for each fit check
 
     @property
     def key(self) -> str:
@@ -39,6 +42,8 @@ class AdmissionQueue:
     size: int
     tokens_per_job: float  # running estimate of prompt + output tokens per job
     tickets: deque[Ticket] = field(default_factory=deque)
+    shared_rate: float = 0.0  # running share of jobs whose prefix the engine held when they were read
+    shared_tokens: float = 0.0  # running estimate of the tokens such a job shares
 
     def __len__(self) -> int:
         return len(self.tickets)
@@ -47,18 +52,32 @@ class AdmissionQueue:
         """Jobs to read now: what the engine can take beyond what already waits here. Never more than free
         sequence slots plus free queue room, so the engine's jobs plus this queue stay within the bound
         max_num_seqs + size, however wrong the token estimate turns out."""
-        fit_now = min(free_seqs, int(admissible_tokens // max(self.tokens_per_job, 1.0)))
+        est = max(self.tokens_per_job, 1.0)
+        fit_now = min(free_seqs, int(admissible_tokens // est))
+        if self._one_more(fit_now < free_seqs, admissible_tokens - fit_now * est):
+            fit_now += 1
         if engine_idle and not self.tickets:
             fit_now = max(fit_now, 1)  # an idle engine always takes one job, or rejects it with a reason
         waiting = len(self.tickets)
         return max(0, min(fit_now - waiting, free_seqs + self.size - waiting))
 
+    def _one_more(self, seq_free: bool, room: float) -> bool:
+        """A job whose prefix the engine holds claims only its own tail of the KV cache, but which job comes
+        next is unknown until it is read: when nearly every recent one shared a held prefix (a lane's jobs
+        reaching its owner), read one more job if the room left covers such a tail. One at a time and none while
+        a job waits here, so a wrong guess costs one job's wait here, never more."""
+        return (seq_free and not self.tickets and self.shared_rate >= LIKELY_SHARED
+                and room >= self.tokens_per_job - self.shared_tokens)
+
     def observe(self, ticket: Ticket) -> None:
-        """Move the estimate toward this job, by at most MAX_MOVE either way: one outlier (a budget far past
-        what the engine will run, a one-token job) must not stall admission or flood the engine."""
+        """Move the estimates toward this job, the size by at most MAX_MOVE either way: one outlier (a budget far
+        past what the engine will run, a one-token job) must not stall admission or flood the engine."""
         est = self.tokens_per_job
         sample = min(max(ticket.tokens, est / MAX_MOVE), est * MAX_MOVE)
         self.tokens_per_job = est + 0.2 * (sample - est)
+        self.shared_rate += 0.2 * ((ticket.shared > 0) - self.shared_rate)
+        if ticket.shared:
+            self.shared_tokens += 0.2 * (ticket.shared - self.shared_tokens)
 
     def push(self, ticket: Ticket) -> None:
         self.observe(ticket)

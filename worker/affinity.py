@@ -14,18 +14,20 @@ and a draining worker leaves at once. Each lane belongs to one member by weighte
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import redis
 
-from kvgate.producer.lanes import digest, decode_members, encode_member, owned, parse_lanes
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import DEFAULT_MODEL, PRIORITIES, Keys
+from kvgate.producer.lanes import digest, decode_members, encode_member, owners, parse_lanes
+from kvgate.producer.protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
 
 log = logging.getLogger("kvgate.worker")
 OVERDUE_CHECKS = 4  # others' lanes per model and priority looked at for overdue jobs on each read
 STEAL_WINDOW = 8  # others' lanes per model and priority a read may steal from, besides those we helped lately
 HELPED = 4  # others' lanes we remember stealing from, looked at first when we steal again
+RETELL_S = 2.0  # say again whether we are full this often, so a Redis restart or a lost write heals
 
 # KEYS[1] ring; ARGV: our member ('' when we only look), ttl ms. Server time: every member scored by one clock.
 RING_LUA = """
@@ -60,6 +62,10 @@ class Affinity:
     helped: list[Lane] = field(default_factory=list)  # others' lanes we stole from, most recent first
     own_wait_ms: int = 0  # age of the jobs we last read from our own lanes
     member: str = ""
+    ring_seen: dict[str, tuple] = field(default_factory=dict)  # model -> (its ring and count, every lane's owner)
+    full: set[str] = field(default_factory=set)  # other members that said they cannot take a job now
+    told_full: bool | None = None  # what we last said of ourselves
+    retell_at: float = 0.0
     turn: int = 0  # rotates the start of each group of lanes, so no lane is always read last
     script: object = None
 
@@ -85,10 +91,62 @@ class Affinity:
         replies = pipe.execute()
         grew = self._see_count(replies[-1])
         if self.enabled:
-            rings = dict(zip(self.models, replies[1:-1]))
-            self._own({m: owned(decode_members(rings[m]), self.worker_id, self.lanes) if self.lanes else []
-                       for m in self.models})
+            rings = {m: decode_members(ring) for m, ring in zip(self.models, replies[1:-1])}
+            self._own({m: self._owned(m, rings[m]) for m in self.models})
+            self._forget_departed(rings)
         return grew
+
+    def _forget_departed(self, rings: dict[str, dict[str, float]]) -> None:
+        """A worker killed while full stays in the full sets: drop members that left every ring we see."""
+        gone = self.full - {w for members in rings.values() for w in members}
+        if gone:
+            pipe = self.client.pipeline(transaction=False)
+            for model in self.models:
+                pipe.zrem(self.keys.lanes_full(model), *gone)
+            pipe.execute()
+            self.full -= gone
+
+    def _owned(self, model: str, members: dict[str, float]) -> list[int]:
+        """Our lanes of the model; the owners are recomputed only when its ring or the count changed (a beat per
+        second on every worker would otherwise score every lane against every member each time)."""
+        if not self.lanes:
+            return []
+        seen = (tuple(sorted(members.items())), self.lanes)
+        if self.ring_seen.get(model, (None,))[0] != seen:
+            self.ring_seen[model] = (seen, owners(members, self.lanes))
+        return [lane for lane, owner in enumerate(self.ring_seen[model][1]) if owner == self.worker_id]
+
+    def owner(self, model: str, lane: int) -> str | None:
+        seen = self.ring_seen.get(model)
+        return seen[1][lane] if seen and lane < len(seen[1]) else None
+
+    def tell(self, pipe, room: bool) -> int:
+        """Queue on `pipe` whether we can take a job of our lanes now (when that changed, or is due again); how
+        many commands. While we cannot, the others take our lanes' jobs at once rather than after the steal age:
+        waiting for us would only add to their wait. Nothing is said without lanes."""
+        if not (self.enabled and self.lanes and self.own):  # a worker that left the ring has nothing to say
+            return 0
+        now = time.monotonic()
+        if (not room) == self.told_full and now < self.retell_at:
+            return 0
+        self.told_full, self.retell_at = not room, now + RETELL_S
+        for model in self.models:
+            if room:
+                pipe.zrem(self.keys.lanes_full(model), self.worker_id)
+            else:
+                pipe.zadd(self.keys.lanes_full(model), {self.worker_id: 0})
+        return len(self.models)
+
+    def look(self, pipe) -> int:
+        """Queue on `pipe` the reads of who is full now, for the next read plan; how many commands."""
+        if not (self.enabled and self.lanes):
+            return 0
+        for model in self.models:
+            pipe.zrange(self.keys.lanes_full(model), 0, -1)
+        return len(self.models)
+
+    def seen(self, replies: list) -> None:
+        self.full = {as_text(w) for reply in replies for w in reply} - {self.worker_id}
 
     def _own(self, own: dict[str, list[int]]) -> None:
         if own != self.own:
@@ -125,21 +183,23 @@ class Affinity:
             pipe = self.client.pipeline(transaction=False)
             for model in self.models:
                 pipe.zrem(self.keys.lane_ring(model), self.member)
+                pipe.zrem(self.keys.lanes_full(model), self.worker_id)
             pipe.execute()
 
     def streams(self) -> list[str]:
         """Every stream we read: each served model's shared ones and its lanes'."""
         return [st for m in self.models for st in self.keys.all_jobs(m, self.lanes)]
 
-    def read_plan(self, full: bool = False) -> tuple[list[str], int | None, list[str]]:
+    def read_plan(self, full: bool = False) -> tuple[list[str], int | None, int, list[str]]:
         """The streams to read in order; how many lead them that are ours (None: no lanes, the reader takes
-        turns between models itself); and a few of the others' lanes to check for overdue jobs. Per priority,
-        for each model in turn, our own lanes and the shared stream; then, per priority and model, the lanes we
-        stole from lately and a window of the other lanes that moves on every read (`full`: all of them, for a
-        reclaim pass), so a read costs the same with 16 lanes or 1,024 and no lane is always last."""
+        turns between models itself); how many follow those that are lanes of full owners (taken at once); and a
+        few of the others' lanes to check for overdue jobs. Per priority, for each model in turn, our own lanes
+        and the shared stream; then lanes whose owners said they are full; then, per priority and model, the
+        lanes we stole from lately and a window of the other lanes that moves on every read (`full`: all of
+        them, for a reclaim pass), so a read costs the same with 16 lanes or 1,024 and no lane is always last."""
         self.turn += 1
         if not self.lanes:
-            return self.keys.served_jobs(list(self.models)), None, []
+            return self.keys.served_jobs(list(self.models)), None, 0, []
         models = _rotated(list(self.models), self.turn)  # models take turns at going first within a priority
         own = {m: _rotated(self.own.get(m, []) if self.enabled else [], self.turn) for m in models}
         first = [name for p in PRIORITIES for m in models
@@ -147,21 +207,29 @@ class Affinity:
         if not self.enabled:
             rest = [self.names[m, p][lane] for p in PRIORITIES for m in models
                     for lane in _rotated(self.others[m], self.turn)]
-            return first + rest, len(first + rest), []
-        steal, overdue = {}, {}
+            return first + rest, len(first + rest), 0, []
+        urgent, steal, overdue = {}, {}, {}
         for m in models:
-            steal[m], overdue[m] = self._steal_window(m, full)
-        return (first + [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in steal[m]], len(first),
+            urgent[m], steal[m], overdue[m] = self._steal_window(m, full)
+        now = [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in urgent[m]]
+        later = [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in steal[m]]
+        return (first + now + later, len(first), len(now),
                 [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in overdue[m]])
 
-    def _steal_window(self, model: str, full: bool) -> tuple[list[int], list[int]]:
-        """Others' lanes of one model to steal from on this read, and those to check for overdue jobs."""
+    def _steal_window(self, model: str, full: bool) -> tuple[list[int], list[int], list[int]]:
+        """Others' lanes of one model: those of full owners (helped first, then the moving window's order), those
+        to steal from on this read once ripe, and those to check for overdue jobs."""
         others = set(self.others[model])
         helped = [lane for m, lane in self.helped if m == model and lane in others]
         spread = [lane for lane in _rotated(self.others[model], self.turn * STEAL_WINDOW) if lane not in set(helped)]
+        urgent = [lane for lane in helped + spread if self.owner(model, lane) in self.full] if self.full else []
+        del urgent[STEAL_WINDOW:]  # under a backlog everyone is full: a read must not grow to every lane
+        if urgent:
+            helped = [lane for lane in helped if lane not in urgent]
+            spread = [lane for lane in spread if lane not in urgent]
         steal = helped + (spread if full else spread[:STEAL_WINDOW])
         overdue = helped[:OVERDUE_CHECKS // 2] + spread[:OVERDUE_CHECKS - len(helped[:OVERDUE_CHECKS // 2])]
-        return steal, overdue
+        return urgent, steal, overdue
 
     def stole(self, stream: str) -> None:
         """Remember the lane: its prefix is in our cache now, so we look there first the next time we steal

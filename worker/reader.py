@@ -21,7 +21,8 @@ from kvgate.producer.protocol import Keys, as_text
 # in ms a new entry of theirs must reach before we take it (its owner gets the first chance; stream ids are server
 # ms), and an overdue age with how many trailing KEYS are lanes to check for it: their entries that old are taken
 # before our own (their owner is not keeping up; a few lanes per read keeps the cost flat in the number of lanes),
-# and the most entries a read may take from their lanes in all.
+# and the most entries a read may take from their lanes in all; and how many of the streams right after ours are lanes
+# of owners that said they are full: their entries are taken without waiting the steal age.
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 READ_LUA = """
@@ -30,6 +31,7 @@ local want, min_idle = tonumber(ARGV[3]), tonumber(ARGV[4])
 local home, steal_age = tonumber(ARGV[5] or #KEYS), tonumber(ARGV[6] or 0)
 local overdue_age, overdue_lanes = tonumber(ARGV[7] or 0), tonumber(ARGV[8] or 0)
 local steal_max = tonumber(ARGV[9] or want)
+local urgent = home + tonumber(ARGV[10] or 0)
 local last_key = #KEYS - overdue_lanes
 local now = nil
 if home < last_key and (steal_age > 0 or overdue_age > 0) then
@@ -90,7 +92,7 @@ for index = 1, last_key do
   local n = want
   if index > home then
     n = math.min(want, steal_max)
-    if steal_age > 0 and now then n = ripe(key, n, now - steal_age) end
+    if steal_age > 0 and now and index > urgent then n = ripe(key, n, now - steal_age) end
   end
   local entries = take(key, n)
   if index > home then steal_max = steal_max - #entries end
@@ -115,6 +117,7 @@ class Reader:
     script: object = None
     turn: int = 0
     home: int | None = None  # with lanes: streams[:home] are ours, the rest are read only when ripe (stealing)
+    urgent: int = 0  # with lanes: streams[home:home + urgent] are full owners' lanes, read without waiting to ripen
     steal_age_ms: int = 0
     overdue_ms: int = 0  # 0: never take others' entries before our own
     overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries on this read
@@ -146,10 +149,10 @@ class Reader:
         self.shard_turn += 1
         out: list[Entry] = []
         for i in range(len(groups)):
-            streams, home, others = groups[(self.shard_turn + i) % len(groups)]
+            streams, home, urgent, others = groups[(self.shard_turn + i) % len(groups)]
             args = [Keys.GROUP, self.consumer, count - len(out), reclaim_idle_ms]
             if self.home is not None:
-                args += [home, self.steal_age_ms, self.overdue_ms, len(others), self.steal_max]
+                args += [home, self.steal_age_ms, self.overdue_ms, len(others), self.steal_max, urgent]
             reply = self.script(keys=streams + others, args=args, client=pipe or self.client) if pipe is None \
                 else run_script(self.script, streams + others, args, pipe)
             if pipe is not None:
@@ -159,19 +162,21 @@ class Reader:
                 break
         return out
 
-    def _by_shard(self, plan: list[str], overdue: list[str]) -> list[tuple[list[str], int, list[str]]]:
-        """(streams in plan order, how many lead as ours, others' lanes to check for overdue entries) per shard."""
-        if self.keys is None or len(self.keys.parts) == 1:
-            return [(plan, len(plan) if self.home is None else self.home, overdue)]
+    def _by_shard(self, plan: list[str], overdue: list[str]) -> list[tuple[list[str], int, int, list[str]]]:
+        """(streams in plan order, how many lead as ours, how many follow those as full owners' lanes, others'
+        lanes to check for overdue entries) per shard."""
         home = len(plan) if self.home is None else self.home
+        if self.keys is None or len(self.keys.parts) == 1:
+            return [(plan, home, self.urgent, overdue)]
         groups: dict[int, tuple[list[str], list[int], list[str]]] = {}
         for i, stream in enumerate(plan):
-            g = groups.setdefault(self.keys.of_stream(stream).shard, ([], [0], []))
+            g = groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))
             g[0].append(stream)
             g[1][0] += i < home
+            g[1][1] += home <= i < home + self.urgent
         for stream in overdue:
-            groups.setdefault(self.keys.of_stream(stream).shard, ([], [0], []))[2].append(stream)
-        return [(streams, n[0], others) for _, (streams, n, others) in sorted(groups.items())]
+            groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))[2].append(stream)
+        return [(streams, n[0], n[1], others) for _, (streams, n, others) in sorted(groups.items())]
 
     @staticmethod
     def parse(reply) -> list[Entry]:

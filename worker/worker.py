@@ -42,6 +42,7 @@ log = logging.getLogger("kvgate.worker")
 # ClusterError: a Redis Cluster with slots uncovered (a failover under way) or a node's connections exhausted
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.exceptions.ClusterError)
 CLUSTER_BLOCK_MS = 100  # a blocking read waits on one shard of a cluster; then the next look covers them all
+TRIM_ALL_EVERY = 12  # trims: every 12th looks at every stream (a minute at the default trim_interval_s)
 
 
 @dataclass(slots=True)
@@ -67,6 +68,8 @@ class Exchange:
     reclaim_ms: int
     polled: list[Ticket] = field(default_factory=list)
     n_polls: int = 0  # MGETs of cancel flags at the end of the replies, one per shard
+    told: int = 0  # commands saying whether we are full (lanes), right after the publishing
+    looked: int = 0  # reads of who is full (lanes), right after the refill read
 
 
 class NullMetrics:
@@ -136,6 +139,8 @@ class Worker:
         self.draining = False
         self.drain_deadline = 0.0
         self.last_read_empty_at = 0.0
+        self.acked: set[str] = set()  # streams we acknowledged entries of since the last trim
+        self.trims = 0
         self.block_turn = 0  # on a cluster: the shard the next blocking read waits on
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
         # Text is decoded on its own thread and Redis round trips run on another, both while the engine steps.
@@ -218,12 +223,13 @@ class Worker:
         self.metrics.on_lanes(self.affinity.owned_count)
 
     def _create_groups(self, streams: list[str]) -> None:
+        """One round trip for all of them: with lanes a worker reads hundreds of streams."""
+        pipe = self.client.pipeline(transaction=False)
         for stream in streams:
-            try:
-                self.client.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+            pipe.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+        for reply in pipe.execute(raise_on_error=False) if streams else []:
+            if isinstance(reply, redis.ResponseError) and "BUSYGROUP" not in str(reply):
+                raise reply
 
     def _every(self, name: str, interval_s: float) -> bool:
         now = time.monotonic()
@@ -273,7 +279,9 @@ class Worker:
         most `count` streams (the highest priorities): one entry per stream could arrive at once, and more than
         `count` would break the local queue's bound. A stream left out of this wait is read by the next
         non-blocking read, one block_ms later at most."""
-        home = self.affinity.home() if self.affinity.lanes else self.reader.order()
+        r = self.reader
+        # with lanes, also on the lanes of owners that said they are full: their jobs are ours to take at once
+        home = self.affinity.home() + r.streams[r.home:r.home + r.urgent] if self.affinity.lanes else r.order()
         shards = self.keys.by_shard(home)  # on a cluster: wait on one shard, the next one each time
         self.block_turn += 1
         streams = {st: ">" for st in shards[self.block_turn % len(shards)][:count]}
@@ -307,7 +315,12 @@ class Worker:
         if entries is None:  # an idle engine's look (the busy one reads in _exchange): it can afford every lane
             reclaim_ms = self._reclaim_ms()
             self._plan_read(reclaim_ms, full=True)
-            entries = self.reader.read(count, reclaim_idle_ms=reclaim_ms)
+            entries = self.reader.read(count, reclaim_idle_ms=reclaim_ms)  # on a cluster: shard after shard
+            if self.affinity.enabled and self.affinity.lanes:
+                pipe = self.client.pipeline(transaction=False)
+                told = self.affinity.tell(pipe, room=True)
+                self.affinity.look(pipe)
+                self.affinity.seen(pipe.execute()[told:])
         got = list(entries)
         if self.affinity.lanes:
             self._observe_lanes(got, count)
@@ -326,7 +339,7 @@ class Worker:
 
     def _plan_read(self, reclaim_ms: int, full: bool = False) -> None:
         r = self.reader
-        r.streams, r.home, r.overdue = self.affinity.read_plan(full=full or reclaim_ms > 0)  # reclaim: every lane
+        r.streams, r.home, r.urgent, r.overdue = self.affinity.read_plan(full=full or reclaim_ms > 0)  # reclaim: all
         lag = self.settings.affinity_max_lag_ms
         r.overdue_ms = self.affinity.own_wait_ms + lag if lag else 0
         # A stolen job should start now, not wait in our local queue behind a wrong size estimate: one at a time,
@@ -390,6 +403,7 @@ class Worker:
             ticket.params = sampling_params(job.sampling)
             ticket.prompt_ids = prompt_ids(self.engine, job)
             self._clamp_budget(ticket)
+            ticket.shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # sizes later reads
         except Exception as e:  # a tokenizer or chat template refusing this input is bad input, not a crash
             self._answer(ticket, "error", error=f"invalid job: {e}")
             return None
@@ -421,10 +435,14 @@ class Worker:
                 self.queue.pop()
                 self._answer(ticket, "expired", error="deadline passed while waiting for KV cache room")
                 continue
-            if self.engine.has_unfinished() and not self.engine.fits(len(ticket.prompt_ids), ticket.params.max_tokens):
+            if self.engine.has_unfinished() and not self._fits(ticket):
                 return
             self.queue.pop()
             self._start(ticket)
+
+    def _fits(self, ticket: Ticket) -> bool:
+        shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)
+        return self.engine.fits(len(ticket.prompt_ids), ticket.params.max_tokens, shared)
 
     def _start(self, ticket: Ticket) -> None:
         try:
@@ -555,16 +573,20 @@ class Worker:
             self._renew()  # we stalled (SIGSTOP, a slow step): check the leases before publishing for them
         pipe = self.client.pipeline(transaction=False)
         n_out = self.publisher.fill(pipe)
+        told = self.affinity.tell(pipe, self._has_room()) if self.affinity.enabled and self.affinity.lanes else 0
         count = self._refill_count()
         reclaim_ms = self._reclaim_ms() if count else 0
+        looked = 0
         if count:
             self._plan_read(reclaim_ms)
             self.reader.read(count, pipe, reclaim_ms)
+            looked = self.affinity.look(pipe)
         polled = self._cancel_poll_due()
         n_polls = self._cancel_flags(polled, pipe) if polled else 0
-        if not (n_out or count or polled):
+        if not (n_out or told or count or polled):
             return
-        self.sent = Exchange(self.io.submit(self.publisher.round_trip, pipe), n_out, count, reclaim_ms, polled, n_polls)
+        self.sent = Exchange(self.io.submit(self.publisher.round_trip, pipe), n_out, count, reclaim_ms, polled, n_polls,
+                             told, looked)
         if not self.engine.has_unfinished():
             self._settle_exchange()
 
@@ -582,10 +604,23 @@ class Worker:
         if error is not None:
             raise error
         if sent.count:
-            self._read_new(sent.count, Reader.parse(replies[sent.n_out]), sent.reclaim_ms)
+            at = sent.n_out + sent.told
+            if sent.looked:
+                self.affinity.seen(replies[at + 1:at + 1 + sent.looked])
+            self._read_new(sent.count, Reader.parse(replies[at]), sent.reclaim_ms)
         if sent.polled:
             ordered = sorted(sent.polled, key=lambda t: self.keys.of_stream(t.stream).shard)  # as _cancel_flags
             self._cancel(ordered, [flag for reply in replies[-sent.n_polls:] for flag in reply])
+
+    def _has_room(self) -> bool:
+        """Whether a job of our lanes could start now; told to the others (Affinity.tell). Jobs just read wait in
+        the local queue until the next admission pass: they count against the room, not as a sign of being full."""
+        if self.draining:
+            return False
+        if not self.engine.has_unfinished() and not self.queue.tickets:
+            return True
+        adm = self.engine.admission()
+        return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False) > 0
 
     def _refill_count(self) -> int:
         if self.draining or not self.engine.has_unfinished() or any(c is not None for c in self.cursors.values()):
@@ -601,6 +636,7 @@ class Worker:
     def _settled(self, settled: Settled) -> None:
         for finish, fresh in settled.answered:
             self.jobs_done += 1
+            self.acked.add(finish.stream)
             if fresh:
                 self._observe_finished(finish.final)
         for key, reason in settled.failed_jobs.items():
@@ -651,8 +687,11 @@ class Worker:
         if self._every("heartbeat", s.heartbeat_interval_s):
             self._beat()
         if self._every("trim", s.trim_interval_s):
-            for stream in self.streams:
-                trim(self.client, stream)
+            self.trims += 1
+            # Only streams with entries we acknowledged can have more to trim; all of them now and then, for
+            # entries others acknowledged before leaving.
+            trim(self.client, self.streams if self.trims % TRIM_ALL_EVERY == 0 else sorted(self.acked))
+            self.acked.clear()
             if gone := self.consumers.prune():
                 log.info("deleted %d departed consumers: %s", len(gone), ", ".join(gone))
 

@@ -96,6 +96,24 @@ def test_admission_follows_the_production_formula():
     assert not engine.fits(running.admissible_tokens, 2)
 
 
+def test_admission_does_not_count_a_prefix_that_running_sequences_hold():
+    engine = SimulatedEngine(16, 16, max_num_seqs=4, sleep=False)
+    prefix = list(range(1, 161))  # 10 full blocks
+    engine.add_request("first", prefix + [7] * 8, greedy(8))
+    engine.step()  # prefilled: its 10 prefix blocks are held and cached
+    same, other = prefix + [9] * 8, list(range(200, 368))
+    assert engine.shared_prefix_tokens(same) == 160 and engine.shared_prefix_tokens(other) == 0
+    assert engine.fits(len(same), 8, engine.shared_prefix_tokens(same))  # needs 1 block of the 5 left
+    assert not engine.fits(len(other), 8, engine.shared_prefix_tokens(other))  # needs 11
+    before = engine.admission().admissible_tokens
+    engine.add_request("second", same, greedy(8))  # waiting: only its own tail is reserved, not the held prefix
+    assert before - engine.admission().admissible_tokens == 8 + math.ceil(engine.reserve_ratio * 8)
+    engine.step()
+    assert engine.stats.free_blocks == 16 - 11 - 1 and engine.stats.preemptions == 0
+    engine.abort("first"), engine.abort("second")
+    assert engine.shared_prefix_tokens(same) == 0  # cached but held by nobody: reviving it takes free blocks
+
+
 def test_the_simulated_and_the_real_engine_schedule_and_admit_identically_step_by_step():
     source, _ = tiny_source("llama", seed=3)
     real = LLMEngine(source, kv_cache_memory=6 * BLOCK_BYTES, max_num_seqs=8, max_model_len=128)

@@ -134,6 +134,27 @@ def test_one_job_moves_the_tokens_per_job_estimate_by_a_bounded_factor():
     assert queue.tokens_per_job >= 100.0
 
 
+def test_one_more_job_is_read_only_while_recent_jobs_shared_a_held_prefix_and_none_wait_here():
+    queue = AdmissionQueue(size=4, tokens_per_job=1000.0)
+    assert queue.read_count(8, 1500, False) == 1  # room for one whole job
+    for _ in range(10):
+        queue.observe(shared_ticket(1000, 800))
+    assert queue.read_count(8, 1500, False) == 2  # and for the tail of one that shares the usual prefix
+    assert queue.read_count(8, 1100, False) == 1  # the room left (100) does not cover a tail (~200)
+    queue.tickets.append(shared_ticket(1000, 800))
+    assert queue.read_count(8, 2500, False) == 1  # a job waits here: read only what surely fits
+    queue.tickets.clear()
+    for _ in range(10):
+        queue.observe(shared_ticket(1000, 0))
+    assert queue.read_count(8, 1500, False) == 1  # jobs stopped sharing: no guessing
+
+
+def shared_ticket(tokens: int, shared: int) -> Ticket:
+    t = ticket(tokens - 1, 1)
+    t.shared = shared
+    return t
+
+
 def test_a_huge_max_tokens_job_does_not_stall_admission_of_ordinary_ones(redis_server, namespace, tmp_path):
     r, keys = redis_server.client(), Keys(namespace)
     stream = keys.jobs(None, "normal")

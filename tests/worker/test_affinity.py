@@ -180,6 +180,66 @@ def test_a_new_job_in_another_workers_lane_is_taken_only_once_it_is_older_than_t
     assert [st for st, *_ in reader.read(4)] == [own]  # our own lane: no wait
 
 
+def test_a_job_in_the_lane_of_an_owner_that_said_it_is_full_is_taken_at_once(queue):
+    from kvgate.worker.reader import Reader
+
+    own, full, busy = (queue.keys.jobs(None, "normal", lane) for lane in range(3))
+    for stream in (own, full, busy):
+        queue.r.xgroup_create(stream, "workers", id="0", mkstream=True)
+    reader = Reader(queue.r, "thief", [own, full, busy], home=1, urgent=1, steal_age_ms=10_000)
+    for stream in (busy, full):
+        queue.r.xadd(stream, {FIELD: encode(queue.job(max_tokens=2))})
+    assert [st for st, *_ in reader.read(4)] == [full]  # the other owner still gets its 10 s head start
+    assert reader.read(4) == []
+
+
+def test_on_a_cluster_each_shards_read_counts_its_own_full_owners_lanes():
+    import redis
+
+    from kvgate.producer.protocol import Keys
+    from kvgate.worker.reader import Reader
+
+    keys = Keys("t", shards=2, cluster=True)
+    lane = lambda n, k: keys.jobs(None, "normal", n, k)  # noqa: E731
+    plan = [lane(0, 0), lane(0, 1), lane(1, 1), lane(2, 0), lane(3, 0), lane(3, 1)]  # ours: 2, full owners': 3
+    reader = Reader(redis.Redis(), "me", plan, home=2, urgent=3, keys=keys)
+    assert reader._by_shard(plan, []) == [([lane(0, 0), lane(2, 0), lane(3, 0)], 1, 2, []),
+                                          ([lane(0, 1), lane(1, 1), lane(3, 1)], 1, 1, [])]
+
+
+def test_owners_say_when_they_are_full_and_the_others_plan_to_take_their_lanes_at_once(queue):
+    from kvgate.worker.affinity import Affinity
+
+    keys = queue.keys
+    me, peer = (Affinity(queue.r, keys, name, True, 4, 10_000) for name in ("me", "peer"))
+    me.sync(), peer.sync(), me.sync()
+    theirs = {keys.jobs(None, p, lane) for p in ("high", "normal", "low") for lane in peer.own[DEFAULT_MODEL]}
+
+    def plan_after(room: bool) -> tuple[list[str], int]:
+        pipe = queue.r.pipeline(transaction=False)
+        peer.tell(pipe, room)
+        pipe.execute()
+        pipe = queue.r.pipeline(transaction=False)
+        me.look(pipe)
+        me.seen(pipe.execute())
+        streams, home, urgent, _ = me.read_plan()
+        return streams[home:home + urgent], urgent
+
+    assert plan_after(room=True) == ([], 0)
+    urgent, n = plan_after(room=False)
+    assert set(urgent) == theirs and n == len(theirs) and me.full == {"peer"}
+    assert plan_after(room=True) == ([], 0)
+    assert peer.tell(queue.r.pipeline(transaction=False), room=True) == 0  # unchanged, not due again: nothing to say
+    plan_after(room=False)
+    peer.leave()  # a draining worker is nobody's reason to steal at once any more
+    assert not queue.r.exists(keys.lanes_full(None))
+    peer.sync()  # back in the ring
+    queue.r.zadd(keys.lanes_full(None), {"peer": 0, "killed": 0})  # a worker killed while full stays there...
+    me.seen([[b"peer", b"killed"]])
+    me.sync()  # ...until a beat finds it in no ring
+    assert queue.r.zrange(keys.lanes_full(None), 0, -1) == [b"peer"] and me.full == {"peer"}
+
+
 def test_lanes_work_on_the_embedded_redis_6_2(queue62, thread_worker):
     """The ring script stamps members with TIME before writing: allowed on 6.2 (effects replication) as on 7."""
     with thread_worker(q=queue62, affinity="on", affinity_lanes=4, heartbeat_interval_s=0.1) as tw:
@@ -201,7 +261,7 @@ def test_each_model_has_its_own_ring_and_a_read_takes_every_models_own_lanes_bef
     assert (queue.r.zcard(keys.lane_ring("a")), queue.r.zcard(keys.lane_ring("b"))) == (1, 2)
     assert me.own == {"a": [0, 1, 2, 3], "b": [0, 3]} and peer.own == {"b": [1, 2]}  # nobody else serves `a`
     plans = [me.read_plan() for _ in range(2)]
-    for streams, home, _ in plans:
+    for streams, home, _, _ in plans:
         first, steals = streams[:home], streams[home:]
         assert set(first) == {keys.jobs(m, p, lane) for m, lanes in me.own.items() for lane in lanes for p in prio} \
             | {keys.jobs(m, p) for m in ("a", "b") for p in prio}
