@@ -153,7 +153,8 @@ class Affinity:
             log.info("worker %s owns %s of %d lanes each", self.worker_id,
                      ", ".join(f"{len(lanes)} of {m}" for m, lanes in own.items()), self.lanes)
         self.own = own
-        self.own_streams = {self.keys.jobs(m, p, lane) for m, lanes in own.items() for p in PRIORITIES for lane in lanes}
+        self.own_streams = {st for m, lanes in own.items() for p in PRIORITIES for lane in lanes
+                            for st in self.names[m, p][lane]}
         self._others()
 
     def _others(self) -> None:
@@ -167,11 +168,12 @@ class Affinity:
                         self.keys.ns, count, self.want_lanes)
         if count > self.lanes:
             self.lanes = count
-            self.names = {(m, p): [self.keys.jobs(m, p, lane) for lane in range(count)]
+            shards = range(len(self.keys.parts))  # on a Redis Cluster a lane has a stream in every shard
+            self.names = {(m, p): [tuple(self.keys.jobs(m, p, lane, k) for k in shards) for lane in range(count)]
                           for m in self.models for p in PRIORITIES}
-            self.lane_streams = {name for names in self.names.values() for name in names}
+            self.lane_streams = {name for names in self.names.values() for lane in names for name in lane}
             self.lane_of_stream = {name: (m, lane) for (m, _), names in self.names.items()
-                                   for lane, name in enumerate(names)}
+                                   for lane, streams in enumerate(names) for name in streams}
             self._others()
             return True
         return False
@@ -203,18 +205,23 @@ class Affinity:
         models = _rotated(list(self.models), self.turn)  # models take turns at going first within a priority
         own = {m: _rotated(self.own.get(m, []) if self.enabled else [], self.turn) for m in models}
         first = [name for p in PRIORITIES for m in models
-                 for name in [*(self.names[m, p][lane] for lane in own[m]), self.keys.jobs(m, p)]]
+                 for name in [*(st for lane in own[m] for st in self.names[m, p][lane]), *self._shared(m, p)]]
         if not self.enabled:
-            rest = [self.names[m, p][lane] for p in PRIORITIES for m in models
-                    for lane in _rotated(self.others[m], self.turn)]
+            rest = self._lanes_of(models, lambda m: _rotated(self.others[m], self.turn))
             return first + rest, len(first + rest), 0, []
         urgent, steal, overdue = {}, {}, {}
         for m in models:
             urgent[m], steal[m], overdue[m] = self._steal_window(m, full)
-        now = [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in urgent[m]]
-        later = [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in steal[m]]
-        return (first + now + later, len(first), len(now),
-                [self.names[m, p][lane] for p in PRIORITIES for m in models for lane in overdue[m]])
+        now, later = self._lanes_of(models, urgent.get), self._lanes_of(models, steal.get)
+        return first + now + later, len(first), len(now), self._lanes_of(models, overdue.get)
+
+    def _shared(self, model: str, priority: str) -> list[str]:
+        """The model's shared stream of a priority, in every shard."""
+        return [self.keys.jobs(model, priority, shard=k) for k in range(len(self.keys.parts))]
+
+    def _lanes_of(self, models: list[str], lanes_of) -> list[str]:
+        """Per priority and model, the streams (every shard's) of the lanes `lanes_of(model)` names."""
+        return [st for p in PRIORITIES for m in models for lane in lanes_of(m) for st in self.names[m, p][lane]]
 
     def _steal_window(self, model: str, full: bool) -> tuple[list[int], list[int], list[int]]:
         """Others' lanes of one model: those of full owners (helped first, then the moving window's order), those
@@ -255,7 +262,7 @@ class Affinity:
         timeout for a thief). Models take turns at going first, as in read_plan."""
         models = _rotated(list(self.models), self.turn)
         return [st for p in PRIORITIES for m in models
-                for st in [self.keys.jobs(m, p), *(self.keys.jobs(m, p, lane) for lane in self.own.get(m, []))]]
+                for st in [*self._shared(m, p), *(s for lane in self.own.get(m, []) for s in self.names[m, p][lane])]]
 
     def stolen(self, stream: str) -> bool:
         """A lane stream we read although another worker owns it."""

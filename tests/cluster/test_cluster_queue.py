@@ -170,3 +170,19 @@ def test_the_exporter_sums_every_shard_into_one_series_per_model_and_priority(cl
     samples = [s for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples
                if s.name == "kvgate_queue_lag" and s.labels.get("priority") == "normal"]
     assert [s.value for s in samples] == [18]  # one series, not one per shard
+
+
+def test_affinity_lanes_work_in_every_shard(cluster, namespace, tmp_path):
+    """Lanes are a dimension of each shard's streams: a job goes to its lane in its shard, and the lane's owner (or a
+    thief) reads it there."""
+    procs = workers(cluster, namespace, 2, "--affinity", "on", "--affinity-lanes", "8", tmp_path=tmp_path)
+    try:
+        with Client(cluster.url, namespace) as client:
+            wait_for(lambda: client._lanes() == 8, 30, "the producer to see the lanes")
+            handles = [client.submit(f"job {i}", max_tokens=6, prefix_key=f"tenant-{i % 4}") for i in range(48)]
+            assert [h.result(timeout=60).status for h in handles] == ["done"] * 48
+            streams = {client.router.entry(h.job_id)[0] for h in handles}
+        assert all(st.rsplit(":", 1)[1].isdigit() for st in streams), streams  # every job in a lane stream
+        assert len({client.keys.of_stream(st).shard for st in streams}) == 6
+    finally:
+        stop_all(procs)
