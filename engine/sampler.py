@@ -38,10 +38,22 @@ def uniform_for(seeds: np.ndarray | list[int], positions: np.ndarray | list[int]
     """A number in (0, 1) per row from (seed, position) alone: float64 from 48 hashed bits. Host-side numpy:
     the seeds and positions live on the host, and a few vector ops on B numbers cost microseconds there."""
     s = np.asarray(seeds, dtype=np.uint64)
-    h = mix32((s & MASK32).astype(np.uint32) ^ mix32((s >> 32).astype(np.uint32)
-                                                     ^ mix32(np.asarray(positions).astype(np.uint32))))
+    h = mix32((s & MASK32).astype(np.uint32) ^ mix32((s >> 32).astype(np.uint32) ^ position_hashes(positions)))
     lo = mix32(h ^ np.uint32(0x5BD1E995))
-    return (((h.astype(np.uint64) << 16) | (lo >> 16)).astype(np.float64) + 0.5) / float(1 << 48)
+    return (h * 65536.0 + (lo >> 16) + 0.5) * 2.0 ** -48  # exact in float64: h * 2^16 + 16 bits < 2^48
+
+
+_POSITION_HASHES = [mix32(np.arange(4096, dtype=np.uint32))]
+
+
+def position_hashes(positions: np.ndarray | list[int]) -> np.ndarray:
+    """mix32 of each position, from a table: a lookup instead of nine numpy operations a step."""
+    positions = np.asarray(positions)
+    try:
+        return _POSITION_HASHES[0][positions]
+    except IndexError:  # a longer output than any before: a table past it
+        _POSITION_HASHES[0] = mix32(np.arange(2 * int(positions.max()) + 1, dtype=np.uint32))
+        return _POSITION_HASHES[0][positions]
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -108,15 +120,15 @@ def inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
     chunks = weights.reshape(rows, -1, CHUNK)
     sums = np.einsum("rck->rc", chunks)  # numpy's sum over a short last axis is 5x slower
     cum = np.zeros((rows, sums.shape[1] + 1))
-    np.cumsum(sums, 1, dtype=np.float64, out=cum[:, 1:])
+    sums.cumsum(1, dtype=np.float64, out=cum[:, 1:])
     # u < 1, so target < the row's total (>= 1: its largest weight is exp(0)) and chunk k is never empty
     target = (u * cum[:, -1])[:, None]
     k = (cum[:, 1:] <= target).sum(1)
     each = np.arange(rows)
     chunk = chunks[each, k]
-    j = (np.cumsum(chunk, 1, dtype=np.float64) + cum[each, k][:, None] <= target).sum(1)
-    over = np.flatnonzero(j == CHUNK)  # its float32 sum rounded above its float64 cumsum: its last positive token
-    if over.size:
+    j = (chunk.cumsum(1, dtype=np.float64) + cum[each, k][:, None] <= target).sum(1)
+    if j.max() == CHUNK:  # a float32 chunk sum rounded above its float64 cumsum: take its last positive token
+        over = np.flatnonzero(j == CHUNK)
         j[over] = [np.flatnonzero(chunk[i]).max() for i in over.tolist()]
     return k * CHUNK + j
 
