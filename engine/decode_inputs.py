@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvgate.engine.sampling_rows import SamplingBatch, SamplingRows
 from kvgate.engine.sequence import Sequence
 
 
@@ -37,6 +38,8 @@ class DecodeInputs:
         self.version = np.full(self.capacity, -1, dtype=np.int64)
         self.last_step = np.full(self.capacity, -1, dtype=np.int64)
         self.free_rows = list(range(self.capacity - 1, -1, -1))
+        self.sampling = SamplingRows(self.capacity)
+        self.rows = self.positions = np.zeros(0, dtype=np.int64)  # the last build's, for its sampling batch
         self.step = 0
         self.pinned = device.type == "cuda"
 
@@ -49,6 +52,7 @@ class DecodeInputs:
         ids = np.array([seq.token_ids[-1] for seq in seqs], dtype=np.int64)
         positions = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
         width = width or int(self.synced[rows].max())
+        self.rows, self.positions = rows, positions
         bs = self.block_size
         tables = self.tables[rows, :width]
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
@@ -61,6 +65,10 @@ class DecodeInputs:
         views = torch.split(flat, [n, n, n, n + 1, n, n * width])
         return DecodeBatch(views[0], views[1], views[2], views[3].to(torch.int32), views[4].to(torch.int32),
                            views[5].view(n, width).to(torch.int32))
+
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The sampling parameters of the last build's sequences, `seqs`, gathered from their rows."""
+        return self.sampling.gather(self.rows, self.positions, seqs)
 
     def _rows(self, seqs: list[Sequence]) -> np.ndarray:
         """Each sequence's row, its table brought up to date: one vectorized comparison finds the few rows that
@@ -102,12 +110,14 @@ class DecodeInputs:
             self._evict()
         row = self.free_rows.pop()
         self.row_of[seq.seq_id], self.seq_of_row[row] = row, seq.seq_id
+        self.sampling.write(row, seq)
         return row
 
     def _evict(self) -> None:
         """Free the rows of every sequence not seen in this step (finished, preempted or waiting ones)."""
         for row in np.flatnonzero(self.last_step < self.step).tolist():
             self.row_of.pop(self.seq_of_row[row], None)
+            self.sampling.clear(row)
             self.seq_of_row[row], self.last_step[row] = -1, -1
             self.free_rows.append(row)
         if not self.free_rows:

@@ -232,15 +232,16 @@ class ModelRunner:
             self._warn_foreign_thread()
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None)
-        if sample_rows is None:
-            seqs = [seq for seq, _ in batch]
+        if sample_rows is None:  # a decode step: its sampling parameters are kept per row with its inputs
+            seqs = batch.seqs if isinstance(batch, AllDecode) else [seq for seq, _ in batch]
+            sampling = self.decode_inputs.sampling_batch(seqs)
         else:
             seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
             if not seqs:
                 return [], [], []
-            hidden = hidden[sample_rows]
+            hidden, sampling = hidden[sample_rows], None
         logits = self.model.compute_logits(hidden)
-        tokens, logprobs = self.sampler(logits, seqs)
+        tokens, logprobs = self.sampler(logits, seqs, sampling)
         return seqs, tokens, logprobs
 
     def _warn_foreign_thread(self) -> None:

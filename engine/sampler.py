@@ -15,30 +15,45 @@ import random
 import numpy as np
 import torch
 
+from kvgate.engine.sampling_rows import SamplingBatch
 from kvgate.engine.sequence import Sequence
 
 MASK32 = np.uint64(0xFFFFFFFF)
 SEED_BITS = (1 << 62) - 1
-GREEDY_TEMPERATURE = 1e-5  # SamplingParams.greedy's bound, inlined in the per-row loops
 CHUNK = 32  # tokens per first-level chunk of inverse_cdf
+LOG2_E = 1.4426950408889634
 
 
 def mix32(x: np.ndarray) -> np.ndarray:
-    """A 32-bit integer hash (lowbias32) on uint64 holding values < 2^32."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & MASK32
-    return x ^ (x >> 16)
+    """A 32-bit integer hash (lowbias32) on uint32, in place: its products wrap as the hash's do."""
+    x ^= x >> 16
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> 15
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> 16
+    return x
 
 
-def uniform_for(seeds: list[int], positions: list[int]) -> np.ndarray:
+def uniform_for(seeds: np.ndarray | list[int], positions: np.ndarray | list[int]) -> np.ndarray:
     """A number in (0, 1) per row from (seed, position) alone: float64 from 48 hashed bits. Host-side numpy:
     the seeds and positions live on the host, and a few vector ops on B numbers cost microseconds there."""
-    s = np.array(seeds, dtype=np.uint64)
-    h = mix32((s & MASK32) ^ mix32((s >> 32) ^ mix32(np.array(positions, dtype=np.uint64) & MASK32)))
-    lo = mix32(h ^ 0x5BD1E995)
-    return (((h << 16) | (lo >> 16)).astype(np.float64) + 0.5) / float(1 << 48)
+    s = np.asarray(seeds, dtype=np.uint64)
+    h = mix32((s & MASK32).astype(np.uint32) ^ mix32((s >> 32).astype(np.uint32) ^ position_hashes(positions)))
+    lo = mix32(h ^ np.uint32(0x5BD1E995))
+    return (h * 65536.0 + (lo >> 16) + 0.5) * 2.0 ** -48  # exact in float64: h * 2^16 + 16 bits < 2^48
+
+
+_POSITION_HASHES = [mix32(np.arange(4096, dtype=np.uint32))]
+
+
+def position_hashes(positions: np.ndarray | list[int]) -> np.ndarray:
+    """mix32 of each position, from a table: a lookup instead of nine numpy operations a step."""
+    positions = np.asarray(positions)
+    try:
+        return _POSITION_HASHES[0][positions]
+    except IndexError:  # a longer output than any before: a table past it
+        _POSITION_HASHES[0] = mix32(np.arange(2 * int(positions.max()) + 1, dtype=np.uint32))
+        return _POSITION_HASHES[0][positions]
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -94,25 +109,26 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Per row of `weights` [B, V] (float32, non-negative, each row's largest 1), the first token whose cumulative
-    weight exceeds u (float64, in (0, 1)) times the row's total. In two levels, sums of CHUNK-token chunks and then the
-    one chunk holding the target, so no cumulative sum runs the whole vocabulary (a cumsum over [256, 1,024] alone
-    takes 0.24 ms on one CPU thread) and the rest are numpy operations on [B, V / CHUNK]. Each row is computed on
-    its own, so a seeded row's token ignores its batch."""
+    """Per row of `weights` [B, V] (float32, non-negative, each row's largest about 1), the first token whose
+    cumulative weight exceeds u (float64, in (0, 1)) times the row's total. In two levels, sums of CHUNK-token
+    chunks and then the one chunk holding the target, so no cumulative sum runs the whole vocabulary (a cumsum over
+    [256, 1,024] alone takes 0.24 ms on one CPU thread) and the rest are numpy operations on [B, V / CHUNK]. Each
+    row is computed on its own, so a seeded row's token ignores its batch."""
     rows, vocab = weights.shape
     if vocab % CHUNK:
         weights = np.pad(weights, ((0, 0), (0, CHUNK - vocab % CHUNK)))
     chunks = weights.reshape(rows, -1, CHUNK)
-    sums = np.einsum("rck->rc", chunks).astype(np.float64)  # numpy's sum over a short last axis is 5x slower
+    sums = np.einsum("rck->rc", chunks)  # numpy's sum over a short last axis is 5x slower
     cum = np.zeros((rows, sums.shape[1] + 1))
-    np.cumsum(sums, 1, out=cum[:, 1:])
-    # u < 1, so target < the row's total (>= 1: its largest weight is exp(0)) and chunk k is never empty
+    sums.cumsum(1, dtype=np.float64, out=cum[:, 1:])
+    # u < 1, so target < the row's total (> 0: its largest weight is about 1) and chunk k is never empty
     target = (u * cum[:, -1])[:, None]
     k = (cum[:, 1:] <= target).sum(1)
-    chunk = chunks[np.arange(rows), k]
-    j = (np.cumsum(chunk, 1, dtype=np.float64) + cum[np.arange(rows), k][:, None] <= target).sum(1)
-    over = np.flatnonzero(j == CHUNK)  # its float32 sum rounded above its float64 cumsum: its last positive token
-    if over.size:
+    each = np.arange(rows)
+    chunk = chunks[each, k]
+    j = (chunk.cumsum(1, dtype=np.float64) + cum[each, k][:, None] <= target).sum(1)
+    if j.max() == CHUNK:  # a float32 chunk sum rounded above its float64 cumsum: take its last positive token
+        over = np.flatnonzero(j == CHUNK)
         j[over] = [np.flatnonzero(chunk[i]).max() for i in over.tolist()]
     return k * CHUNK + j
 
@@ -123,51 +139,62 @@ class Sampler:
         self.device = device
         self.buffer: torch.Tensor | None = None  # scratch for the temperature path's weights
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Next token for each row of `logits` [B, V] (float32), and logprobs for the rows that asked."""
-        params = [s.params for s in seqs]
-        want_lp, penalized, greedy = [], [], True
-        for i, p in enumerate(params):
-            if p.logprobs is not None:
-                want_lp.append(i)
-            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-                penalized.append(i)
-            greedy = greedy and p.temperature < GREEDY_TEMPERATURE
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch | None = None
+                 ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Next token for each row of `logits` [B, V] (float32), and logprobs for the rows that asked. `batch`: the
+        rows' parameters as arrays (a decode step's, kept per row by the runner); without it they are read from
+        `seqs`."""
+        if batch is None:
+            batch = SamplingBatch.of(seqs)
         raw = logits
-        if penalized:
+        if batch.penalized:
             logits = logits.clone()
-            apply_penalties(logits, seqs, penalized)
-        if greedy:
-            tokens = argmax_rows(logits)
-        else:
-            tokens = self._sample(logits, seqs, params)
-        if not want_lp:
+            apply_penalties(logits, seqs, batch.penalized)
+        tokens = argmax_rows(logits) if batch.all_greedy else self._sample(logits, seqs, batch)
+        if not batch.logprob_rows:
             return tokens.tolist(), [None] * len(seqs)
-        return self._with_logprobs(raw, tokens, want_lp, [params[i].logprobs for i in want_lp])
+        return self._with_logprobs(raw, tokens, batch.logprob_rows, batch.logprob_tops)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch) -> torch.Tensor:
         dev = logits.device
-        temps = [p.temperature for p in params]
-        greedy = [t < GREEDY_TEMPERATURE for t in temps]
-        inv_temps = torch.tensor([1.0 if g else 1.0 / t for g, t in zip(greedy, temps)], dtype=logits.dtype,
-                                 device=dev)[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            scaled = apply_top_k_top_p(logits * inv_temps, torch.tensor([p.top_k for p in params], device=dev),
-                                       torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev))
+        if batch.top_k is not None:
+            scaled = apply_top_k_top_p(logits * self._per_row(batch.inv_temperature, logits),
+                                       torch.from_numpy(batch.top_k).to(dev),
+                                       torch.from_numpy(batch.top_p).to(dev, logits.dtype))
             weights = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_()
-        else:  # softmax(logits / T) up to each row's total, in two passes over [B, V] into a buffer kept between steps
-            weights = torch.sub(logits, logits.amax(-1, keepdim=True), out=self._scratch(logits))
-            weights.mul_(inv_temps).exp_()
-        u = uniform_for([self._seed_of(s) for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs])
+        else:  # softmax(logits / T) up to each row's total, into a buffer kept between steps
+            weights = self._exponent(logits, self._per_row(batch.inv_temperature * LOG2_E, logits)).exp2_()
+        for i in batch.unseeded:
+            batch.seeds[i] = self._seed_of(seqs[i])
+        u = uniform_for(batch.seeds, batch.positions)
         if dev.type == "cpu":
             sampled = torch.from_numpy(inverse_cdf(weights.float().numpy(), u))
         else:  # on a GPU the whole-vocabulary cumsum is one fast kernel
             cdf = weights.cumsum(-1)
             target = (torch.from_numpy(u).to(dev, non_blocking=True) * cdf[:, -1].double()).to(cdf.dtype)[:, None]
             sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
-        if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=dev), argmax_rows(logits), sampled)
+        if batch.greedy is not None:
+            sampled = torch.where(torch.from_numpy(batch.greedy).to(dev), argmax_rows(logits), sampled)
         return sampled
+
+    def _exponent(self, logits: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+        """(x - max) * scale per row, whose 2^ is e^((x - max) / T) (torch's CPU exp2 takes 0.7x the time of its
+        exp). One temperature for every row takes one pass over [B, V] instead of two: fma(scale, x, -max * scale)
+        (torch's vectorized add with alpha is a fused multiply-add), where the rounding of max * scale is the same
+        for the whole row and so scales all of its weights alike, which an inverse CDF does not see."""
+        top = logits.amax(-1, keepdim=True)
+        out = self._scratch(logits)
+        if isinstance(scale, float):
+            return torch.add(top.mul_(-scale), logits, alpha=scale, out=out)
+        return torch.sub(logits, top, out=out).mul_(scale)
+
+    @staticmethod
+    def _per_row(values: np.ndarray | float, like: torch.Tensor) -> torch.Tensor | float:
+        """A [B, 1] factor for `like`'s rows, or the one value every row shares (as like's dtype rounds it)."""
+        if isinstance(values, float):
+            exact = like.dtype in (torch.float32, torch.float64)  # a CPU scalar is rounded to them as a tensor is
+            return values if exact else torch.tensor(values, dtype=like.dtype).item()
+        return torch.from_numpy(values).to(like.device, like.dtype)[:, None]
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A [B, V] buffer like `like`, kept: a fresh megabyte each step costs the CPU its page faults each time.
