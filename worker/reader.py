@@ -153,8 +153,7 @@ class Reader:
             args = [Keys.GROUP, self.consumer, count - len(out), reclaim_idle_ms]
             if self.home is not None:
                 args += [home, self.steal_age_ms, self.overdue_ms, len(others), self.steal_max, urgent]
-            reply = self.script(keys=streams + others, args=args, client=pipe or self.client) if pipe is None \
-                else run_script(self.script, streams + others, args, pipe)
+            reply = run_script(self.script, streams + others, args, pipe or self.client)
             if pipe is not None:
                 return None
             out += self.parse(reply)

@@ -66,7 +66,7 @@ class Exchange:
     n_out: int
     count: int
     reclaim_ms: int
-    polled: list[Ticket] = field(default_factory=list)
+    polled: list[Ticket] = field(default_factory=list)  # in the order of their cancel flags (shard by shard)
     n_polls: int = 0  # MGETs of cancel flags at the end of the replies, one per shard
     told: int = 0  # commands saying whether we are full (lanes), right after the publishing
     looked: int = 0  # reads of who is full (lanes), right after the refill read
@@ -297,19 +297,16 @@ class Worker:
             return max(1, min(block_ms, self.settings.affinity_steal_age_ms))
         return block_ms
 
-    def _cancel_flags(self, tickets: list[Ticket], pipe=None) -> tuple[list[Ticket], list] | int:
-        """MGET of the tickets' cancel flags, one per shard. Without `pipe`: (tickets, flags) in the order of the
-        flags; with it: queues the MGETs and returns how many, for `_cancel_replies`."""
+    def _cancel_flags(self, tickets: list[Ticket], target) -> tuple[list[Ticket], list]:
+        """One MGET of the tickets' cancel flags per shard, on a client or queued on a pipeline: the tickets in the
+        order of the flags, and the MGETs' replies (a pipeline's come at execute)."""
         by_shard: dict[int, list[Ticket]] = {}
         for t in tickets:
             by_shard.setdefault(self.keys.of_stream(t.stream).shard, []).append(t)
         groups = [by_shard[k] for k in sorted(by_shard)]
-        target = pipe if pipe is not None else self.client
         replies = [target.execute_command("MGET", *[self.keys.of_stream(t.stream).cancel(t.job.job_id) for t in g])
                    for g in groups]
-        if pipe is not None:
-            return len(groups)
-        return [t for g in groups for t in g], [flag for reply in replies for flag in reply]
+        return [t for g in groups for t in g], replies
 
     def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
         if entries is None:  # an idle engine's look (the busy one reads in _exchange): it can afford every lane
@@ -370,7 +367,8 @@ class Worker:
         waited = [t for t in tickets if t.job.enqueued_at < recent]
         flags = {}
         if waited:
-            ordered, values = self._cancel_flags(waited)
+            ordered, replies = self._cancel_flags(waited, self.client)
+            values = [flag for reply in replies for flag in reply]
             flags = dict(zip((t.key for t in ordered), values))
         for ticket in tickets:
             flag = flags.get(ticket.key)
@@ -582,11 +580,11 @@ class Worker:
             self.reader.read(count, pipe, reclaim_ms)
             looked = self.affinity.look(pipe)
         polled = self._cancel_poll_due()
-        n_polls = self._cancel_flags(polled, pipe) if polled else 0
+        polled, mgets = self._cancel_flags(polled, pipe) if polled else ([], [])
         if not (n_out or told or count or polled):
             return
-        self.sent = Exchange(self.io.submit(self.publisher.round_trip, pipe), n_out, count, reclaim_ms, polled, n_polls,
-                             told, looked)
+        self.sent = Exchange(self.io.submit(self.publisher.round_trip, pipe), n_out, count, reclaim_ms, polled,
+                             len(mgets), told, looked)
         if not self.engine.has_unfinished():
             self._settle_exchange()
 
@@ -609,8 +607,7 @@ class Worker:
                 self.affinity.seen(replies[at + 1:at + 1 + sent.looked])
             self._read_new(sent.count, Reader.parse(replies[at]), sent.reclaim_ms)
         if sent.polled:
-            ordered = sorted(sent.polled, key=lambda t: self.keys.of_stream(t.stream).shard)  # as _cancel_flags
-            self._cancel(ordered, [flag for reply in replies[-sent.n_polls:] for flag in reply])
+            self._cancel(sent.polled, [flag for reply in replies[-sent.n_polls:] for flag in reply])
 
     def _has_room(self) -> bool:
         """Whether a job of our lanes could start now; told to the others (Affinity.tell). Jobs just read wait in
