@@ -340,12 +340,13 @@ class Keys:
             raise ValueError(f"stream {stream!r} is in no shard of namespace {self.ns!r}")
         return part
 
-    def by_shard(self, names: list[str]) -> list[list[str]]:
-        """Stream names grouped by shard (one group on a single Redis), each group in the given order: a command
-        or script may touch one shard's keys only."""
-        groups: dict[int, list[str]] = {}
-        for name in names:
-            groups.setdefault(self.of_stream(name).shard, []).append(name)
+    def by_shard(self, items, stream_of=None) -> list[list]:
+        """Items grouped by the shard of their stream (`stream_of(item)`; the item itself when it is the stream's
+        name), shard by shard, each group in the given order; one group on a single Redis. A command or script may
+        touch one shard's keys only."""
+        groups: dict[int, list] = {}
+        for item in items:
+            groups.setdefault(self.of_stream(stream_of(item) if stream_of else item).shard, []).append(item)
         return [groups[k] for k in sorted(groups)]
 
     def _job(self, text: str) -> "Keys":

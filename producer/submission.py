@@ -134,10 +134,7 @@ async def send_riding_failovers_async(r, script, prepared: list[Prepared], keys:
 
 def by_shard(prepared: list[Prepared], keys: Keys) -> list[list[int]]:
     """Indexes of `prepared` grouped by shard: one MULTI each on a cluster (a MULTI touches one slot)."""
-    groups: dict[int, list[int]] = {}
-    for i, p in enumerate(prepared):
-        groups.setdefault(keys.of_stream(p.stream).shard, []).append(i)
-    return [groups[k] for k in sorted(groups)]
+    return keys.by_shard(range(len(prepared)), lambda i: prepared[i].stream)
 
 
 async def enqueue_commands_async(pipe, script, prepared: list[Prepared], keys: Keys, models: bool = True) -> None:

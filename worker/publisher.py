@@ -173,10 +173,7 @@ class Publisher:
         finishes = self.sending[1]
         out: list = [None] * len(finishes)
         waits = []
-        by_shard: dict[int, list[int]] = {}
-        for i, f in enumerate(finishes):
-            by_shard.setdefault(self.keys.of_stream(f.stream).shard, []).append(i)
-        for group in by_shard.values():
+        for group in self.keys.by_shard(range(len(finishes)), lambda i: finishes[i].stream):
             def writes(link, group=group):
                 pipe = link.pipeline(transaction=False)
                 for i in group:

@@ -300,10 +300,7 @@ class Worker:
     def _cancel_flags(self, tickets: list[Ticket], target) -> tuple[list[Ticket], list]:
         """One MGET of the tickets' cancel flags per shard, on a client or queued on a pipeline: the tickets in the
         order of the flags, and the MGETs' replies (a pipeline's come at execute)."""
-        by_shard: dict[int, list[Ticket]] = {}
-        for t in tickets:
-            by_shard.setdefault(self.keys.of_stream(t.stream).shard, []).append(t)
-        groups = [by_shard[k] for k in sorted(by_shard)]
+        groups = self.keys.by_shard(tickets, lambda t: t.stream)
         replies = [target.execute_command("MGET", *[self.keys.of_stream(t.stream).cancel(t.job.job_id) for t in g])
                    for g in groups]
         return [t for g in groups for t in g], replies
