@@ -241,7 +241,7 @@ class ModelRunner:
                 return [], [], []
             hidden, sampling = hidden[sample_rows], None
         logits = self.model.compute_logits(hidden)
-        tokens, logprobs = self.sampler(logits, seqs, sampling)
+        tokens, logprobs = self.sampler(logits, seqs, sampling, consume=True)
         return seqs, tokens, logprobs
 
     def _warn_foreign_thread(self) -> None:

@@ -208,3 +208,13 @@ def test_inverse_cdf_never_picks_a_zero_weight_token_even_at_the_top_of_the_rang
     weights[:, [3, 40, 41]] = [1.0, 1e-30, 0.5]
     u = np.array([1 - 2.0 ** -48, 0.999999, 0.0])
     assert inverse_cdf(weights, u).tolist() == [41, 41, 3]
+
+
+@pytest.mark.parametrize("logprobs", [None, 3])
+def test_consumed_logits_give_the_same_tokens_and_logprobs_and_unconsumed_ones_are_left_alone(logprobs):
+    logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(5)) * 3
+    params = [SamplingParams(temperature=0.8, seed=i, logprobs=logprobs if i % 4 == 0 else None) for i in range(32)]
+    kept = logits.clone()
+    expected = Sampler()(kept, [seq_with(p) for p in params])
+    assert torch.equal(kept, logits)  # not consumed: the caller's logits are as they were
+    assert Sampler()(logits.clone(), [seq_with(p) for p in params], consume=True) == expected
