@@ -3,7 +3,7 @@ and output position, then the inverse CDF over its weights.
 
 Their numpy twins (`uniform_for` and `inverse_cdf` in engine/sampler.py) make ~40 numpy calls a step, and after a
 forward has evicted the caches each call costs 9-15 us whatever its size: at batch 256 that was most of what a
-temperature step cost over a greedy one. Here it is two calls. The uniform numbers are the twin's bit for bit, so
+temperature step cost over a greedy one. Here it is one call. The uniform numbers are the twin's bit for bit, so
 a seeded request draws the same tokens either way; the inverse CDF sums in other groups (float32 sums of 256 and
 16 tokens, float64 beyond), so the two can differ only where u lands within rounding of a boundary
 (tests/kernels/test_cpu_sample.py checks both against a whole-vocabulary float64 CDF).
@@ -57,69 +57,73 @@ def _last_positive(row, start, end):
     return t
 
 
-def _uniforms(seeds, positions, out):
-    for r in range(seeds.shape[0]):
-        out[r] = _uniform(np.uint64(seeds[r]), np.uint64(positions[r]))
-
-
-def _inverse_cdf(weights, u, sums, out):
-    """Per row r: the first token whose cumulative weight exceeds u[r] times the row's total, found in three
-    levels (CHUNK-token chunks, BLOCK-token blocks of the chunk that holds the target, the tokens of one block), so
-    no long dependent chain of adds runs. `sums` is scratch for one row's chunk sums."""
-    rows, vocab = weights.shape
+def _pick(row, u, sums):
+    """The first token of `row` whose cumulative weight exceeds u times the row's total, found in three levels
+    (CHUNK-token chunks, BLOCK-token blocks of the chunk that holds the target, the tokens of one block), so no
+    long dependent chain of adds runs. `sums` is scratch for the row's chunk sums."""
+    vocab = row.shape[0]
     chunks = (vocab + CHUNK - 1) // CHUNK
-    for r in range(rows):
-        row = weights[r]
-        total = 0.0
-        for c in range(chunks):
-            sums[c] = _sum32(row, c * CHUNK, min(vocab, (c + 1) * CHUNK))
-            total += sums[c]
-        target = u[r] * total
-        below, c = 0.0, 0
-        while c < chunks - 1 and below + sums[c] <= target:  # u < 1: the last chunk always holds the target
-            below += sums[c]
-            c += 1
-        t, end = c * CHUNK, min(vocab, (c + 1) * CHUNK)
-        while t + BLOCK < end:
-            s = _sum32(row, t, t + BLOCK)
-            if below + s > target:
-                break
-            below += s
-            t += BLOCK
-        while t < end:
-            below += row[t]
-            if below > target and row[t] > 0:
-                break
-            t += 1
-        # rounding ran past the chunk's end: its last token with any weight
-        out[r] = t if t < end else _last_positive(row, c * CHUNK, end)
+    total = 0.0
+    for c in range(chunks):
+        sums[c] = _sum32(row, c * CHUNK, min(vocab, (c + 1) * CHUNK))
+        total += sums[c]
+    target = u * total
+    below, c = 0.0, 0
+    while c < chunks - 1 and below + sums[c] <= target:  # u < 1: the last chunk always holds the target
+        below += sums[c]
+        c += 1
+    t, end = c * CHUNK, min(vocab, (c + 1) * CHUNK)
+    while t + BLOCK < end:
+        s = _sum32(row, t, t + BLOCK)
+        if below + s > target:
+            break
+        below += s
+        t += BLOCK
+    while t < end:
+        below += row[t]
+        if below > target and row[t] > 0:
+            break
+        t += 1
+    return t if t < end else _last_positive(row, c * CHUNK, end)  # rounding ran past the chunk: its last token
 
 
-_jit = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
-_mix32, _uniform, _sum32, _last_positive = (_jit(f) for f in (_mix32, _uniform, _sum32, _last_positive))
-_uniforms = numba.njit("void(uint64[::1], int64[::1], float64[::1])", cache=True, nogil=True)(_uniforms)
-_inverse_cdf = numba.njit("void(float32[:, ::1], float64[::1], float64[::1], int64[::1])", cache=True, nogil=True,
-                          fastmath={"reassoc"})(_inverse_cdf)
-
-
-def uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """uniform_for's numbers: one in (0, 1) per row from its seed and output position."""
-    out = np.empty(len(seeds), dtype=np.float64)
-    _uniforms(np.ascontiguousarray(seeds, dtype=np.uint64), np.ascontiguousarray(positions, dtype=np.int64), out)
-    return out
-
-
-def inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """inverse_cdf's tokens: per row of `weights` [B, V] (float32, non-negative, each row's largest about 1), the
-    first whose cumulative weight exceeds u (float64, in (0, 1)) times the row's total."""
-    weights = np.ascontiguousarray(weights, dtype=np.float32)
+def _sample_rows(weights, seeds, positions):
+    """The sampled token of each row of `weights` [B, V] (float32, C-contiguous, non-negative, each row's largest
+    about 1) for the rows' seeds (uint64) and output positions (int64): one call a step."""
     out = np.empty(weights.shape[0], dtype=np.int64)
     sums = np.empty((weights.shape[1] + CHUNK - 1) // CHUNK, dtype=np.float64)
-    _inverse_cdf(weights, np.ascontiguousarray(u, dtype=np.float64), sums, out)
+    for r in range(weights.shape[0]):
+        out[r] = _pick(weights[r], _uniform(np.uint64(seeds[r]), np.uint64(positions[r])), sums)
     return out
 
 
+def _uniforms(seeds, positions):
+    """uniform_for's numbers, bit for bit: one in (0, 1) per row from its seed and output position."""
+    out = np.empty(seeds.shape[0], dtype=np.float64)
+    for r in range(seeds.shape[0]):
+        out[r] = _uniform(np.uint64(seeds[r]), np.uint64(positions[r]))
+    return out
 
-def sample_rows(weights: np.ndarray, seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """The sampled token of each row of `weights` for the rows' seeds and output positions."""
-    return inverse_cdf(weights, uniforms(seeds, positions))
+
+def _inverse_cdf(weights, u):
+    """inverse_cdf's tokens for the uniform numbers `u` (float64), one per row of `weights`."""
+    out = np.empty(weights.shape[0], dtype=np.int64)
+    sums = np.empty((weights.shape[1] + CHUNK - 1) // CHUNK, dtype=np.float64)
+    for r in range(weights.shape[0]):
+        out[r] = _pick(weights[r], u[r], sums)
+    return out
+
+
+_inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+_mix32, _uniform, _sum32, _last_positive = (_inline(f) for f in (_mix32, _uniform, _sum32, _last_positive))
+_pick = numba.njit(cache=True, nogil=True, fastmath={"reassoc"}, inline="always")(_pick)
+
+
+def _jit(signature: str):
+    return numba.njit(signature, cache=True, nogil=True, fastmath={"reassoc"})
+
+
+# Compiled now for these types alone: a call with others fails at once instead of compiling again mid-step.
+sample_rows = _jit("int64[::1](float32[:, ::1], uint64[::1], int64[::1])")(_sample_rows)
+uniforms = _jit("float64[::1](uint64[::1], int64[::1])")(_uniforms)
+inverse_cdf = _jit("int64[::1](float32[:, ::1], float64[::1])")(_inverse_cdf)

@@ -85,3 +85,11 @@ def test_the_sampler_draws_the_same_tokens_with_the_kernel_as_with_its_twins():
         assert got == twin(logits, [seq_at(p, step) for p in params])[0]
         assert got[2::4] == logits[2::4].argmax(-1).tolist()  # the greedy rows
         logits = logits.roll(1, -1)
+
+
+def test_arguments_of_other_types_are_refused_rather_than_compiled_again_mid_step():
+    weights = masked_weights(4, 64, 0)
+    with pytest.raises(TypeError):
+        cpu_sample.sample_rows(weights.astype(np.float64), np.zeros(4, np.uint64), np.zeros(4, np.int64))
+    with pytest.raises(TypeError):
+        cpu_sample.sample_rows(weights, np.zeros(4, np.int64), np.zeros(4, np.int64))
