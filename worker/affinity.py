@@ -215,6 +215,20 @@ class Affinity:
         now, later = self._lanes_of(models, urgent.get), self._lanes_of(models, steal.get)
         return first + now + later, len(first), len(now), self._lanes_of(models, overdue.get)
 
+    def held_plan(self, lanes: list[Lane]) -> tuple[list[str], int, int]:
+        """A read of only these lanes (their prefix is in our cache): ours first, then those of owners that said
+        they are full (taken at once), then the other owners' (once ripe: the owner keeps its first chance); how
+        many lead as ours, and how many follow those as full owners'."""
+        mine = [lane for lane in lanes if lane[1] in self.own.get(lane[0], ())]
+        full = [lane for lane in lanes if lane not in mine and self.owner(*lane) in self.full]
+        rest = [lane for lane in lanes if lane not in mine and lane not in full]
+        groups = [[st for p in PRIORITIES for m, lane in group for st in self.names[m, p][lane]]
+                  for group in (mine, full, rest)]
+        return groups[0] + groups[1] + groups[2], len(groups[0]), len(groups[1])
+
+    def lane_of(self, stream: str) -> Lane | None:
+        return self.lane_of_stream.get(stream)
+
     def _shared(self, model: str, priority: str) -> list[str]:
         """The model's shared stream of a priority, in every shard."""
         return [self.keys.jobs(model, priority, shard=k) for k in range(len(self.keys.parts))]

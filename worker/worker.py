@@ -30,6 +30,7 @@ from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import identify, payload_of, prompt_ids, sampling_params
+from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases
 from kvgate.worker.logprobs import TokenRenderer
 from kvgate.worker.publisher import Finish, Publisher, Settled
@@ -70,6 +71,7 @@ class Exchange:
     n_polls: int = 0  # MGETs of cancel flags at the end of the replies, one per shard
     told: int = 0  # commands saying whether we are full (lanes), right after the publishing
     looked: int = 0  # reads of who is full (lanes), right after the refill read
+    held: int = 0  # jobs asked of lanes whose prefix we hold, in a read before the refill read (its reply first)
 
 
 class NullMetrics:
@@ -129,6 +131,8 @@ class Worker:
         self.clock = ServerClock(self.client)
         self.affinity = Affinity(self.client, self.keys, self.worker_id, s.affinity == "on", s.affinity_lanes,
                                  s.heartbeat_ttl_s * 1000, weight=kv_weight(engine), models=self.served.names)
+        self.lane_prefixes = LanePrefixes(getattr(engine, "block_size", 16))
+        self.held_dry_until = 0.0  # a read of the lanes whose prefix we hold found none: no such read till then
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
                                    engine_capacity(engine), s.heartbeat_ttl_s)
         self.cursors: dict[str, str | None] = {st: "0" for st in self.streams}  # own pending first, then ">"
@@ -305,7 +309,8 @@ class Worker:
                    for g in groups]
         return [t for g in groups for t in g], replies
 
-    def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0) -> int:
+    def _read_new(self, count: int, entries: list | None = None, reclaim_ms: int = 0,
+                  drained: bool | None = None) -> int:
         if entries is None:  # an idle engine's look (the busy one reads in _exchange): it can afford every lane
             reclaim_ms = self._reclaim_ms()
             self._plan_read(reclaim_ms, full=True)
@@ -317,7 +322,7 @@ class Worker:
                 self.affinity.seen(pipe.execute()[told:])
         got = list(entries)
         if self.affinity.lanes:
-            self._observe_lanes(got, count)
+            self._observe_lanes(got, len(got) < count if drained is None else drained)
         if reclaim_ms:
             claimed = sum(1 for e in got if e[3] > 1 or e[2] is None)
             self.reclaim_due = claimed >= count  # a full take may have left more behind
@@ -340,7 +345,13 @@ class Worker:
         # and none while jobs wait here already.
         r.steal_max = 0 if self.queue.tickets else 1
 
-    def _observe_lanes(self, got: list, count: int) -> None:
+    def _plan_held_read(self, lanes: list, count: int) -> None:
+        r = self.reader
+        r.streams, r.home, r.urgent = self.affinity.held_plan(lanes)
+        r.overdue, r.overdue_ms = [], 0
+        r.steal_max = count  # their jobs share a prefix in our cache: sized to fit as tails, taken to start now
+
+    def _observe_lanes(self, got: list, drained: bool) -> None:
         fresh = [e for e in got if e[3] == 1]
         stolen = [e for e in fresh if self.affinity.stolen(e[0])]
         if stolen:
@@ -349,7 +360,7 @@ class Worker:
                 self.affinity.stole(stream)
         now_ms = int(self.clock.now() * 1000)
         ages = [now_ms - entry_ms(e[1]) for e in fresh if not self.affinity.stolen(e[0])]
-        self.affinity.observe(ages, drained=len(got) < count)
+        self.affinity.observe(ages, drained)
 
     def _holds(self, stream: str, entry_id: str) -> bool:
         key = f"{stream}|{entry_id}"
@@ -399,6 +410,8 @@ class Worker:
             ticket.prompt_ids = prompt_ids(self.engine, job)
             self._clamp_budget(ticket)
             ticket.shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # sizes later reads
+            if (lane := self.affinity.lane_of(stream)) is not None:
+                self.lane_prefixes.observe(lane, ticket.prompt_ids, ticket.tokens)
         except Exception as e:  # a tokenizer or chat template refusing this input is bad input, not a crash
             self._answer(ticket, "error", error=f"invalid job: {e}")
             return None
@@ -569,19 +582,23 @@ class Worker:
         pipe = self.client.pipeline(transaction=False)
         n_out = self.publisher.fill(pipe)
         told = self.affinity.tell(pipe, self._has_room()) if self.affinity.enabled and self.affinity.lanes else 0
-        count = self._refill_count()
+        count, (lanes, held) = self._refill()
         reclaim_ms = self._reclaim_ms() if count else 0
         looked = 0
+        if held:
+            self._plan_held_read(lanes, held)
+            self.reader.read(held, pipe)
         if count:
             self._plan_read(reclaim_ms)
             self.reader.read(count, pipe, reclaim_ms)
+        if count or held:
             looked = self.affinity.look(pipe)
         polled = self._cancel_poll_due()
         polled, mgets = self._cancel_flags(polled, pipe) if polled else ([], [])
-        if not (n_out or told or count or polled):
+        if not (n_out or told or count or held or polled):
             return
         self.sent = Exchange(self.io.submit(self.publisher.round_trip, pipe), n_out, count, reclaim_ms, polled,
-                             len(mgets), told, looked)
+                             len(mgets), told, looked, held)
         if not self.engine.has_unfinished():
             self._settle_exchange()
 
@@ -598,11 +615,15 @@ class Worker:
         error = next((r for r in replies[sent.n_out:] if isinstance(r, Exception)), None)
         if error is not None:
             raise error
-        if sent.count:
-            at = sent.n_out + sent.told
+        if sent.count or sent.held:
+            at, reads = sent.n_out + sent.told, (sent.held > 0) + (sent.count > 0)
             if sent.looked:
-                self.affinity.seen(replies[at + 1:at + 1 + sent.looked])
-            self._read_new(sent.count, Reader.parse(replies[at]), sent.reclaim_ms)
+                self.affinity.seen(replies[at + reads:at + reads + sent.looked])
+            held = Reader.parse(replies[at]) if sent.held else []
+            if sent.held and not held:
+                self.held_dry_until = time.monotonic() + self.settings.affinity_steal_age_ms / 1000
+            new = Reader.parse(replies[at + reads - 1]) if sent.count else []
+            self._read_new(sent.count + sent.held, held + new, sent.reclaim_ms, drained=len(new) < sent.count)
         if sent.polled:
             self._cancel(sent.polled, [flag for reply in replies[-sent.n_polls:] for flag in reply])
 
@@ -616,16 +637,35 @@ class Worker:
         adm = self.engine.admission()
         return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False) > 0
 
-    def _refill_count(self) -> int:
+    def _refill(self) -> tuple[int, tuple[list, int]]:
+        """Jobs to read in this step's round trip, and besides them, lanes whose prefix we hold with how many of
+        their jobs fit in the room those leave (_held_lanes)."""
         if self.draining or not self.engine.has_unfinished() or any(c is not None for c in self.cursors.values()):
-            return 0
+            return 0, ([], 0)
         wait_s = self.settings.busy_poll_ms / 1000 * 2 ** min(self.empty_reads, 3)
         if self.affinity.owned_count:  # look at our lanes at least once per steal age: their jobs wait for us that long
             wait_s = min(wait_s, self.settings.affinity_steal_age_ms / 1000)
         if time.monotonic() - self.last_read_empty_at < wait_s:
-            return 0
+            return 0, ([], 0)
         adm = self.engine.admission()
-        return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False)
+        count = self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False)
+        return count, self._held_lanes(count, adm)
+
+    def _held_lanes(self, count: int, adm) -> tuple[list, int]:
+        """Lanes whose prefix running sequences hold, and how many of their jobs fit as tails in the room that
+        `count` whole jobs leave: read apart from those, so they never claim room the whole-job read counts on. None
+        while a job waits here (as for steals: a job read should start now)."""
+        if not (self.affinity.enabled and self.affinity.lanes) or self.queue.tickets or count >= adm.free_seqs:
+            return [], 0
+        room = adm.admissible_tokens - count * max(self.queue.tokens_per_job, 1.0)
+        cheapest = self.lane_prefixes.cheapest()
+        if cheapest is None or room < cheapest or time.monotonic() < self.held_dry_until:
+            return [], 0
+        held = self.lane_prefixes.held(self.engine.shared_prefix_tokens)
+        if not held:
+            return [], 0
+        n = min(adm.free_seqs - count, int(room // max(max(held.values()), 1.0)))
+        return (sorted(held, key=held.get), n) if n > 0 else ([], 0)
 
     def _settled(self, settled: Settled) -> None:
         for finish, fresh in settled.answered:

@@ -8,6 +8,11 @@ Jobs draw a system prompt from `--prefixes` prefixes of 1,024 tokens with Zipf(1
 Each runs twice: a backlog drained as fast as it can (jobs/s at saturation), then an open-loop arrival stream at
 `--load` of the shared stream's saturation rate (queue wait, prefix hit rate, prefill tokens computed). The
 engine is the production one over a cost-model runner: prefill tokens cost time, prefix-cache hits do not.
+
+Besides the targets, each saturation run reports where its jobs/s comes from (not a target): `running`, the mean
+running sequences per worker of each size class while jobs still waited in Redis, and `backlog_s`, how long that
+lasted. jobs/s at saturation counts from the first enqueue to the last answer, so it also holds the drain's tail
+(the last jobs read run up to 256 steps on emptying workers, ~5 s at --speed 1, whatever the placement).
 """
 from __future__ import annotations
 
@@ -16,8 +21,9 @@ import json
 import os
 import random
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import redis
 
@@ -51,6 +57,35 @@ class Outcome:
     p99_wait_s: float
     steals: int
     answered_once: bool
+    backlog_s: float | None = None  # saturation: from the first enqueue until no job waited in Redis
+    running: dict[str, float] = field(default_factory=dict)  # saturation: mean running sequences per worker, by size
+
+
+@dataclass(slots=True)
+class Concurrency:
+    """Samples a fleet every 50 ms until every job is inside a worker (running, waiting locally or done)."""
+
+    fleet: object
+    jobs: int
+    started: float = field(default_factory=time.monotonic)
+    backlog_s: float | None = None
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            workers = self.fleet.workers
+            if sum(w.jobs_done + len(w.flights) + len(w.queue) for w in workers) >= self.jobs:
+                self.backlog_s = round(time.monotonic() - self.started, 2)
+                return
+            for w in workers:
+                size = w.worker_id.split("-")[0]
+                self.sums[size] = self.sums.get(size, 0.0) + w.engine.stats.running
+                self.counts[size] = self.counts.get(size, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {size: round(total / self.counts[size], 2) for size, total in sorted(self.sums.items())}
 
 
 def make_prefix_jobs(n: int, mix: PrefixMix, *, seed: int, clients: int) -> list[Job]:
@@ -109,11 +144,17 @@ def run_contestant(url: str, name: str, phase: str, jobs: list[Job], rate: float
                 "affinity_max_lag_ms": args.max_lag_ms} if name == "lanes" else {}
     fleet = fleet_sim.start_fleet(url, keys.ns, specs, "capacity", step_overhead_s=args.step_ms / 1000 / args.speed,
                                   per_token_s=args.per_token_ms / 1000 / args.speed, seed=args.seed, **settings)
+    sampler = None
     try:
         lanes = _wait_for_ring(client, keys, len(specs)) if name == "lanes" else 0
+        if phase == "saturation":
+            sampler = Concurrency(fleet, len(jobs))
+            threading.Thread(target=sampler.run, daemon=True).start()
         fleet_sim.enqueue(client, keys, jobs, rate=rate, batch=max(1, int((rate or 1000) / 50)), lanes=lanes)
         _wait_answered(client, keys, jobs, timeout=120 + len(jobs) / 5)
     finally:
+        if sampler is not None:
+            sampler.stop.set()
         fleet.stop()
     finals = fleet_sim.collect_finals(client, keys, clients)
     once = len(finals) == len(jobs) and all(len(f) == 1 and f[0].status == "done" for f in finals.values())
@@ -125,7 +166,8 @@ def run_contestant(url: str, name: str, phase: str, jobs: list[Job], rate: float
     span = max(f.timings.finished for f in firsts) - start
     return Outcome(name, phase, len(jobs), round(rate, 2) if rate else None, round(len(firsts) / span, 2),
                    round(cached / max(prompt, 1), 4), prompt, prompt - cached, round(percentile(waits, 0.5), 4),
-                   round(percentile(waits, 0.99), 4), _steals(fleet), once)
+                   round(percentile(waits, 0.99), 4), _steals(fleet), once,
+                   sampler.backlog_s if sampler else None, sampler.means() if sampler else {})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,6 +35,15 @@ def test_each_contestant_answers_every_job_once_and_counts_cached_prompt_tokens(
         assert out.steals == 0  # only lanes have owners to steal from
 
 
+def test_a_saturation_run_reports_running_sequences_per_size_class_while_the_backlog_lasts(shared_redis):
+    mix = PrefixMix(prefixes=3, prefix_tokens=64, suffix_tokens=(4, 16), max_tokens=(2, 4))
+    jobs = make_prefix_jobs(300, mix, seed=2, clients=1)
+    out = run_contestant(shared_redis.url, "shared", "saturation", jobs, None, _args(speed=0.1))
+    assert out.answered_once and set(out.running) == {"small", "large"}
+    assert out.running["large"] > out.running["small"] > 0  # 64 sequences against 8
+    assert 0 < out.backlog_s < 60
+
+
 def test_ratios_compare_lanes_with_the_shared_stream_and_the_ideal():
     from kvgate.bench.prefix import Outcome
 
