@@ -7,9 +7,10 @@ DetokenizerThread decodes each step while the next one runs; there the engine th
 step over and taking the previous step's text back, the wall time per step shows what the detokenizer thread's
 share of the GIL costs the step, and the detokenizer thread's own CPU time per step is reported beside it.
 
-`--baseline-ref REF` runs the same cases on the engine of another commit in the same run, interleaved: the
-commit is extracted with `git archive` into a temporary folder (the repository's worktrees are not touched)
-and each engine's cases run in a fresh subprocess of this file with that tree first on sys.path. The measuring code
+`--baseline-ref REF` runs the same cases on the engine of another commit in the same run (`--rounds N`: N times,
+the engines taking turns at going first): the commit is extracted with `git archive` into a temporary folder (the
+repository's worktrees are not touched) and each engine's cases run in a fresh subprocess of this file with that
+tree first on sys.path. The measuring code
 below imports only `kvgate.engine`, so it runs unchanged against either engine."""
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=512, help="requests per case (W-HOST: 512)")
     parser.add_argument("--max-output", type=int, help="cap the output lengths (W-HOST: 200-400)")
     parser.add_argument("--no-gpu-shaped", action="store_true", help="skip the W-GPU-shaped run (forward stubbed)")
+    parser.add_argument("--detok", choices=("all", "none"), default="all",
+                        help="'none': only the cases without streaming detokenization (default all)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every case this many times, the engines taking turns at going first; the "
+                             "report gives each case's median and each round's temperature / greedy ratio")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -49,7 +55,8 @@ def cases_of(args: argparse.Namespace) -> list[dict]:
     cases = [dict(name=f"b{b} {'t0.6' if t else 'greedy'}{DETOK_NAMES[d]}", batch=b, temperature=t,
                   stream=d is not None, detok=d, num_requests=args.num_requests, prompt=(32, 128), output=out,
                   stub=False, seed=args.seed)
-             for b in (int(x) for x in args.batches.split(",")) for t in (0.0, 0.6) for d in (None, "inline", "thread")]
+             for b in (int(x) for x in args.batches.split(",")) for t in (0.0, 0.6)
+             for d in ((None, "inline", "thread") if args.detok == "all" else (None,))]
     if not args.no_gpu_shaped:
         gpu_out = (min(100, out_hi), min(1024, args.max_output or 1024))
         cases.append(dict(name="W-GPU-shaped stub", batch=256, temperature=0.0, stream=False,
@@ -71,18 +78,28 @@ def run(args: argparse.Namespace) -> int:
               "baseline_ref": args.baseline_ref, "commit": git_rev("HEAD"),
               "baseline_commit": git_rev(args.baseline_ref) if args.baseline_ref else None,
               "time": "time.thread_time of the engine thread, torch.set_num_threads(1)", "cases": []}
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds} must be at least 1")
     cases = cases_of(args)
+    rounds: dict[str, list[list[dict]]] = {label: [] for label in trees}
     try:
-        results = {label: run_child(cases, overlay) for label, overlay in trees.items()}
+        for k in range(args.rounds):  # the engines take turns at going first, so a drift of the machine weighs alike
+            for label in (list(trees) if k % 2 == 0 else list(trees)[::-1]):
+                rounds[label].append(run_child(cases, trees[label]))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     for i, case in enumerate(cases):
-        entry = {"case": case, **{label: r[i] for label, r in results.items()}}
+        entry = {"case": case, **{label: median_round([r[i] for r in rs]) for label, rs in rounds.items()}}
         if "baseline" in entry:
             entry["ratio_host_ms"] = ratio(entry["baseline"], entry["current"])
         report["cases"].append(entry)
         print_case(entry)
+    if args.rounds > 1:
+        report["temperature_to_greedy"] = temperature_ratios(cases, rounds)
+        for label, by_case in report["temperature_to_greedy"].items():
+            for name, per_round in by_case.items():
+                print(f"{label} {name} / greedy, by round: {per_round['rounds']} (median {per_round['median']})")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -231,6 +248,34 @@ def measure(case: dict) -> dict:
                                "wall": mean([s[4] for s in full])},
             # the detokenizer thread's own CPU time over the whole run, per step: where the decoding went
             "detok_thread_ms_per_step": 1e3 * detok_s / len(steps) if detok_s is not None else None}
+
+
+def median_round(results: list[dict]) -> dict:
+    """The round whose host time per full decode step is the median (the lower one of an even count), with every
+    round's time beside it."""
+    timed = [r for r in results if "skipped" not in r and r["full_decode_ms"]["host"] is not None]
+    if not timed:
+        return results[0]
+    timed.sort(key=lambda r: r["full_decode_ms"]["host"])
+    return {**timed[(len(timed) - 1) // 2], "rounds_host_ms": [r["full_decode_ms"]["host"] for r in results
+                                                              if r in timed]}
+
+
+def temperature_ratios(cases: list[dict], rounds: dict[str, list[list[dict]]]) -> dict:
+    """Per engine, each temperature case's host time over its greedy twin's (same batch, same detokenization),
+    round by round: the two ran minutes apart in the same process, so the ratio is the round's own."""
+    greedy = {(c["batch"], c["detok"], c["stub"]): i for i, c in enumerate(cases) if not c["temperature"]}
+    out: dict = {}
+    for label, rs in rounds.items():
+        for i, case in enumerate(cases):
+            twin = greedy.get((case["batch"], case["detok"], case["stub"]))
+            if not case["temperature"] or twin is None:
+                continue
+            per = [ratio(r[i], r[twin]) for r in rs]  # temperature over greedy
+            per = [x for x in per if x]
+            if per:
+                out.setdefault(label, {})[case["name"]] = {"rounds": per, "median": statistics.median(per)}
+    return out
 
 
 def ratio(baseline: dict, current: dict) -> float | None:

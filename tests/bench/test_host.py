@@ -35,3 +35,21 @@ def test_host_bench_measures_baseline_and_current_engines_side_by_side(tmp_path)
             assert all(ms[p] >= 0 for p in ("schedule", "prepare", "sampler"))
             threaded = entry["case"]["detok"] == "thread"
             assert (r["detok_thread_ms_per_step"] > 0) if threaded else r["detok_thread_ms_per_step"] is None
+
+
+def test_host_bench_rounds_report_medians_and_each_rounds_temperature_ratio(tmp_path):
+    parser = argparse.ArgumentParser()
+    host.add_arguments(parser)
+    out = tmp_path / "host.json"
+    args = parser.parse_args(["--batches", "4", "--num-requests", "6", "--max-output", "12", "--detok", "none",
+                              "--no-gpu-shaped", "--rounds", "3", "--json", str(out)])
+    assert host.run(args) == 0
+    report = json.loads(out.read_text())
+    assert [e["case"]["name"] for e in report["cases"]] == ["b4 greedy", "b4 t0.6"]
+    for entry in report["cases"]:
+        times = entry["current"]["rounds_host_ms"]
+        assert len(times) == 3 and entry["current"]["full_decode_ms"]["host"] == sorted(times)[1]
+    per_round = report["temperature_to_greedy"]["current"]["b4 t0.6"]
+    assert len(per_round["rounds"]) == 3 and per_round["median"] == sorted(per_round["rounds"])[1]
+    greedy, hot = (e["current"]["rounds_host_ms"] for e in report["cases"])
+    assert sorted(per_round["rounds"]) == sorted(round(t / g, 2) for t, g in zip(hot, greedy))
