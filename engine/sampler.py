@@ -169,9 +169,8 @@ class Sampler:
             apply_penalties(logits, seqs, batch.penalized)
         if batch.all_greedy:
             tokens = argmax_rows(logits)
-        else:  # the weights may overwrite logits only where nothing reads them after: greedy rows, logprobs
-            spare = batch.greedy is None and (consume or logits is not raw) and (logits is not raw
-                                                                                 or not batch.logprob_rows)
+        else:  # weights may overwrite logits nothing reads after: a penalized copy, or the caller's without logprobs
+            spare = batch.greedy is None and (logits is not raw or (consume and not batch.logprob_rows))
             tokens = self._sample(logits, seqs, batch, spare)
         if not batch.logprob_rows:
             return tokens.tolist(), [None] * len(seqs)
@@ -189,10 +188,10 @@ class Sampler:
             weights = self._exponent(logits, self._per_row(batch.inv_temperature * LOG2_E, logits), out).exp2_()
         for i in batch.unseeded:
             batch.seeds[i] = self._seed_of(seqs[i])
-        if dev.type == "cpu" and self.cpu_rows:  # one compiled call instead of ~40 numpy ones
-            sampled = torch.from_numpy(self.cpu_rows(weights.float().numpy(), batch.seeds, batch.positions))
-        elif dev.type == "cpu":
-            sampled = torch.from_numpy(inverse_cdf(weights.float().numpy(), uniform_for(batch.seeds, batch.positions)))
+        if dev.type == "cpu":
+            w = weights.float().numpy()
+            sampled = torch.from_numpy(self.cpu_rows(w, batch.seeds, batch.positions) if self.cpu_rows  # one call
+                                       else inverse_cdf(w, uniform_for(batch.seeds, batch.positions)))
         else:  # on a GPU the whole-vocabulary cumsum is one fast kernel
             u = uniform_for(batch.seeds, batch.positions)
             cdf = weights.cumsum(-1)

@@ -87,16 +87,6 @@ def _pick(row, u, sums):
     return t if t < end else _last_positive(row, c * CHUNK, end)  # rounding ran past the chunk: its last token
 
 
-def _sample_rows(weights, seeds, positions):
-    """The sampled token of each row of `weights` [B, V] (float32, C-contiguous, non-negative, each row's largest
-    about 1) for the rows' seeds (uint64) and output positions (int64): one call a step."""
-    out = np.empty(weights.shape[0], dtype=np.int64)
-    sums = np.empty((weights.shape[1] + CHUNK - 1) // CHUNK, dtype=np.float64)
-    for r in range(weights.shape[0]):
-        out[r] = _pick(weights[r], _uniform(np.uint64(seeds[r]), np.uint64(positions[r])), sums)
-    return out
-
-
 def _uniforms(seeds, positions):
     """uniform_for's numbers, bit for bit: one in (0, 1) per row from its seed and output position."""
     out = np.empty(seeds.shape[0], dtype=np.float64)
@@ -124,6 +114,13 @@ def _jit(signature: str):
 
 
 # Compiled now for these types alone: a call with others fails at once instead of compiling again mid-step.
-sample_rows = _jit("int64[::1](float32[:, ::1], uint64[::1], int64[::1])")(_sample_rows)
 uniforms = _jit("float64[::1](uint64[::1], int64[::1])")(_uniforms)
 inverse_cdf = _jit("int64[::1](float32[:, ::1], float64[::1])")(_inverse_cdf)
+
+
+@_jit("int64[::1](float32[:, ::1], uint64[::1], int64[::1])")
+def sample_rows(weights, seeds, positions):
+    """The sampled token of each row of `weights` [B, V] (float32, C-contiguous, non-negative, each row's largest
+    about 1) for the rows' seeds (uint64) and output positions (int64): one call a step (the two inside are
+    native calls)."""
+    return inverse_cdf(weights, uniforms(seeds, positions))

@@ -10,8 +10,8 @@ share of the GIL costs the step, and the detokenizer thread's own CPU time per s
 `--baseline-ref REF` runs the same cases on the engine of another commit in the same run (`--rounds N`: N times,
 the engines taking turns at going first): the commit is extracted with `git archive` into a temporary folder (the
 repository's worktrees are not touched) and each engine's cases run in a fresh subprocess of this file with that
-tree first on sys.path. The measuring code
-below imports only `kvgate.engine`, so it runs unchanged against either engine."""
+tree first on sys.path. The measuring code below imports only `kvgate.engine`, so it runs unchanged against
+either engine."""
 from __future__ import annotations
 
 import argparse
@@ -256,9 +256,9 @@ def median_round(results: list[dict]) -> dict:
     timed = [r for r in results if "skipped" not in r and r["full_decode_ms"]["host"] is not None]
     if not timed:
         return results[0]
-    timed.sort(key=lambda r: r["full_decode_ms"]["host"])
-    return {**timed[(len(timed) - 1) // 2], "rounds_host_ms": [r["full_decode_ms"]["host"] for r in results
-                                                              if r in timed]}
+    times = [r["full_decode_ms"]["host"] for r in timed]
+    median = sorted(timed, key=lambda r: r["full_decode_ms"]["host"])[(len(timed) - 1) // 2]
+    return {**median, "rounds_host_ms": times}
 
 
 def temperature_ratios(cases: list[dict], rounds: dict[str, list[list[dict]]]) -> dict:
