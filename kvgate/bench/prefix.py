@@ -84,6 +84,14 @@ class Concurrency:
                 self.sums[size] = self.sums.get(size, 0.0) + w.engine.stats.running
                 self.counts[size] = self.counts.get(size, 0) + 1
 
+    def finish(self, thread: threading.Thread) -> None:
+        """Every job is answered, so none waits in Redis now: a backlog the 50 ms samples did not see end (the last
+        jobs answered within one interval) ended by this moment."""
+        self.stop.set()
+        thread.join()
+        if self.backlog_s is None:
+            self.backlog_s = round(time.monotonic() - self.started, 2)
+
     def means(self) -> dict[str, float]:
         return {size: round(total / self.counts[size], 2) for size, total in sorted(self.sums.items())}
 
@@ -149,12 +157,13 @@ def run_contestant(url: str, name: str, phase: str, jobs: list[Job], rate: float
         lanes = _wait_for_ring(client, keys, len(specs)) if name == "lanes" else 0
         if phase == "saturation":
             sampler = Concurrency(fleet, len(jobs))
-            threading.Thread(target=sampler.run, daemon=True).start()
+            sampling = threading.Thread(target=sampler.run, daemon=True)
+            sampling.start()
         fleet_sim.enqueue(client, keys, jobs, rate=rate, batch=max(1, int((rate or 1000) / 50)), lanes=lanes)
         _wait_answered(client, keys, jobs, timeout=120 + len(jobs) / 5)
     finally:
         if sampler is not None:
-            sampler.stop.set()
+            sampler.finish(sampling)
         fleet.stop()
     finals = fleet_sim.collect_finals(client, keys, clients)
     once = len(finals) == len(jobs) and all(len(f) == 1 and f[0].status == "done" for f in finals.values())
