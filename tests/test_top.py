@@ -12,7 +12,7 @@ from rich.console import Console
 
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import read_queue_stats
-from kvgate.top import render
+from kvgate.commands.top import render
 
 ROOT = Path(__file__).parents[1]
 
@@ -78,7 +78,7 @@ def test_live_view_refreshes_in_a_real_terminal_and_leaves_cleanly(shared_redis,
     client, keys = shared_redis.client(), Keys(namespace)
     _seed(client, keys)
     session, rc_file = f"kvtop-{namespace}-{key}", tmp_path / "rc"
-    command = (f"cd {ROOT} && {sys.executable} -m kvgate.cli top --redis-url {shared_redis.url} "
+    command = (f"cd {ROOT} && {sys.executable} -m kvgate.commands.cli top --redis-url {shared_redis.url} "
                f"--namespace {namespace} --interval 0.2; echo $? > {rc_file}; sleep 30")
     _tmux("new-session", "-d", "-s", session, "-x", "150", "-y", "40", command)
     try:

@@ -1,5 +1,5 @@
 """Worker settings: the engine's own (EngineConfig) plus the worker's. Flags win over KVGATE_* environment
-variables, which win over these defaults; `kvgate worker` derives its flags from these fields (worker/flags.py)."""
+variables, which win over these defaults; `kvgate worker` derives its flags from these fields (kvgate/commands/flags.py)."""
 from __future__ import annotations
 
 from typing import Annotated, Literal

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def start_pair(folder: Path) -> tuple[list[subprocess.Popen], str]:
     """A primary and its replica (append-only, fsync every second: Redis's usual durable setting)."""
-    from kvgate.worker.embedded_redis import find_redis_server, free_port
+    from kvgate.commands.embedded_redis import find_redis_server, free_port
 
     binary, ports, procs = shutil.which("redis-server") or find_redis_server(), [free_port(), free_port()], []
     for i, port in enumerate(ports):

@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvgate.worker.flags import setting_parser
+from kvgate.commands.flags import setting_parser
 
 CONTESTANTS = ("kvgate_continuous", "kvgate_static", "hf_static", "hf_generate_batch")
 

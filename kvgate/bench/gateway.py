@@ -71,9 +71,9 @@ class Fleet:
     def __enter__(self) -> "Fleet":
         worker = ["worker", *self.common, "--simulated", "--sim-step-ms", str(self.args.sim_step_ms),
                   "--sim-per-token-ms", "0.01", "--max-num-seqs", "64", "--worker-id", "bench-gw-worker"]
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "kvgate.cli", *worker]))
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "kvgate.commands.cli", *worker]))
         serve = [*self.common, "--port", str(self.port), "--log-level", "warning"]
-        self.gateway = subprocess.Popen([sys.executable, "-m", "kvgate.serve", *serve])
+        self.gateway = subprocess.Popen([sys.executable, "-m", "kvgate.commands.serve", *serve])
         self.procs.append(self.gateway)
         try:
             self._wait_ready()

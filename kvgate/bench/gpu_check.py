@@ -24,7 +24,7 @@ PY = sys.executable
 def steps(out: Path) -> list[tuple[str, list[str], int]]:
     """(name, command, seconds allowed); the limits add up to 540 s."""
     me = [PY, "-m", "kvgate.bench.gpu_check"]
-    bench = [PY, "-m", "kvgate.cli", "bench", "engine", "--workload", "gpu"]
+    bench = [PY, "-m", "kvgate.commands.cli", "bench", "engine", "--workload", "gpu"]
     return [
         ("pytest-gpu", [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                         f"--junitxml={out / 'pytest-gpu.xml'}", "tests"], 100),

@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kvgate.worker.flags import setting_parser
+from kvgate.commands.flags import setting_parser
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +117,7 @@ class redis_for:
     def __enter__(self) -> str:
         if self.url:
             return self.url
-        from kvgate.worker.embedded_redis import EmbeddedRedis
+        from kvgate.commands.embedded_redis import EmbeddedRedis
 
         self.embedded = EmbeddedRedis().start()
         return self.embedded.url

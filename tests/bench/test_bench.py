@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvgate.bench import engine as bench, report as bench_report
 from kvgate.bench.hf import BenchRequest
-from kvgate.cli import main
+from kvgate.commands.cli import main
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)

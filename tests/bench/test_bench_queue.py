@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_queue_writes_ratio_and_overhead_percentiles(tmp_path):
     out = tmp_path / "wq.json"
-    proc = subprocess.run([sys.executable, "-m", "kvgate.cli", "bench", "queue", "--simulated", "--num-requests", "8",
+    proc = subprocess.run([sys.executable, "-m", "kvgate.commands.cli", "bench", "queue", "--simulated", "--num-requests", "8",
                            "--probes", "5", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())

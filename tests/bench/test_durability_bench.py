@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from kvgate.cli import main
+from kvgate.commands.cli import main
 
 
 def test_the_durability_bench_times_submit_and_finish_in_both_modes(tmp_path):

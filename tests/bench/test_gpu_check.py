@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvgate.bench import gpu_check
-from kvgate.cli import build_parser
+from kvgate.commands.cli import build_parser
 
 
 def test_gpu_check_runs_every_issue_check_within_nine_minutes(tmp_path):
@@ -21,6 +21,6 @@ def test_gpu_check_runs_every_issue_check_within_nine_minutes(tmp_path):
 
 def test_gpu_check_bench_commands_parse_with_the_kvgate_command():
     for name, command, _ in gpu_check.steps(Path("out")):
-        if "kvgate.cli" in command:
-            args = build_parser().parse_args(command[command.index("kvgate.cli") + 1:])
+        if "kvgate.commands.cli" in command:
+            args = build_parser().parse_args(command[command.index("kvgate.commands.cli") + 1:])
             assert args.workload == "gpu" and args.json.name.endswith(".json"), name

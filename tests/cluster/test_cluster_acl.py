@@ -57,7 +57,7 @@ def test_each_user_does_its_job_on_a_cluster_and_no_more(acl_cluster, tmp_path):
             assert [h.result(timeout=60).status for h in handles + [streamed]] == ["done"] * 13
             assert "".join(d.text for d in streamed.stream()) == streamed.result().text
             stream = client.keys.jobs(None, "normal", shard=0)
-        out = subprocess.run([sys.executable, "-m", "kvgate.cli", "stats", "--redis-url", as_user(acl_cluster, "monitor"),
+        out = subprocess.run([sys.executable, "-m", "kvgate.commands.cli", "stats", "--redis-url", as_user(acl_cluster, "monitor"),
                               "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert len(json.loads(out.stdout)["workers"]) == 1

@@ -84,7 +84,7 @@ def test_kvgate_stats_adds_up_the_shards(cluster, namespace):
     with Client(cluster.url, namespace) as client:
         client.submit_many([dict(prompt=f"x {i}", max_tokens=4, priority="high" if i % 2 else "low")
                             for i in range(12)])
-    out = subprocess.run([sys.executable, "-m", "kvgate.cli", "stats", "--redis-url", cluster.url, "--namespace",
+    out = subprocess.run([sys.executable, "-m", "kvgate.commands.cli", "stats", "--redis-url", cluster.url, "--namespace",
                           namespace, "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
@@ -161,7 +161,7 @@ def test_the_exporter_sums_every_shard_into_one_series_per_model_and_priority(cl
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvgate import exporter
+    from kvgate.commands import exporter
 
     with Client(cluster.url, namespace) as client:
         client.submit_many([dict(prompt=f"x {i}", max_tokens=4) for i in range(18)])

@@ -199,7 +199,7 @@ def test_every_kvgate_variable_in_deploy_is_a_setting_the_worker_reads():
 
     known = {f"KVGATE_{name.upper()}" for name in WorkerSettings.model_fields}
     known |= {"KVGATE_EXPORTER_PORT", "KVGATE_EXPORTER_ADDR"}  # read by `kvgate exporter`
-    known |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", (DEPLOY.parent / "kvgate/serve.py").read_text()))  # `kvgate serve`
+    known |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", (DEPLOY.parent / "kvgate/commands/serve.py").read_text()))  # `kvgate serve`
     used = set()
     for path in [*K8S.glob("*.yaml"), DEPLOY / "compose.yaml"]:
         used |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", path.read_text()))

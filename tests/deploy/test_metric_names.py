@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import yaml
 
 from kvgate.producer.protocol import Keys
-from kvgate.exporter import build_registry
+from kvgate.commands.exporter import build_registry
 from kvgate.worker.metrics import WorkerMetrics
 
 DEPLOY = Path(__file__).parents[2] / "deploy"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from kvgate.cli import main as kvgate
+from kvgate.commands.cli import main as kvgate
 from tests.gateway.batch_files import COMPLETIONS, jsonl, rows_of, wait_final, with_bad_lines
 from tests.gateway.conftest import start_gateway
 

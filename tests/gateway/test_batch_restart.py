@@ -22,7 +22,7 @@ LEASE_S = 1.5
 
 
 def serve(url: str, ns: str, files_dir: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvgate.serve", "--redis-url", url, "--namespace", ns, "--port", str(port),
+    cmd = [sys.executable, "-m", "kvgate.commands.serve", "--redis-url", url, "--namespace", ns, "--port", str(port),
            "--files-dir", files_dir, "--batch-window", "8", "--batch-lease", str(LEASE_S), "--log-level", "warning"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

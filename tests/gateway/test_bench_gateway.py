@@ -5,7 +5,7 @@ import argparse
 import json
 
 from kvgate.bench import gateway as bench
-from kvgate.cli import add_connection_arguments
+from kvgate.commands.cli import add_connection_arguments
 
 
 def test_bench_gateway_reports_added_latency_first_event_delay_and_requests_per_s(redis_server, tmp_path):

@@ -15,7 +15,7 @@ from tests.support import ROOT, free_port
 
 
 def test_importing_the_gateway_and_its_command_does_not_import_torch():
-    code = "import sys, kvgate.gateway, kvgate.serve; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import sys, kvgate.gateway, kvgate.commands.serve; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -23,7 +23,7 @@ def test_serve_takes_keys_from_flags_and_env_and_exits_0_on_sigterm(sim_fleet):
     url, ns = sim_fleet
     port = free_port()
     env = {**os.environ, "KVGATE_API_KEYS": "env-key-1,env-key-2"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvgate.serve", "--redis-url", url, "--namespace", ns, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.commands.serve", "--redis-url", url, "--namespace", ns, "--port", str(port),
                              "--api-key", "flag-key", "--log-level", "warning"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}/v1"
@@ -51,8 +51,8 @@ def test_serve_takes_keys_from_flags_and_env_and_exits_0_on_sigterm(sim_fleet):
 def test_batch_flags_and_their_variables_reach_the_settings(monkeypatch):
     import argparse
 
-    from kvgate.cli import add_connection_arguments
-    from kvgate.serve import add_arguments, settings_from
+    from kvgate.commands.cli import add_connection_arguments
+    from kvgate.commands.serve import add_arguments, settings_from
 
     monkeypatch.setenv("KVGATE_FILES_DIR", "/data/kvgate-files")
     monkeypatch.setenv("KVGATE_BATCH_LEASE_S", "7.5")

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from kvgate.cli import main
+from kvgate.commands.cli import main
 from kvgate.producer.protocol import Keys
 from tests.support import spawn_worker, wait_for
 

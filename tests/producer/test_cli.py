@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from kvgate.producer.protocol import PRIORITIES
-from kvgate.cli import main
+from kvgate.commands.cli import main
 
 
 class EchoWorker(threading.Thread):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvgate.cli import main
+from kvgate.commands.cli import main
 from kvgate.producer import AsyncClient, InvalidRequest
 from kvgate.producer.protocol import (FIELD, PROTOCOL_VERSION, Job, Keys, ProtocolError, check_model_name, decode_job,
                                       encode)

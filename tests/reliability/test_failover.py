@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate import exporter
+from kvgate.commands import exporter
 from kvgate.producer import AsyncClient, Client, JobLost, KvgateError, NotReplicatedError
 from kvgate.producer.protocol import Final, Keys, decode_final
 from kvgate.producer.redis_url import connect, keys_for
@@ -76,7 +76,7 @@ def test_the_async_sdk_the_exporter_and_kvgate_stats_follow_a_failover(sentinel_
         assert up() == 1
         assert asyncio.run(scenario()) == ["done", "done"]
         wait_for(lambda: up() == 1, 10, "the exporter to read the new primary")
-        stats = subprocess.run([sys.executable, "-m", "kvgate.cli", "stats", "--redis-url", url, "--namespace",
+        stats = subprocess.run([sys.executable, "-m", "kvgate.commands.cli", "stats", "--redis-url", url, "--namespace",
                                 namespace, "--json"], capture_output=True, text=True, timeout=60)
         assert stats.returncode == 0 and len(json.loads(stats.stdout)["workers"]) == 1, stats.stderr
     finally:

@@ -8,7 +8,7 @@ import pytest
 
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client
-from kvgate.producer.commands.stats import NO_WORKER, render
+from kvgate.commands.stats import NO_WORKER, render
 from kvgate.producer.protocol import PRIORITIES, Keys, encode
 from kvgate.producer.queue_stats import read_queue_stats
 from tests.support import wait_for
@@ -120,7 +120,7 @@ def test_a_raw_job_with_a_bad_model_name_gets_an_error_result_that_names_it(queu
 
 
 def test_aliases_come_from_repeated_flags_or_a_comma_separated_variable_and_bad_names_stop_the_worker(monkeypatch):
-    from kvgate.worker.main import WorkerStartError, add_arguments, settings_from
+    from kvgate.commands.worker import WorkerStartError, add_arguments, settings_from
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from kvgate.engine.config import EngineConfig, check_device
 from kvgate.producer.protocol import mask_url
-from kvgate.worker.flags import add_settings_arguments, explain, given_settings
+from kvgate.commands.flags import add_settings_arguments, explain, given_settings
 from kvgate.worker.settings import WorkerSettings
 
 
@@ -25,7 +25,7 @@ class WorkerStartError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # --redis-url and --namespace come with every command (kvgate/cli.py)
+    # --redis-url and --namespace come with every command (kvgate/commands/cli.py)
     add_settings_arguments(parser, WorkerSettings, skip={"redis_url", "namespace"})
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         type=str.upper, help="worker log level (default INFO)")

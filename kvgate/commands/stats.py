@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..connection import DEFAULT_URL, resolve_url, translated
-from ..queue_stats import ModelStats, QueueStats, read_queue_stats
-from ..redis_url import connect, keys_for
+from kvgate.producer.connection import DEFAULT_URL, resolve_url, translated
+from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
+from kvgate.producer.redis_url import connect, keys_for
 
 NO_WORKER = "no live worker: waiting for scale-up"
 

@@ -8,10 +8,10 @@ import sys
 
 import msgspec
 
-from ..client import Client
-from ..errors import ResultTimeout
-from ..openai_shapes import chat_logprobs
-from ..stream import Restart
+from kvgate.producer.client import Client
+from kvgate.producer.errors import ResultTimeout
+from kvgate.producer.openai_shapes import chat_logprobs
+from kvgate.producer.stream import Restart
 
 EXIT_BY_STATUS = {"done": 0, "error": 1, "expired": 1, "cancelled": 1}
 

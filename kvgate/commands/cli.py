@@ -13,17 +13,17 @@ import sys
 
 DESCRIPTION = "kvgate: asynchronous LLM inference, a fleet of continuous-batching workers behind Redis Streams."
 COMMANDS: dict[str, tuple[str, str]] = {
-    "redis": ("kvgate.worker.embedded_redis", "start an embedded redis-server and print its URL"),
-    "demo": ("kvgate.demo", "embedded Redis + one worker + a few chat prompts, end to end"),
-    "worker": ("kvgate.worker.main", "run a GPU/CPU worker that serves jobs from Redis"),
-    "submit": ("kvgate.producer.commands.submit", "submit one prompt and print (or stream) its answer"),
-    "get": ("kvgate.producer.commands.get", "print a finished job's result"),
-    "cancel": ("kvgate.producer.commands.cancel", "ask the fleet to stop a job"),
-    "batch": ("kvgate.producer.commands.batch", "run an OpenAI Batch-format JSONL file through the fleet"),
-    "stats": ("kvgate.producer.commands.stats", "backlog, pending and live workers per queue"),
-    "top": ("kvgate.top", "live terminal view of the fleet"),
-    "serve": ("kvgate.serve", "OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models"),
-    "exporter": ("kvgate.exporter", "Prometheus exporter for queue lag, backlog and live workers"),
+    "redis": ("kvgate.commands.embedded_redis", "start an embedded redis-server and print its URL"),
+    "demo": ("kvgate.commands.demo", "embedded Redis + one worker + a few chat prompts, end to end"),
+    "worker": ("kvgate.commands.worker", "run a GPU/CPU worker that serves jobs from Redis"),
+    "submit": ("kvgate.commands.submit", "submit one prompt and print (or stream) its answer"),
+    "get": ("kvgate.commands.get", "print a finished job's result"),
+    "cancel": ("kvgate.commands.cancel", "ask the fleet to stop a job"),
+    "batch": ("kvgate.commands.batch", "run an OpenAI Batch-format JSONL file through the fleet"),
+    "stats": ("kvgate.commands.stats", "backlog, pending and live workers per queue"),
+    "top": ("kvgate.commands.top", "live terminal view of the fleet"),
+    "serve": ("kvgate.commands.serve", "OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models"),
+    "exporter": ("kvgate.commands.exporter", "Prometheus exporter for queue lag, backlog and live workers"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("kvgate.bench.engine", "W-CPU / W-GPU: kvgate continuous vs static vs HF transformers"),
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if args.debug:
             raise
-        from kvgate.cli_errors import describe, exit_code
+        from kvgate.commands.cli_errors import describe, exit_code
 
         print(f"{name}: {describe(e, getattr(args, 'redis_url', None))}", file=sys.stderr)
         return exit_code(e)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..client import Client
-from .submit import print_json
+from kvgate.producer.client import Client
+from kvgate.commands.submit import print_json
 
 EXIT_NO_RESULT = 3
 

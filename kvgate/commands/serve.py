@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvgate.serve ...`, the same command without going through kvgate/cli.py."""
-    from kvgate.cli import add_connection_arguments
+    """`python -m kvgate.commands.serve ...`, the same command without going through kvgate/commands/cli.py."""
+    from kvgate.commands.cli import add_connection_arguments
 
     parser = argparse.ArgumentParser(prog="kvgate serve", description=__doc__.splitlines()[0])
     add_connection_arguments(parser)

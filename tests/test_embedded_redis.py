@@ -5,11 +5,11 @@ import sys
 
 import redis
 
-from kvgate.worker.embedded_redis import EmbeddedRedis
+from kvgate.commands.embedded_redis import EmbeddedRedis
 
 
 def test_kvgate_redis_starts_answers_ping_and_stops_cleanly(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "redis", "--dir", str(tmp_path / "data")],
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.commands.cli", "redis", "--dir", str(tmp_path / "data")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().strip()

@@ -14,9 +14,9 @@ from typing import IO
 
 from tqdm.auto import tqdm
 
-from ..client import Client
-from ..errors import ResultTimeout
-from ..openai_batch import BatchRequest, answer_line, duplicate_custom_id, file_digest, plan_line, request_lines
+from kvgate.producer.client import Client
+from kvgate.producer.errors import ResultTimeout
+from kvgate.producer.openai_batch import BatchRequest, answer_line, duplicate_custom_id, file_digest, plan_line, request_lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..client import Client
+from kvgate.producer.client import Client
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start_embedded_redis(stack: ExitStack, console) -> str:
-    from kvgate.worker.embedded_redis import EmbeddedRedis
+    from kvgate.commands.embedded_redis import EmbeddedRedis
 
     server = stack.enter_context(EmbeddedRedis())
     console.print(f"[bold]redis[/]   embedded redis-server at {server.url} (stopped on exit)")
@@ -57,7 +57,7 @@ def start_embedded_redis(stack: ExitStack, console) -> str:
 
 
 def start_worker(stack: ExitStack, console, url: str, args: argparse.Namespace) -> None:
-    from kvgate.worker.main import build_engine
+    from kvgate.commands.worker import build_engine
     from kvgate.worker.settings import WorkerSettings
     from kvgate.worker.worker import Worker
 
