@@ -45,6 +45,8 @@ LAYERS = (
     Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards"), HEAVY),
     Layer("kvgate.producer.shards", (), HEAVY),
     Layer("kvgate.producer", ("kvgate.producer",), HEAVY),
+    # OpenAI's dialect, shared by `kvgate serve` and `kvgate batch`: over the SDK, so `kvgate batch` needs no extra
+    Layer("kvgate.openai", ("kvgate.openai", "kvgate.producer"), (*HEAVY, "starlette")),
     Layer("kvgate", None),
 )
 
@@ -117,6 +119,8 @@ def test_every_import_in_the_source_follows_the_layer_direction():
 SYNTHETIC = {
     "kvgate/__init__.py": "from kvgate.producer import Client\n",
     "kvgate/commands/__init__.py": "",
+    "kvgate/openai/__init__.py": "",
+    "kvgate/openai/batch.py": "import json\nfrom kvgate.producer.protocol import Keys\n",
     "kvgate/commands/cli.py": "import torch\nfrom kvgate.worker.worker import Worker\nfrom kvgate.producer.queue_stats import read\n",
     "kernels/__init__.py": "",
     "kernels/ops.py": "import torch\nfrom kvgate.kernels import reference\n",
@@ -157,6 +161,10 @@ BREAKS = {
                                               "kvgate.producer must never import"),
     "producer imports transformers": ("producer/client.py", "from transformers import AutoTokenizer",
                                       "kvgate.producer must never import"),
+    "the OpenAI dialect reaches the gateway": ("kvgate/openai/batch.py", "from kvgate.gateway import app",
+                                               "kvgate.openai may import only"),
+    "the OpenAI dialect needs the web stack": ("kvgate/openai/batch.py", "from starlette.requests import Request",
+                                               "kvgate.openai must never import"),
     "import kvgate pulls the engine": ("kvgate/__init__.py", "from kvgate.engine import LLM", "kvgate may import only"),
     "import kvgate pulls torch": ("kvgate/__init__.py", "import torch", "kvgate must never import"),
 }

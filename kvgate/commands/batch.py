@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from kvgate.producer.client import Client
 from kvgate.producer.errors import ResultTimeout
-from kvgate.producer.openai_batch import BatchRequest, answer_line, duplicate_custom_id, file_digest, plan_line, request_lines
+from kvgate.openai.batch import BatchRequest, answer_line, duplicate_custom_id, file_digest, plan_line, request_lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

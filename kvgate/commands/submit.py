@@ -10,7 +10,7 @@ import msgspec
 
 from kvgate.producer.client import Client
 from kvgate.producer.errors import ResultTimeout
-from kvgate.producer.openai_shapes import chat_logprobs
+from kvgate.openai.shapes import chat_logprobs
 from kvgate.producer.stream import Restart
 
 EXIT_BY_STATUS = {"done": 0, "error": 1, "expired": 1, "cancelled": 1}

@@ -6,7 +6,7 @@ unusable: no requests, repeated custom_ids, or requests for another endpoint tha
 """
 from __future__ import annotations
 
-from kvgate.producer.openai_batch import duplicate_custom_id, request_lines, text_field
+from kvgate.openai.batch import duplicate_custom_id, request_lines, text_field
 
 MAX_LINES = 50_000  # OpenAI's limit per batch
 MAX_ERRORS = 20  # errors listed; the message says how many more there are

@@ -16,7 +16,7 @@ import secrets
 import time
 
 from kvgate.producer import AsyncClient
-from kvgate.producer.openai_batch import custom_id_of, is_success, request_lines
+from kvgate.openai.batch import custom_id_of, is_success, request_lines
 
 from .batch_input import input_errors
 from .batch_store import Batch, BatchStore

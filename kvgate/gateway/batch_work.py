@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvgate.producer import AsyncClient, Backpressure, JobLost, KvgateError, PartiallySubmitted
-from kvgate.producer.openai_batch import BatchRequest, answer_line, is_success, plan_line, request_lines
+from kvgate.openai.batch import BatchRequest, answer_line, is_success, plan_line, request_lines
 
 from .batch_store import Batch, BatchStore
 

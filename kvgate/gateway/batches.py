@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvgate.producer.openai_batch import CHAT, COMPLETIONS
+from kvgate.openai.batch import CHAT, COMPLETIONS
 
 from .auth import authorize
 from .batch_runner import BatchRunner

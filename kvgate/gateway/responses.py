@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.producer import Result, TokenLogprob
-from kvgate.producer.openai_shapes import chat_logprobs, choice, completion_logprobs, text_length
+from kvgate.openai.shapes import chat_logprobs, choice, completion_logprobs, text_length
 
 from .errors import ApiError
 from .translate import Plan

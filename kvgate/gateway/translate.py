@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from kvgate.producer import InvalidRequest
-from kvgate.producer.openai_shapes import BadLogprobs, requested_logprobs
+from kvgate.openai.shapes import BadLogprobs, requested_logprobs
 from kvgate.producer.request import validate_request
 
 from .errors import from_sdk, invalid, unsupported

@@ -151,7 +151,7 @@ def test_every_body_field_batch_accepts_is_an_openai_parameter_or_a_named_extens
     from openai.types import completion_create_params as completions
     from openai.types.chat import completion_create_params as chat
 
-    from kvgate.producer.openai_batch import IGNORED_FIELDS, LOGPROB_FIELDS, SAMPLING_FIELDS
+    from kvgate.openai.batch import IGNORED_FIELDS, LOGPROB_FIELDS, SAMPLING_FIELDS
 
     extensions = {"top_k", "repetition_penalty", "ignore_eos"}
     openai_names = set(chat.CompletionCreateParamsBase.__annotations__) | set(

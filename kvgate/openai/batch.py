@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidRequest
-from .openai_shapes import BadLogprobs, choice, requested_logprobs
-from .protocol import Keys
-from .result import Result
-from .submission import prepare
+from kvgate.producer.errors import InvalidRequest
+from kvgate.openai.shapes import BadLogprobs, choice, requested_logprobs
+from kvgate.producer.protocol import Keys
+from kvgate.producer.result import Result
+from kvgate.producer.submission import prepare
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # Body fields we honour, by their submit name; others are refused rather than silently ignored.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import MAX_LOGPROBS, TokenLogprob, TopLogprob
+from kvgate.producer.protocol import MAX_LOGPROBS, TokenLogprob, TopLogprob
 
 # JSON has no -inf; a token the model rules out entirely is reported at this floor, as vLLM does
 LOGPROB_FLOOR = -9999.0
