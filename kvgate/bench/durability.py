@@ -58,7 +58,7 @@ def start_pair(folder: Path) -> tuple[list[subprocess.Popen], str]:
 
 def start_cluster(folder: Path) -> tuple[list, str]:
     """A cluster of 3 primaries with a replica each, its nodes as start_pair gives its processes."""
-    from kvgate.bench.redis_cluster import ClusterGroup
+    from kvgate.redis_cluster import ClusterGroup
 
     group = ClusterGroup(folder, primaries=3, replicas=1).start()
     return [n.proc for n in group.nodes], group.url

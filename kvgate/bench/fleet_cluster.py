@@ -16,8 +16,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from kvgate.bench.redis_cluster import ClusterGroup
-from kvgate.bench.redis_server import RedisServer, redis_major, redis_server_binary
+from kvgate.redis_cluster import ClusterGroup
+from kvgate.redis_server import RedisServer, redis_major, redis_server_binary
 
 TARGET_RATIO = 1.2  # a primary's Redis CPU per job over one Redis's
 NO_PERSISTENCE = ("--appendonly", "no")  # the bench measures the queue path, as W-FLEET's single Redis does

@@ -64,7 +64,7 @@ def test_the_ratio_is_each_primarys_cpu_per_job_over_one_redis_and_a_job_answere
 def test_the_finish_script_in_a_cluster_pipeline_costs_the_default_node_no_round_trip_per_job(tmp_path):
     if why := cluster_unavailable():
         pytest.skip(why)
-    from kvgate.bench.redis_cluster import ClusterGroup
+    from kvgate.redis_cluster import ClusterGroup
     from kvgate.producer.cluster import connect_cluster, run_script
 
     group = ClusterGroup(tmp_path, primaries=3, replicas=0, extra_args=("--appendonly", "no")).start()
@@ -85,7 +85,7 @@ def test_the_finish_script_in_a_cluster_pipeline_costs_the_default_node_no_round
 def test_a_workers_consumer_prune_on_a_cluster_costs_the_same_however_many_results_are_kept(tmp_path):
     if why := cluster_unavailable():
         pytest.skip(why)
-    from kvgate.bench.redis_cluster import ClusterGroup
+    from kvgate.redis_cluster import ClusterGroup
     from kvgate.producer.redis_url import connect, keys_for
     from kvgate.worker.consumers import Consumers
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis
 
-from kvgate.bench.redis_server import RedisServer, free_port, redis_server_binary, wait_for
+from kvgate.redis_server import RedisServer, free_port, redis_server_binary, wait_for
 
 
 ELECTION_WAIT_S = 15.0  # node timeout 1 s: an election normally wins within 2-3 s
