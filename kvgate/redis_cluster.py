@@ -1,13 +1,11 @@
 """A Redis Cluster on loopback ports, made the way an operator makes one (`redis-server --cluster-enabled yes` per
-node, then `redis-cli --cluster create`): the tests' cluster (tests/support.py re-exports it) and W-FLEET's
-cluster contestant."""
+node, then `redis-cli --cluster create`), of kvgate.redis_server.RedisServer nodes: W-FLEET's and W-DURABILITY's
+cluster contestant and the tests' cluster (tests/support.py adds the fault injection only tests use)."""
 from __future__ import annotations
 
 import shutil
 import socket
 import subprocess
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +13,6 @@ import redis
 
 from kvgate.redis_server import RedisServer, free_port, redis_server_binary, wait_for
 
-
-ELECTION_WAIT_S = 15.0  # node timeout 1 s: an election normally wins within 2-3 s
 
 
 def cluster_port() -> int:
@@ -88,44 +84,6 @@ class ClusterGroup:
             port = next(int(r[2][1]) for r in ranges if int(r[0]) <= slot <= int(r[1]))
             return next(n for n in self.nodes if n.port == port)
         raise AssertionError(f"no live node answers CLUSTER SLOTS for slot {slot}")
-
-    def replica_of(self, primary: RedisServer) -> RedisServer:
-        return next(n for n in self.nodes if n.proc and n is not primary and
-                    n.client().info("replication").get("master_port") == primary.port)
-
-    def kill(self, node: RedisServer) -> None:
-        """SIGKILL a node; a killed primary's replica takes over after the node timeout and an election."""
-        node.stop(9)
-
-    def fail_over(self, lag_s: float, victim: RedisServer | None = None) -> str:
-        """Make a primary's replica deaf for `lag_s` (DEBUG SLEEP), SIGKILL the primary meanwhile, wait for the
-        replica's promotion and a healthy cluster, restart the old primary (it rejoins as a replica); returns what
-        happened, for a chaos report."""
-        victim = victim or self.primary_nodes()[0]
-        replica, started = self.replica_of(victim), time.monotonic()
-        deaf = threading.Thread(target=lambda: replica.client(socket_timeout=lag_s + 5).execute_command(
-            "DEBUG", "SLEEP", lag_s), daemon=True)
-        deaf.start()
-        time.sleep(lag_s / 2)
-        self.kill(victim)
-        deaf.join()
-        promoted = lambda: replica.client().info("replication")["role"] == "master" and self._ok()  # noqa: E731
-        how = "by election"
-        try:
-            wait_for(promoted, ELECTION_WAIT_S, "an election")
-        except AssertionError:  # seen once on a loaded machine: no election won; what an operator does then
-            replica.client().execute_command("CLUSTER", "FAILOVER", "FORCE")
-            wait_for(promoted, 30, lambda: f"replica :{replica.port} of :{victim.port} promoted")
-            how = f"by CLUSTER FAILOVER FORCE after {ELECTION_WAIT_S:g}s without an election"
-        took = time.monotonic() - started
-        victim.start()
-        return (f"replica :{replica.port} deaf {lag_s:g}s, SIGKILL primary :{victim.port} halfway; replica "
-                f"promoted {how} after {took:.1f}s; old primary restarted as a replica")
-
-    def data_client(self):
-        from kvgate.producer.redis_url import connect
-
-        return connect(self.url)
 
     def stop(self) -> None:
         for node in self.nodes:

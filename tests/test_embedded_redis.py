@@ -5,7 +5,7 @@ import sys
 
 import redis
 
-from kvgate.commands.embedded_redis import EmbeddedRedis
+from kvgate.redis_server import EmbeddedRedis
 
 
 def test_kvgate_redis_starts_answers_ping_and_stops_cleanly(tmp_path):

@@ -13,7 +13,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 import uuid
@@ -22,6 +21,8 @@ from pathlib import Path
 import redis
 
 from kvgate.bench.queue import server_version
+from kvgate.redis_cluster import ClusterGroup
+from kvgate.redis_server import RedisServer, find_redis_server
 
 MODES = ("primary", "replicated")
 
@@ -33,35 +34,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the report here")
 
 
-def start_pair(folder: Path) -> tuple[list[subprocess.Popen], str]:
+def start_pair(folder: Path) -> tuple[list[RedisServer], str]:
     """A primary and its replica (append-only, fsync every second: Redis's usual durable setting)."""
-    from kvgate.commands.embedded_redis import find_redis_server, free_port
-
-    binary, ports, procs = shutil.which("redis-server") or find_redis_server(), [free_port(), free_port()], []
-    for i, port in enumerate(ports):
-        (folder / f"n{i}").mkdir()
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder / f"n{i}"),
-                "--appendonly", "yes", "--save", "", "--logfile", "redis.log"]
-        procs.append(subprocess.Popen(args + (["--replicaof", "127.0.0.1", str(ports[0])] if i else []),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-    replica = redis.Redis(port=ports[1])
+    binary, durable = shutil.which("redis-server") or find_redis_server(), ("--appendfsync", "everysec")
+    primary = RedisServer(folder / "n0", binary, extra_args=durable).start()
+    replica = RedisServer(folder / "n1", binary, extra_args=(*durable, "--replicaof", "127.0.0.1", str(primary.port)))
+    servers = [primary, replica.start()]
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            if replica.info("replication").get("master_link_status") == "up":
-                return procs, f"redis://127.0.0.1:{ports[0]}/0"
+            if replica.client().info("replication").get("master_link_status") == "up":
+                return servers, primary.url
         except redis.ConnectionError:
             pass
         time.sleep(0.05)
+    for server in servers:
+        server.stop(9)
     raise RuntimeError("the replica did not sync with its primary within 20 s")
 
 
-def start_cluster(folder: Path) -> tuple[list, str]:
-    """A cluster of 3 primaries with a replica each, its nodes as start_pair gives its processes."""
-    from kvgate.redis_cluster import ClusterGroup
-
+def start_cluster(folder: Path) -> tuple[list[RedisServer], str]:
+    """A cluster of 3 primaries with a replica each, its nodes as start_pair gives its servers."""
     group = ClusterGroup(folder, primaries=3, replicas=1).start()
-    return [n.proc for n in group.nodes], group.url
+    return group.nodes, group.url
 
 
 def time_submits(url: str, mode: str, jobs: int) -> list[float]:
@@ -114,7 +109,7 @@ def summary(samples: list[float]) -> dict:
 def run(args: argparse.Namespace) -> int:
     samples = {(kind, mode): [] for kind in ("submit", "finish") for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="kvgate-wdur-") as folder:
-        procs, url = start_cluster(Path(folder)) if args.cluster else start_pair(Path(folder))
+        servers, url = start_cluster(Path(folder)) if args.cluster else start_pair(Path(folder))
         try:
             for _ in range(args.rounds):
                 for mode in MODES:
@@ -122,9 +117,8 @@ def run(args: argparse.Namespace) -> int:
                     samples["finish", mode] += time_finishes(url, mode, args.jobs)
             version = server_version(url)
         finally:
-            for proc in procs:
-                proc.kill()  # nothing here needs keeping
-                proc.wait(10)
+            for server in servers:
+                server.stop(9)  # nothing here needs keeping
     report = {"redis": version, "jobs": args.jobs, "rounds": args.rounds, "cluster": args.cluster,
               **{f"{kind}_{mode}": summary(s) for (kind, mode), s in samples.items()}}
     where = "3 primaries + 1 replica each (Redis Cluster)" if args.cluster else "primary + 1 replica"

@@ -19,7 +19,7 @@ import redis
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, decode_event, encode
 from kvgate.worker.admission import AdmissionQueue
-from kvgate.commands.embedded_redis import EmbeddedRedis
+from kvgate.redis_server import EmbeddedRedis
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.worker import Worker
 

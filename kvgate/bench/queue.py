@@ -117,7 +117,7 @@ class redis_for:
     def __enter__(self) -> str:
         if self.url:
             return self.url
-        from kvgate.commands.embedded_redis import EmbeddedRedis
+        from kvgate.redis_server import EmbeddedRedis
 
         self.embedded = EmbeddedRedis().start()
         return self.embedded.url

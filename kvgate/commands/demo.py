@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start_embedded_redis(stack: ExitStack, console) -> str:
-    from kvgate.commands.embedded_redis import EmbeddedRedis
+    from kvgate.redis_server import EmbeddedRedis
 
     server = stack.enter_context(EmbeddedRedis())
     console.print(f"[bold]redis[/]   embedded redis-server at {server.url} (stopped on exit)")
