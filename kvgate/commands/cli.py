@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         Parser(prog=getattr(args, "_prog", "kvgate")).error(f"unrecognized arguments: {' '.join(extra)}")
     name = f"kvgate {args.command}" + (f" {args.bench}" if getattr(args, "bench", None) else "")
     if args._run is None:
+        extra = "gateway" if args.command == "serve" else "worker"
         print(f"{name}: not available in this install ({args._missing}); "
-              "install the worker extra: pip install 'kvgate[worker]'", file=sys.stderr)
+              f"install the {extra} extra: pip install 'kvgate[{extra}]'", file=sys.stderr)
         return 2
     try:
         if args.command in NEEDS_REDIS:

@@ -14,9 +14,17 @@ from pydantic.fields import FieldInfo
 ENV_PREFIX = "KVGATE_"
 
 
+def _extra(field: FieldInfo) -> dict:
+    return field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+
+
 def flags_of(name: str, field: FieldInfo) -> list[str]:
-    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-    return list(extra.get("flags") or [f"--{name.replace('_', '-')}"])
+    return list(_extra(field).get("flags") or [f"--{name.replace('_', '-')}"])
+
+
+def joined(field: FieldInfo) -> bool:
+    """A repeatable flag whose values add to its variable's (the gateway's API keys) instead of replacing them."""
+    return bool(_extra(field).get("joined"))
 
 
 def choices_of(field: FieldInfo) -> tuple[str, ...] | None:
@@ -26,6 +34,8 @@ def choices_of(field: FieldInfo) -> tuple[str, ...] | None:
 
 
 def metavar_of(field: FieldInfo) -> str:
+    if _extra(field).get("metavar"):
+        return _extra(field)["metavar"]
     choices = choices_of(field)
     if choices:
         return "{" + ",".join(choices) + "}"
@@ -40,7 +50,8 @@ def _help(name: str, field: FieldInfo) -> str:
     default = "unset" if field.default is None else str(field.default).replace("%", "%%")
     choices = choices_of(field)
     allowed = f"; one of {', '.join(choices)}" if choices else ""
-    return f"{field.description or ''}{allowed} (env {ENV_PREFIX}{name.upper()}; default {default})"
+    env = f"env {ENV_PREFIX}{name.upper()}" + (", comma-separated, joined with the flags" if joined(field) else "")
+    return f"{field.description or ''}{allowed} ({env}; default {default})"
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], skip: set[str]) -> None:
@@ -58,7 +69,11 @@ def add_settings_arguments(parser: argparse.ArgumentParser, model: type[BaseMode
 
 
 def given_settings(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in model.model_fields if getattr(args, name, None) is not None}
+    given = {name: getattr(args, name) for name in model.model_fields if getattr(args, name, None) is not None}
+    for name, field in model.model_fields.items():
+        if name in given and joined(field) and f"{ENV_PREFIX}{name.upper()}" in os.environ:
+            given[name] = [*given[name], os.environ[f"{ENV_PREFIX}{name.upper()}"]]  # the model splits the commas
+    return given
 
 
 def explain(error: ValidationError, model: type[BaseModel], given: dict[str, Any]) -> str:

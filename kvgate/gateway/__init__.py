@@ -5,7 +5,16 @@ state of its own: any number of replicas can run behind a load balancer. Managed
 their state in Redis and their files in a file store the replicas share. Starlette + uvicorn, from the
 `gateway` extra; importing this package never imports torch.
 """
-from .app import create_app
 from .settings import GatewaySettings
 
 __all__ = ["create_app", "GatewaySettings"]
+
+
+def __getattr__(name: str):
+    """The app (Starlette) loads on first use: `kvgate serve`'s flags, derived from GatewaySettings, are built for
+    every `kvgate` command, which should not import a web stack for that."""
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from .errors import ApiError
 
 
-def authorize(request: Request, keys: tuple[str, ...]) -> None:
+def authorize(request: Request, keys: list[str]) -> None:
     if not keys:
         return
     header = request.headers.get("authorization", "")
@@ -24,9 +24,3 @@ def authorize(request: Request, keys: tuple[str, ...]) -> None:
 
 def _masked(key: str) -> str:
     return "'" + (key[:3] + "..." + key[-2:] if len(key) > 8 else "***") + "'"
-
-
-def parse_keys(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
-    """--api-key (repeatable) and KVGATE_API_KEYS (comma-separated) together; blanks are dropped."""
-    keys = [k.strip() for k in (flags or [])] + [k.strip() for k in (env or "").split(",")]
-    return tuple(dict.fromkeys(k for k in keys if k))

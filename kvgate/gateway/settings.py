@@ -1,45 +1,88 @@
-"""What one gateway process is configured with; flags and KVGATE_* variables fill it (see kvgate/serve.py)."""
+"""What one gateway process is configured with, each setting declared once: `kvgate serve` derives one flag per
+field (kvgate/commands/flags.py), with its description, default and KVGATE_* variable in --help. Flags win over
+variables, which win over these defaults; the two lists (API keys, models) take the flags and the variable together."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from kvgate.producer.protocol import ProtocolError, check_model_name
 
 
-@dataclass(slots=True)
-class GatewaySettings:
-    redis_url: str | None = None
-    namespace: str = "kvgate"
-    api_keys: tuple[str, ...] = ()  # none: the gateway is open
-    max_backlog: int | None = None  # refuse new jobs with a 429 while the queue holds this many
-    retry_after_s: int = 1  # the Retry-After a 429 carries
-    request_timeout_s: float = 600.0  # a job with no answer by then is cancelled and answered 504
-    default_max_tokens: int = 512  # when a request gives neither max_tokens nor max_completion_tokens
-    models_cache_s: float = 2.0  # how long the list of live workers' models is reused
-    models: tuple[str, ...] = ()  # allowed models; none: any model a live worker serves or {ns}:models knows
-    max_n: int = 16  # choices (n) times prompts one request may ask for
-    durability: str = "primary"  # or "replicated": the SDK's, see RELIABILITY.md (Failover)
-    files_dir: str | None = None  # the local file store; None: file_store.default_files_dir()
-    max_file_bytes: int = 200 * 1024 * 1024  # largest upload to /v1/files (OpenAI's batch limit)
-    batch_window: int = 256  # jobs of one batch in the queue or running at a time: batches never flood the fleet
-    batch_priority: str = "low"  # so interactive requests go first
-    batch_lease_s: float = 30.0  # a dead replica's batches are resumed by another after this long
-    batch_poll_s: float = 1.0  # how often a replica looks for batches nobody drives
+def _names(value: object) -> object:
+    """KVGATE_API_KEYS=k1,k2 (and a flag given as k1,k2) is a list; blanks and repeats are dropped."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        names = [n.strip() for v in value for n in (v.split(",") if isinstance(v, str) else [v])]
+        return list(dict.fromkeys(n for n in names if n))
+    return value
 
-    def __post_init__(self):
-        if self.max_backlog is not None and self.max_backlog < 1:
-            raise ValueError(f"max_backlog={self.max_backlog} must be at least 1, or None for no limit")
-        if self.default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens={self.default_max_tokens} must be at least 1")
-        if self.durability not in ("primary", "replicated"):
-            raise ValueError(f"durability={self.durability!r}: allowed values: primary, replicated")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s={self.request_timeout_s} must be positive")
-        if self.max_file_bytes < 1 or self.batch_window < 1:
-            raise ValueError(f"max_file_bytes={self.max_file_bytes} and batch_window={self.batch_window} must be "
-                             "at least 1")
-        if self.batch_priority not in ("high", "normal", "low"):
-            raise ValueError(f"batch_priority={self.batch_priority!r} must be high, normal or low")
-        if self.batch_lease_s <= 0 or self.batch_poll_s <= 0:
-            raise ValueError(f"batch_lease_s={self.batch_lease_s} and batch_poll_s={self.batch_poll_s} must be "
-                             "positive")
-        if any(not k or any(c.isspace() for c in k) for k in self.api_keys):
+
+Names = Annotated[list[str], NoDecode, BeforeValidator(_names)]
+
+
+def _s(default, description: str, *flags: str, metavar: str | None = None, joined: bool = False, **constraints):
+    """A field whose description is its --help text; `flags` replace the --field-name derived from its name;
+    `joined`: a repeatable flag whose values add to the variable's instead of replacing them."""
+    extra = {k: v for k, v in (("flags", list(flags)), ("metavar", metavar), ("joined", joined)) if v}
+    return Field(default, description=description, json_schema_extra=extra or None, **constraints)
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", validate_assignment=True)
+
+    redis_url: str | None = _s(None, "the fleet's Redis; unset: KVGATE_REDIS_URL, else the SDK's default")
+    namespace: str = _s("kvgate", "key prefix shared by producers and workers")
+
+    # where this process listens (kvgate serve; the app itself never reads them)
+    host: str = _s("127.0.0.1", "address to bind")
+    port: int = _s(8000, "port")
+    log_level: str = _s("info", "uvicorn's log level")
+
+    api_keys: Names = _s([], "accept `Authorization: Bearer KEY`; repeatable, comma-separated in the variable; no key "
+                             "at all leaves the gateway open", "--api-key", metavar="KEY", joined=True)
+    models: Names = _s([], "accept requests for this model even before any worker serves it (scale from zero); "
+                           "repeatable. With none, the gateway accepts the models live workers serve and those the "
+                           "fleet knows ({ns}:models); with some, only these and live ones", "--model", metavar="NAME",
+                       joined=True)
+    max_backlog: int | None = _s(None, "answer 429 while this many jobs wait in the queue; unset: no limit", ge=1)
+    retry_after_s: int = _s(1, "seconds a 429's Retry-After asks clients to wait", "--retry-after")
+    request_timeout_s: float = _s(600.0, "seconds before an unanswered job is cancelled (504)", "--request-timeout",
+                                  gt=0)
+    default_max_tokens: int = _s(512, "max_tokens when a request gives neither max_tokens nor max_completion_tokens",
+                                 ge=1)
+    max_n: int = _s(16, "most choices (n times prompts) in one request")
+    models_cache_s: float = _s(2.0, "seconds the list of live workers' models is reused")
+    durability: Literal["primary", "replicated"] = _s(
+        "primary", "replicated: a request is enqueued only once a replica holds it, resent across a failover "
+                   "(RELIABILITY.md, Failover)")
+
+    # files and managed batches
+    files_dir: str | None = _s(None, "where /v1/files and batch outputs are stored; replicas must share it; unset: "
+                                     "$XDG_DATA_HOME/kvgate/files or ~/.local/share/kvgate/files")
+    max_file_bytes: int = _s(200 * 1024 * 1024, "largest upload to /v1/files, in bytes (OpenAI's batch limit)",
+                             "--max-file-size", ge=1)
+    batch_window: int = _s(256, "jobs of one batch queued or running at a time: batches never flood the fleet", ge=1)
+    batch_priority: Literal["high", "normal", "low"] = _s("low", "queue for batch jobs, so interactive requests go "
+                                                                 "first")
+    batch_lease_s: float = _s(30.0, "seconds after which another replica resumes the batches of a replica that died",
+                              "--batch-lease", gt=0)
+    batch_poll_s: float = _s(1.0, "how often a replica looks for batches nobody drives, seconds", gt=0)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, keys: list[str]) -> list[str]:
+        if any(any(c.isspace() for c in k) for k in keys):
             raise ValueError("API keys must be non-empty with no whitespace")
+        return keys
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, names: list[str]) -> list[str]:
+        try:
+            return [check_model_name(n) for n in names]
+        except ProtocolError as e:
+            raise ValueError(str(e)) from None

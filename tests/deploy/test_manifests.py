@@ -192,14 +192,15 @@ def test_compose_stack_has_every_service_and_its_mounted_files_exist():
     assert (DEPLOY / "Dockerfile").exists() and (DEPLOY / "README.md").exists()
 
 
-def test_every_kvgate_variable_in_deploy_is_a_setting_the_worker_reads():
+def test_every_kvgate_variable_in_deploy_is_a_setting_the_worker_or_the_gateway_reads():
     import re
 
+    from kvgate.gateway.settings import GatewaySettings
     from kvgate.worker.settings import WorkerSettings
 
     known = {f"KVGATE_{name.upper()}" for name in WorkerSettings.model_fields}
     known |= {"KVGATE_EXPORTER_PORT", "KVGATE_EXPORTER_ADDR"}  # read by `kvgate exporter`
-    known |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", (DEPLOY.parent / "kvgate/commands/serve.py").read_text()))  # `kvgate serve`
+    known |= {f"KVGATE_{name.upper()}" for name in GatewaySettings.model_fields}  # `kvgate serve`
     used = set()
     for path in [*K8S.glob("*.yaml"), DEPLOY / "compose.yaml"]:
         used |= set(re.findall(r"\bKVGATE_[A-Z0-9_]+", path.read_text()))

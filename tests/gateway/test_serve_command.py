@@ -48,18 +48,53 @@ def test_serve_takes_keys_from_flags_and_env_and_exits_0_on_sigterm(sim_fleet):
             proc.wait()
 
 
-def test_batch_flags_and_their_variables_reach_the_settings(monkeypatch):
+def serve_settings(*argv: str):
     import argparse
 
     from kvgate.commands.cli import add_connection_arguments
     from kvgate.commands.serve import add_arguments, settings_from
 
-    monkeypatch.setenv("KVGATE_FILES_DIR", "/data/kvgate-files")
-    monkeypatch.setenv("KVGATE_BATCH_LEASE_S", "7.5")
     parser = argparse.ArgumentParser()
     add_connection_arguments(parser)
     add_arguments(parser)
-    s = settings_from(parser.parse_args(["--batch-window", "5", "--max-file-size", "1000", "--batch-priority",
-                                         "normal"]))
+    return settings_from(parser.parse_args(argv))
+
+
+def test_api_keys_and_models_come_from_flags_and_the_comma_separated_variable_together(monkeypatch):
+    assert serve_settings().api_keys == [] and serve_settings().models == []
+    monkeypatch.setenv("KVGATE_API_KEYS", " c, ,a ")
+    monkeypatch.setenv("KVGATE_MODELS", "m2")
+    s = serve_settings("--api-key", "a", "--api-key", "b", "--model", "m1")
+    assert (s.api_keys, s.models) == (["a", "b", "c"], ["m1", "m2"])
+    assert serve_settings().api_keys == ["c", "a"]
+
+
+def test_every_serve_flag_shows_its_default_and_its_variable():
+    from kvgate.gateway import GatewaySettings
+
+    text = subprocess.run([sys.executable, "-m", "kvgate.commands.cli", "serve", "--help"], cwd=ROOT, check=True,
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "250"}).stdout
+    for name in set(GatewaySettings.model_fields) - {"redis_url", "namespace"}:
+        assert f"env KVGATE_{name.upper()}" in text, name
+    for flag in ("--api-key", "--model", "--max-backlog", "--retry-after", "--request-timeout", "--default-max-tokens",
+                 "--max-n", "--durability", "--files-dir", "--max-file-size", "--batch-window", "--batch-priority",
+                 "--batch-lease", "--host", "--port", "--log-level"):
+        assert flag in text, flag
+
+
+def test_a_bad_serve_setting_is_one_line_naming_the_flag_or_the_variable(monkeypatch):
+    import pytest
+
+    with pytest.raises(ValueError, match=r"--max-backlog '0': input should be greater than or equal to 1"):
+        serve_settings("--max-backlog", "0")
+    monkeypatch.setenv("KVGATE_BATCH_PRIORITY", "urgent")
+    with pytest.raises(ValueError, match="KVGATE_BATCH_PRIORITY='urgent': not allowed; allowed values: high, normal, low"):
+        serve_settings()
+
+
+def test_batch_flags_and_their_variables_reach_the_settings(monkeypatch):
+    monkeypatch.setenv("KVGATE_FILES_DIR", "/data/kvgate-files")
+    monkeypatch.setenv("KVGATE_BATCH_LEASE_S", "7.5")
+    s = serve_settings("--batch-window", "5", "--max-file-size", "1000", "--batch-priority", "normal")
     assert (s.files_dir, s.batch_lease_s, s.batch_window, s.max_file_bytes, s.batch_priority) == (
         "/data/kvgate-files", 7.5, 5, 1000, "normal")

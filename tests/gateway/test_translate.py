@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 
 from kvgate.gateway import GatewaySettings
-from kvgate.gateway.auth import parse_keys
 from kvgate.gateway.errors import ApiError
 from kvgate.gateway.translate import plan
 
@@ -48,11 +47,6 @@ def test_too_many_choices_disagreeing_max_tokens_and_tool_messages_are_refused()
         == "messages[0].name"
     assert _refused("completion", {"model": "m", "prompt": ["ok", ""]}).param == "prompt[1]"
     assert _refused("completion", {"model": "m", "prompt": "x", "best_of": 3}).param == "best_of"
-
-
-def test_api_keys_come_from_flags_and_the_comma_separated_variable():
-    assert parse_keys(["a", "b"], " c, ,a ") == ("a", "b", "c")
-    assert parse_keys(None, None) == ()
 
 
 def test_prompt_cache_key_becomes_the_jobs_prefix_key_and_a_bad_one_is_named():
