@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -284,17 +283,13 @@ def encode_metadata(metadata: dict[str, str]) -> bytes:
     return _encoder.encode(metadata)
 
 
-def now() -> float:
-    return time.time()
-
-
 def as_text(value) -> str:
     """Redis replies are bytes unless the client decodes them."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class Keys:
-    """Redis key names for one namespace (see design.md, 'Redis keys'). On a Redis Cluster (`cluster=True`) the
+    """Redis key names for one namespace (see README.md, Architecture, 'Redis keys'). On a Redis Cluster (`cluster=True`) the
     namespace is split into `shards`, each under its own hash tag (producer/shards.py): this root object names a
     job's keys in the job's shard (by its id, or its idempotency key), lists streams of every shard, and puts the
     fleet's own keys (heartbeats, models, lanes) in shard 0; `at(k)` and `of_stream` name one shard's keys."""

@@ -1,6 +1,6 @@
-"""The direction of imports, kernels <- engine <- worker -> producer.protocol, read from the source (every import
-statement, those inside functions included), and the SDK's lightness read from a real interpreter and a built
-wheel. The checker is proved on a synthetic tree that breaks each rule once."""
+"""The direction of imports, kernels <- engine <- worker -> the SDK's wire format and Redis plumbing
+(SHARED_WITH_WORKERS), read from the source (every import statement, those inside functions included), and the
+SDK's lightness read from a real interpreter and a built wheel. The checker is proved on a synthetic tree that breaks each rule once."""
 from __future__ import annotations
 
 import ast
@@ -31,18 +31,25 @@ class Layer:
     exact: bool = False  # the package's own __init__ only, not what lies under it
 
 
+# What the worker shares with the SDK, and why: the wire format (protocol) and the Redis plumbing both sides must do
+# alike, byte for byte: one connection factory for every URL form, Sentinel and Cluster included (redis_url), a
+# Cluster's scripts and node links (cluster), which shard a key lives in (shards) and the prefix-affinity lane a prompt
+# hashes to (lanes). They import only one another, never the rest of the SDK (client, handles, errors, queue
+# statistics), which the worker never reaches.
+SHARED_WITH_WORKERS = ("kvgate.producer.protocol", "kvgate.producer.redis_url", "kvgate.producer.cluster",
+                       "kvgate.producer.shards", "kvgate.producer.lanes")
+
 # First match wins. Everything else under kvgate/ (commands, gateway, bench) sits above every layer.
 LAYERS = (
     Layer("kvgate", ("kvgate.producer",), HEAVY, exact=True),  # `import kvgate` is the SDK
     Layer("kvgate.kernels", ("kvgate.kernels",), NO_REDIS),
     Layer("kvgate.engine", ("kvgate.engine", "kvgate.kernels"), NO_REDIS),
-    Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", "kvgate.producer.protocol",
-                            "kvgate.producer.redis_url", "kvgate.producer.lanes", "kvgate.producer.cluster",
-                            "kvgate.producer.shards")),
-    # the one Redis connection factory (Sentinel and Cluster included) that workers and the SDK share
+    Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", *SHARED_WITH_WORKERS)),
     Layer("kvgate.producer.redis_url", ("kvgate.producer.protocol", "kvgate.producer.cluster",
                                         "kvgate.producer.shards"), HEAVY),
     Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards"), HEAVY),
+    Layer("kvgate.producer.lanes", ("kvgate.producer.protocol",), HEAVY),
+    Layer("kvgate.producer.protocol", ("kvgate.producer.shards",), HEAVY),
     Layer("kvgate.producer.shards", (), HEAVY),
     Layer("kvgate.producer", ("kvgate.producer",), HEAVY),
     # OpenAI's dialect, shared by `kvgate serve` and `kvgate batch`: over the SDK, so `kvgate batch` needs no extra
@@ -128,10 +135,12 @@ SYNTHETIC = {
     "engine/llm.py": "import torch\nfrom kvgate.kernels import ops\nfrom . import sampler\n",
     "worker/__init__.py": "",
     "worker/worker.py": "import redis\nfrom kvgate.engine import llm\nfrom kvgate.producer.protocol import Keys\n"
-                        "from kvgate.producer import protocol\nfrom kvgate.producer.redis_url import connect\n",
+                        "from kvgate.producer import protocol\nfrom kvgate.producer.redis_url import connect\n"
+                        "from kvgate.producer.lanes import digest\n",
     "producer/__init__.py": "from .client import Client\n",
     "producer/client.py": "import redis\nfrom .protocol import Keys\n",
     "producer/redis_url.py": "import redis\nfrom .protocol import mask_url\n",
+    "producer/lanes.py": "import hashlib\nfrom .protocol import Message\n",
 }
 # One import each rule forbids, the file it goes in, and the words the report must carry.
 BREAKS = {
@@ -152,6 +161,8 @@ BREAKS = {
                                           "kvgate.worker may import only"),
     "the connection factory reaches the SDK": ("producer/redis_url.py", "from .errors import ConnectionFailed",
                                                "kvgate.producer.redis_url may import only"),
+    "the lanes reach the SDK client": ("producer/lanes.py", "from .client import Client",
+                                       "kvgate.producer.lanes may import only"),
     "producer reaches the worker": ("producer/client.py", "from kvgate.worker.reader import Reader",
                                     "kvgate.producer may import only"),
     "producer reaches the engine relatively": ("producer/client.py", "from ..engine import llm",
