@@ -12,18 +12,19 @@ import redis.asyncio as aioredis
 from tqdm.auto import tqdm
 
 from .async_handle import AsyncJobHandle
-from .client import CHUNK, CLOSED_REPLY_TTL_S, _plain_messages, _with_plain_messages, check_client_id
+from .client import CHUNK, CLOSED_REPLY_TTL_S, check_client_id
 from .connection import refusal_of, resolve_url, translated
 from .errors import KvgateError, PartiallySubmitted
 from .idempotency import owner_tag
 from .job_status import JobStatus, job_states_script, job_status, read_states
 from .mailbox import ReplyRouter
-from .protocol import DEFAULT_MODEL, Keys, Message, decode_final
+from .protocol import DEFAULT_MODEL, Keys, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
 from .durable import AsyncDurableSubmitter, with_claim
 from .cluster import get_many, is_cluster
 from .redis_url import FAILOVER_BUDGET_S, Durability, connect, connect_async, keys_for_async
 from .reply_reader import READ_COUNT, ReaderState, is_noperm
+from .request import plain_messages, submit_arguments, takes_submit_arguments
 from .result import Result
 from .lane_count import LaneCount
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
@@ -95,23 +96,10 @@ class AsyncClient:
         self._grouped.update(models)
 
     # -- submitting -------------------------------------------------------------------------------
-    async def submit(self, prompt: str | None = None, *, messages: list[dict | Message] | None = None,
-                     prompt_token_ids: list[int] | None = None, max_tokens: int = 256, temperature: float = 1.0,
-                     top_p: float = 1.0, top_k: int = -1, repetition_penalty: float = 1.0,
-                     frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
-                     stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-                     ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
-                     ttl_s: float | None = None, deadline: float | None = None,
-                     idempotency_key: str | None = None, stream: bool = False,
-                     metadata: dict[str, str] | None = None, model: str | None = None,
-                     prefix_key: str | None = None) -> AsyncJobHandle:
-        args = dict(model=model, prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
-                    max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                    repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                    presence_penalty=presence_penalty, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
-                    ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
-                    idempotency_key=idempotency_key, stream=stream, metadata=metadata,
-                    prefix_key=prefix_key)
+    @takes_submit_arguments
+    async def submit(self, prompt: str | None = None, **arguments) -> AsyncJobHandle:
+        """As Client.submit."""
+        args = submit_arguments(self, prompt, arguments)
         await self.start()
         prepared = prepare(args, self.keys, self.client_id, lanes=await self._lanes())
         return (await self._enqueue([prepared]))[0]
@@ -120,7 +108,7 @@ class AsyncClient:
                           chunk_size: int = CHUNK) -> list[AsyncJobHandle]:
         await self.start()
         lanes = await self._lanes()
-        prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].", lanes=lanes)
+        prepared = [prepare(plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].", lanes=lanes)
                     for i, r in enumerate(requests)]
         handles: list[AsyncJobHandle] = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:

@@ -17,10 +17,11 @@ from .handle import JobHandle
 from .idempotency import owner_tag
 from .job_status import JobStatus, job_states_script, job_status
 from .mailbox import ReplyRouter
-from .protocol import DEFAULT_MODEL, Message, decode_final
+from .protocol import DEFAULT_MODEL, decode_final
 from .queue_stats import QueueStats, read_queue_stats, total_backlog
 from .redis_url import FAILOVER_BUDGET_S, Durability, connect, keys_for
 from .reply_reader import ReaderState, ReplyReader
+from .request import plain_messages, submit_arguments, takes_submit_arguments
 from .result import Result
 from .lane_count import LaneCount
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, claim_script, group_commands,
@@ -74,24 +75,12 @@ class Client:
             self._readers[-1].start()
 
     # -- submitting -------------------------------------------------------------------------------
-    def submit(self, prompt: str | None = None, *, messages: list[dict | Message] | None = None,
-               prompt_token_ids: list[int] | None = None, max_tokens: int = 256, temperature: float = 1.0,
-               top_p: float = 1.0, top_k: int = -1, repetition_penalty: float = 1.0,
-               frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
-               stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-               ignore_eos: bool = False, seed: int | None = None, priority: str = "normal",
-               ttl_s: float | None = None, deadline: float | None = None, idempotency_key: str | None = None,
-               stream: bool = False, metadata: dict[str, str] | None = None,
-               model: str | None = None, prefix_key: str | None = None) -> JobHandle:
+    @takes_submit_arguments
+    def submit(self, prompt: str | None = None, **arguments) -> JobHandle:
         """Validate, then enqueue one job on its model's streams (`model=None`: the `default` model, which
-        every worker serves unless told not to). Raises InvalidRequest before anything is enqueued."""
-        args = dict(model=model, prompt=prompt, messages=_plain_messages(messages), prompt_token_ids=prompt_token_ids,
-                    max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                    repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                    presence_penalty=presence_penalty, logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
-                    ignore_eos=ignore_eos, seed=seed, priority=priority, ttl_s=ttl_s, deadline=deadline,
-                    idempotency_key=idempotency_key, stream=stream, metadata=metadata,
-                    prefix_key=prefix_key)
+        every worker serves unless told not to). Raises InvalidRequest before anything is enqueued. The keywords
+        are SubmitRequest's: the sampling fields of wire.Sampling and the job's own (see help())."""
+        args = submit_arguments(self, prompt, arguments)
         prepared = prepare(args, self.keys, self.client_id, lanes=self._lanes())
         return self._enqueue([prepared])[0]
 
@@ -102,7 +91,7 @@ class Client:
         memory or read-only) in the first chunk enqueued nothing; in a later one, PartiallySubmitted says which
         requests were enqueued (with their handles) and which were not."""
         lanes = self._lanes()
-        prepared = [prepare(_with_plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].", lanes=lanes)
+        prepared = [prepare(plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].", lanes=lanes)
                     for i, r in enumerate(requests)]
         handles: list[JobHandle] = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
@@ -254,14 +243,3 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _plain_messages(messages):
-    if not isinstance(messages, (list, tuple)):  # None, or a wrong type that validation names as a whole
-        return messages
-    return [{"role": m.role, "content": m.content} if isinstance(m, Message) else m for m in messages]
-
-
-def _with_plain_messages(request: dict[str, Any]) -> dict[str, Any]:
-    if not isinstance(request, dict):
-        return request
-    return {**request, "messages": _plain_messages(request["messages"])} if "messages" in request else request
