@@ -41,9 +41,12 @@ LAYERS = (
                             "kvgate.producer.shards")),
     # the one Redis connection factory (Sentinel and Cluster included) that workers and the SDK share
     Layer("kvgate.producer.redis_url", ("kvgate.producer.protocol", "kvgate.producer.cluster",
-                                        "kvgate.producer.shards"), HEAVY),
-    Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards"), HEAVY),
+                                        "kvgate.producer.shards", "kvgate.producer.steps"), HEAVY),
+    Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards",
+                                      "kvgate.producer.steps"), HEAVY),
     Layer("kvgate.producer.shards", (), HEAVY),
+    # the drivers that run one piece of Redis logic with blocking calls or on asyncio: the standard library only
+    Layer("kvgate.producer.steps", (), HEAVY),
     Layer("kvgate.producer", ("kvgate.producer",), HEAVY),
     Layer("kvgate", None),
 )
