@@ -80,13 +80,10 @@ class AsyncClient(ClientBase):
     @takes_submit_arguments
     async def submit(self, prompt: str | None = None, **arguments) -> AsyncJobHandle:
         """As Client.submit."""
-        args = submit_arguments(self, prompt, arguments)
-        await self.start()
-        return await self._run(self._submit(args))
+        return await self._run(self._submit(submit_arguments(self, prompt, arguments)))
 
     async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                           chunk_size: int = CHUNK) -> list[AsyncJobHandle]:
-        await self.start()
         return await self._run(self._submit_many(requests, progress, chunk_size))
 
     # -- results ----------------------------------------------------------------------------------
