@@ -1,4 +1,16 @@
-"""Per-request sampling settings, validated at construction so a bad value fails where it was made."""
+"""Per-request sampling settings, validated at construction so a bad value fails where it was made.
+
+The queue's requests declare these fields once, in the wire's `Sampling` (kvgate/producer/protocol.py); the engine
+may not import the SDK (kernels <- engine <- worker -> producer.protocol), so it keeps this dataclass of its own and
+tests/producer/test_field_agreement.py holds the two to the same names, defaults and bounds. Where they differ on
+purpose:
+- `max_tokens` defaults to 16 here, as vLLM's SamplingParams does: `LLM(...).generate(prompts)` is vLLM's API, and
+  code moved from vLLM gets the lengths it had. A queued job defaults to the wire's 256 (the SDK's too); the
+  gateway's 512 is an operator's setting (--default-max-tokens) for bodies that give none.
+- the engine sets no upper bound on max_tokens, temperature or seed, nor on how many stop strings or stop ids: the
+  wire's limits (MAX_TOKENS_LIMIT, 100, 2**63, 16, 64) keep one job's payload from costing a worker, which a local
+  caller cannot do to anyone but itself. max_tokens is cut to what max_model_len leaves when the request is added.
+"""
 from __future__ import annotations
 
 import math

@@ -3,29 +3,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AsyncIterator
 
-from .errors import JobLost, ResultTimeout
-from .handle import settled_result
+from .errors import ResultTimeout
+from .handle import HandleBase, StreamCursor, settled_result
 from .job_status import JobStatus
-from .mailbox import Mailbox
 from .result import Result
-from .stream import StreamItem, closing_items
+from .stream import StreamItem
 
 if TYPE_CHECKING:
     from .async_client import AsyncClient
 
 
-class AsyncJobHandle:
-    __slots__ = ("job_id", "_client", "_box")
-
-    def __init__(self, client: "AsyncClient", box: Mailbox):
-        self.job_id = box.job_id
-        self._client, self._box = client, box
-
-    def __repr__(self) -> str:
-        return f"AsyncJobHandle(job_id={self.job_id!r}, done={self.done()})"
-
-    def done(self) -> bool:
-        return self._box.final is not None
+class AsyncJobHandle(HandleBase):
+    __slots__ = ()
+    _client: "AsyncClient"
 
     async def status(self) -> JobStatus:
         return await self._client.status(self.job_id)
@@ -38,23 +28,13 @@ class AsyncJobHandle:
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[StreamItem]:
         """As JobHandle.stream: deltas and Restart items; the text since the last Restart is the result's."""
-        box, seen = self._box, 0
-        deadline = self._client._deadline(timeout)
-        while True:
-            ready = await self._client._wait_until(lambda: len(box.items) > seen or box.settled,
-                                                   self._client._remaining(deadline))
-            if not ready:
+        cursor, deadline = StreamCursor(self._box), self._client._deadline(timeout)
+        while not cursor.ended:
+            if not await self._client._wait_until(cursor.ready, self._client._remaining(deadline)):
                 raise ResultTimeout(self.job_id, timeout)
-            fresh = box.items[seen:]
-            seen += len(fresh)
-            for item in fresh:
+            for item in cursor.take():
                 yield item
-            if box.settled and seen == len(box.items):
-                if box.final is None:
-                    raise JobLost(self.job_id, box.lost)
-                for item in closing_items(box.items, box.final):
-                    yield item
-                return
+        cursor.finish()
 
     async def cancel(self) -> None:
         await self._client.cancel(self.job_id)

@@ -26,6 +26,7 @@ from redis.crc import key_slot
 
 from .protocol import mask_url
 from .shards import check_shards
+from .steps import Steps, call, returning, run
 
 log = logging.getLogger(__name__)
 
@@ -155,12 +156,13 @@ def shards_key(namespace: str) -> str:
     return f"{namespace}:shards"
 
 
-def agreed_shards(client: RedisCluster, namespace: str, wanted: int | None) -> int:
+def shard_count(client, namespace: str, wanted: int | None) -> Steps:
     """The namespace's recorded shard count; the first caller records `wanted` (or the default)."""
-    recorded = client.get(shards_key(namespace))  # read first: a read-only user (monitor, KEDA) may not record it
-    if recorded is None:
-        client.set(shards_key(namespace), wanted or SHARDS_PER_PRIMARY * max(1, len(client.get_primaries())), nx=True)
-        recorded = client.get(shards_key(namespace))
+    recorded = yield call(client.get, shards_key(namespace))  # read first: a read-only user (monitor, KEDA) may not
+    if recorded is None:                                        # record it
+        count = wanted or SHARDS_PER_PRIMARY * max(1, len(client.get_primaries()))
+        yield call(client.set, shards_key(namespace), count, nx=True)
+        recorded = yield call(client.get, shards_key(namespace))
     recorded = int(recorded)
     if wanted and wanted != recorded:
         log.warning("namespace %s is split into %d shards (recorded at %s); ignoring shards=%d from the URL",
@@ -168,17 +170,8 @@ def agreed_shards(client: RedisCluster, namespace: str, wanted: int | None) -> i
     return check_shards(recorded)
 
 
-async def agreed_shards_async(client, namespace: str, wanted: int | None) -> int:
-    recorded = await client.get(shards_key(namespace))
-    if recorded is None:
-        await client.set(shards_key(namespace), wanted or SHARDS_PER_PRIMARY * max(1, len(client.get_primaries())),
-                         nx=True)
-        recorded = await client.get(shards_key(namespace))
-    recorded = int(recorded)
-    if wanted and wanted != recorded:
-        log.warning("namespace %s is split into %d shards (recorded at %s); ignoring shards=%d from the URL",
-                    namespace, recorded, shards_key(namespace), wanted)
-    return check_shards(recorded)
+def agreed_shards(client: RedisCluster, namespace: str, wanted: int | None) -> int:
+    return run(shard_count(client, namespace, wanted))
 
 
 # ---- WAIT on a cluster: a connection of our own per primary ----------------------------------------------------
@@ -227,18 +220,22 @@ class NodeLinks:
         """`writes(link)` on the link to `key`'s primary. A dead primary (ConnectionError) or a slot served elsewhere
         now (a redirection among the replies, or raised) reads the slots again and raises a ConnectionError, so the
         caller's retry goes to the new primary; other errors stay the caller's."""
+        return run(self.run_steps(key, lambda link: returning(writes(link))))
+
+    def run_steps(self, key: str, writes) -> Steps:
+        """`run` as steps (steps.py), with `writes(link)` steps too: AsyncNodeLinks's links are redis.asyncio."""
         try:
-            replies = writes(self.link(key))
+            replies = yield from writes(self.link(key))
         except redis.ConnectionError:
-            self.forget()
+            yield self.forget
             raise
         except redis.ResponseError as e:
             if is_moved(e):
-                self.forget()
+                yield self.forget
                 raise SlotMoved(f"a shard's slot is served elsewhere now ({e}); the slots were read again") from e
             raise
         if (moved := first_moved(replies)) is not None:
-            self.forget()
+            yield self.forget
             raise moved
         return replies
 
@@ -255,7 +252,7 @@ class NodeLinks:
 
 
 class AsyncNodeLinks(NodeLinks):
-    """NodeLinks on redis.asyncio."""
+    """NodeLinks on redis.asyncio: run_steps, driven by steps.run_async."""
 
     def link(self, key: str):
         import redis.asyncio as aioredis
@@ -264,22 +261,6 @@ class AsyncNodeLinks(NodeLinks):
         if node.name not in self.links:
             self.links[node.name] = aioredis.Redis(host=node.host, port=node.port, **self.kwargs)
         return self.links[node.name]
-
-    async def run(self, key: str, writes):
-        try:
-            replies = await writes(self.link(key))
-        except redis.ConnectionError:
-            await self.forget()
-            raise
-        except redis.ResponseError as e:
-            if is_moved(e):
-                await self.forget()
-                raise SlotMoved(f"a shard's slot is served elsewhere now ({e}); the slots were read again") from e
-            raise
-        if (moved := first_moved(replies)) is not None:
-            await self.forget()
-            raise moved
-        return replies
 
     async def forget(self) -> None:
         await self.close()

@@ -15,8 +15,9 @@ import threading
 from .cluster import AsyncNodeLinks, NodeLinks, is_cluster
 from .idempotency import Claim, owner_tag
 from .protocol import Keys
-from .redis_url import Durability, across_failover, across_failover_async, connect, connect_async
-from .submission import Prepared, by_shard, enqueue_commands, enqueue_commands_async
+from .redis_url import Durability, connect, connect_async
+from .steps import Steps, call
+from .submission import Prepared, across_failover, by_shard, enqueue_commands
 
 AUTO_CLAIM_TTL_S = 3600  # only the retries of one submit read it: far past any failover, far short of a day of keys
 
@@ -40,88 +41,58 @@ def place(replies: list, group: list[int], done: list) -> None:
 
 
 class DurableSubmitter:
-    """Client's replicated submits: MULTI/EXEC of the claims, then WAIT, on one connection, across failovers. On a
-    Redis Cluster, the same per shard, on a link of its own to the shard's primary (cluster.NodeLinks)."""
+    """Replicated submits: MULTI/EXEC of the claims, then WAIT, on one connection, across failovers. On a Redis
+    Cluster, the same per shard, on a link of its own to the shard's primary (cluster.NodeLinks). `send` is steps
+    (steps.py): the Client runs them blocking (`blocking`), the AsyncClient on redis.asyncio (`on_asyncio`)."""
 
-    def __init__(self, url: str, durability: Durability, budget_s: float):
-        self.conn = connect(url, max_connections=1)  # the pipeline and its WAIT must share a connection
-        self.links = NodeLinks(self.conn, url) if is_cluster(url) else None
+    def __init__(self, conn, links: NodeLinks | None, lock, durability: Durability, budget_s: float):
+        self.conn, self.links, self.lock = conn, links, lock  # the pipeline and its WAIT must share a connection
         self.durability, self.budget_s = durability, budget_s
-        self.lock = threading.Lock()
 
-    def send(self, script, prepared: list[Prepared], keys: Keys) -> list:
-        with self.lock:
-            return across_failover(lambda: self._once(script, prepared, keys), self.budget_s)
+    @classmethod
+    def blocking(cls, url: str, durability: Durability, budget_s: float) -> "DurableSubmitter":
+        conn = connect(url, max_connections=1)
+        return cls(conn, NodeLinks(conn, url) if is_cluster(url) else None, threading.Lock(), durability, budget_s)
 
-    def _once(self, script, prepared: list[Prepared], keys: Keys) -> list:
+    @classmethod
+    def on_asyncio(cls, url: str, durability: Durability, budget_s: float) -> "DurableSubmitter":
+        conn = connect_async(url, max_connections=1)
+        return cls(conn, AsyncNodeLinks(conn, url) if is_cluster(url) else None, asyncio.Lock(), durability, budget_s)
+
+    def send(self, script, prepared: list[Prepared], keys: Keys) -> Steps:
+        yield self.lock.acquire  # one submit at a time: WAIT counts the connection's writes
+        try:
+            return (yield from across_failover(lambda: self._once(script, prepared, keys), self.budget_s))
+        finally:
+            self.lock.release()
+
+    def _once(self, script, prepared: list[Prepared], keys: Keys) -> Steps:
         if self.links is not None:
-            return self._per_shard(script, prepared, keys)
+            return (yield from self._per_shard(script, prepared, keys))
         pipe = self.conn.pipeline(transaction=True)
-        enqueue_commands(pipe, script, prepared, keys)
-        replies = pipe.execute()
-        self.durability.check(self.conn.execute_command("WAIT", self.durability.replicas, self.durability.timeout_ms))
+        yield from enqueue_commands(pipe, script, prepared, keys)
+        replies = yield pipe.execute
+        self.durability.check((yield call(self.conn.execute_command, "WAIT", self.durability.replicas,
+                                          self.durability.timeout_ms)))
         return replies
 
-    def _per_shard(self, script, prepared: list[Prepared], keys: Keys) -> list:
-        self.conn.sadd(keys.models(), *sorted({p.model for p in prepared}))
+    def _per_shard(self, script, prepared: list[Prepared], keys: Keys) -> Steps:
+        yield call(self.conn.sadd, keys.models(), *sorted({p.model for p in prepared}))
         replies: list = [None] * len(prepared)
         for group in by_shard(prepared, keys):
-            def writes(link, jobs=[prepared[i] for i in group]):
+            def writes(link, jobs=[prepared[i] for i in group]) -> Steps:
                 pipe = link.pipeline(transaction=True)
-                enqueue_commands(pipe, script, jobs, keys, models=False)
-                return pipe.execute(raise_on_error=False) + [link.execute_command(
-                    "WAIT", self.durability.replicas, self.durability.timeout_ms)]
+                yield from enqueue_commands(pipe, script, jobs, keys, models=False)
+                done = yield call(pipe.execute, raise_on_error=False)
+                return done + [(yield call(link.execute_command, "WAIT", self.durability.replicas,
+                                           self.durability.timeout_ms))]
 
-            *done, acked = self.links.run(prepared[group[0]].stream, writes)
+            *done, acked = yield from self.links.run_steps(prepared[group[0]].stream, writes)
             self.durability.check(acked)
             place(replies, group, done)
         return replies
 
-    def close(self) -> None:
+    def close(self) -> Steps:
         if self.links is not None:
-            self.links.close()
-        self.conn.close()
-
-
-class AsyncDurableSubmitter:
-    """AsyncClient's twin of DurableSubmitter."""
-
-    def __init__(self, url: str, durability: Durability, budget_s: float):
-        self.conn = connect_async(url, max_connections=1)
-        self.links = AsyncNodeLinks(self.conn, url) if is_cluster(url) else None
-        self.durability, self.budget_s = durability, budget_s
-        self.lock = asyncio.Lock()
-
-    async def send(self, script, prepared: list[Prepared], keys: Keys) -> list:
-        async with self.lock:
-            return await across_failover_async(lambda: self._once(script, prepared, keys), self.budget_s)
-
-    async def _once(self, script, prepared: list[Prepared], keys: Keys) -> list:
-        if self.links is not None:
-            return await self._per_shard(script, prepared, keys)
-        pipe = self.conn.pipeline(transaction=True)
-        await enqueue_commands_async(pipe, script, prepared, keys)
-        replies = await pipe.execute()
-        reply = await self.conn.execute_command("WAIT", self.durability.replicas, self.durability.timeout_ms)
-        self.durability.check(reply)
-        return replies
-
-    async def _per_shard(self, script, prepared: list[Prepared], keys: Keys) -> list:
-        await self.conn.sadd(keys.models(), *sorted({p.model for p in prepared}))
-        replies: list = [None] * len(prepared)
-        for group in by_shard(prepared, keys):
-            async def writes(link, jobs=[prepared[i] for i in group]):
-                pipe = link.pipeline(transaction=True)
-                await enqueue_commands_async(pipe, script, jobs, keys, models=False)
-                return await pipe.execute(raise_on_error=False) + [await link.execute_command(
-                    "WAIT", self.durability.replicas, self.durability.timeout_ms)]
-
-            *done, acked = await self.links.run(prepared[group[0]].stream, writes)
-            self.durability.check(acked)
-            place(replies, group, done)
-        return replies
-
-    async def close(self) -> None:
-        if self.links is not None:
-            await self.links.close()
-        await self.conn.aclose()
+            yield self.links.close
+        yield getattr(self.conn, "aclose", self.conn.close)

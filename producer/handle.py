@@ -1,6 +1,7 @@
-"""JobHandle: one submitted job, as the Client sees it."""
+"""JobHandle: one submitted job, as the Client sees it; HandleBase and StreamCursor are what AsyncJobHandle shares."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from .errors import JobLost, ResultTimeout
@@ -13,18 +14,50 @@ if TYPE_CHECKING:
     from .client import Client
 
 
-class JobHandle:
+class HandleBase:
     __slots__ = ("job_id", "_client", "_box")
 
-    def __init__(self, client: "Client", box: Mailbox):
+    def __init__(self, client, box: Mailbox):
         self.job_id = box.job_id
         self._client, self._box = client, box
 
     def __repr__(self) -> str:
-        return f"JobHandle(job_id={self.job_id!r}, done={self.done()})"
+        return f"{type(self).__name__}(job_id={self.job_id!r}, done={self.done()})"
 
     def done(self) -> bool:
         return self._box.final is not None
+
+
+@dataclass(slots=True)
+class StreamCursor:
+    """What `stream()` yields next from a job's mailbox, without waiting: the thread's and the task's iterators wait
+    until `ready`, then yield `take()`, until `ended`; `finish` then raises JobLost if the job was lost."""
+
+    box: Mailbox
+    seen: int = 0
+    ended: bool = False
+
+    def ready(self) -> bool:
+        return len(self.box.items) > self.seen or self.box.settled
+
+    def take(self) -> list[StreamItem]:
+        box = self.box
+        fresh = box.items[self.seen:]
+        self.seen += len(fresh)
+        if box.settled and self.seen == len(box.items):
+            self.ended = True
+            if box.final is not None:
+                fresh = [*fresh, *closing_items(box.items, box.final)]
+        return fresh
+
+    def finish(self) -> None:
+        if self.box.final is None:
+            raise JobLost(self.box.job_id, self.box.lost)
+
+
+class JobHandle(HandleBase):
+    __slots__ = ()
+    _client: "Client"
 
     def status(self) -> JobStatus:
         """queued / running (on which worker) / finished / lost, read from Redis now."""
@@ -41,21 +74,12 @@ class JobHandle:
         """Deltas in order, ending at the final event. A `Restart` item means the job is being generated anew
         (it was redelivered, or the result differs from what was streamed): drop the text shown so far. The
         deltas' texts joined since the last Restart equal the result's text once the stream ends."""
-        box, seen = self._box, 0
-        deadline = self._client._deadline(timeout)
-        while True:
-            ready = self._client._wait_until(lambda: len(box.items) > seen or box.settled,
-                                             self._client._remaining(deadline))
-            if not ready:
+        cursor, deadline = StreamCursor(self._box), self._client._deadline(timeout)
+        while not cursor.ended:
+            if not self._client._wait_until(cursor.ready, self._client._remaining(deadline)):
                 raise ResultTimeout(self.job_id, timeout)
-            fresh = box.items[seen:]
-            seen += len(fresh)
-            yield from fresh
-            if box.settled and seen == len(box.items):
-                if box.final is None:
-                    raise JobLost(self.job_id, box.lost)
-                yield from closing_items(box.items, box.final)
-                return
+            yield from cursor.take()
+        cursor.finish()
 
     def cancel(self) -> None:
         """Ask the fleet to stop this job; its final event then says 'cancelled' (with any partial text)."""

@@ -6,6 +6,7 @@ not received it) or its result expired. One script reads the entry's state in th
 keys are read: a job acknowledged meanwhile has its result by then (the ack and the result are one atomic step),
 so a job finishing meanwhile is never taken for lost. It needs the job's stream entry id, which the submitting
 client knows; for a bare job id the SDK can still tell finished and running (by the workers' pending entries).
+Step functions (steps.py): the Client runs them with blocking calls, the AsyncClient on its event loop.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import redis
 from .lanes import parse_lanes
 from .protocol import FIELD, Keys, as_text
 from .queue_stats import known_models
+from .steps import Steps, call
 
 State = Literal["queued", "running", "finished", "lost", "unknown"]
 
@@ -85,13 +87,13 @@ class JobStatus:
         return f"job {self.job_id}: {self.state}{where}{': ' + self.detail if self.detail else ''}"
 
 
-def read_states(r, script, keys: Keys, stream: str, jobs: list[tuple[str, str]]) -> list[JobStatus]:
+def read_states(r, script, keys: Keys, stream: str, jobs: list[tuple[str, str]]) -> Steps:
     """States of (job_id, entry id) pairs that all sit in `stream`: the script, then the result keys."""
     if not jobs:
         return []
-    rows = script(keys=[stream], args=[Keys.GROUP, *(e for _, e in jobs)], client=r)
+    rows = yield lambda: script(keys=[stream], args=[Keys.GROUP, *(e for _, e in jobs)], client=r)
     shard = keys.of_stream(stream)
-    results = r.execute_command("MGET", *[shard.result(j) for j, _ in jobs])  # one slot: the stream's shard
+    results = yield call(r.execute_command, "MGET", *[shard.result(j) for j, _ in jobs])  # one slot: the stream's
     return [state_of(job_id, as_text(state), as_text(detail), result is not None)
             for (job_id, _), (state, detail), result in zip(jobs, rows, results)]
 
@@ -114,12 +116,12 @@ _job_id = msgspec.msgpack.Decoder(_JobId)
 PENDING_SCAN = 1000  # pending entries are bounded by what the fleet can hold at once
 
 
-def find_running(r, keys: Keys, job_id: str) -> JobStatus | None:
+def find_running(r, keys: Keys, job_id: str) -> Steps:
     """A bare job id: look for it among the entries the workers hold (no entry id needed)."""
-    lanes = parse_lanes(r.get(keys.lanes()))
-    for stream in [st for model in known_models(r, keys) for st in keys.all_jobs(model, lanes)]:
+    lanes = parse_lanes((yield call(r.get, keys.lanes())))
+    for stream in [st for model in (yield from known_models(r, keys)) for st in keys.all_jobs(model, lanes)]:
         try:
-            rows = r.xpending_range(stream, Keys.GROUP, min="-", max="+", count=PENDING_SCAN)
+            rows = yield call(r.xpending_range, stream, Keys.GROUP, min="-", max="+", count=PENDING_SCAN)
         except redis.exceptions.NoPermissionError:
             raise
         except redis.ResponseError:  # no such stream or group yet
@@ -127,7 +129,7 @@ def find_running(r, keys: Keys, job_id: str) -> JobStatus | None:
         pipe = r.pipeline(transaction=False)
         for row in rows:
             pipe.xrange(stream, min=row["message_id"], max=row["message_id"], count=1)
-        for row, found in zip(rows, pipe.execute()):
+        for row, found in zip(rows, (yield pipe.execute)):
             payload = found[0][1].get(FIELD.encode()) if found else None
             try:
                 if payload is not None and _job_id.decode(payload).job_id == job_id:
@@ -141,17 +143,17 @@ def job_states_script(r):
     return r.register_script(JOB_STATES_LUA)
 
 
-def job_status(r, script, keys: Keys, job_id: str, entry: tuple[str, str] | None) -> JobStatus:
+def job_status(r, script, keys: Keys, job_id: str, entry: tuple[str, str] | None) -> Steps:
     """One job's status; exact with its (stream, entry id), best effort for a bare job id."""
     if entry is not None:
-        return read_states(r, script, keys, entry[0], [(job_id, entry[1])])[0]
-    if r.exists(keys.result(job_id)):
+        return (yield from read_states(r, script, keys, entry[0], [(job_id, entry[1])]))[0]
+    if (yield call(r.exists, keys.result(job_id))):
         return JobStatus(job_id, "finished")
     try:
-        running = find_running(r, keys, job_id)
+        running = yield from find_running(r, keys, job_id)
     except redis.exceptions.NoPermissionError:  # a least-privilege producer may not read job payloads
         running = None
-    if running is not None and r.exists(keys.result(job_id)):  # it finished while we looked
+    if running is not None and (yield call(r.exists, keys.result(job_id))):  # it finished while we looked
         return JobStatus(job_id, "finished")
     return running or JobStatus(job_id, "unknown", detail=UNKNOWN)
 

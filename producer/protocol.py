@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
+from .fields import Items, Range, specs
 from .shards import check_shards, shard_of, shard_tags
 
 # Version 2 added `attempt` to Delta and Final (which delivery of the job produced them; see stream.py).
@@ -56,18 +57,34 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    repetition_penalty: float = 1.0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    """How to generate: the one declaration of every sampling field's name, type, default and bounds (fields.py).
+    The SDK's submit arguments, its validation, the worker's check of decoded jobs and the gateway's body fields
+    are derived from it; a new field is added here and in the code that honours it. The engine's own
+    SamplingParams (it may not import the SDK) is held to it by tests/producer/test_field_agreement.py."""
+
+    max_tokens: Annotated[int, Range(ge=1, le=MAX_TOKENS_LIMIT, says=f"be between 1 and {MAX_TOKENS_LIMIT}")] = 256
+    temperature: Annotated[float, Range(ge=0.0, le=100.0, says="be a number in [0, 100]")] = 1.0
+    top_p: Annotated[float, Range(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Range(ge=1, off=-1, says="be -1 (disabled) or a positive integer")] = -1
+    repetition_penalty: Annotated[float, Range(gt=0.0, le=10.0)] = 1.0
+    stop: Annotated[list[str], Items(MAX_STOP_STRINGS, "{n} stop strings given; at most {max} are allowed",
+                                     f"stop string {{item}} must have 1 to {MAX_STOP_STRING_CHARS} characters",
+                                     chars=(1, MAX_STOP_STRING_CHARS))] = []
+    stop_token_ids: Annotated[list[int], Items(MAX_STOP_STRINGS * 4, *[f"stop_token_ids={{head}} must be at most "
+                                                                      f"{MAX_STOP_STRINGS * 4} non-negative ids"] * 2,
+                                               item=Range(ge=0))] = []
     ignore_eos: bool = False
-    seed: int | None = None
-    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this times the count of the token in the output
-    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this once the token is in the output
-    logprobs: int | None = None  # None: no logprobs; N: the chosen token's logprob and the N most likely
+    seed: Annotated[int | None, Range(ge=0, lt=2**63, says="be in [0, 2**63)")] = None
+    # OpenAI's, in [-2, 2]: minus this times the count of the token in the output
+    frequency_penalty: Annotated[float, Range(ge=-2.0, le=2.0, says="be in [-2, 2] (0 disables it)")] = 0.0
+    # OpenAI's, in [-2, 2]: minus this once the token is in the output
+    presence_penalty: Annotated[float, Range(ge=-2.0, le=2.0, says="be in [-2, 2] (0 disables it)")] = 0.0
+    # None: no logprobs; N: the chosen token's logprob and the N most likely
+    logprobs: Annotated[int | None, Range(ge=0, le=MAX_LOGPROBS, says=f"be None (no logprobs) or 0 to {MAX_LOGPROBS} "
+                                                                       "top alternatives per token")] = None
+
+
+SAMPLING_FIELDS = specs(Sampling)
 
 
 class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -211,33 +228,10 @@ def decode_final(data: bytes) -> Final:
 
 
 def validate_sampling(s: Sampling) -> None:
-    """Range checks shared by the SDK (before enqueueing) and the worker (after decoding)."""
-    if not 1 <= s.max_tokens <= MAX_TOKENS_LIMIT:
-        raise ProtocolError(f"max_tokens={s.max_tokens} must be between 1 and {MAX_TOKENS_LIMIT}")
-    if not (s.temperature >= 0.0 and s.temperature <= 100.0):  # also rejects NaN
-        raise ProtocolError(f"temperature={s.temperature} must be a number in [0, 100]")
-    if not (0.0 < s.top_p <= 1.0):
-        raise ProtocolError(f"top_p={s.top_p} must be in (0, 1]")
-    if s.top_k == 0 or s.top_k < -1:
-        raise ProtocolError(f"top_k={s.top_k} must be -1 (disabled) or a positive integer")
-    if not (0.0 < s.repetition_penalty <= 10.0):
-        raise ProtocolError(f"repetition_penalty={s.repetition_penalty} must be in (0, 10]")
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise ProtocolError(f"{len(s.stop)} stop strings given; at most {MAX_STOP_STRINGS} are allowed")
-    for stop in s.stop:
-        if not stop or len(stop) > MAX_STOP_STRING_CHARS:
-            raise ProtocolError(f"stop string {stop[:40]!r} must have 1 to {MAX_STOP_STRING_CHARS} characters")
-    if len(s.stop_token_ids) > MAX_STOP_STRINGS * 4 or any(t < 0 for t in s.stop_token_ids):
-        raise ProtocolError(f"stop_token_ids={s.stop_token_ids[:8]} must be at most {MAX_STOP_STRINGS * 4} non-negative ids")
-    if s.seed is not None and not 0 <= s.seed < 2**63:
-        raise ProtocolError(f"seed={s.seed} must be in [0, 2**63)")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(s, name)
-        if not -2.0 <= value <= 2.0:  # also rejects NaN
-            raise ProtocolError(f"{name}={value} must be in [-2, 2] (0 disables it)")
-    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
-        raise ProtocolError(f"logprobs={s.logprobs} must be None (no logprobs) or 0 to {MAX_LOGPROBS} top "
-                            "alternatives per token")
+    """Range checks shared by the SDK (before enqueueing) and the worker (after decoding), read from Sampling."""
+    for spec in SAMPLING_FIELDS:
+        if (problem := spec.problem(getattr(s, spec.name))) is not None:
+            raise ProtocolError(problem)
 
 
 def check_model_name(name: object) -> str:

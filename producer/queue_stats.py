@@ -4,8 +4,9 @@ Per model: every name in `{ns}:models` (each model ever submitted to or served) 
 three priority streams; workers list the names they serve in their heartbeats, so a model with a backlog and
 no live worker shows as waiting for the autoscaler.
 
-Shared by Client.stats(), `kvgate stats`, `kvgate top` and the exporter: plain functions over a
-redis.Redis and Keys. Lag (entries not yet delivered to the group) comes from XINFO GROUPS on
+Shared by Client.stats(), AsyncClient.stats(), `kvgate stats`, `kvgate top` and the exporter: step functions
+(steps.py) over a redis.Redis or a redis.asyncio.Redis and Keys; read_queue_stats and total_backlog run them on a
+blocking client. Lag (entries not yet delivered to the group) comes from XINFO GROUPS on
 Redis 7. Redis 6.2 has no `lag` there (and 7 reports none after some deletions), so it is counted
 from the group's last-delivered-id: lag = XLEN - entries with id <= last-delivered-id when that side
 is smaller (streams are trimmed behind acks, so it usually is), else the entries after it, paging
@@ -19,6 +20,7 @@ import redis
 
 from .lanes import parse_lanes
 from .protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
+from .steps import Steps, call, collect, run
 
 COUNT_PAGE = 5_000
 
@@ -138,15 +140,15 @@ def _id_ms(entry_id) -> int:
     return int(as_text(entry_id).split("-")[0])
 
 
-def server_ms(r: redis.Redis) -> int:
+def server_ms(r) -> Steps:
     """The server's clock, the one stream ids are stamped with, so ages ignore client clock skew."""
-    seconds, micros = r.time()
+    seconds, micros = yield call(r.time)
     return seconds * 1000 + micros // 1000
 
 
-def group_info(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> dict | None:
+def group_info(r, stream: str, group: str = Keys.GROUP) -> Steps:
     try:
-        groups = r.xinfo_groups(stream)
+        groups = yield call(r.xinfo_groups, stream)
     except redis.ResponseError:  # no such stream yet
         return None
     for g in groups:
@@ -155,55 +157,63 @@ def group_info(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> dict | N
     return None
 
 
-def count_lag(r: redis.Redis, stream: str, last_delivered: str, length: int) -> int:
+def count_lag(r, stream: str, last_delivered: str, length: int) -> Steps:
     """Entries after last_delivered, paging from both ends of it so the cost is the smaller side."""
     before = after = 0
     lo, hi = "-", f"({last_delivered}"
     while True:
-        page = r.xrange(stream, min=lo, max=last_delivered, count=COUNT_PAGE)
+        page = yield call(r.xrange, stream, min=lo, max=last_delivered, count=COUNT_PAGE)
         before += len(page)
         if len(page) < COUNT_PAGE:
             return max(0, length - before)
         lo = f"({as_text(page[-1][0])}"
-        page = r.xrange(stream, min=hi, max="+", count=COUNT_PAGE)
+        page = yield call(r.xrange, stream, min=hi, max="+", count=COUNT_PAGE)
         after += len(page)
         if len(page) < COUNT_PAGE:
             return after
         hi = f"({as_text(page[-1][0])}"
 
 
-def backlog_of(r: redis.Redis, stream: str, group: str = Keys.GROUP) -> int:
+def backlog_of(r, stream: str, group: str = Keys.GROUP) -> Steps:
     """The lag of one job stream; the cheap check behind Client(max_backlog=...)."""
-    info = group_info(r, stream, group)
+    info = yield from group_info(r, stream, group)
     if info is None:
-        return r.xlen(stream)  # no group yet: nothing was ever delivered
+        return (yield call(r.xlen, stream))  # no group yet: nothing was ever delivered
     lag = info.get("lag")
     if lag is not None:
         return int(lag)
-    return count_lag(r, stream, as_text(info["last-delivered-id"]), r.xlen(stream))
+    return (yield from count_lag(r, stream, as_text(info["last-delivered-id"]), (yield call(r.xlen, stream))))
 
 
-def known_models(r: redis.Redis, keys: Keys) -> list[str]:
+def known_models(r, keys: Keys) -> Steps:
     """Every model ever submitted to or served (`{ns}:models`), and `default`."""
-    return sorted({as_text(m) for m in r.smembers(keys.models())} | {DEFAULT_MODEL})
+    return sorted({as_text(m) for m in (yield call(r.smembers, keys.models()))} | {DEFAULT_MODEL})
 
 
-def lanes_of(r: redis.Redis, keys: Keys) -> int:
-    return parse_lanes(r.get(keys.lanes()))
+def lanes_of(r, keys: Keys) -> Steps:
+    return parse_lanes((yield call(r.get, keys.lanes())))
+
+
+def backlog(r, keys: Keys) -> Steps:
+    """Across all models and their lanes: Client(max_backlog=...) bounds what the whole fleet has waiting."""
+    lanes = yield from lanes_of(r, keys)
+    total = 0
+    for m in (yield from known_models(r, keys)):
+        for st in keys.all_jobs(m, lanes):
+            total += yield from backlog_of(r, st)
+    return total
 
 
 def total_backlog(r: redis.Redis, keys: Keys) -> int:
-    """Across all models and their lanes: Client(max_backlog=...) bounds what the whole fleet has waiting."""
-    lanes = lanes_of(r, keys)
-    return sum(backlog_of(r, st) for m in known_models(r, keys) for st in keys.all_jobs(m, lanes))
+    """`backlog` on a blocking client."""
+    return run(backlog(r, keys))
 
 
-def read_priority(r: redis.Redis, keys: Keys, model: str, priority: str, now_ms: int,
-                  lanes: int = 0) -> PriorityStats:
+def read_priority(r, keys: Keys, model: str, priority: str, now_ms: int, lanes: int = 0) -> Steps:
     """One model's priority over its shared stream and every lane: sums, and the oldest job of them all."""
     stats = PriorityStats(priority)
     for stream in keys.job_streams(model, priority, lanes):
-        part = read_stream(r, stream, priority, now_ms)
+        part = yield from read_stream(r, stream, priority, now_ms)
         stats.length += part.length
         stats.backlog += part.backlog
         stats.pending += part.pending
@@ -212,24 +222,24 @@ def read_priority(r: redis.Redis, keys: Keys, model: str, priority: str, now_ms:
     return stats
 
 
-def read_stream(r: redis.Redis, stream: str, priority: str, now_ms: int) -> PriorityStats:
-    stats = PriorityStats(priority, length=r.xlen(stream))
+def read_stream(r, stream: str, priority: str, now_ms: int) -> Steps:
+    stats = PriorityStats(priority, length=(yield call(r.xlen, stream)))
     if stats.length == 0:
         return stats
-    info = group_info(r, stream)
+    info = yield from group_info(r, stream)
     oldest: list[int] = []
     if info is None:
         stats.backlog = stats.length
-        first = r.xrange(stream, count=1)
+        first = yield call(r.xrange, stream, count=1)
         oldest += [_id_ms(first[0][0])] if first else []
     else:
         last = as_text(info["last-delivered-id"])
         lag = info.get("lag")
-        stats.backlog = int(lag) if lag is not None else count_lag(r, stream, last, stats.length)
+        stats.backlog = int(lag) if lag is not None else (yield from count_lag(r, stream, last, stats.length))
         stats.pending = int(info["pending"])
         if stats.pending:
-            oldest.append(_id_ms(r.xpending(stream, Keys.GROUP)["min"]))
-        nxt = r.xrange(stream, min=f"({last}", max="+", count=1)
+            oldest.append(_id_ms((yield call(r.xpending, stream, Keys.GROUP))["min"]))
+        nxt = yield call(r.xrange, stream, min=f"({last}", max="+", count=1)
         oldest += [_id_ms(nxt[0][0])] if nxt else []
     if oldest:
         stats.oldest_age_s = max(0.0, (now_ms - min(oldest)) / 1000)
@@ -255,24 +265,35 @@ def parse_heartbeat(raw: dict, now_ms: int) -> WorkerStats:
                        heartbeat_age_s=max(0.0, now_ms / 1000 - updated) if updated else None, **ints)
 
 
-def read_workers(r: redis.Redis, keys: Keys, now_ms: int) -> list[WorkerStats]:
+def read_workers(r, keys: Keys, now_ms: int) -> Steps:
     """Heartbeat hashes expire with their worker, so every key still present is a live worker."""
-    names = sorted(r.scan_iter(match=keys.worker_pattern(), count=1000))
+    names = sorted((yield lambda: collect(r.scan_iter(match=keys.worker_pattern(), count=1000))))
     pipe = r.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(name)
-    return [parse_heartbeat(raw, now_ms) for raw in pipe.execute() if raw]
+    return [parse_heartbeat(raw, now_ms) for raw in (yield pipe.execute) if raw]
 
 
-def read_model(r: redis.Redis, keys: Keys, model: str, workers: list[WorkerStats], now_ms: int,
-               lanes: int = 0) -> ModelStats:
-    return ModelStats(model, {p: read_priority(r, keys, model, p, now_ms, lanes) for p in PRIORITIES},
-                      [w.worker_id for w in workers if model in w.models])
+def read_model(r, keys: Keys, model: str, workers: list[WorkerStats], now_ms: int, lanes: int = 0) -> Steps:
+    priorities = {}
+    for p in PRIORITIES:
+        priorities[p] = yield from read_priority(r, keys, model, p, now_ms, lanes)
+    return ModelStats(model, priorities, [w.worker_id for w in workers if model in w.models])
+
+
+def queue_stats(r, keys: Keys) -> Steps:
+    now_ms, lanes = (yield from server_ms(r)), (yield from lanes_of(r, keys))
+    workers = yield from read_workers(r, keys, now_ms)
+    names = sorted(set((yield from known_models(r, keys))) | {m for w in workers for m in w.models})
+    models = {}
+    for m in names:
+        models[m] = yield from read_model(r, keys, m, workers, now_ms, lanes)
+    dead = 0
+    for stream in keys.deads():
+        dead += yield call(r.xlen, stream)
+    return QueueStats(models=models, workers=workers, dead=dead)
 
 
 def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:
-    now_ms, lanes = server_ms(r), lanes_of(r, keys)
-    workers = read_workers(r, keys, now_ms)
-    names = sorted(set(known_models(r, keys)) | {m for w in workers for m in w.models})
-    return QueueStats(models={m: read_model(r, keys, m, workers, now_ms, lanes) for m in names}, workers=workers,
-                      dead=sum(r.xlen(dead) for dead in keys.deads()))
+    """`queue_stats` on a blocking client: `kvgate stats`, `top`, the exporter, Client.stats()."""
+    return run(queue_stats(r, keys))

@@ -10,11 +10,10 @@ to both. The worker may import this module (it needs nothing from the SDK but pr
 
 A Sentinel-managed client asks the sentinels for the primary on each new connection, and turns a READONLY reply
 (its primary was demoted) into a ConnectionError after dropping the connection: so a retry of an idempotent
-command lands on the new primary. `across_failover` is that retry, bounded in time.
+command lands on the new primary. `submission.across_failover` is that retry, bounded in time.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -23,9 +22,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.sentinel import MasterNotFoundError, Sentinel
 
-from .cluster import agreed_shards, agreed_shards_async, connect_cluster, connect_cluster_async, is_cluster, \
-    parse_cluster_url
+from .cluster import agreed_shards, connect_cluster, connect_cluster_async, is_cluster, parse_cluster_url, shard_count
 from .protocol import Keys, mask_url
+from .steps import run_async
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379
@@ -143,23 +142,21 @@ class NewestAsyncSentinel(AsyncSentinel):
 def connect(url: str, **kwargs) -> redis.Redis:
     """A client for `url`; kwargs (socket timeouts, retry, ...) go to the data-node connections, and the socket
     timeouts also to the sentinel connections."""
-    if is_cluster(url):
-        return connect_cluster(url, **kwargs)
-    if not is_sentinel(url):
-        return redis.Redis.from_url(url, **kwargs)
-    s = parse_sentinel_url(url)
-    sentinel = NewestSentinel(list(s.sentinels), sentinel_kwargs=s.sentinel_kwargs(kwargs))
-    return sentinel.master_for(s.service, **(s.node_kwargs() | kwargs))
+    return _connect(url, kwargs, connect_cluster, redis.Redis, NewestSentinel)
 
 
 def connect_async(url: str, **kwargs) -> aioredis.Redis:
-    """The asyncio twin of `connect`."""
+    """`connect` on redis.asyncio."""
+    return _connect(url, kwargs, connect_cluster_async, aioredis.Redis, NewestAsyncSentinel)
+
+
+def _connect(url: str, kwargs: dict, cluster, plain, sentinel_type):
     if is_cluster(url):
-        return connect_cluster_async(url, **kwargs)
+        return cluster(url, **kwargs)
     if not is_sentinel(url):
-        return aioredis.Redis.from_url(url, **kwargs)
+        return plain.from_url(url, **kwargs)
     s = parse_sentinel_url(url)
-    sentinel = NewestAsyncSentinel(list(s.sentinels), sentinel_kwargs=s.sentinel_kwargs(kwargs))
+    sentinel = sentinel_type(list(s.sentinels), sentinel_kwargs=s.sentinel_kwargs(kwargs))
     return sentinel.master_for(s.service, **(s.node_kwargs() | kwargs))
 
 
@@ -171,37 +168,10 @@ def keys_for(url: str, client, namespace: str) -> Keys:
 
 
 async def keys_for_async(url: str, client, namespace: str) -> Keys:
+    """keys_for on a redis.asyncio client."""
     if not is_cluster(url):
         return Keys(namespace)
-    return Keys(namespace, await agreed_shards_async(client, namespace, parse_cluster_url(url).shards), cluster=True)
-
-
-def across_failover(call, budget_s: float = FAILOVER_BUDGET_S, first_wait_s: float = 0.05):
-    """Run an idempotent `call` again while the primary is unreachable or demoted (a failover in progress), up to
-    `budget_s`; then the last error goes to the caller."""
-    deadline, wait = time.monotonic() + budget_s, first_wait_s
-    while True:
-        try:
-            return call()
-        except FAILOVER_ERRORS:
-            if time.monotonic() + wait > deadline:
-                raise
-            time.sleep(wait)
-            wait = min(wait * 2, 1.0)
-
-
-async def across_failover_async(call, budget_s: float = FAILOVER_BUDGET_S, first_wait_s: float = 0.05):
-    import asyncio
-
-    deadline, wait = time.monotonic() + budget_s, first_wait_s
-    while True:
-        try:
-            return await call()
-        except FAILOVER_ERRORS:
-            if time.monotonic() + wait > deadline:
-                raise
-            await asyncio.sleep(wait)
-            wait = min(wait * 2, 1.0)
+    return Keys(namespace, await run_async(shard_count(client, namespace, parse_cluster_url(url).shards)), cluster=True)
 
 
 # ---- durability: how many copies a write needs before it counts ------------------------------------------------
@@ -211,7 +181,7 @@ DURABILITIES = ("primary", "replicated")
 class NotReplicated(redis.ConnectionError):
     """WAIT saw fewer replicas than asked within its timeout. The primary holds writes a failover could drop, which
     is as unsafe as a lost reply: callers send the same idempotent writes again instead of counting them done.
-    A ConnectionError, so every retry-on-outage path (the worker's backoff, across_failover) treats it as one."""
+    A ConnectionError, so every retry-on-outage path (the worker's backoff, submission.across_failover) treats it as one."""
 
     def __init__(self, acked: int, wanted: int, timeout_ms: int):
         super().__init__(f"WAIT {wanted} {timeout_ms}: {acked} of {wanted} replicas acknowledged within {timeout_ms} "

@@ -18,6 +18,7 @@ from .cluster import get_many
 from .mailbox import ReplyRouter
 from .job_status import read_states
 from .protocol import FIELD, Delta, Final, Keys, ProtocolError, decode_event, decode_final
+from .steps import Steps, call, run
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,38 @@ class ReaderState:
                 log.warning("skipping undecodable stored result: %s", e)
         self.router.route(finals)
 
+    # -- one round of the loop, as steps (steps.py): the thread runs them with blocking calls, the task awaits them
+    def step(self, conn, states_script) -> Steps:
+        """Keep the stream alive, poll results and look for lost jobs when due, then one blocking XREAD."""
+        now = time.monotonic()
+        if self.expire_due(now):
+            yield from self._maintain(call(conn.expire, self.stream, self.reply_ttl_s))
+        ids = self.polls_due(now)
+        for i in range(0, len(ids), 1000):
+            self.absorb_results((yield call(get_many, conn, [self.keys.result(j) for j in ids[i:i + 1000]])))
+        yield from self.check_liveness(ids, conn, states_script)
+        response = yield call(conn.xread, {self.stream: self.last_id}, count=READ_COUNT, block=self.block_for_ms())
+        if self.absorb(response) and self.maintain:
+            yield from self._maintain(call(conn.xtrim, self.stream, minid=self.last_id, approximate=True))
+
+    def check_liveness(self, ids: list[str], conn, states_script) -> Steps:
+        """Mark lost the unfinished jobs that are in no stream, pending nowhere and have no result."""
+        for stream, jobs in self.suspects(ids).items():
+            for i in range(0, len(jobs), 500):
+                try:
+                    self.absorb_states((yield from read_states(conn, states_script, self.keys, stream, jobs[i:i + 500])))
+                except redis.ResponseError as e:
+                    if not is_noperm(e):
+                        raise
+                    self.liveness_refused(e)
+                    return
+
+    def _maintain(self, command) -> Steps:
+        try:
+            yield command
+        except redis.exceptions.NoPermissionError as e:  # a read-only reply stream: see refused
+            self.refused(e)
+
 
 class ReplyReader(threading.Thread):
     """The Client's reader thread; its own connection, so a blocking read never holds the client's pool."""
@@ -149,22 +182,7 @@ class ReplyReader(threading.Thread):
         self.conn.close()
 
     def _step(self) -> None:
-        s, now = self.state, time.monotonic()
-        if s.expire_due(now):
-            self._maintain(lambda: self.conn.expire(s.stream, s.reply_ttl_s))
-        ids = s.polls_due(now)
-        for i in range(0, len(ids), 1000):
-            s.absorb_results(get_many(self.conn, [s.keys.result(j) for j in ids[i:i + 1000]]))
-        check_liveness(s, ids, lambda stream, jobs: read_states(self.conn, self.states_script, s.keys, stream, jobs))
-        response = self.conn.xread({s.stream: s.last_id}, count=READ_COUNT, block=s.block_for_ms())
-        if s.absorb(response) and s.maintain:
-            self._maintain(lambda: self.conn.xtrim(s.stream, minid=s.last_id, approximate=True))
-
-    def _maintain(self, call) -> None:
-        try:
-            call()
-        except redis.exceptions.NoPermissionError as e:
-            self.state.refused(e)
+        run(self.state.step(self.conn, self.states_script))
 
     def stop(self, waker: redis.Redis, timeout: float = 5.0) -> None:
         self._stopping.set()
@@ -173,19 +191,6 @@ class ReplyReader(threading.Thread):
         except redis.RedisError:
             pass  # the read then ends at its block timeout instead
         self.join(timeout)
-
-
-def check_liveness(s: ReaderState, ids: list[str], read) -> None:
-    """Mark lost the unfinished jobs that are in no stream, pending nowhere and have no result."""
-    for stream, jobs in s.suspects(ids).items():
-        for i in range(0, len(jobs), 500):
-            try:
-                s.absorb_states(read(stream, jobs[i:i + 500]))
-            except redis.ResponseError as e:
-                if not is_noperm(e):
-                    raise
-                s.liveness_refused(e)
-                return
 
 
 def is_noperm(e: Exception) -> bool:

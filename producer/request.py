@@ -5,16 +5,22 @@ checks of protocol.py (shared with the worker) then run on the built Job as a se
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
+import operator
 import time
+import types
+import typing
 import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from . import protocol as wire
 from .errors import FieldError, InvalidRequest
+from .fields import Items, Range, Spec
 
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
@@ -47,12 +53,6 @@ def _total_chars(messages: list) -> list:
     return messages
 
 
-def _top_k(k: int) -> int:
-    if k == 0 or k < -1:
-        raise ValueError("must be -1 (disabled) or a positive integer")
-    return k
-
-
 def _one_or_many(stop: object) -> object:
     return [stop] if isinstance(stop, str) else stop
 
@@ -76,28 +76,47 @@ class ChatMessage(BaseModel):
     content: Annotated[Text, Field(max_length=wire.MAX_PROMPT_CHARS)]
 
 
-class SubmitRequest(BaseModel):
-    """Every argument of Client.submit; strict, so True is not a number and '1' is not an int."""
+def _sdk_field(spec: Spec) -> tuple[Any, Any]:
+    """A wire sampling field as a submit argument: the wire's type, default and bounds, and the SDK's two
+    conveniences: a list may be left out (None, sent as the empty list) and `stop` may be one string."""
+    b = spec.bounds
+    if isinstance(b, Items):
+        item = Annotated[Text, Field(min_length=b.chars[0], max_length=b.chars[1])] if b.chars else TokenId
+        before = [BeforeValidator(_one_or_many)] if spec.name == "stop" else []
+        return Annotated[list[item], Field(max_length=b.max_items), *before] | None, None
+    base = next(t for t in typing.get_args(spec.type) or (spec.type,) if t is not type(None))
+    if isinstance(b, Range):
+        if b.off is not None:  # a value outside the range that disables: one message for both
+            base = Annotated[base, AfterValidator(lambda v, b=b: _within(v, b))]
+        else:
+            base = Annotated[base, Field(ge=b.ge, gt=b.gt, le=b.le, lt=b.lt,
+                                         **({"allow_inf_nan": False} if base is float else {}))]
+    return (base | None if spec.optional else base), spec.default
 
+
+def _within(value: Any, bounds: Range) -> Any:
+    if not bounds.holds(value):
+        raise ValueError(f"must {bounds.rule()}")
+    return value
+
+
+class _Prompt(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
     prompt: Annotated[Text, Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=wire.MAX_MESSAGES),
                         AfterValidator(_total_chars)] | None = None
     prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=wire.MAX_TOKENS_LIMIT)] = 256
-    temperature: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[int, AfterValidator(_top_k)] = -1
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
-    logprobs: Annotated[int, Field(ge=0, le=wire.MAX_LOGPROBS)] | None = None
-    stop: Annotated[list[Annotated[Text, Field(min_length=1, max_length=wire.MAX_STOP_STRING_CHARS)]],
-                    Field(max_length=wire.MAX_STOP_STRINGS), BeforeValidator(_one_or_many)] | None = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=wire.MAX_STOP_STRINGS * 4)] | None = None
-    ignore_eos: bool = False
-    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+
+
+# The sampling arguments are wire.Sampling's fields, made once from its declaration.
+_PromptAndSampling = create_model("_PromptAndSampling", __base__=_Prompt, __module__=__name__,
+                                  **{spec.name: _sdk_field(spec) for spec in wire.SAMPLING_FIELDS})
+
+
+class SubmitRequest(_PromptAndSampling):
+    """Every argument of Client.submit; strict, so True is not a number and '1' is not an int."""
+
     priority: Literal["high", "normal", "low"] = "normal"
     ttl_s: Annotated[float, Field(gt=0.0, le=MAX_TTL_S, allow_inf_nan=False)] | None = None
     deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None
@@ -110,17 +129,63 @@ class SubmitRequest(BaseModel):
                         AfterValidator(_metadata_size)] | None = None
 
     def sampling(self) -> wire.Sampling:
-        stop = list(self.stop or [])
-        return wire.Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                             top_k=self.top_k, repetition_penalty=self.repetition_penalty, stop=stop,
-                             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                             seed=self.seed, frequency_penalty=self.frequency_penalty,
-                             presence_penalty=self.presence_penalty, logprobs=self.logprobs)
+        given = {s.name: getattr(self, s.name) for s in wire.SAMPLING_FIELDS}
+        return wire.Sampling(**{name: value for name, value in given.items() if value is not None})  # None: default
 
     def digest(self) -> str:
         """What makes two submits 'the same request' for idempotency: the body, not its timing or key."""
         body = self.model_dump(exclude={"idempotency_key", "deadline", "prefix_key"}, mode="json")
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:32]
+
+
+def _submit_signature() -> inspect.Signature:
+    kw = inspect.Parameter.KEYWORD_ONLY
+    shown = {"messages": list[dict | wire.Message] | None, "stop": str | list[str] | None}  # what the SDK also takes
+    return inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("prompt", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=str | None)] +
+        [inspect.Parameter(name, kw, default=f.default, annotation=shown.get(name, _plain(f.annotation)))
+         for name, f in SubmitRequest.model_fields.items() if name != "prompt"])
+
+
+def _plain(annotation: Any) -> Any:
+    """A type without its Annotated bounds, as a signature shows it: list[int] | None."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _plain(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, map(_plain, args))
+    if origin in (list, dict):
+        return origin[tuple(map(_plain, args))] if origin is dict else list[_plain(args[0])]
+    return annotation
+
+
+SUBMIT_SIGNATURE = _submit_signature()
+
+
+def takes_submit_arguments(method):
+    """`submit(self, prompt=None, **arguments)` shown (help(), IDEs that read __signature__) with every submit
+    argument, read from SubmitRequest: a new field of wire.Sampling is a keyword of both clients at once."""
+    method.__signature__ = SUBMIT_SIGNATURE.replace(return_annotation=inspect.signature(method).return_annotation)
+    return method
+
+
+def submit_arguments(client: object, prompt: object, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of one submit call as validate_request takes them; an unknown keyword is a TypeError, as it
+    is for any Python function."""
+    bound = SUBMIT_SIGNATURE.bind(client, prompt, **arguments).arguments
+    del bound["self"]
+    return plain_messages(bound)
+
+
+def plain_messages(request: Any) -> Any:
+    """Submit arguments whose Message objects are given as the dicts validation takes."""
+    messages = request.get("messages") if isinstance(request, dict) else None
+    if not isinstance(messages, (list, tuple)):  # None, or a wrong type that validation names as a whole
+        return request
+    return {**request, "messages": [{"role": m.role, "content": m.content} if isinstance(m, wire.Message) else m
+                                    for m in messages]}
 
 
 def validate_request(kwargs: dict[str, Any], where: str = "") -> SubmitRequest:

@@ -11,9 +11,10 @@ from .connection import refusal_of
 from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .lanes import lane_of, routing_key
-from .redis_url import across_failover, across_failover_async
+from .redis_url import FAILOVER_BUDGET_S, FAILOVER_ERRORS
 from .protocol import DEFAULT_MODEL, FIELD, Job, Keys, as_text
 from .request import build_job, encode_job, new_job_id, validate_request
+from .steps import Sleep, Steps, call
 
 CANCEL_TTL_S = 24 * 3600
 
@@ -76,76 +77,63 @@ def add_to_pipeline(pipe, script, prepared: Prepared):
                        prepared.result_prefix, prepared.claim.digest], pipe)
 
 
-def enqueue_commands(pipe, script, prepared: list[Prepared], keys: Keys, models: bool = True) -> None:
+def enqueue_commands(pipe, script, prepared: list[Prepared], keys: Keys, models: bool = True) -> Steps:
     """The jobs, then one SADD of their models to `{ns}:models`, in the caller's MULTI: a model is listed
     exactly when a job of it was enqueued. `owners` reads the jobs' replies only. (On a cluster the models set
-    is in another slot than most jobs: the caller adds it first, alone.)"""
+    is in another slot than most jobs: the caller adds it first, alone.) On an asyncio cluster pipeline a script
+    call queues nothing until awaited, so each is yielded in turn and the commands keep their order (a command
+    that queued itself is not: awaiting a pipeline would execute it)."""
     for p in prepared:
-        add_to_pipeline(pipe, script, p)
+        queued = add_to_pipeline(pipe, script, p)
+        if inspect.iscoroutine(queued):
+            yield lambda queued=queued: queued
     if models:
         pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
 
 
-def send(r, script, prepared: list[Prepared], keys: Keys) -> list:
+def send(r, script, prepared: list[Prepared], keys: Keys) -> Steps:
     """Enqueue in one MULTI: all or nothing. On a cluster, one MULTI per shard after the models' SADD: all or
     nothing per shard (a refusal in a later shard leaves the earlier shards' jobs enqueued, and raises)."""
     if len(keys.parts) == 1:
         pipe = r.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
-        enqueue_commands(pipe, script, prepared, keys)
-        return pipe.execute()
-    r.sadd(keys.models(), *sorted({p.model for p in prepared}))
+        yield from enqueue_commands(pipe, script, prepared, keys)
+        return (yield pipe.execute)
+    yield call(r.sadd, keys.models(), *sorted({p.model for p in prepared}))
     replies: list = [None] * len(prepared)
     for group in by_shard(prepared, keys):
         pipe = r.pipeline(transaction=True)
-        enqueue_commands(pipe, script, [prepared[i] for i in group], keys, models=False)
-        for i, reply in zip(group, pipe.execute()):
+        yield from enqueue_commands(pipe, script, [prepared[i] for i in group], keys, models=False)
+        for i, reply in zip(group, (yield pipe.execute)):
             replies[i] = reply
     return replies
 
 
-async def send_async(r, script, prepared: list[Prepared], keys: Keys) -> list:
-    """`send` on an asyncio client."""
-    groups = by_shard(prepared, keys) if len(keys.parts) > 1 else [list(range(len(prepared)))]
-    if len(keys.parts) > 1:
-        await r.sadd(keys.models(), *sorted({p.model for p in prepared}))
-    replies: list = [None] * len(prepared)
-    for group in groups:
-        pipe = r.pipeline(transaction=True)
-        await enqueue_commands_async(pipe, script, [prepared[i] for i in group], keys, models=len(keys.parts) == 1)
-        for i, reply in zip(group, await pipe.execute()):
-            replies[i] = reply
-    return replies
-
-
-def send_riding_failovers(r, script, prepared: list[Prepared], keys: Keys, budget_s: float) -> list:
+def send_riding_failovers(r, script, prepared: list[Prepared], keys: Keys, budget_s: float) -> Steps:
     """`send`; on a cluster, sent again while a primary is down (its replica takes over within seconds), up to
     `budget_s`. Safe to repeat: an entry sent twice carries the same job id, and the finish script answers a job
     id once (a claim, when there is one, finds its own job)."""
     if not keys.cluster:
-        return send(r, script, prepared, keys)
-    return across_failover(lambda: send(r, script, prepared, keys), budget_s)
+        return (yield from send(r, script, prepared, keys))
+    return (yield from across_failover(lambda: send(r, script, prepared, keys), budget_s))
 
 
-async def send_riding_failovers_async(r, script, prepared: list[Prepared], keys: Keys, budget_s: float) -> list:
-    if not keys.cluster:
-        return await send_async(r, script, prepared, keys)
-    return await across_failover_async(lambda: send_async(r, script, prepared, keys), budget_s)
+def across_failover(steps_of, budget_s: float = FAILOVER_BUDGET_S, first_wait_s: float = 0.05) -> Steps:
+    """Run idempotent steps (`steps_of()` makes them anew) again while the primary is unreachable or demoted (a
+    failover in progress), up to `budget_s`; then the last error goes to the caller."""
+    deadline, wait = time.monotonic() + budget_s, first_wait_s
+    while True:
+        try:
+            return (yield from steps_of())
+        except FAILOVER_ERRORS:
+            if time.monotonic() + wait > deadline:
+                raise
+            yield Sleep(wait)
+            wait = min(wait * 2, 1.0)
 
 
 def by_shard(prepared: list[Prepared], keys: Keys) -> list[list[int]]:
     """Indexes of `prepared` grouped by shard: one MULTI each on a cluster (a MULTI touches one slot)."""
     return keys.by_shard(range(len(prepared)), lambda i: prepared[i].stream)
-
-
-async def enqueue_commands_async(pipe, script, prepared: list[Prepared], keys: Keys, models: bool = True) -> None:
-    """enqueue_commands on an asyncio pipeline, where a script call queues nothing until awaited: each one is
-    awaited in turn, so the commands keep their order."""
-    for p in prepared:
-        queued = add_to_pipeline(pipe, script, p)
-        if inspect.iscoroutine(queued):  # not a pipeline: awaiting a cluster pipeline resets its command stack
-            await queued
-    if models:
-        pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
 
 
 def new_models(prepared: list[Prepared], grouped: set[str]) -> list[str]:

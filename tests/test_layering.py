@@ -46,11 +46,16 @@ LAYERS = (
     Layer("kvgate.engine", ("kvgate.engine", "kvgate.kernels"), NO_REDIS),
     Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", *SHARED_WITH_WORKERS)),
     Layer("kvgate.producer.redis_url", ("kvgate.producer.protocol", "kvgate.producer.cluster",
-                                        "kvgate.producer.shards"), HEAVY),
-    Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards"), HEAVY),
+                                        "kvgate.producer.shards", "kvgate.producer.steps"), HEAVY),
+    Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards",
+                                      "kvgate.producer.steps"), HEAVY),
     Layer("kvgate.producer.lanes", ("kvgate.producer.protocol",), HEAVY),
-    Layer("kvgate.producer.protocol", ("kvgate.producer.shards",), HEAVY),
+    Layer("kvgate.producer.protocol", ("kvgate.producer.shards", "kvgate.producer.fields"), HEAVY),
+    # the declaration helpers of the wire's request fields (bounds beside types): msgspec and the standard library
+    Layer("kvgate.producer.fields", (), HEAVY),
     Layer("kvgate.producer.shards", (), HEAVY),
+    # the drivers that run one piece of Redis logic with blocking calls or on asyncio: the standard library only
+    Layer("kvgate.producer.steps", (), HEAVY),
     Layer("kvgate.producer", ("kvgate.producer",), HEAVY),
     # OpenAI's dialect, shared by `kvgate serve` and `kvgate batch`: over the SDK, so `kvgate batch` needs no extra
     Layer("kvgate.openai", ("kvgate.openai", "kvgate.producer"), (*HEAVY, "starlette")),

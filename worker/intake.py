@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.producer.protocol import FIELD, Job, Sampling
+from kvgate.producer.protocol import FIELD, SAMPLING_FIELDS, Job, Sampling
 
 FIELD_BYTES = FIELD.encode()
 
@@ -43,10 +43,9 @@ def identify(payload: bytes | None) -> tuple[str, str, float] | None:
 
 
 def sampling_params(s: Sampling) -> SamplingParams:
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-                          stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                          seed=s.seed, repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
-                          frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
+    """The engine's settings for a decoded (and validated) job: every wire sampling field by its name, which the
+    engine's SamplingParams shares (tests/producer/test_field_agreement.py)."""
+    return SamplingParams(**{spec.name: getattr(s, spec.name) for spec in SAMPLING_FIELDS})
 
 
 def prompt_ids(engine, job: Job) -> list[int]:

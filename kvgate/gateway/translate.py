@@ -10,6 +10,7 @@ from typing import Any, Callable, Literal
 
 from kvgate.producer import InvalidRequest
 from kvgate.openai.shapes import BadLogprobs, requested_logprobs
+from kvgate.producer.protocol import SAMPLING_FIELDS
 from kvgate.producer.request import validate_request
 
 from .errors import from_sdk, invalid, unsupported
@@ -18,14 +19,12 @@ from .settings import GatewaySettings
 
 Kind = Literal["chat", "completion"]
 
-# body field -> SDK argument, taken as given
-DIRECT = {"temperature": "temperature", "top_p": "top_p", "stop": "stop", "seed": "seed",
-          "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-          # vLLM-style extensions (openai's extra_body)
-          "top_k": "top_k", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-          "stop_token_ids": "stop_token_ids", "priority": "priority",
-          # OpenAI's prompt-cache routing hint: with affinity lanes, jobs sharing it go to one worker's prefix cache
-          "prompt_cache_key": "prefix_key"}
+# body field -> SDK argument, taken as given: every sampling field of the wire (OpenAI's names, and vLLM-style
+# extensions through openai's extra_body) but max_tokens and logprobs, which have OpenAI spellings of their own
+DIRECT = {spec.name: spec.name for spec in SAMPLING_FIELDS if spec.name not in ("max_tokens", "logprobs")} | {
+    "priority": "priority",
+    # OpenAI's prompt-cache routing hint: with affinity lanes, jobs sharing it go to one worker's prefix cache
+    "prompt_cache_key": "prefix_key"}
 # body fields accepted only at a value that asks for nothing the engine lacks, with why the rest is refused
 NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "response_format": (lambda v: v is None or v == {"type": "text"}, " (plain text output only)"),

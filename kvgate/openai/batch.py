@@ -12,18 +12,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.producer.errors import InvalidRequest
 from kvgate.openai.shapes import BadLogprobs, choice, requested_logprobs
+from kvgate.producer import protocol as wire
+from kvgate.producer.errors import InvalidRequest
 from kvgate.producer.protocol import Keys
 from kvgate.producer.result import Result
 from kvgate.producer.submission import prepare
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-# Body fields we honour, by their submit name; others are refused rather than silently ignored.
-SAMPLING_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
-                   "top_p": "top_p", "top_k": "top_k", "stop": "stop", "seed": "seed",
-                   "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos", "metadata": "metadata",
-                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty"}
+# Body fields we honour, by their submit name (the wire's sampling fields; logprobs are read by requested_logprobs,
+# stop_token_ids is not taken in batch files); others are refused rather than silently ignored.
+SAMPLING_FIELDS = {s.name: s.name for s in wire.SAMPLING_FIELDS if s.name not in ("logprobs", "stop_token_ids")} | {
+    "max_completion_tokens": "max_tokens", "metadata": "metadata"}
 IGNORED_FIELDS = {"user", "stream", "n"}  # `model` routes the line to that model's streams
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")  # read by requested_logprobs, as the gateway reads them
 

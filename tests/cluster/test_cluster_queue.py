@@ -13,6 +13,7 @@ import uuid
 from kvgate.producer import AsyncClient, Client
 from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, decode_final, encode
 from kvgate.producer.redis_url import connect, keys_for
+from kvgate.producer.steps import run
 from tests.reliability.chaos_harness import stop_all
 from tests.support import spawn_worker, wait_for
 
@@ -178,7 +179,7 @@ def test_affinity_lanes_work_in_every_shard(cluster, namespace, tmp_path):
     procs = workers(cluster, namespace, 2, "--affinity", "on", "--affinity-lanes", "8", tmp_path=tmp_path)
     try:
         with Client(cluster.url, namespace) as client:
-            wait_for(lambda: client._lanes() == 8, 30, "the producer to see the lanes")
+            wait_for(lambda: run(client._lanes()) == 8, 30, "the producer to see the lanes")
             handles = [client.submit(f"job {i}", max_tokens=6, prefix_key=f"tenant-{i % 4}") for i in range(48)]
             assert [h.result(timeout=60).status for h in handles] == ["done"] * 48
             streams = {client.router.entry(h.job_id)[0] for h in handles}

@@ -1,0 +1,185 @@
+"""What the Client and the AsyncClient share: their settings and state, and every Redis round trip as steps.
+
+Submitting (the backlog gate, the lane count, group creation, the enqueue with its retries), reading a result,
+a job's status, a cancel and the queue's stats are written here once as step functions (steps.py). The Client runs
+them with blocking calls (`steps.run`), the AsyncClient awaits them on redis.asyncio (`steps.run_async`): each
+client only starts its reply readers, waits in its own way and says which handle it returns.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Iterable, Literal
+
+import redis
+from tqdm.auto import tqdm
+
+from .connection import refusal_of, resolve_url
+from .durable import DurableSubmitter, with_claim
+from .errors import KvgateError, PartiallySubmitted
+from .idempotency import owner_tag
+from .job_status import job_status
+from .lane_count import LaneCount
+from .mailbox import ReplyRouter
+from .protocol import Keys, decode_final
+from .queue_stats import backlog, queue_stats
+from .redis_url import FAILOVER_BUDGET_S, Durability
+from .request import plain_messages
+from .result import Result
+from .steps import Sleep, Steps, call
+from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, group_commands, group_exists,
+                         new_models, owners, prepare, send_riding_failovers)
+
+CHUNK = 256
+CLOSED_REPLY_TTL_S = 60  # replies still in flight at close may land; the stream goes soon after
+
+
+def check_client_id(client_id: str) -> str:
+    if not 16 <= len(client_id) <= 128 or any(c.isspace() or c in "{}*?[]" for c in client_id):
+        raise ValueError(f"client_id={client_id!r} must have 16 to 128 characters, no whitespace or glob "
+                         "characters; leave it out to get an unguessable one")
+    return client_id
+
+
+class ClientBase:
+    """A producer bound to one Redis namespace; subclasses give it `redis`, `keys`, `_script`, `_states`,
+    `_durable` and `_handle_type`, and run its steps."""
+
+    redis: Any
+    keys: Keys
+    _durable: DurableSubmitter | None
+    _handle_type: type
+
+    def __init__(self, redis_url: str | None = None, namespace: str = "kvgate", *, max_backlog: int | None = None,
+                 backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
+                 reply_ttl_s: int = 3600, durability: Literal["primary", "replicated"] = "primary",
+                 replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S):
+        """durability="replicated": submit returns once a replica holds the job (WAIT 1 replica_timeout_ms), and a
+        submit interrupted by a failover is sent again, to the new primary, for up to failover_budget_s (see
+        RELIABILITY.md, Failover)."""
+        self.url = resolve_url(redis_url)
+        self.durability = Durability(durability, 1, replica_timeout_ms)
+        self._failover_budget_s = failover_budget_s
+        self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
+        self._gate = BacklogGate(max_backlog, backpressure)
+        self._lane_count = LaneCount()
+        self.router = ReplyRouter(self._notify)
+        self._grouped: set[str] = set()  # models whose streams have the workers' group
+        self._closed = False
+        self._open(namespace, reply_ttl_s)
+
+    def _open(self, namespace: str, reply_ttl_s: int) -> None:
+        """Connect: the client's own I/O."""
+        raise NotImplementedError
+
+    def _notify(self) -> None:
+        raise NotImplementedError
+
+    # -- submitting -------------------------------------------------------------------------------
+    def _submit_many(self, requests: Iterable[dict[str, Any]], progress: bool, chunk_size: int) -> Steps:
+        """Validate every request (InvalidRequest names requests[i].field), then enqueue them in chunks, each one
+        MULTI/EXEC; PartiallySubmitted when a later chunk is refused."""
+        lanes = yield from self._lanes()
+        prepared = [prepare(plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].", lanes=lanes)
+                    for i, r in enumerate(requests)]
+        handles: list = []
+        with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
+            for start in range(0, len(prepared), chunk_size):
+                try:
+                    handles += yield from self._enqueue(prepared[start:start + chunk_size])
+                except KvgateError as e:
+                    if handles:
+                        raise PartiallySubmitted(handles, len(prepared), e) from None
+                    raise
+                bar.update(min(chunk_size, len(prepared) - start))
+        return handles
+
+    def _submit(self, args: dict[str, Any]) -> Steps:
+        prepared = prepare(args, self.keys, self.client_id, lanes=(yield from self._lanes()))
+        return (yield from self._enqueue([prepared]))[0]
+
+    def _enqueue(self, prepared: list[Prepared]) -> Steps:
+        yield from self._admit()
+        if missing := new_models(prepared, self._grouped):
+            yield from self._ensure_groups(missing)
+        if self._durable is not None:
+            prepared = [with_claim(p, self.keys) for p in prepared]
+            replies = yield from self._durable.send(self._script, prepared, self.keys)
+        else:
+            replies = yield from send_riding_failovers(self.redis, self._script, prepared, self.keys,
+                                                       self._failover_budget_s)
+        self._gate.added(len(prepared))
+        mine = owner_tag(self.client_id)
+        return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
+                for p, c in zip(prepared, owners(prepared, replies))]
+
+    def _ensure_groups(self, models: list[str]) -> Steps:
+        streams = [st for m in models for st in self.keys.all_jobs(m)]
+        pipe = self.redis.pipeline(transaction=False)
+        group_commands(pipe, streams)
+        replies = yield call(pipe.execute, raise_on_error=False)
+        exists = None
+        if any(isinstance(r, Exception) and refusal_of(r) for r in replies):  # Redis full: are they there already?
+            pipe = self.redis.pipeline(transaction=False)
+            for stream in streams:
+                pipe.xinfo_groups(stream)
+            exists = [group_exists(r) for r in (yield call(pipe.execute, raise_on_error=False))]
+        check_group_replies(replies, exists)
+        self._grouped.update(models)
+
+    def _lanes(self) -> Steps:
+        if self._lane_count.stale():
+            try:
+                self._lane_count.record((yield call(self.redis.get, self.keys.lanes())))
+            except redis.RedisError:  # the shared stream is always read: submit goes on without affinity
+                self._lane_count.record(None)
+        return self._lane_count.lanes
+
+    def _admit(self) -> Steps:
+        delay = 0.02
+        while True:
+            if self._gate.stale():
+                self._gate.record((yield from backlog(self.redis, self.keys)))
+            if not self._gate.blocked():
+                return
+            if self._gate.mode == "raise":
+                raise self._gate.refuse()
+            yield Sleep(delay)
+            delay = min(delay * 2, 1.0)
+            self._gate.force()
+
+    # -- results ----------------------------------------------------------------------------------
+    def attach(self, job_id: str):
+        """A handle for a job submitted elsewhere (another client or process): its result is polled."""
+        return self._handle(job_id, foreign=True)
+
+    def _handle(self, job_id: str, foreign: bool, entry: tuple[str, str] | None = None):
+        return self._handle_type(self, self.router.mailbox(job_id, foreign, entry))
+
+    def _get(self, job_id: str) -> Steps:
+        raw = yield call(self.redis.get, self.keys.result(job_id))
+        return None if raw is None else Result.from_final(decode_final(raw))
+
+    def _status(self, job_id: str) -> Steps:
+        return (yield from job_status(self.redis, self._states, self.keys, job_id, self.router.entry(job_id)))
+
+    def _cancel(self, job_id: str) -> Steps:
+        yield call(self.redis.set, self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
+
+    def _stats(self) -> Steps:
+        return (yield from queue_stats(self.redis, self.keys))
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def _expire_replies(self) -> Steps:
+        """At close: let the reply streams expire; results stay readable with get()."""
+        for stream in self.keys.replies(self.client_id):
+            yield call(self.redis.expire, stream, CLOSED_REPLY_TTL_S)
+
+    @staticmethod
+    def _deadline(timeout: float | None) -> float | None:
+        return None if timeout is None else time.monotonic() + timeout
+
+    @staticmethod
+    def _remaining(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
