@@ -5,15 +5,39 @@ import argparse
 import dataclasses
 import json
 import sys
+import typing
 
 import msgspec
 
 from kvgate.producer.client import Client
 from kvgate.producer.errors import ResultTimeout
+from kvgate.producer.fields import Range
+from kvgate.producer.protocol import SAMPLING_FIELDS
 from kvgate.openai.shapes import chat_logprobs
 from kvgate.producer.stream import Restart
 
 EXIT_BY_STATUS = {"done": 0, "error": 1, "expired": 1, "cancelled": 1}
+# A chat command's usual temperature; the SDK keeps OpenAI's 1.0. Every other default is the wire's own.
+COMMAND_DEFAULTS = {"temperature": 0.7}
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of the wire's Sampling (the one declaration): its type, default and bounds come from
+    there, so a new request field is a flag here without being written again. Lists are repeatable flags."""
+    for spec in SAMPLING_FIELDS:
+        flag = "--" + spec.name.replace("_", "-")
+        default = COMMAND_DEFAULTS.get(spec.name, spec.default)
+        rule = f"must {spec.bounds.rule()}" if isinstance(spec.bounds, Range) else ""
+        if spec.type is bool:
+            parser.add_argument(flag, action="store_true", help=f"default {default}")
+        elif isinstance(spec.default, list):
+            item = typing.get_args(spec.type)[0]
+            parser.add_argument(flag, action="append", type=item, metavar=item.__name__.upper(),
+                                help="repeatable")
+        else:
+            kind = next(t for t in (*typing.get_args(spec.type), spec.type) if t in (int, float))
+            parser.add_argument(flag, type=kind, default=default,
+                                help="; ".join(part for part in (rule, f"default {default}") if part))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,18 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", help="a system message before the prompt")
     parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0,
-                        help="OpenAI's, in [-2, 2]: lowers a token's logit by this per earlier use in the answer")
-    parser.add_argument("--presence-penalty", type=float, default=0.0,
-                        help="OpenAI's, in [-2, 2]: lowers a token's logit by this once it is in the answer")
-    parser.add_argument("--logprobs", type=int, metavar="N",
-                        help="report each token's logprob and its N most likely alternatives (0 to 20)")
-    parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    add_sampling_flags(parser)
     parser.add_argument("--priority", choices=("high", "normal", "low"), default="normal")
     parser.add_argument("--model", help="the model to ask (its workers' name or alias); default: the 'default' "
                                         "model, which every worker serves unless started with --no-serve-default")
@@ -45,10 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def request_from(args: argparse.Namespace) -> dict:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    seed=args.seed, stop=args.stop, priority=args.priority, ttl_s=args.ttl_s, model=args.model,
-                    stream=args.stream and not args.json, frequency_penalty=args.frequency_penalty,
-                    presence_penalty=args.presence_penalty, logprobs=args.logprobs)
+    sampling = {spec.name: getattr(args, spec.name) for spec in SAMPLING_FIELDS if getattr(args, spec.name) is not None}
+    sampling |= dict(priority=args.priority, ttl_s=args.ttl_s, model=args.model, stream=args.stream and not args.json)
     if args.raw:
         if args.system:
             raise SystemExit("kvgate submit: --system needs the chat template; drop --raw")

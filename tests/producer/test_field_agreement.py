@@ -124,3 +124,21 @@ def test_the_gateway_takes_every_sampling_field_and_leaves_unnamed_ones_to_the_w
     args = plan("completion", {"model": "m", "prompt": "x"}, GatewaySettings(default_max_tokens=99)).submits[0]
     assert args["max_tokens"] == 99  # an operator's setting, --default-max-tokens (512 unless set)
     assert not set(args) & (set(NAMES) - {"max_tokens"})
+
+
+def test_kvgate_submit_has_a_flag_for_every_sampling_field_with_the_wire_default():
+    import argparse
+
+    from kvgate.commands.submit import COMMAND_DEFAULTS, add_arguments, request_from
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["hi"])
+    for spec in SAMPLING_FIELDS:
+        expected = COMMAND_DEFAULTS.get(spec.name, None if isinstance(spec.default, list) else spec.default)
+        assert getattr(args, spec.name) == expected, spec.name
+    request = request_from(parser.parse_args(["hi", "--stop", "a", "--stop", "b", "--stop-token-ids", "7",
+                                              "--ignore-eos", "--seed", "3", "--top-k", "5"]))
+    assert (request["stop"], request["stop_token_ids"], request["ignore_eos"]) == (["a", "b"], [7], True)
+    assert (request["seed"], request["top_k"], request["temperature"]) == (3, 5, 0.7)
+    SubmitRequest(**request)  # what the command sends is a valid request as the SDK checks it
