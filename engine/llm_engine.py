@@ -95,7 +95,7 @@ class LLMEngine:
         bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        max_tokens = min(params.max_tokens, self.max_model_len - n)
+        max_tokens = self.output_budget(n, params.max_tokens)
         if max_tokens < 1:
             raise RequestRejected(f"prompt of {n} tokens leaves no room to generate within "
                                   f"max_model_len={self.max_model_len}")
@@ -273,13 +273,18 @@ class LLMEngine:
         block hashes between calls (a candidate is checked again on each step until it fits)."""
         return self.block_manager.held_prefix(prompt_ids, [] if hashes is None else hashes) * self.block_size
 
+    def output_budget(self, prompt_len: int, max_tokens: int) -> int:
+        """The tokens a request may generate: its max_tokens, cut where prompt plus output would pass max_model_len
+        (0: no room). The one place the budget is clamped: add_request applies it, and the worker applies it once
+        when it makes a job's ticket, so the admission estimate and `fits` see the budget the sequence will have."""
+        return max(0, min(max_tokens, self.max_model_len - prompt_len))
+
     def fits(self, prompt_len: int, max_tokens: int, shared: int = 0) -> bool:
-        """Could this candidate be admitted now without expecting a preemption? `shared`: its leading prompt
-        tokens already held (shared_prefix_tokens), which cost no free block. An idle engine takes anything
-        that fits the whole cache, so a big job is never starved."""
+        """Could this candidate be admitted now without expecting a preemption? `max_tokens`: its budget as
+        output_budget gives it. `shared`: its leading prompt tokens already held (shared_prefix_tokens), which cost
+        no free block. An idle engine takes anything that fits the whole cache, so a big job is never starved."""
         if not 0 < prompt_len < self.max_model_len:
             return False
-        max_tokens = min(max_tokens, self.max_model_len - prompt_len)
         if self.block_manager.blocks_for(prompt_len + max_tokens) > self.block_manager.num_blocks:
             return False
         if not self.has_unfinished():

@@ -213,3 +213,12 @@ def test_an_engine_raises_the_young_gc_threshold_so_collections_do_not_run_every
         assert gc.get_threshold() == (GC_GEN0_THRESHOLD, 10, 10)
     finally:
         gc.set_threshold(*before)
+
+
+def test_output_budget_is_max_tokens_cut_at_max_model_len_and_add_request_applies_it(source):
+    small = LLMEngine(source, kv_cache_memory=64 * BLOCK_BYTES, max_model_len=128)
+    assert small.output_budget(100, 10) == 10
+    assert small.output_budget(100, 1_000_000) == 28
+    assert small.output_budget(128, 5) == 0
+    small.add_request("a", [1] * 100, SamplingParams(max_tokens=1_000_000))
+    assert small.scheduler.waiting[0].max_tokens == 28
