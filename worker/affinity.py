@@ -284,6 +284,11 @@ class Affinity:
         return self.enabled and stream in self.lane_streams and stream not in self.own_streams
 
 
+def kv_weight(total_blocks: int) -> float:
+    """Our share of lanes follows the KV blocks we hold: that is where a prefix cache lives."""
+    return float(total_blocks) if total_blocks > 0 else 1.0
+
+
 def _rotated(items: list, turn: int) -> list:
     if not items:
         return items

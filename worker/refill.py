@@ -22,7 +22,7 @@ from kvgate.worker.engine import Engine
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases
 from kvgate.worker.reader import Entry, Reader, ReadPlan, ReadSlot
-from kvgate.worker.round_trip import FullOwners
+from kvgate.worker.slots import FullOwners
 from kvgate.worker.settings import WorkerSettings
 
 log = logging.getLogger("kvgate.worker")

@@ -1,86 +1,90 @@
-"""One pipeline shared by several parties, one round trip: each party queues its commands and gets back a slot
-that takes its own replies, in the order it queued them. Settling walks the slots; nobody counts offsets into
-another party's replies.
-
-The outbox's slot comes first and settles before anything else is looked at: what went out is accounted for
-even when a later command failed (the next round trip must not send it again)."""
+"""The step's round trip: one pipeline per step carries the step's deltas and finals, what we tell the other
+workers about our room, the refill reads for the room the step freed, and the cancellation poll when due. It
+runs on the I/O thread while the engine computes the next step, and its replies are taken in before the next
+one goes. What it brought back is handed to the loop as data (`Brought`)."""
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import islice
-from typing import TYPE_CHECKING, Iterator, Protocol
 
-if TYPE_CHECKING:
-    from kvgate.worker.affinity import Affinity
-    from kvgate.worker.publisher import Publisher, Settled
+import redis
 
-
-class Slot(Protocol):
-    def take(self, replies: Iterator) -> None:
-        """Consume exactly the replies of the commands this slot's party queued."""
-
-
-@dataclass(slots=True)
-class Ignored:
-    """Commands whose replies say nothing we act on (an error among them still fails the round trip)."""
-
-    n: int
-
-    def take(self, replies: Iterator) -> None:
-        for _ in islice(replies, self.n):
-            pass
+from kvgate.worker.admission import Ticket
+from kvgate.worker.affinity import Affinity
+from kvgate.worker.cancellation import CancelFlags, Cancellation
+from kvgate.worker.publisher import Publisher, Settled
+from kvgate.worker.reader import Entry
+from kvgate.worker.refill import Capacity, QueuedReads, Refill
+from kvgate.worker.slots import Ignored, Outbox, PipelineSlots
 
 
 @dataclass(slots=True)
-class FullOwners:
-    """The reads of who is full now (Affinity.look), for the next read plan."""
+class Sent:
+    """A round trip on its way, with the slots the loop acts on once it settles."""
 
-    affinity: Affinity
-    n: int
-
-    def take(self, replies: Iterator) -> None:
-        if self.n:
-            self.affinity.seen(list(islice(replies, self.n)))
+    replies: Future
+    slots: PipelineSlots
+    reads: QueuedReads | None  # the refill's reads
+    polled: CancelFlags | None  # the cancel flags of the jobs we hold
 
 
 @dataclass(slots=True)
-class Outbox:
-    """The publisher's deltas and finals (Publisher.fill): what they did, once settled."""
+class Brought:
+    """What a settled round trip brought back: what the outbox did (accounted for even when a later command
+    failed: then `error` is that failure, raised by the loop once the outbox is accounted for), the entries the
+    reads took, and the jobs whose client cancelled them."""
 
-    publisher: Publisher
-    n: int
-    settled: Settled | None = None
-
-    def take(self, replies: Iterator) -> None:
-        self.settled = self.publisher.settle(list(islice(replies, self.n)))
+    settled: Settled
+    error: Exception | None = None
+    entries: list[Entry] | None = None  # None: no read went
+    flagged: list[Ticket] = field(default_factory=list)
 
 
-@dataclass(slots=True)
 class RoundTrip:
-    """A pipeline on its way (on the I/O thread while the engine steps) and the slots of what it carries."""
+    def __init__(self, client: redis.Redis, publisher: Publisher, affinity: Affinity, refill: Refill,
+                 cancellation: Cancellation) -> None:
+        self.client, self.publisher, self.affinity = client, publisher, affinity
+        self.refill, self.cancellation = refill, cancellation
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="kvgate-io")
+        self.sent: Sent | None = None
 
-    outbox: Outbox
-    slots: list[Slot] = field(default_factory=list)
-    replies: Future | None = None
-    rest: list = field(default_factory=list)  # the replies after the outbox's, once settled
+    def send(self, capacity: Capacity, draining: bool, holding: list[Ticket] | None) -> bool:
+        """Queue every party's commands and send them if there is anything to send; `holding`: the jobs whose cancel
+        flags to poll (None: no poll due). Whether a round trip went."""
+        pipe = self.client.pipeline(transaction=False)
+        slots = PipelineSlots(Outbox(self.publisher, self.publisher.fill(pipe)))
+        told = 0
+        if self.affinity.enabled and self.affinity.lanes:
+            told = slots.add(Ignored(self.affinity.tell(pipe, self.refill.has_room(capacity, draining)))).n
+        request = self.refill.request(capacity, draining)
+        reads = slots.add(self.refill.queue_reads(pipe, request)) if request else None
+        polled = slots.add(self.cancellation.queue(pipe, holding)) if holding else None
+        if not (slots.outbox.n or told or reads or polled):
+            return False
+        self.sent = Sent(self.io.submit(self.publisher.round_trip, pipe), slots, reads, polled)
+        return True
 
-    def add(self, slot):
-        self.slots.append(slot)
-        return slot
+    def settle(self) -> Brought | None:
+        """Wait for the round trip on its way, if any. A lost connection puts the outbox back and raises."""
+        sent, self.sent = self.sent, None
+        if sent is None:
+            return None
+        try:
+            replies = sent.replies.result()
+        except BaseException:
+            self.publisher.requeue()
+            raise
+        brought = Brought(sent.slots.settle(replies))
+        try:
+            sent.slots.hand_out()
+        except Exception as e:  # a later command's error: nobody acts on its replies
+            brought.error = e
+            return brought
+        if sent.reads is not None:
+            brought.entries = self.refill.settle(sent.reads)
+        if sent.polled is not None:
+            brought.flagged = sent.polled.flagged
+        return brought
 
-    def settle(self, replies: list) -> Settled:
-        """What the outbox's part of the replies did; the others wait for `hand_out`."""
-        rest = iter(replies)
-        self.outbox.take(rest)
-        self.rest = list(rest)
-        return self.outbox.settled
-
-    def hand_out(self) -> None:
-        """Hand every other slot its replies, unless one of them failed: then raise it, before anyone acts."""
-        error = next((r for r in self.rest if isinstance(r, Exception)), None)
-        if error is not None:
-            raise error
-        rest = iter(self.rest)
-        for slot in self.slots:
-            slot.take(rest)
+    def close(self) -> None:
+        self.io.shutdown(wait=False)

@@ -12,30 +12,29 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.producer.cluster import NodeLinks, is_noscript, scripts_lost
-from kvgate.producer.protocol import PROTOCOL_VERSION, Final, Keys, Timings, mask_url
+from kvgate.producer.protocol import mask_url
 from kvgate.producer.redis_url import connect, keys_for
 from kvgate.worker.admission import AdmissionQueue, Ticket
-from kvgate.worker.affinity import Affinity
-from kvgate.worker.cancellation import CancelFlags, Cancellation
+from kvgate.worker.affinity import Affinity, kv_weight
+from kvgate.worker.answers import Answers
+from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
-from kvgate.worker.flights import Collected, Ended, Flights, final_of, observe_finished
+from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
-from kvgate.worker.intake import Intake, Rejection, identify
+from kvgate.worker.intake import Intake
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases
-from kvgate.worker.publisher import Finish, Publisher, Settled
-from kvgate.worker.refill import Capacity, QueuedReads, Refill
-from kvgate.worker.round_trip import Ignored, Outbox, RoundTrip
+from kvgate.worker.publisher import Publisher, Settled
+from kvgate.worker.refill import Capacity, Refill
+from kvgate.worker.round_trip import RoundTrip
 from kvgate.worker.served import served_models
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.trim import trim
@@ -44,15 +43,6 @@ log = logging.getLogger("kvgate.worker")
 # ClusterError: a Redis Cluster with slots uncovered (a failover under way) or a node's connections exhausted
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.exceptions.ClusterError)
 TRIM_ALL_EVERY = 12  # trims: every 12th looks at every stream (a minute at the default trim_interval_s)
-
-
-@dataclass(slots=True)
-class Exchange:
-    """A step's round trip on its way, with the slots the loop acts on once it settles."""
-
-    trip: RoundTrip
-    reads: QueuedReads | None  # the refill's reads
-    polled: CancelFlags | None  # the cancel flags of the jobs we hold
 
 
 class NullMetrics:
@@ -70,12 +60,6 @@ def make_metrics(worker_id: str, model: str):
     except ImportError:
         return NullMetrics()
     return WorkerMetrics(worker_id, model)
-
-
-def kv_weight(engine: Engine) -> float:
-    """Our share of affinity lanes follows the KV blocks we hold: that is where a prefix cache lives."""
-    blocks = engine.stats.total_blocks
-    return float(blocks) if blocks > 0 else 1.0
 
 
 class Worker:
@@ -102,26 +86,23 @@ class Worker:
         self.renewed_at = time.monotonic()
         self.clock = ServerClock(self.client)
         self.affinity = Affinity(self.client, self.keys, self.worker_id, s.affinity == "on", s.affinity_lanes,
-                                 s.heartbeat_ttl_s * 1000, weight=kv_weight(engine), models=self.served.names)
+                                 s.heartbeat_ttl_s * 1000, weight=kv_weight(engine.stats.total_blocks), models=self.served.names)
         self.lane_prefixes = LanePrefixes(engine.block_size)
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
                              len(self.served.names))
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
+        self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
                                    engine_capacity(engine), s.heartbeat_ttl_s)
         self.due: dict[str, float] = {}
         self.offline_until = 0.0
         self.backoff_s = 0.05
-        self.jobs_done = 0
         self.draining = False
         self.drain_deadline = 0.0
-        self.acked: set[str] = set()  # streams we acknowledged entries of since the last trim
         self.trims = 0
-        # Redis round trips run on their own thread while the engine steps.
-        self.io = ThreadPoolExecutor(1, thread_name_prefix="kvgate-io")
-        self.sent: RoundTrip | None = None
+        self.round_trip = RoundTrip(self.client, self.publisher, self.affinity, self.refill, self.cancellation)
 
     def use_queue(self, queue: AdmissionQueue) -> None:
         """Another local admission policy (the fleet benchmark's naive baseline), before run()."""
@@ -154,7 +135,7 @@ class Worker:
             self._step()  # the last step's text decodes and its round trip runs meanwhile, on their threads
         if self.flights.detok.in_flight:
             # the text of the step before this one; all of it when nothing runs now, so nothing waits a step
-            self._publish(self.flights.collect(lag=1 if self.engine.has_unfinished() else 0))
+            self.answers.publish(self.flights.collect(lag=1 if self.engine.has_unfinished() else 0))
         if not busy and not online:
             time.sleep(max(0.0, min(self.offline_until - time.monotonic(), 0.5)))
         elif not busy and self.draining:
@@ -188,25 +169,16 @@ class Worker:
     def _ensure_groups(self) -> None:
         self.client.sadd(self.keys.models(), *self.served.names)  # listed by stats and the gateway from now on
         self._sync_lanes()
-        self._create_groups(self.streams)
+        self.consumers.create_groups(self.streams)
 
     def _sync_lanes(self) -> None:
         """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded)."""
         if self.affinity.sync():
             new = [st for st in self.affinity.streams() if st not in self.streams]
-            self._create_groups(new)
+            self.consumers.create_groups(new)
             self.streams += new  # in place: the consumers' list is this one
             self.refill.add_streams(new)
         self.metrics.on_lanes(self.affinity.owned_count)
-
-    def _create_groups(self, streams: list[str]) -> None:
-        """One round trip for all of them: with lanes a worker reads hundreds of streams."""
-        pipe = self.client.pipeline(transaction=False)
-        for stream in streams:
-            pipe.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
-        for reply in pipe.execute(raise_on_error=False) if streams else []:
-            if isinstance(reply, redis.ResponseError) and "BUSYGROUP" not in str(reply):
-                raise reply
 
     def _every(self, name: str, interval_s: float) -> bool:
         now = time.monotonic()
@@ -244,44 +216,30 @@ class Worker:
         entries = [e for e in entries if not self._holds(e.stream, e.entry_id)]  # e.g. ours after a long stall
         tickets, rejections = self.intake.tickets(entries)
         for rejection in rejections:
-            self._reject(rejection)
+            self.answers.reject(rejection)
         cancelled = self.cancellation.before_start(self.client, tickets)
         for ticket in tickets:
             if ticket.key in cancelled:
-                self._answer(Ended(ticket, "cancelled", error="cancelled before it started"))
+                self.answers.answer(Ended(ticket, "cancelled", error="cancelled before it started"))
             else:
                 self.queue.push(ticket)
         return got
-
-    def _reject(self, r: Rejection) -> None:
-        if r.ticket is not None:
-            self._answer(Ended(r.ticket, r.status, error=r.error, dead_reason=r.dead_reason))
-            return
-        self.metrics.on_dead_letter("invalid")
-        ident = identify(r.payload) if r.payload is not None else None
-        if ident is None:
-            self.publisher.dead_letter(r.stream, r.entry_id, r.error, r.payload)
-            return
-        job_id, client_id, queued = ident
-        final = Final(v=PROTOCOL_VERSION, job_id=job_id, status=r.status, error=r.error, worker=self.worker_id,
-                      timings=Timings(queued=queued, finished=time.time()), model=self.model)
-        self.publisher.finish(Finish(final, client_id, r.stream, r.entry_id, dead_reason=r.error, job_payload=r.payload))
 
     # ---- local queue -> engine -> outbox -------------------------------------------------------
     def _admit_local(self) -> None:
         while (ticket := self.queue.head()) is not None and not self.draining:
             if self.clock.expired(ticket.job, ticket.entry_id):
                 self.queue.pop()
-                self._answer(Ended(ticket, "expired", error="deadline passed while waiting for KV cache room"))
+                self.answers.answer(Ended(ticket, "expired", error="deadline passed while waiting for KV cache room"))
                 continue
             if self.engine.has_unfinished() and not self._fits(ticket):
                 return
             self.queue.pop()
             if (refused := self.flights.start(ticket)) is not None:
-                self._answer(refused)
+                self.answers.answer(refused)
 
     def _fits(self, ticket: Ticket) -> bool:
-        shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)
+        shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # held by running sequences
         return self.engine.fits(len(ticket.prompt_ids), ticket.params.max_tokens, shared)
 
     def _step(self) -> None:
@@ -290,77 +248,39 @@ class Worker:
         self.metrics.on_step(self.engine.stats, time.perf_counter() - started, len(self.queue))
         self.flights.submit(outputs, time.time())
 
-    def _publish(self, collected: Collected) -> None:
-        for delta in collected.deltas:
-            self.publisher.delta(*delta)
-        for ended in collected.ended:
-            self._answer(ended)
-
-    def _answer(self, ended: Ended) -> None:
-        t = ended.ticket
-        final = final_of(ended, worker=self.worker_id, model=self.model, finished_at=time.time())
-        self.publisher.finish(Finish(final, t.job.client_id, t.stream, t.entry_id, ended.dead_reason,
-                                     t.payload if ended.dead_reason else b""))
-        if ended.dead_reason:
-            self.metrics.on_dead_letter("max_deliveries")
-
     # ---- the step's round trip -----------------------------------------------------------------
     def _exchange(self) -> None:
-        """One round trip per step: the step's deltas and finals, the refill read for the slots it freed, and
-        the cancellation poll when due. It runs on the I/O thread while the engine computes the next step, and
-        its replies are taken in before the next one goes; with nothing to step, at once."""
+        """One round trip per step (round_trip.py), on the I/O thread while the engine computes the next step;
+        with nothing to step, settled at once."""
         self._settle_exchange()
         if self.flights and time.monotonic() - self.renewed_at > 2 * self.settings.renew_interval_s:
             self._renew()  # we stalled (SIGSTOP, a slow step): check the leases before publishing for them
-        pipe = self.client.pipeline(transaction=False)
-        trip = RoundTrip(Outbox(self.publisher, self.publisher.fill(pipe)))
-        capacity = Capacity(self.engine)  # the room after the step: what we tell and what we read both spend it
-        told = 0
-        if self.affinity.enabled and self.affinity.lanes:
-            told = trip.add(Ignored(self.affinity.tell(pipe, self.refill.has_room(capacity, self.draining)))).n
-        request = self.refill.request(capacity, self.draining)
-        reads = trip.add(self.refill.queue_reads(pipe, request)) if request else None
-        polled = None
+        holding = None
         if self.cancellation.due(bool(self.flights or self.queue.tickets)):
-            polled = trip.add(self.cancellation.queue(pipe, self.flights.tickets() + list(self.queue.tickets)))
-        if not (trip.outbox.n or told or reads or polled):
-            return
-        trip.replies = self.io.submit(self.publisher.round_trip, pipe)
-        self.sent = Exchange(trip, reads, polled)
-        if not self.engine.has_unfinished():
+            holding = self.flights.tickets() + list(self.queue.tickets)
+        # the room after the step, asked of the engine at most once: what we tell others and what we read spend it
+        if self.round_trip.send(Capacity(self.engine), self.draining, holding) and not self.engine.has_unfinished():
             self._settle_exchange()
 
     def _settle_exchange(self) -> None:
-        sent, self.sent = self.sent, None
-        if sent is None:
+        brought = self.round_trip.settle()
+        if brought is None:
             return
-        try:
-            replies = sent.trip.replies.result()
-        except BaseException:
-            self.publisher.requeue()
-            raise
-        self._settled(sent.trip.settle(replies))
-        sent.trip.hand_out()  # raises the first error among the other replies
-        if sent.reads is not None:
-            self._accept(self.refill.settle(sent.reads))
-        if sent.polled is not None:
-            self._cancel(sent.polled.flagged)
+        self._settled(brought.settled)
+        if brought.error is not None:
+            raise brought.error
+        if brought.entries is not None:
+            self._accept(brought.entries)
+        if brought.flagged:
+            self._cancel(brought.flagged)
 
     def _flush(self) -> None:
         self._settle_exchange()
         self._settled(self.publisher.flush())
 
     def _settled(self, settled: Settled) -> None:
-        for finish, fresh in settled.answered:
-            self.jobs_done += 1
-            self.acked.add(finish.stream)
-            if fresh:
-                observe_finished(self.metrics, finish.final)
-        for key, reason in settled.failed_jobs.items():
+        for key, reason in self.answers.settled(settled).items():
             self._fail_publishing(key, reason)
-        for finish, reason in settled.failed_finishes:
-            if self.publisher.dead_letter_finish(finish, reason):
-                self.metrics.on_dead_letter("publish")
 
     def _fail_publishing(self, key: str, reason: str) -> None:
         """A delta this job's reply stream refused (a producer made its reply key another type): stop the job
@@ -371,17 +291,17 @@ class Worker:
         self.publisher.forget({key})
         reply = self.publisher.reply_of(flight.ticket.job.client_id, flight.ticket.stream)
         log.warning("job %s failed: its reply stream %s refused a delta: %s", flight.ticket.job.job_id, reply, reason)
-        self._answer(Ended(flight.ticket, "error", flight=flight,
+        self.answers.answer(Ended(flight.ticket, "error", flight=flight,
                            error=f"could not publish to reply stream {reply}: {reason}"))
 
     def _cancel(self, flagged: list[Ticket]) -> None:
         for ticket in flagged:
             stopped = self.flights.cancel(ticket.key)
             if stopped is not None:
-                self._publish(stopped)
+                self.answers.publish(stopped)
             elif ticket in self.queue.tickets:
                 self.queue.remove(ticket)
-                self._answer(Ended(ticket, "cancelled", error="cancelled before it started"))
+                self.answers.answer(Ended(ticket, "cancelled", error="cancelled before it started"))
 
     # ---- housekeeping: leases, reclaim, heartbeat, trim ----------------------------------------
     def _housekeep(self) -> None:
@@ -398,8 +318,8 @@ class Worker:
             self.trims += 1
             # Only streams with entries we acknowledged can have more to trim; all of them now and then, for
             # entries others acknowledged before leaving.
-            trim(self.client, self.streams if self.trims % TRIM_ALL_EVERY == 0 else sorted(self.acked))
-            self.acked.clear()
+            acked = self.answers.take_acked()
+            trim(self.client, self.streams if self.trims % TRIM_ALL_EVERY == 0 else acked)
             if gone := self.consumers.prune():
                 log.info("deleted %d departed consumers: %s", len(gone), ", ".join(gone))
 
@@ -413,11 +333,8 @@ class Worker:
             return
         log.warning("%d jobs were taken over by another worker after a stall; stopping them here", len(lost))
         self.publisher.forget(lost)
-        waiting = [key for key in lost if key not in self.flights]
+        self.queue.discard([key for key in lost if key not in self.flights])
         self.flights.lose(lost)
-        for key in waiting:
-            if (ticket := next((t for t in self.queue.tickets if t.key == key), None)) is not None:
-                self.queue.remove(ticket)
 
     def _entries(self, tickets: list[Ticket]) -> dict[str, list[str]]:
         """Entry ids by stream, every stream we read listed."""
@@ -431,7 +348,8 @@ class Worker:
             self._sync_lanes()
         adm = self.engine.admission()
         self.heartbeat.beat(state="draining" if self.draining else "serving", stats=self.engine.stats,
-                            admissible_tokens=adm.admissible_tokens, waiting=len(self.queue), jobs_done=self.jobs_done)
+                            admissible_tokens=adm.admissible_tokens, waiting=len(self.queue),
+                            jobs_done=self.answers.jobs_done)
 
     # ---- drain ---------------------------------------------------------------------------------
     def _begin_drain(self) -> None:
@@ -443,10 +361,7 @@ class Worker:
         self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
         log.info("draining: %d running, %d queued locally; up to %.0fs", len(self.flights), len(self.queue),
                  self.settings.drain_timeout_s)
-        waiting = []
-        while self.queue.tickets:
-            waiting.append(self.queue.pop())
-        self._hand_back(self._entries(waiting))
+        self._hand_back(self._entries(self.queue.take_all()))
 
     def _drained(self) -> bool:
         if self.flights and time.monotonic() < self.drain_deadline:
@@ -468,10 +383,10 @@ class Worker:
                 break
             except REDIS_DOWN:
                 time.sleep(0.5)
-        self.io.shutdown(wait=False)
+        self.round_trip.close()
         self.flights.close()
         self.client.close()
-        log.info("worker %s stopped after %d jobs", self.worker_id, self.jobs_done)
+        log.info("worker %s stopped after %d jobs", self.worker_id, self.answers.jobs_done)
 
     def _hand_back(self, handed: dict[str, list[str]]) -> None:
         if not any(handed.values()):
