@@ -43,7 +43,8 @@ class Answers:
         job_id, client_id, queued = ident
         final = Final(v=PROTOCOL_VERSION, job_id=job_id, status=r.status, error=r.error, worker=self.worker_id,
                       timings=Timings(queued=queued, finished=time.time()), model=self.model)
-        self.publisher.finish(Finish(final, client_id, r.stream, r.entry_id, dead_reason=r.error, job_payload=r.payload))
+        self.publisher.finish(Finish(final, client_id, r.stream, r.entry_id, dead_reason=r.error,
+                                     job_payload=r.payload))
 
     def settled(self, settled: Settled) -> dict[str, str]:
         """Count what was answered and dead-letter the finals the script refused; the jobs whose deltas a reply

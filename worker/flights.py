@@ -130,6 +130,11 @@ class Flights:
     def __contains__(self, key: str) -> bool:
         return key in self.running
 
+    @property
+    def decoding(self) -> int:
+        """Steps handed over whose text is not collected yet."""
+        return self.detok.in_flight
+
     def tickets(self) -> list[Ticket]:
         return [f.ticket for f in self.running.values()]
 
@@ -202,9 +207,10 @@ class Flights:
     def cancel(self, key: str) -> Collected | None:
         """Stop a running job its client cancelled (None: not running here). Its text ends with what the
         detokenizer still holds, so it is answered once that comes: at once where nothing decodes on a thread."""
-        flight = self.running.get(key)
+        flight = self.running.pop(key, None)
         if flight is None:
             return None
+        self.running[key] = flight  # last in the order of our jobs (cancel polls, leases), as it always went
         out = self.engine.abort(key)
         if out is not None:
             flight.ending = "cancelled"

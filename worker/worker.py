@@ -86,7 +86,8 @@ class Worker:
         self.renewed_at = time.monotonic()
         self.clock = ServerClock(self.client)
         self.affinity = Affinity(self.client, self.keys, self.worker_id, s.affinity == "on", s.affinity_lanes,
-                                 s.heartbeat_ttl_s * 1000, weight=kv_weight(engine.stats.total_blocks), models=self.served.names)
+                                 s.heartbeat_ttl_s * 1000, weight=kv_weight(engine.stats.total_blocks),
+                                 models=self.served.names)
         self.lane_prefixes = LanePrefixes(engine.block_size)
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
@@ -133,7 +134,7 @@ class Worker:
         busy = self.engine.has_unfinished()
         if busy:
             self._step()  # the last step's text decodes and its round trip runs meanwhile, on their threads
-        if self.flights.detok.in_flight:
+        if self.flights.decoding:
             # the text of the step before this one; all of it when nothing runs now, so nothing waits a step
             self.answers.publish(self.flights.collect(lag=1 if self.engine.has_unfinished() else 0))
         if not busy and not online:

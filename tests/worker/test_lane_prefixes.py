@@ -55,7 +55,8 @@ def lane_worker(queue, num_blocks: int):
     worker = ThreadWorker(queue, engine, worker_id="w", affinity="on", affinity_lanes=8).worker
     worker._redis(worker._ensure_groups)  # the only member: it owns every lane
     assert worker.affinity.own[DEFAULT_MODEL] == list(range(8))
-    worker.refill.cursors = dict.fromkeys(worker.refill.cursors)  # nothing of its own pending: busy refills read new entries
+    # nothing of its own pending: busy refills read new entries
+    worker.refill.cursors = dict.fromkeys(worker.refill.cursors)
     return engine, worker
 
 
