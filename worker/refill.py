@@ -22,7 +22,7 @@ from kvgate.worker.engine import Engine
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases
 from kvgate.worker.reader import Entry, Reader, ReadPlan, ReadSlot
-from kvgate.worker.slots import FullOwners
+from kvgate.worker.slots import FullOwners, Ignored
 from kvgate.worker.settings import WorkerSettings
 
 log = logging.getLogger("kvgate.worker")
@@ -132,9 +132,10 @@ class Refill:
         entries = self.reader.read(count, self._plan(reclaim_ms, full=True), reclaim_ms)  # a cluster: shard by shard
         if self.affinity.enabled and self.affinity.lanes:
             pipe = self.client.pipeline(transaction=False)
-            told = self.affinity.tell(pipe, room=True)
-            self.affinity.look(pipe)
-            self.affinity.seen(pipe.execute()[told:])
+            slots = (Ignored(self.affinity.tell(pipe, room=True)), FullOwners(self.affinity, self.affinity.look(pipe)))
+            replies = iter(pipe.execute())
+            for slot in slots:
+                slot.take(replies)
         return self.took(entries, count, reclaim_ms, len(entries) < count)
 
     def read_blocking(self, count: int) -> list[Entry]:

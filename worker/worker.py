@@ -293,7 +293,7 @@ class Worker:
         reply = self.publisher.reply_of(flight.ticket.job.client_id, flight.ticket.stream)
         log.warning("job %s failed: its reply stream %s refused a delta: %s", flight.ticket.job.job_id, reply, reason)
         self.answers.answer(Ended(flight.ticket, "error", flight=flight,
-                           error=f"could not publish to reply stream {reply}: {reason}"))
+                                  error=f"could not publish to reply stream {reply}: {reason}"))
 
     def _cancel(self, flagged: list[Ticket]) -> None:
         for ticket in flagged:
