@@ -1,5 +1,6 @@
 """The worker uses an engine only through `kvgate.worker.engine.Engine`: every engine it is given offers each
-name that protocol declares (the production engine, the simulated one built on it, and so any subclass)."""
+name that protocol declares (the production engine, the simulated one built on it, and so any subclass). An
+engine without a tokenizer is test_worker_ids_only's."""
 from __future__ import annotations
 
 from kvgate.engine.simulated import SimulatedEngine
@@ -18,4 +19,3 @@ def test_the_simulated_engine_offers_everything_the_worker_uses_of_an_engine():
             "add_request", "abort", "fits", "shared_prefix_tokens", "encode_chat", "has_unfinished"} <= names
     missing = sorted(n for n in names if not hasattr(engine, n))
     assert missing == [], f"the simulated engine lacks {missing}"
-    assert engine.tokenizer is None  # the worker gives it the ids-only detokenizer
