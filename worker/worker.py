@@ -31,7 +31,7 @@ from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
 from kvgate.worker.lane_prefixes import LanePrefixes
-from kvgate.worker.leases import Leases
+from kvgate.worker.leases import Leases, entries_of
 from kvgate.worker.publisher import Publisher, Settled
 from kvgate.worker.refill import Capacity, Refill
 from kvgate.worker.round_trip import RoundTrip
@@ -152,9 +152,7 @@ class Worker:
         except REDIS_DOWN as e:
             log.warning("redis unavailable at %s (%s: %s); retrying in %.2fs", self.url,
                         e.__class__.__name__, e, self.backoff_s)
-            self.offline_until = time.monotonic() + self.backoff_s
-            self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
-            self.refill.rewind(self.streams)  # a lost XREADGROUP reply left entries pending to us
+            self._back_off()  # a lost XREADGROUP reply left entries pending to us
         except redis.ResponseError as e:
             if "NOGROUP" in str(e):  # streams deleted or Redis restarted without persistence
                 self._redis(self._ensure_groups)
@@ -163,9 +161,13 @@ class Worker:
                 scripts_lost(self.refill.reader.script, self.publisher.script)
             # OOM, READONLY after a failover, BUSY script: the server's state, not ours; back off and retry
             log.error("redis refused a command: %s; retrying in %.2fs", e, self.backoff_s)
-            self.offline_until = time.monotonic() + self.backoff_s
-            self.refill.rewind(self.streams)  # a read in that pipeline may have delivered entries
-            self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
+            self._back_off()  # a read in that pipeline may have delivered entries
+
+    def _back_off(self) -> None:
+        """Redis again after a while, longer each time; our own pending entries are read first then."""
+        self.offline_until = time.monotonic() + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, self.settings.max_backoff_s)
+        self.refill.rewind(self.streams)
 
     def _ensure_groups(self) -> None:
         self.client.sadd(self.keys.models(), *self.served.names)  # listed by stats and the gateway from now on
@@ -328,7 +330,7 @@ class Worker:
         """Renew our leases; a job whose lease is lost runs elsewhere now, so stop it and publish nothing more
         for it (a zombie resumed after a stall must not keep streaming for a job another worker finished)."""
         self.due["renew"] = time.monotonic() + self.settings.renew_interval_s
-        lost = self.leases.renew(self._entries(self.flights.tickets() + list(self.queue.tickets)))
+        lost = self.leases.renew(entries_of(self.flights.tickets() + list(self.queue.tickets), self.streams))
         self.renewed_at = time.monotonic()
         if not lost:
             return
@@ -336,13 +338,6 @@ class Worker:
         self.publisher.forget(lost)
         self.queue.discard([key for key in lost if key not in self.flights])
         self.flights.lose(lost)
-
-    def _entries(self, tickets: list[Ticket]) -> dict[str, list[str]]:
-        """Entry ids by stream, every stream we read listed."""
-        held: dict[str, list[str]] = {st: [] for st in self.streams}
-        for ticket in tickets:
-            held[ticket.stream].append(ticket.entry_id)
-        return held
 
     def _beat(self) -> None:
         if not self.draining:
@@ -362,7 +357,7 @@ class Worker:
         self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
         log.info("draining: %d running, %d queued locally; up to %.0fs", len(self.flights), len(self.queue),
                  self.settings.drain_timeout_s)
-        self._hand_back(self._entries(self.queue.take_all()))
+        self._hand_back(entries_of(self.queue.take_all(), self.streams))
 
     def _drained(self) -> bool:
         if self.flights and time.monotonic() < self.drain_deadline:
@@ -371,7 +366,7 @@ class Worker:
         return not self.publisher.pending or time.monotonic() >= self.drain_deadline + 5
 
     def _finish_drain(self) -> None:
-        handed = self._entries(self.flights.stop_all())
+        handed = entries_of(self.flights.stop_all(), self.streams)
         if any(handed.values()):
             log.info("drain timeout: handing back %d running jobs", sum(map(len, handed.values())))
         self._hand_back(handed)
