@@ -89,6 +89,14 @@ class Refill:
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
         self.block_turn = 0  # on a cluster: the shard the next blocking read waits on
 
+    def use_queue(self, queue: AdmissionQueue) -> None:
+        self.queue = queue  # the local queue whose room and estimates size our reads
+
+    @property
+    def script(self) -> object:
+        """The read script, to load again where a cluster primary lost it."""
+        return self.reader.script
+
     # ---- what is pending to us ----------------------------------------------------------------------
     @property
     def own_pending(self) -> bool:
