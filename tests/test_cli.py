@@ -185,7 +185,7 @@ def test_submit_no_wait_then_get_prints_the_answer_and_cancel_refuses_a_finished
     job_id = submitted.stdout.strip()
     assert kvgate("get", job_id, "--redis-url", redis_server.url).returncode == 3  # not finished: no worker yet
     settings = WorkerSettings(redis_url=redis_server.url, simulated=True, sim_step_ms=0, sim_per_token_ms=0)
-    worker, stop = Worker(redis_server.url, build_engine(settings), settings=settings), threading.Event()
+    worker, stop = Worker(build_engine(settings), settings), threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()
     try:

@@ -127,6 +127,53 @@ def test_every_import_in_the_source_follows_the_layer_direction():
     assert violations(ROOT) == []
 
 
+def import_cycles(root: Path, package: str) -> list[list[str]]:
+    """Every cycle among the modules of `package` (imports inside functions and under TYPE_CHECKING count: a part
+    that needs another's name at all sits below it), each as the modules around it, the first one repeated."""
+    modules = {m: p for m, p in source_modules(root).items() if within(m, package)}
+
+    def module_of(name: str) -> str | None:  # `from a.b import C` reads a.b.C: the longest module prefix
+        return max((m for m in modules if within(name, m)), key=len, default=None)
+
+    graph = {m: sorted({d for _, name in imports(p, m) if (d := module_of(name)) not in (None, m)})
+             for m, p in modules.items()}
+    cycles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycles.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for dep in graph[module]:
+            visit(dep, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return cycles
+
+
+def test_the_worker_package_imports_in_one_direction_without_a_cycle():
+    """Worker is composed of parts that each own their data (refill, intake, flights, the round trip...): a part
+    importing back up the part that composes it would make them one again."""
+    modules = source_modules(ROOT)
+    files = {p.resolve() for p in (ROOT / "worker").rglob("*.py")}
+    assert files == {p.resolve() for m, p in modules.items() if within(m, "kvgate.worker")}  # every file walked
+    assert import_cycles(ROOT, "kvgate.worker") == []
+
+
+def test_the_cycle_checker_finds_a_cycle_through_three_modules(tmp_path):
+    tree = synthetic_tree(tmp_path)
+    (tree / "worker/refill.py").write_text("from kvgate.worker.reader import Reader\n")
+    (tree / "worker/reader.py").write_text("import kvgate.worker.intake\n")
+    (tree / "worker/intake.py").write_text("def f():\n    from kvgate.worker import refill\n")
+    assert import_cycles(tree, "kvgate.worker") == [["kvgate.worker.intake", "kvgate.worker.refill",
+                                                     "kvgate.worker.reader", "kvgate.worker.intake"]]
+    (tree / "worker/intake.py").write_text("")
+    assert import_cycles(tree, "kvgate.worker") == []
+
+
 # ---- the checker can fail -----------------------------------------------------------------------------------
 SYNTHETIC = {
     "kvgate/__init__.py": "from kvgate.producer import Client\n",

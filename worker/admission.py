@@ -91,3 +91,15 @@ class AdmissionQueue:
 
     def remove(self, ticket: Ticket) -> None:
         self.tickets.remove(ticket)
+
+    def discard(self, keys: list[str]) -> None:
+        """Drop the tickets of these jobs (another worker runs them now)."""
+        for key in keys:
+            if (ticket := next((t for t in self.tickets if t.key == key), None)) is not None:
+                self.tickets.remove(ticket)
+
+    def take_all(self) -> list[Ticket]:
+        """Every ticket, in order, leaving the queue empty (draining: they go back to Redis)."""
+        tickets = list(self.tickets)
+        self.tickets.clear()
+        return tickets

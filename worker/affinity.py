@@ -22,6 +22,7 @@ import redis
 from kvgate.producer.cluster import run_script
 from kvgate.producer.lanes import digest, decode_members, encode_member, owners, parse_lanes
 from kvgate.producer.protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
+from kvgate.worker.reader import ReadPlan
 
 log = logging.getLogger("kvgate.worker")
 OVERDUE_CHECKS = 4  # others' lanes per model and priority looked at for overdue jobs on each read
@@ -192,7 +193,7 @@ class Affinity:
         """Every stream we read: each served model's shared ones and its lanes'."""
         return [st for m in self.models for st in self.keys.all_jobs(m, self.lanes)]
 
-    def read_plan(self, full: bool = False) -> tuple[list[str], int | None, int, list[str]]:
+    def read_plan(self, full: bool = False) -> ReadPlan:
         """The streams to read in order; how many lead them that are ours (None: no lanes, the reader takes
         turns between models itself); how many follow those that are lanes of full owners (taken at once); and a
         few of the others' lanes to check for overdue jobs. Per priority, for each model in turn, our own lanes
@@ -201,21 +202,21 @@ class Affinity:
         them, for a reclaim pass), so a read costs the same with 16 lanes or 1,024 and no lane is always last."""
         self.turn += 1
         if not self.lanes:
-            return self.keys.served_jobs(list(self.models)), None, 0, []
+            return ReadPlan(self.keys.served_jobs(list(self.models)))
         models = _rotated(list(self.models), self.turn)  # models take turns at going first within a priority
         own = {m: _rotated(self.own.get(m, []) if self.enabled else [], self.turn) for m in models}
         first = [name for p in PRIORITIES for m in models
                  for name in [*(st for lane in own[m] for st in self.names[m, p][lane]), *self._shared(m, p)]]
         if not self.enabled:
             rest = self._lanes_of(models, lambda m: _rotated(self.others[m], self.turn))
-            return first + rest, len(first + rest), 0, []
+            return ReadPlan(first + rest, len(first + rest))
         urgent, steal, overdue = {}, {}, {}
         for m in models:
             urgent[m], steal[m], overdue[m] = self._steal_window(m, full)
         now, later = self._lanes_of(models, urgent.get), self._lanes_of(models, steal.get)
-        return first + now + later, len(first), len(now), self._lanes_of(models, overdue.get)
+        return ReadPlan(first + now + later, len(first), len(now), self._lanes_of(models, overdue.get))
 
-    def held_plan(self, lanes: list[Lane]) -> tuple[list[str], int, int]:
+    def held_plan(self, lanes: list[Lane]) -> ReadPlan:
         """A read of only these lanes (their prefix is in our cache): ours first, then those of owners that said
         they are full (taken at once), then the other owners' (once ripe: the owner keeps its first chance); how
         many lead as ours, and how many follow those as full owners'."""
@@ -224,7 +225,7 @@ class Affinity:
         rest = [lane for lane in lanes if lane not in mine and lane not in full]
         groups = [[st for p in PRIORITIES for m, lane in group for st in self.names[m, p][lane]]
                   for group in (mine, full, rest)]
-        return groups[0] + groups[1] + groups[2], len(groups[0]), len(groups[1])
+        return ReadPlan(groups[0] + groups[1] + groups[2], len(groups[0]), len(groups[1]))
 
     def lane_of(self, stream: str) -> Lane | None:
         return self.lane_of_stream.get(stream)
@@ -281,6 +282,11 @@ class Affinity:
     def stolen(self, stream: str) -> bool:
         """A lane stream we read although another worker owns it."""
         return self.enabled and stream in self.lane_streams and stream not in self.own_streams
+
+
+def kv_weight(total_blocks: int) -> float:
+    """Our share of lanes follows the KV blocks we hold: that is where a prefix cache lives."""
+    return float(total_blocks) if total_blocks > 0 else 1.0
 
 
 def _rotated(items: list, turn: int) -> list:

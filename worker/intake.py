@@ -1,15 +1,22 @@
 """Turning a stream entry into engine input: decode strictly, tokenize, map sampling settings.
 
-Every defect becomes a ValueError whose text names the problem, so the client gets an error result and
+Every defect becomes a rejection whose text names the problem, so the client gets an error result and
 the worker keeps serving (invariant 3)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.producer.protocol import FIELD, SAMPLING_FIELDS, Job, Sampling
+from kvgate.producer.protocol import FIELD, SAMPLING_FIELDS, Job, ProtocolError, Sampling, decode_job
+from kvgate.worker.admission import Ticket
+from kvgate.worker.affinity import Affinity
+from kvgate.worker.clock import ServerClock
+from kvgate.worker.engine import Engine
+from kvgate.worker.lane_prefixes import LanePrefixes
+from kvgate.worker.reader import Entry
 
 FIELD_BYTES = FIELD.encode()
 
@@ -54,3 +61,67 @@ def prompt_ids(engine, job: Job) -> list[int]:
     if job.messages is not None:
         return list(engine.encode_chat([{"role": m.role, "content": m.content} for m in job.messages]))
     return list(engine.tokenizer.encode(job.prompt))
+
+
+@dataclass(slots=True)
+class Rejection:
+    """An entry answered at once instead of run: the status and the error to answer with."""
+
+    stream: str
+    entry_id: str
+    status: str  # error, expired or cancelled
+    error: str
+    ticket: Ticket | None = None  # None: the payload did not decode; whoever `identify` finds in it is told
+    payload: bytes | None = None
+    dead_reason: str = ""  # also dead-lettered, with this reason
+
+
+@dataclass(slots=True)
+class Intake:
+    """Stream entries -> tickets ready for the engine, and rejections for those that can never run."""
+
+    engine: Engine
+    clock: ServerClock
+    affinity: Affinity
+    lane_prefixes: LanePrefixes
+    max_deliveries: int
+    metrics: Any
+
+    def tickets(self, entries: list[Entry]) -> tuple[list[Ticket], list[Rejection]]:
+        tickets, rejections = [], []
+        for e in entries:
+            got = self._ticket(e)
+            (tickets if isinstance(got, Ticket) else rejections).append(got)
+        return tickets, rejections
+
+    def _ticket(self, e: Entry) -> Ticket | Rejection:
+        payload = payload_of(e.fields)
+        if e.deliveries > 1:
+            self.metrics.on_redelivery()
+        try:
+            job = decode_job(payload)
+        except ProtocolError as error:
+            reason = str(error) if payload is not None else "entry has no payload (deleted or malformed stream fields)"
+            return Rejection(e.stream, e.entry_id, "error", reason, payload=payload, dead_reason=reason)
+        ticket = Ticket(job, e.stream, e.entry_id, [], None, payload, attempt=max(1, e.deliveries))
+        if e.deliveries > self.max_deliveries:
+            reason = f"delivered {e.deliveries} times, over max_deliveries={self.max_deliveries}"
+            return Rejection(e.stream, e.entry_id, "error", reason, ticket, dead_reason=reason)
+        if self.clock.expired(job, e.entry_id):
+            return Rejection(e.stream, e.entry_id, "expired", "deadline passed before the job started", ticket)
+        try:
+            ticket.params = sampling_params(job.sampling)
+            ticket.prompt_ids = prompt_ids(self.engine, job)
+            self._clamp_budget(ticket)
+            ticket.shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # sizes later reads
+            if (lane := self.affinity.lane_of(e.stream)) is not None:
+                self.lane_prefixes.observe(lane, ticket.prompt_ids, ticket.tokens)
+        except Exception as error:  # a tokenizer or chat template refusing this input is bad input, not a crash
+            return Rejection(e.stream, e.entry_id, "error", f"invalid job: {error}", ticket)
+        return ticket
+
+    def _clamp_budget(self, ticket: Ticket) -> None:
+        """The budget is clamped here, once, by the engine's own rule (output_budget): a max_tokens beyond
+        max_model_len (1,000,000) would only skew the admission estimate and the fit check. A prompt with no room
+        left keeps 1, so that add_request rejects it naming its length."""
+        ticket.params.max_tokens = max(1, self.engine.output_budget(len(ticket.prompt_ids), ticket.params.max_tokens))

@@ -14,6 +14,7 @@ import redis
 
 from kvgate.producer.cluster import run_script
 from kvgate.producer.protocol import Keys, as_text
+from kvgate.worker.admission import Ticket
 
 HANDBACK_IDLE_MS = 10**12  # an entry this idle is past every worker's reclaim timeout: reclaimable at once
 # Renew only what is still pending to us, atomically; return the ids that are not.
@@ -74,3 +75,11 @@ class Leases:
             if ids:
                 pipe.xclaim(stream, Keys.GROUP, self.consumer, 0, ids, idle=HANDBACK_IDLE_MS, justid=True)
         pipe.execute()
+
+
+def entries_of(tickets: list[Ticket], streams: list[str]) -> dict[str, list[str]]:
+    """The tickets' entry ids by stream, every stream we read listed."""
+    entries: dict[str, list[str]] = {st: [] for st in streams}
+    for ticket in tickets:
+        entries[ticket.stream].append(ticket.entry_id)
+    return entries

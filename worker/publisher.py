@@ -10,6 +10,7 @@ failure, not the server's: resending the batch would fail the same way forever a
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import redis
@@ -17,6 +18,8 @@ import redis
 from kvgate.producer.cluster import NodeLinks, run_script
 from kvgate.producer.protocol import FIELD, Delta, Final, Keys, encode
 from kvgate.producer.redis_url import Durability, NotReplicated
+
+log = logging.getLogger("kvgate.worker")
 
 # KEYS: result, reply stream, job stream, dead stream
 # ARGV: payload, result ttl, group, entry id, reply maxlen, reply ttl, field, dead reason ('' = none), dead maxlen,
@@ -225,6 +228,18 @@ class Publisher:
         args = [payload, self.result_ttl_s, Keys.GROUP, f.entry_id, self.reply_maxlen, self.reply_ttl_s, FIELD,
                 f.dead_reason, self.dead_maxlen, f.job_payload]
         run_script(self.script, keys, args, pipe)
+
+    def dead_letter_finish(self, finish: Finish, reason: str) -> bool:
+        """A final the finish script refused: dead-letter its job with the reason; whether that worked (if not,
+        the entry stays pending: reclaimed later, dead-lettered at max_deliveries)."""
+        why = f"final event could not be published: {reason}"
+        log.error("job %s: %s", finish.final.job_id, why)
+        try:
+            self.dead_letter(finish.stream, finish.entry_id, why, finish.job_payload or None)
+            return True
+        except redis.ResponseError as e:
+            log.error("job %s: could not dead-letter it either: %s", finish.final.job_id, e)
+            return False
 
     def dead_letter(self, stream: str, entry_id: str, reason: str, payload: bytes | None) -> None:
         """A job nobody can be told about: record it in the dead stream and acknowledge it, atomically."""

@@ -10,6 +10,7 @@ until the producer stopped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
 
 import redis
 
@@ -101,27 +102,53 @@ end
 return out
 """
 
-Entry = tuple[str, str, "dict | None", int]  # stream, entry id, fields (None: gone), deliveries
+class Entry(NamedTuple):
+    """A job stream's entry as a read hands it over."""
+
+    stream: str
+    entry_id: str
+    fields: dict | None  # None: gone (deleted or trimmed while pending)
+    deliveries: int
+
+
+@dataclass(slots=True)
+class ReadPlan:
+    """Which streams one read looks at and how (with lanes: made by `Affinity`, sized by the worker's refill)."""
+
+    streams: list[str]  # priority by priority
+    home: int | None = None  # with lanes: streams[:home] are ours, the rest are read only when ripe (stealing)
+    urgent: int = 0  # with lanes: streams[home:home + urgent] are full owners' lanes, read without waiting to ripen
+    overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries on this read
+    overdue_ms: int = 0  # 0: never take others' entries before our own
+    steal_max: int = 1  # entries one read may take from others' lanes
+
+    def urgent_streams(self) -> list[str]:
+        return self.streams[self.home:self.home + self.urgent] if self.home is not None else []
+
+
+@dataclass(slots=True)
+class ReadSlot:
+    """A read queued on a shared pipeline: its one reply parsed into entries when the round trip settles."""
+
+    entries: list[Entry] = field(default_factory=list)
+
+    def take(self, replies: Iterator) -> None:
+        self.entries = Reader.parse(next(replies))
 
 
 @dataclass(slots=True)
 class Reader:
-    """`streams` come priority by priority, `per_priority` (the models served) streams each: every model's
-    high before any model's normal. Within one priority the models take turns at going first, so a busy model
-    cannot starve another of the same priority when only a few jobs fit."""
+    """Without lanes, a plan's `streams` come priority by priority, `per_priority` (the models served) streams each:
+    every model's high before any model's normal. Within one priority the models take turns at going first, so a
+    busy model cannot starve another of the same priority when only a few jobs fit."""
 
     client: redis.Redis
     consumer: str
-    streams: list[str]
+    plan: ReadPlan  # the last read's (an idle worker's blocking wait follows it)
     per_priority: int = 1
     script: object = None
     turn: int = 0
-    home: int | None = None  # with lanes: streams[:home] are ours, the rest are read only when ripe (stealing)
-    urgent: int = 0  # with lanes: streams[home:home + urgent] are full owners' lanes, read without waiting to ripen
     steal_age_ms: int = 0
-    overdue_ms: int = 0  # 0: never take others' entries before our own
-    overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries on this read
-    steal_max: int = 1  # entries one read may take from others' lanes
     keys: Keys | None = None  # on a Redis Cluster: tells which shard each stream is in
     shard_turn: int = 0
 
@@ -129,61 +156,77 @@ class Reader:
         self.script = self.client.register_script(READ_LUA)
 
     def order(self) -> list[str]:
+        streams = self.plan.streams
         n, shift = self.per_priority, self.turn % self.per_priority
-        blocks = [self.streams[i:i + n] for i in range(0, len(self.streams), n)]
+        blocks = [streams[i:i + n] for i in range(0, len(streams), n)]
         return [st for block in blocks for st in block[shift:] + block[:shift]]
 
-    def read(self, count: int, pipe=None, reclaim_idle_ms: int = 0) -> list[Entry] | None:
+    def read(self, count: int, plan: ReadPlan | None = None, reclaim_idle_ms: int = 0) -> list[Entry]:
         """Up to `count` entries, all of a higher priority before any of a lower one; with `reclaim_idle_ms`,
-        a stream's entries idle that long before its new ones. With `pipe`, only queue the read there and hand
-        its reply to `parse` later.
+        a stream's entries idle that long before its new ones. `plan`: the streams to look at (None: the last
+        plan's).
 
         On a Redis Cluster a script touches one shard (one slot): a read looks at the shards in turn, starting
-        one further each time, until `count` are taken; a queued read looks at one shard, so priority holds
-        within a shard and the shards take turns."""
-        if self.home is not None:  # lanes: `streams` is the affinity's plan, models' turns included
-            plan, overdue = self.streams, self.overdue if self.overdue_ms > 0 else []
-        else:
-            plan, overdue, self.turn = self.order(), [], self.turn + 1
-        groups = self._by_shard(plan, overdue)
-        self.shard_turn += 1
+        one further each time, until `count` are taken."""
         out: list[Entry] = []
-        for i in range(len(groups)):
-            streams, home, urgent, others = groups[(self.shard_turn + i) % len(groups)]
-            args = [Keys.GROUP, self.consumer, count - len(out), reclaim_idle_ms]
-            if self.home is not None:
-                args += [home, self.steal_age_ms, self.overdue_ms, len(others), self.steal_max, urgent]
-            reply = run_script(self.script, streams + others, args, pipe or self.client)
-            if pipe is not None:
-                return None
-            out += self.parse(reply)
+        for streams, args in self._scripts(count, plan, reclaim_idle_ms):
+            args[2] = count - len(out)
+            out += self.parse(run_script(self.script, streams, args, self.client))
             if len(out) >= count:
                 break
         return out
 
-    def _by_shard(self, plan: list[str], overdue: list[str]) -> list[tuple[list[str], int, int, list[str]]]:
+    def queue(self, pipe, count: int, plan: ReadPlan, reclaim_idle_ms: int = 0) -> ReadSlot:
+        """The same read queued on `pipe`; on a cluster it looks at one shard, so priority holds within a shard
+        and the shards take turns."""
+        streams, args = self._scripts(count, plan, reclaim_idle_ms)[0]
+        run_script(self.script, streams, args, pipe)
+        return ReadSlot()
+
+    def _scripts(self, count: int, plan: ReadPlan | None, reclaim_idle_ms: int) -> list[tuple[list[str], list]]:
+        """Each shard's script call (KEYS, ARGV), in the order this read takes the shards."""
+        if plan is not None:
+            self.plan = plan
+        plan = self.plan
+        if plan.home is not None:  # lanes: the plan is the affinity's, models' turns included
+            streams, overdue = plan.streams, plan.overdue if plan.overdue_ms > 0 else []
+        else:
+            streams, overdue, self.turn = self.order(), [], self.turn + 1
+        groups = self._by_shard(plan, streams, overdue)
+        self.shard_turn += 1
+        calls = []
+        for i in range(len(groups)):
+            keys, home, urgent, others = groups[(self.shard_turn + i) % len(groups)]
+            args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
+            if plan.home is not None:
+                args += [home, self.steal_age_ms, plan.overdue_ms, len(others), plan.steal_max, urgent]
+            calls.append((keys + others, args))
+        return calls
+
+    def _by_shard(self, plan: ReadPlan, streams: list[str],
+                  overdue: list[str]) -> list[tuple[list[str], int, int, list[str]]]:
         """(streams in plan order, how many lead as ours, how many follow those as full owners' lanes, others'
         lanes to check for overdue entries) per shard."""
-        home = len(plan) if self.home is None else self.home
+        home = len(streams) if plan.home is None else plan.home
         if self.keys is None or len(self.keys.parts) == 1:
-            return [(plan, home, self.urgent, overdue)]
+            return [(streams, home, plan.urgent, overdue)]
         groups: dict[int, tuple[list[str], list[int], list[str]]] = {}
-        for i, stream in enumerate(plan):
+        for i, stream in enumerate(streams):
             g = groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))
             g[0].append(stream)
             g[1][0] += i < home
-            g[1][1] += home <= i < home + self.urgent
+            g[1][1] += home <= i < home + plan.urgent
         for stream in overdue:
             groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))[2].append(stream)
-        return [(streams, n[0], n[1], others) for _, (streams, n, others) in sorted(groups.items())]
+        return [(keys, n[0], n[1], others) for _, (keys, n, others) in sorted(groups.items())]
 
     @staticmethod
     def parse(reply) -> list[Entry]:
         out: list[Entry] = []
         for stream, entries, claimed in reply:
             stream = as_text(stream)
-            out += [(stream, as_text(i), _pairs(f), n) for i, f, n in claimed]
-            out += [(stream, as_text(i), _pairs(f), 1) for i, f in entries]
+            out += [Entry(stream, as_text(i), _pairs(f), n) for i, f, n in claimed]
+            out += [Entry(stream, as_text(i), _pairs(f), 1) for i, f in entries]
         return out
 
 

@@ -104,9 +104,9 @@ def start_fleet(redis_url: str, namespace: str, specs: list[WorkerSpec], policy:
     for i, spec in enumerate(specs):
         engine = SimulatedEngine(spec.num_blocks, 16, spec.max_num_seqs, step_overhead_s, per_token_s, seed + i,
                                  model_name=f"sim-{spec.name.split('-')[0]}")
-        worker = Worker(redis_url, engine, namespace=namespace, worker_id=spec.name, settings=settings)
+        worker = Worker(engine, settings.model_copy(update={"worker_id": spec.name}))
         if policy == "prefetch":
-            worker.queue = PrefetchQueue(PREFETCH, worker.queue.tokens_per_job, in_flight=worker.flights)
+            worker.use_queue(PrefetchQueue(PREFETCH, worker.queue.tokens_per_job, in_flight=worker.flights))
         workers.append(worker)
         threads.append(threading.Thread(target=worker.run, args=(stop_event,), name=spec.name, daemon=True))
     for t in threads:

@@ -76,7 +76,7 @@ class Concurrency:
     def run(self) -> None:
         while not self.stop.wait(0.05):
             workers = self.fleet.workers
-            if sum(w.jobs_done + len(w.flights) + len(w.queue) for w in workers) >= self.jobs:
+            if sum(w.answers.jobs_done + len(w.flights) + len(w.queue) for w in workers) >= self.jobs:
                 self.backlog_s = round(time.monotonic() - self.started, 2)
                 return
             for w in workers:

@@ -174,9 +174,9 @@ def run_through_queue(engine, requests, url: str, args) -> tuple[dict, dict]:
     from kvgate.worker.worker import NullMetrics, Worker
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    settings = WorkerSettings(redis_url=url, namespace=namespace, max_num_seqs=args.max_num_seqs)
-    worker = Worker(url, engine, namespace=namespace, worker_id="bench-worker", settings=settings,
-                    metrics=NullMetrics())
+    settings = WorkerSettings(redis_url=url, namespace=namespace, worker_id="bench-worker",
+                              max_num_seqs=args.max_num_seqs)
+    worker = Worker(engine, settings, metrics=NullMetrics())
     stop = threading.Event()
     box: dict = {}
 

@@ -68,7 +68,7 @@ def start_worker(stack: ExitStack, console, url: str, args: argparse.Namespace) 
     def serve() -> None:
         # load and step the model on this one thread: stepped on another it runs ~50% slower (ModelRunner warns why)
         try:
-            box["worker"] = Worker(url, build_engine(settings), namespace=args.namespace, settings=settings)
+            box["worker"] = Worker(build_engine(settings), settings)
         except BaseException as e:
             box["error"] = e
             return

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.worker.worker import Worker
 
     try:
-        worker = Worker(s.redis_url, engine, namespace=s.namespace, worker_id=s.worker_id, settings=s)
+        worker = Worker(engine, s)
     except ServedModelError as e:
         raise WorkerStartError(str(e)) from None
     if s.metrics_port:

@@ -102,9 +102,8 @@ def test_the_real_sdk_and_worker_serve_a_job_under_their_least_privilege_users(a
 
     port = acl_server("monitor").connection_pool.connection_kwargs["port"]
     url = lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0"
-    settings = WorkerSettings(redis_url=url("worker"), namespace="kvgate", heartbeat_interval_s=0.1)
-    worker = Worker(url("worker"), SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0),
-                    namespace="kvgate", worker_id="acl-w", settings=settings)
+    settings = WorkerSettings(redis_url=url("worker"), namespace="kvgate", worker_id="acl-w", heartbeat_interval_s=0.1)
+    worker = Worker(SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0), settings)
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()
@@ -128,10 +127,9 @@ def test_a_worker_with_affinity_on_owns_lanes_and_beats_under_its_least_privileg
     keys, monitor = Keys("kvgate"), acl_server("monitor")
     port = monitor.connection_pool.connection_kwargs["port"]
     url = f"redis://worker:CHANGE_ME_worker@127.0.0.1:{port}/0"
-    settings = WorkerSettings(redis_url=url, namespace="kvgate", heartbeat_interval_s=0.1, affinity="on",
-                              affinity_lanes=4)
-    worker = Worker(url, SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0), namespace="kvgate",
-                    worker_id="acl-lanes", settings=settings)
+    settings = WorkerSettings(redis_url=url, namespace="kvgate", worker_id="acl-lanes", heartbeat_interval_s=0.1,
+                              affinity="on", affinity_lanes=4)
+    worker = Worker(SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0), settings)
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()

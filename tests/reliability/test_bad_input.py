@@ -106,9 +106,10 @@ def dead_cases() -> dict[str, tuple[dict, str]]:
 def serving(redis_server, namespace):
     """One Worker with a SimulatedEngine in a thread; yields (raw queue, ledger, thread)."""
     keys = Keys(namespace)
-    settings = WorkerSettings(redis_url=redis_server.url, namespace=namespace, reclaim_idle_ms=2000)
+    settings = WorkerSettings(redis_url=redis_server.url, namespace=namespace, worker_id="w-bad-input",
+                              reclaim_idle_ms=2000)
     engine = SimulatedEngine(num_blocks=512, max_num_seqs=8, step_overhead_s=0.001, per_token_s=0.0)
-    worker = Worker(redis_server.url, engine, namespace=namespace, worker_id="w-bad-input", settings=settings)
+    worker = Worker(engine, settings)
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     queue, ledger = RawQueue(redis_server, namespace), Ledger(redis_server.client(), keys)

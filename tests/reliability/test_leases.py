@@ -15,8 +15,9 @@ from kvgate.worker.worker import Worker
 
 def test_a_renewal_does_not_take_back_an_entry_another_worker_reclaimed(redis_server, namespace):
     engine = SimulatedEngine(num_blocks=256, max_num_seqs=4, step_overhead_s=0.02, per_token_s=0.0)
-    settings = WorkerSettings(redis_url=redis_server.url, namespace=namespace, reclaim_idle_ms=400)  # renew: 0.1 s
-    worker = Worker(redis_server.url, engine, namespace=namespace, worker_id="owner", settings=settings)
+    settings = WorkerSettings(redis_url=redis_server.url, namespace=namespace, worker_id="owner",
+                              reclaim_idle_ms=400)  # renew: 0.1 s
+    worker = Worker(engine, settings)
     queue, stop = RawQueue(redis_server, namespace), threading.Event()
     stream = queue.keys.jobs(None, "normal")
     queue.r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)  # as the SDK does; XPENDING needs the group

@@ -34,9 +34,8 @@ REDIS = shutil.which("redis-server")
 
 def serve_jobs(worker_url: str, producer_url: str, ns: str = "kvgate", n: int = 3) -> list[str]:
     """A real Worker (thread) and a real Client, each given only its URL; returns the jobs' statuses."""
-    settings = WorkerSettings(redis_url=worker_url, namespace=ns, heartbeat_interval_s=0.1)
-    worker = Worker(worker_url, SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0), namespace=ns,
-                    worker_id="sec-w", settings=settings)
+    settings = WorkerSettings(redis_url=worker_url, namespace=ns, worker_id="sec-w", heartbeat_interval_s=0.1)
+    worker = Worker(SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0), settings)
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()

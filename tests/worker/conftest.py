@@ -29,10 +29,10 @@ class ThreadWorker:
         from kvgate.worker.worker import Worker
 
         settings.setdefault("reclaim_idle_ms", 2000)
-        s = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, **settings)
+        s = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, worker_id=worker_id, **settings)
         self.engine = engine or SimulatedEngine(num_blocks=512, block_size=16, max_num_seqs=8, step_overhead_s=0.002,
                                                 per_token_s=0.00005)
-        self.worker = Worker(queue.server.url, self.engine, namespace=queue.ns, worker_id=worker_id, settings=s)
+        self.worker = Worker(self.engine, s)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.worker.run, args=(self.stop_event,), daemon=True)
 

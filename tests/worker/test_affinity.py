@@ -163,13 +163,13 @@ def test_stats_count_the_backlog_of_every_lane(queue, lanes):
 
 @pytest.mark.parametrize("which", ["queue", "queue62"])
 def test_a_new_job_in_another_workers_lane_is_taken_only_once_it_is_older_than_the_steal_age(which, request):
-    from kvgate.worker.reader import Reader
+    from kvgate.worker.reader import Reader, ReadPlan
 
     q = request.getfixturevalue(which)
     own, theirs = q.keys.jobs(None, "normal", 0), q.keys.jobs(None, "normal", 1)
     for stream in (own, theirs):
         q.r.xgroup_create(stream, "workers", id="0", mkstream=True)
-    reader = Reader(q.r, "thief", [own, theirs], home=1, steal_age_ms=400)
+    reader = Reader(q.r, "thief", ReadPlan([own, theirs], home=1), steal_age_ms=400)
     job = q.job(max_tokens=2)
     q.r.xadd(theirs, {FIELD: encode(job)})
     assert reader.read(4) == []  # the owner's chance
@@ -181,12 +181,12 @@ def test_a_new_job_in_another_workers_lane_is_taken_only_once_it_is_older_than_t
 
 
 def test_a_job_in_the_lane_of_an_owner_that_said_it_is_full_is_taken_at_once(queue):
-    from kvgate.worker.reader import Reader
+    from kvgate.worker.reader import Reader, ReadPlan
 
     own, full, busy = (queue.keys.jobs(None, "normal", lane) for lane in range(3))
     for stream in (own, full, busy):
         queue.r.xgroup_create(stream, "workers", id="0", mkstream=True)
-    reader = Reader(queue.r, "thief", [own, full, busy], home=1, urgent=1, steal_age_ms=10_000)
+    reader = Reader(queue.r, "thief", ReadPlan([own, full, busy], home=1, urgent=1), steal_age_ms=10_000)
     for stream in (busy, full):
         queue.r.xadd(stream, {FIELD: encode(queue.job(max_tokens=2))})
     assert [st for st, *_ in reader.read(4)] == [full]  # the other owner still gets its 10 s head start
@@ -197,13 +197,13 @@ def test_on_a_cluster_each_shards_read_counts_its_own_full_owners_lanes():
     import redis
 
     from kvgate.producer.protocol import Keys
-    from kvgate.worker.reader import Reader
+    from kvgate.worker.reader import Reader, ReadPlan
 
     keys = Keys("t", shards=2, cluster=True)
     lane = lambda n, k: keys.jobs(None, "normal", n, k)  # noqa: E731
     plan = [lane(0, 0), lane(0, 1), lane(1, 1), lane(2, 0), lane(3, 0), lane(3, 1)]  # ours: 2, full owners': 3
-    reader = Reader(redis.Redis(), "me", plan, home=2, urgent=3, keys=keys)
-    assert reader._by_shard(plan, []) == [([lane(0, 0), lane(2, 0), lane(3, 0)], 1, 2, []),
+    reader = Reader(redis.Redis(), "me", ReadPlan(plan, home=2, urgent=3), keys=keys)
+    assert reader._by_shard(reader.plan, plan, []) == [([lane(0, 0), lane(2, 0), lane(3, 0)], 1, 2, []),
                                           ([lane(0, 1), lane(1, 1), lane(3, 1)], 1, 1, [])]
 
 
@@ -222,7 +222,8 @@ def test_owners_say_when_they_are_full_and_the_others_plan_to_take_their_lanes_a
         pipe = queue.r.pipeline(transaction=False)
         me.look(pipe)
         me.seen(pipe.execute())
-        streams, home, urgent, _ = me.read_plan()
+        plan = me.read_plan()
+        streams, home, urgent = plan.streams, plan.home, plan.urgent
         return streams[home:home + urgent], urgent
 
     assert plan_after(room=True) == ([], 0)
@@ -261,8 +262,8 @@ def test_each_model_has_its_own_ring_and_a_read_takes_every_models_own_lanes_bef
     assert (queue.r.zcard(keys.lane_ring("a")), queue.r.zcard(keys.lane_ring("b"))) == (1, 2)
     assert me.own == {"a": [0, 1, 2, 3], "b": [0, 3]} and peer.own == {"b": [1, 2]}  # nobody else serves `a`
     plans = [me.read_plan() for _ in range(2)]
-    for streams, home, _, _ in plans:
-        first, steals = streams[:home], streams[home:]
+    for plan in plans:
+        first, steals = plan.streams[:plan.home], plan.streams[plan.home:]
         assert set(first) == {keys.jobs(m, p, lane) for m, lanes in me.own.items() for lane in lanes for p in prio} \
             | {keys.jobs(m, p) for m in ("a", "b") for p in prio}
         assert steals == [keys.jobs("b", p, lane) for p in prio for lane in steals_of(steals, p)]
@@ -270,7 +271,7 @@ def test_each_model_has_its_own_ring_and_a_read_takes_every_models_own_lanes_bef
         assert all(me.stolen(st) for st in steals) and not any(me.stolen(st) for st in first)
         assert [st.split(":")[3] for st in first] == sorted((st.split(":")[3] for st in first), key=prio.index)
     # models take turns at going first within a priority, as without lanes
-    assert {plan[0][0].split(":")[2] for plan in plans} == {"a", "b"}
+    assert {plan.streams[0].split(":")[2] for plan in plans} == {"a", "b"}
     me.leave()
     assert queue.r.zcard(keys.lane_ring("a")) == 0 and queue.r.zcard(keys.lane_ring("b")) == 1
 

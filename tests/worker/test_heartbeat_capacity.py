@@ -11,8 +11,9 @@ from kvgate.worker.worker import Worker
 
 
 def beat_of(redis_server, engine) -> dict[bytes, bytes]:
-    settings = WorkerSettings(redis_url=redis_server.url, namespace="cap", max_num_seqs=32, sim_num_blocks=64)
-    worker = Worker(redis_server.url, engine, namespace="cap", worker_id="w-cap", settings=settings)
+    settings = WorkerSettings(redis_url=redis_server.url, namespace="cap", worker_id="w-cap", max_num_seqs=32,
+                              sim_num_blocks=64)
+    worker = Worker(engine, settings)
     worker._beat()
     return redis_server.client().hgetall(Keys("cap").worker("w-cap"))
 

@@ -55,8 +55,16 @@ def lane_worker(queue, num_blocks: int):
     worker = ThreadWorker(queue, engine, worker_id="w", affinity="on", affinity_lanes=8).worker
     worker._redis(worker._ensure_groups)  # the only member: it owns every lane
     assert worker.affinity.own[DEFAULT_MODEL] == list(range(8))
-    worker.cursors = dict.fromkeys(worker.cursors)  # nothing of its own pending: busy refills read new entries
+    # nothing of its own pending: busy refills read new entries
+    worker.refill.cursors = dict.fromkeys(worker.refill.cursors)
     return engine, worker
+
+
+def refill_of(worker):
+    """What the busy worker's next round trip would read."""
+    from kvgate.worker.refill import Capacity
+
+    return worker.refill.request(Capacity(worker.engine), draining=False)
 
 
 def run_one(engine, worker, tag: int) -> None:
@@ -74,11 +82,11 @@ def test_a_worker_without_room_for_a_whole_job_reads_the_held_lane_by_its_tails(
     worker.queue.tokens_per_job = 320.0
     adm = engine.admission()
     assert 2 * 64 <= adm.admissible_tokens < 320  # no whole job fits, a few tails do
-    count, (lanes, held) = worker._refill()
-    assert count == 0 and lanes == [LANE] and held == adm.admissible_tokens // 64
+    request = refill_of(worker)
+    assert request.count == 0 and request.lanes == [LANE] and request.held == adm.admissible_tokens // 64
 
     worker.lane_prefixes.kept[LANE].jobs = 1  # what the lane shares is not known yet
-    assert worker._refill() == (0, ([], 0))
+    assert not refill_of(worker)
 
 
 def test_no_read_by_tails_while_a_job_waits_in_the_local_queue(queue):
@@ -89,7 +97,8 @@ def test_no_read_by_tails_while_a_job_waits_in_the_local_queue(queue):
     worker.lane_prefixes.observe(LANE, prompt(2), 320)
     worker.queue.tokens_per_job = 320.0
     worker.queue.tickets.append(Ticket(None, "s", "0-1", prompt(3), SamplingParams(max_tokens=32), b""))
-    assert worker._refill()[1] == ([], 0)
+    request = refill_of(worker)
+    assert (request.lanes, request.held) == ([], 0)
 
 
 def test_jobs_of_the_held_lane_are_read_and_started_beside_the_running_one(queue):
@@ -116,7 +125,8 @@ def test_a_read_of_held_lanes_takes_its_own_lanes_first_then_full_owners_then_th
     a.own = {DEFAULT_MODEL: [0]}
     a.ring_seen[DEFAULT_MODEL] = (None, ["w", "x", "y", "x", "y", "x", "y", "x"])
     a.full = {"x"}
-    streams, home, urgent = a.held_plan([(DEFAULT_MODEL, 2), (DEFAULT_MODEL, 1), (DEFAULT_MODEL, 0)])
+    plan = a.held_plan([(DEFAULT_MODEL, 2), (DEFAULT_MODEL, 1), (DEFAULT_MODEL, 0)])
+    streams, home, urgent = plan.streams, plan.home, plan.urgent
     lanes = [int(st.rsplit(":", 1)[1]) for st in streams]
     assert lanes == [0, 0, 0, 1, 1, 1, 2, 2, 2] and (home, urgent) == (3, 3)  # three priorities each
     assert [st.split(":")[-2] for st in streams[:3]] == ["high", "normal", "low"]

@@ -1,0 +1,38 @@
+"""What the worker uses of an engine: `LLMEngine` (a model, or the simulated engine's cost model) and any test
+double must offer this, checked by type, so the worker never probes an engine for attributes."""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvgate.engine.outputs import Admission, EngineStats, StepOutput
+from kvgate.engine.sampling_params import SamplingParams
+
+
+class Engine(Protocol):
+    model_name: str
+    tokenizer: Any  # None: the engine takes token ids only (the simulated engine)
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    arrival_time: float | None = None, stream_text: bool = True, detokenize: bool = True) -> int: ...
+
+    def abort(self, request_id: str) -> StepOutput | None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[StepOutput]: ...
+
+    def admission(self) -> Admission: ...
+
+    def shared_prefix_tokens(self, prompt_ids: list[int], hashes: list[int] | None = None) -> int: ...
+
+    def output_budget(self, prompt_len: int, max_tokens: int) -> int: ...
+
+    def fits(self, prompt_len: int, max_tokens: int, shared: int = 0) -> bool: ...
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...

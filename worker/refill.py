@@ -1,0 +1,273 @@
+"""Refill: how many jobs to read from Redis and from which streams, sized by one look at the engine's room.
+
+A busy engine is refilled in each step's round trip (`request`, `queue`, `took`); an idle one reads at once
+and then waits on a blocking read (`read_idle`, `read_blocking`); entries already pending to us (a restart
+under the same id, a lost reply) are read first of all (`read_own_pending`). What was read goes back to the
+worker as entries; turning them into jobs is the intake's."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import redis
+
+from kvgate.engine.outputs import Admission
+from kvgate.producer.protocol import Keys, as_text
+from kvgate.worker.admission import AdmissionQueue
+from kvgate.worker.affinity import Affinity, Lane
+from kvgate.worker.clock import ServerClock, entry_ms
+from kvgate.worker.engine import Engine
+from kvgate.worker.lane_prefixes import LanePrefixes
+from kvgate.worker.leases import Leases
+from kvgate.worker.reader import Entry, Reader, ReadPlan, ReadSlot
+from kvgate.worker.slots import FullOwners, Ignored
+from kvgate.worker.settings import WorkerSettings
+
+log = logging.getLogger("kvgate.worker")
+CLUSTER_BLOCK_MS = 100  # a blocking read waits on one shard of a cluster; then the next look covers them all
+
+
+@dataclass(slots=True)
+class Capacity:
+    """The engine's room at one moment, asked of it once and only when something needs it: the step's round
+    trip spends it on what it tells the other workers and on the refill read."""
+
+    engine: Engine
+    seen: Admission | None = None
+
+    def now(self) -> Admission:
+        if self.seen is None:
+            self.seen = self.engine.admission()
+        return self.seen
+
+
+@dataclass(slots=True)
+class ReadRequest:
+    """The jobs one round trip reads: `count` whole jobs, and besides them `held` jobs of `lanes` whose prefix
+    running sequences hold (read as tails, in the room the whole jobs leave)."""
+
+    count: int = 0
+    lanes: list[Lane] = field(default_factory=list)
+    held: int = 0
+    reclaim_ms: int = 0  # >0: take over entries idle this long (dead workers') before new ones
+
+    def __bool__(self) -> bool:
+        return bool(self.count or self.held)
+
+
+@dataclass(slots=True)
+class QueuedReads:
+    """The reads of a request on their way: the held lanes' read (its reply first), the refill read, and who is
+    full now (for the next plan)."""
+
+    request: ReadRequest
+    held: ReadSlot | None
+    new: ReadSlot | None
+    full: FullOwners
+
+    def take(self, replies: Iterator) -> None:
+        for slot in (self.held, self.new, self.full):
+            if slot is not None:
+                slot.take(replies)
+
+
+class Refill:
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, streams: list[str], settings: WorkerSettings,
+                 engine: Engine, queue: AdmissionQueue, affinity: Affinity, lane_prefixes: LanePrefixes,
+                 leases: Leases, clock: ServerClock, metrics: Any, per_priority: int) -> None:
+        self.client, self.keys, self.worker_id, self.settings = client, keys, worker_id, settings
+        self.engine, self.queue, self.affinity, self.lane_prefixes = engine, queue, affinity, lane_prefixes
+        self.leases, self.clock, self.metrics = leases, clock, metrics
+        self.reader = Reader(client, worker_id, ReadPlan(list(streams)), per_priority,
+                             steal_age_ms=settings.affinity_steal_age_ms, keys=keys)
+        self.cursors: dict[str, str | None] = {st: "0" for st in streams}  # own pending first, then ">"
+        self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
+        self.held_dry_until = 0.0  # a read of the lanes whose prefix we hold found none: no such read till then
+        self.last_read_empty_at = 0.0
+        self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
+        self.block_turn = 0  # on a cluster: the shard the next blocking read waits on
+
+    def use_queue(self, queue: AdmissionQueue) -> None:
+        self.queue = queue  # the local queue whose room and estimates size our reads
+
+    @property
+    def script(self) -> object:
+        """The read script, to load again where a cluster primary lost it."""
+        return self.reader.script
+
+    # ---- what is pending to us ----------------------------------------------------------------------
+    @property
+    def own_pending(self) -> bool:
+        return any(c is not None for c in self.cursors.values())
+
+    def rewind(self, streams: list[str]) -> None:
+        """Read our own pending entries again first: a lost reply (or a refused pipeline) may have delivered some."""
+        self.cursors = {st: "0" for st in streams}
+
+    def add_streams(self, streams: list[str]) -> None:
+        self.cursors.update({st: "0" for st in streams})  # a restarted worker of the same id may hold entries there
+
+    def reclaim_soon(self) -> None:
+        self.reclaim_due = True
+
+    def read_own_pending(self, count: int, holds: Callable[[str, str], bool]) -> list[list[Entry]]:
+        """Entries already pending to us: every stream in one round trip (with lanes there are hundreds), at
+        most `count` taken; a stream cut short keeps its cursor. Stream by stream, those we do not hold yet."""
+        cursors = {st: c for st, c in self.cursors.items() if c is not None}
+        found = {}
+        for group in self.keys.by_shard(list(cursors)):  # one slot per command on a cluster
+            reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {st: cursors[st] for st in group}, count=count)
+            found |= {as_text(st): entries for st, entries in reply or []}
+        batches = []
+        for stream in cursors:
+            entries = [(as_text(i), f) for i, f in found.get(stream, [])][:count]
+            self.cursors[stream] = entries[-1][0] if entries else None
+            fresh = [(i, f) for i, f in entries if not holds(stream, i)]
+            if fresh:
+                deliveries = self.leases.count_delivery(stream, [i for i, _ in fresh])
+                batches.append([Entry(stream, i, f, n) for (i, f), n in zip(fresh, deliveries)])
+            count -= len(entries)
+            if count <= 0:
+                break
+        return batches
+
+    # ---- an idle engine ------------------------------------------------------------------------------
+    def read_idle(self, count: int) -> list[Entry]:
+        """An idle engine's look (a busy one reads in the step's round trip): it can afford every lane."""
+        reclaim_ms = self._reclaim_ms()
+        entries = self.reader.read(count, self._plan(reclaim_ms, full=True), reclaim_ms)  # a cluster: shard by shard
+        if self.affinity.enabled and self.affinity.lanes:
+            pipe = self.client.pipeline(transaction=False)
+            slots = (Ignored(self.affinity.tell(pipe, room=True)), FullOwners(self.affinity, self.affinity.look(pipe)))
+            replies = iter(pipe.execute())
+            for slot in slots:
+                slot.take(replies)
+        return self.took(entries, count, reclaim_ms, len(entries) < count)
+
+    def read_blocking(self, count: int) -> list[Entry]:
+        """Wait for the next job (with lanes: on the shared streams and our own lanes). COUNT 1 per stream, on at
+        most `count` streams (the highest priorities): one entry per stream could arrive at once, and more than
+        `count` would break the local queue's bound. A stream left out of this wait is read by the next
+        non-blocking read, one block_ms later at most."""
+        r = self.reader
+        # with lanes, also on the lanes of owners that said they are full: their jobs are ours to take at once
+        home = self.affinity.home() + r.plan.urgent_streams() if self.affinity.lanes else r.order()
+        shards = self.keys.by_shard(home)  # on a cluster: wait on one shard, the next one each time
+        self.block_turn += 1
+        streams = {st: ">" for st in shards[self.block_turn % len(shards)][:count]}
+        reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self._block_ms())
+        return [Entry(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries]
+
+    def _block_ms(self) -> int:
+        """With lanes an idle worker wakes once per steal age to look at others' lanes (it blocks on its own)."""
+        block_ms = self.settings.block_ms
+        if len(self.keys.parts) > 1:  # a wait covers one shard: come back soon to look at the others
+            block_ms = min(block_ms, CLUSTER_BLOCK_MS)
+        if self.affinity.enabled and self.affinity.lanes and self.settings.affinity_steal_age_ms:
+            return max(1, min(block_ms, self.settings.affinity_steal_age_ms))
+        return block_ms
+
+    # ---- a busy engine: in the step's round trip -----------------------------------------------------
+    def has_room(self, capacity: Capacity, draining: bool) -> bool:
+        """Whether a job of our lanes could start now; told to the others (Affinity.tell). Jobs just read wait in
+        the local queue until the next admission pass: they count against the room, not as a sign of being full."""
+        if draining:
+            return False
+        if not self.engine.has_unfinished() and not self.queue.tickets:
+            return True
+        adm = capacity.now()
+        return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False) > 0
+
+    def request(self, capacity: Capacity, draining: bool) -> ReadRequest:
+        """Jobs to read in this step's round trip, and besides them, lanes whose prefix we hold with how many of
+        their jobs fit in the room those leave (_held_lanes)."""
+        if draining or not self.engine.has_unfinished() or self.own_pending:
+            return ReadRequest()
+        wait_s = self.settings.busy_poll_ms / 1000 * 2 ** min(self.empty_reads, 3)
+        if self.affinity.owned_count:  # look at our lanes at least once per steal age: their jobs wait for us that long
+            wait_s = min(wait_s, self.settings.affinity_steal_age_ms / 1000)
+        if time.monotonic() - self.last_read_empty_at < wait_s:
+            return ReadRequest()
+        adm = capacity.now()
+        count = self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False)
+        lanes, held = self._held_lanes(count, adm)
+        return ReadRequest(count, lanes, held, self._reclaim_ms() if count else 0)
+
+    def _held_lanes(self, count: int, adm: Admission) -> tuple[list[Lane], int]:
+        """Lanes whose prefix running sequences hold, and how many of their jobs fit as tails in the room that
+        `count` whole jobs leave: read apart from those, so they never claim room the whole-job read counts on. None
+        while a job waits here (as for steals: a job read should start now)."""
+        if not (self.affinity.enabled and self.affinity.lanes) or self.queue.tickets or count >= adm.free_seqs:
+            return [], 0
+        room = adm.admissible_tokens - count * max(self.queue.tokens_per_job, 1.0)
+        cheapest = self.lane_prefixes.cheapest()
+        if cheapest is None or room < cheapest or time.monotonic() < self.held_dry_until:
+            return [], 0
+        held = self.lane_prefixes.held(self.engine.shared_prefix_tokens)
+        if not held:
+            return [], 0
+        n = min(adm.free_seqs - count, int(room // max(max(held.values()), 1.0)))
+        return (sorted(held, key=held.get), n) if n > 0 else ([], 0)
+
+    def queue_reads(self, pipe, request: ReadRequest) -> QueuedReads:
+        """Queue the request's reads on the step's pipeline: the held lanes' first, so their jobs are taken before
+        the refill read claims the room they fit in."""
+        held = new = None
+        if request.held:
+            plan = self.affinity.held_plan(request.lanes)
+            plan.steal_max = request.held  # their jobs share a prefix in our cache: sized to fit as tails, to start now
+            held = self.reader.queue(pipe, request.held, plan)
+        if request.count:
+            new = self.reader.queue(pipe, request.count, self._plan(request.reclaim_ms), request.reclaim_ms)
+        return QueuedReads(request, held, new, FullOwners(self.affinity, self.affinity.look(pipe)))
+
+    def settle(self, sent: QueuedReads) -> list[Entry]:
+        """The entries the round trip's reads took, to accept."""
+        held = sent.held.entries if sent.held is not None else []
+        if sent.held is not None and not held:
+            self.held_dry_until = time.monotonic() + self.settings.affinity_steal_age_ms / 1000
+        new = sent.new.entries if sent.new is not None else []
+        r = sent.request
+        return self.took(held + new, r.count + r.held, r.reclaim_ms, len(new) < r.count)
+
+    # ---- both ------------------------------------------------------------------------------------------
+    def _plan(self, reclaim_ms: int, full: bool = False) -> ReadPlan:
+        plan = self.affinity.read_plan(full=full or reclaim_ms > 0)  # a reclaim looks at every lane
+        lag = self.settings.affinity_max_lag_ms
+        plan.overdue_ms = self.affinity.own_wait_ms + lag if lag else 0
+        # A stolen job should start now, not wait in our local queue behind a wrong size estimate: one at a time,
+        # and none while jobs wait here already.
+        plan.steal_max = 0 if self.queue.tickets else 1
+        return plan
+
+    def _reclaim_ms(self) -> int:
+        return self.settings.reclaim_idle_ms if self.reclaim_due else 0
+
+    def took(self, got: list[Entry], count: int, reclaim_ms: int, drained: bool) -> list[Entry]:
+        """Learn from what a read took (lanes' waits, steals, reclaims, an empty backlog); the entries to accept."""
+        if self.affinity.lanes:
+            self._observe_lanes(got, drained)
+        if reclaim_ms:
+            claimed = sum(1 for e in got if e.deliveries > 1 or e.fields is None)
+            self.reclaim_due = claimed >= count  # a full take may have left more behind
+            if claimed:
+                log.info("reclaimed %d entries idle past %d ms", claimed, reclaim_ms)
+        if not got:
+            self.last_read_empty_at = time.monotonic()
+            self.empty_reads += 1
+        else:
+            self.empty_reads = 0
+        return got
+
+    def _observe_lanes(self, got: list[Entry], drained: bool) -> None:
+        fresh = [e for e in got if e.deliveries == 1]
+        stolen = [e for e in fresh if self.affinity.stolen(e.stream)]
+        if stolen:
+            self.metrics.on_steals(len(stolen))
+            for stream in dict.fromkeys(e.stream for e in reversed(stolen)):
+                self.affinity.stole(stream)
+        now_ms = int(self.clock.now() * 1000)
+        ages = [now_ms - entry_ms(e.entry_id) for e in fresh if not self.affinity.stolen(e.stream)]
+        self.affinity.observe(ages, drained)
