@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import typing
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ByteSize, ValidationError
 from pydantic.fields import FieldInfo
+
+M = TypeVar("M", bound=BaseModel)
 
 ENV_PREFIX = "KVGATE_"
 
@@ -74,6 +76,16 @@ def given_settings(args: argparse.Namespace, model: type[BaseModel]) -> dict[str
         if name in given and joined(field) and f"{ENV_PREFIX}{name.upper()}" in os.environ:
             given[name] = [*given[name], os.environ[f"{ENV_PREFIX}{name.upper()}"]]  # the model splits the commas
     return given
+
+
+def settings_of(args: argparse.Namespace, model: type[M], error: type[ValueError] = ValueError) -> M:
+    """The settings a command runs with: flags over KVGATE_* variables over defaults; a bad value raises `error`
+    with one line naming it as the user set it."""
+    given = given_settings(args, model)
+    try:
+        return model(**given)
+    except ValidationError as e:
+        raise error(explain(e, model, given)) from None
 
 
 def explain(error: ValidationError, model: type[BaseModel], given: dict[str, Any]) -> str:

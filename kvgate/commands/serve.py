@@ -11,9 +11,8 @@ import argparse
 import signal
 import sys
 
-from pydantic import ValidationError
 
-from kvgate.commands.flags import add_settings_arguments, explain, given_settings
+from kvgate.commands.flags import add_settings_arguments, settings_of
 from kvgate.gateway.settings import GatewaySettings
 
 
@@ -23,11 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> GatewaySettings:
-    given = given_settings(args, GatewaySettings)
-    try:
-        return GatewaySettings(**given)
-    except ValidationError as e:
-        raise ValueError(explain(e, GatewaySettings, given)) from None
+    return settings_of(args, GatewaySettings)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,11 +12,10 @@ import threading
 import time
 from pathlib import Path
 
-from pydantic import ValidationError
 
 from kvgate.engine.config import EngineConfig, check_device
 from kvgate.producer.protocol import mask_url
-from kvgate.commands.flags import add_settings_arguments, explain, given_settings
+from kvgate.commands.flags import add_settings_arguments, settings_of
 from kvgate.worker.settings import WorkerSettings
 
 
@@ -32,11 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> WorkerSettings:
-    given = given_settings(args, WorkerSettings)
-    try:
-        return WorkerSettings(**given)
-    except ValidationError as e:
-        raise WorkerStartError(explain(e, WorkerSettings, given)) from None
+    return settings_of(args, WorkerSettings, WorkerStartError)
 
 
 def check_model(name: str) -> None:
