@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+
+from kvgate.openai.json_body import BadJson, parse_json
 
 from .auth import authorize
 from .errors import ApiError, invalid
@@ -116,8 +117,8 @@ def check_jsonl(data: bytes) -> None:
         if not line.strip():
             continue
         try:
-            ok = isinstance(json.loads(line), dict)
-        except json.JSONDecodeError as e:
+            ok = isinstance(parse_json(line), dict)
+        except BadJson as e:
             raise invalid("file", f"line {line_no} is not JSON ({e}); a batch input file has one JSON request per "
                                   "line", code="invalid_file") from None
         if not ok:

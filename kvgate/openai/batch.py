@@ -7,11 +7,11 @@ Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"},
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.openai.json_body import BadJson, parse_json
 from kvgate.openai.shapes import BadLogprobs, choice, requested_logprobs
 from kvgate.producer import protocol as wire
 from kvgate.producer.errors import InvalidRequest
@@ -46,8 +46,8 @@ class BatchRequest:
 def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
     """One input line as submit arguments; BadLine says what is wrong with it."""
     try:
-        data = json.loads(line)
-    except json.JSONDecodeError as e:
+        data = parse_json(line)
+    except BadJson as e:
         raise BadLine("invalid_json", f"line {line_no} is not JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadLine("invalid_request", f"line {line_no} must be a JSON object")
@@ -124,8 +124,8 @@ def custom_id_of(raw: str) -> str | None:
 def text_field(raw: str, name: str) -> str | None:
     """A non-empty string field of a raw line, or None when the line is not a JSON object or lacks it."""
     try:
-        data = json.loads(raw)
-    except json.JSONDecodeError:
+        data = parse_json(raw)
+    except BadJson:
         return None
     value = data.get(name) if isinstance(data, dict) else None
     return value if isinstance(value, str) and value else None

@@ -117,3 +117,24 @@ def test_an_unanswered_job_is_a_504_and_is_cancelled(redis_server, gateway_facto
     while not list(r.scan_iter(match=f"{ns}:cancel:*")) and time.monotonic() < deadline:
         time.sleep(0.02)  # the cancel is sent by a task of its own, after the answer
     assert len(list(r.scan_iter(match=f"{ns}:cancel:*"))) == 1, "the abandoned job was not cancelled"
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # the standard library's parser raised RecursionError: a 500
+HUGE_INT = b'{"model": "simulated", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}"
+
+
+@pytest.mark.parametrize("body", [DEEP, b'{"model": "simulated", "messages": ' + DEEP + b"}", HUGE_INT],
+                         ids=["deep", "deep-inside", "5000-digit-int"])
+def test_hostile_json_bodies_are_400s_that_say_why(gateway, body):
+    for route in ("chat/completions", "completions", "batches"):
+        err = _error(httpx.post(f"{gateway.base_url}/{route}", content=body), 400)
+        assert err["code"] == "invalid_json" and err["param"] == "body", (route, err)
+        assert "nested too deeply" in err["message"] or "out of range" in err["message"], err
+
+
+def test_an_upload_with_a_hostile_line_is_a_400_naming_the_line(gateway):
+    good = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+    r = httpx.post(f"{gateway.base_url}/files", data={"purpose": "batch"},
+                   files={"file": ("in.jsonl", good + DEEP + b"\n")})
+    err = _error(r, 400)
+    assert err["code"] == "invalid_file" and "line 2" in err["message"] and "nested too deeply" in err["message"]

@@ -1,0 +1,33 @@
+"""Untrusted JSON lines of batch files: a hostile line is that line's error, never an exception that stops the run
+(the standard library's parser raised RecursionError and ValueError, which no caller caught)."""
+from __future__ import annotations
+
+import pytest
+
+from kvgate.openai.batch import BadLine, custom_id_of, parse_line
+from kvgate.openai.json_body import BadJson, parse_json
+
+DEEP = "[" * 100_000 + "]" * 100_000
+HUGE_INT = '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"max_tokens": ' + "9" * 5000 + "}}"
+
+
+@pytest.mark.parametrize("text, says", [(DEEP, "nested too deeply"), (HUGE_INT, "out of range"),
+                                        ("{not json", "malformed"), ('{"a": NaN}', "malformed")])
+def test_parse_json_names_what_is_wrong(text, says):
+    with pytest.raises(BadJson, match=says):
+        parse_json(text)
+    with pytest.raises(BadJson, match=says):
+        parse_json(text.encode())
+
+
+def test_parse_json_takes_ordinary_documents_as_the_standard_library_does():
+    assert parse_json(' {"a": [1, 2.5, "x", null, true], "b": {"c": 10000000000000000000000}} ') == {
+        "a": [1, 2.5, "x", None, True], "b": {"c": 10**22}}
+
+
+@pytest.mark.parametrize("line", [DEEP, HUGE_INT], ids=["deep", "5000-digit-int"])
+def test_a_hostile_batch_line_is_an_invalid_json_error_line(line):
+    with pytest.raises(BadLine) as bad:
+        parse_line(3, line, "digest")
+    assert bad.value.code == "invalid_json" and "line 3" in str(bad.value)
+    assert custom_id_of(line) is None
