@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -27,6 +27,7 @@ from redis.crc import key_slot
 from .protocol import mask_url
 from .shards import check_shards
 from .steps import Steps, call, returning, run
+from .urls import host_port, split_url
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,14 @@ class ClusterUrl:
 
 
 def is_cluster(url: str) -> bool:
-    return urlsplit(url).scheme in CLUSTER_SCHEMES
+    return split_url(url).scheme in CLUSTER_SCHEMES
 
 
 def parse_cluster_url(url: str) -> ClusterUrl:
     """Raises ValueError naming what is wrong (and never the password)."""
-    parts, shown = urlsplit(url), mask_url(url)
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
-    nodes = tuple(_host_port(h, shown) for h in hostlist.split(",") if h)
+    parts, shown = split_url(url), mask_url(url)
+    username, _, password = parts.userinfo.partition(":")
+    nodes = tuple(_host_port(h, shown) for h in parts.hosts)
     if not nodes:
         raise ValueError(f"cluster URL {shown!r} names no node: write host1:6379,host2:6379 after //")
     if parts.path.strip("/"):
@@ -75,10 +75,9 @@ def parse_cluster_url(url: str) -> ClusterUrl:
 
 
 def _host_port(text: str, shown: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
-    if not host or (port and not port.isdigit()):
+    if (hp := host_port(text, DEFAULT_PORT)) is None:
         raise ValueError(f"cluster URL {shown!r}: {text!r} is not host:port")
-    return host, int(port) if port else DEFAULT_PORT
+    return hp
 
 
 def _kwargs(c: ClusterUrl, kwargs: dict, retry_class=None) -> dict:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 import re
 from typing import Annotated, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 
 from .fields import Items, Range, specs
 from .shards import check_shards, shard_of, shard_tags
+from .urls import split_url
 
 # Version 2 added `attempt` to Delta and Final (which delivery of the job produced them; see stream.py).
 # Readers accept every version from MIN_PROTOCOL_VERSION on: a version-1 message reads as attempt 1. The
@@ -434,7 +434,7 @@ URL_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel",  
 
 
 def check_url(url: str) -> str:
-    if urlsplit(url).scheme not in URL_SCHEMES:
+    if split_url(url).scheme not in URL_SCHEMES:
         raise ValueError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss://, unix://, "
                          f"redis+sentinel:// or redis+cluster:// (for example {DEFAULT_URL})")
     return url
@@ -442,10 +442,10 @@ def check_url(url: str) -> str:
 
 def mask_url(url: str) -> str:
     """The URL with its password replaced by ***, fit for messages and logs."""
-    parts = urlsplit(url)
+    parts = split_url(url)
     # the query may carry a Sentinel's own password (redis+sentinel://...?sentinel_password=...)
     query = re.sub(r"(password=)[^&]*", r"\1***", parts.query)
     userinfo, at, hosts = parts.netloc.rpartition("@")  # a Sentinel URL lists several host:port, so no .port
     if ":" in userinfo:
         userinfo = userinfo.split(":", 1)[0] + ":***"
-    return urlunsplit(parts._replace(netloc=f"{userinfo}{at}{hosts}", query=query))
+    return parts.replace(netloc=f"{userinfo}{at}{hosts}", query=query).unsplit()

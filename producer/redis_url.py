@@ -15,7 +15,7 @@ command lands on the new primary. `submission.across_failover` is that retry, bo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote
 
 import redis
 import redis.asyncio as aioredis
@@ -25,6 +25,7 @@ from redis.sentinel import MasterNotFoundError, Sentinel
 from .cluster import agreed_shards, connect_cluster, connect_cluster_async, is_cluster, parse_cluster_url, shard_count
 from .protocol import Keys, mask_url
 from .steps import run_async
+from .urls import host_port, split_url
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379
@@ -58,16 +59,15 @@ class SentinelUrl:
 
 
 def is_sentinel(url: str) -> bool:
-    return urlsplit(url).scheme in SENTINEL_SCHEMES
+    return split_url(url).scheme in SENTINEL_SCHEMES
 
 
 def parse_sentinel_url(url: str) -> SentinelUrl:
     """Raises ValueError naming what is wrong (and never the password)."""
-    parts = urlsplit(url)
+    parts = split_url(url)
     shown = mask_url(url)
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
-    sentinels = tuple(_host_port(h, shown) for h in hostlist.split(",") if h)
+    username, _, password = parts.userinfo.partition(":")
+    sentinels = tuple(_host_port(h, shown) for h in parts.hosts)
     if not sentinels:
         raise ValueError(f"Sentinel URL {shown!r} names no sentinel: write host1:26379,host2:26379 after //")
     path = [p for p in parts.path.split("/") if p]
@@ -88,14 +88,9 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
 
 
 def _host_port(text: str, shown: str) -> tuple[str, int]:
-    if text.startswith("["):  # [::1]:26379
-        host, _, rest = text[1:].partition("]")
-        port = rest.removeprefix(":")
-    else:
-        host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
-    if not host or (port and not port.isdigit()):
+    if (hp := host_port(text, SENTINEL_PORT)) is None:
         raise ValueError(f"Sentinel URL {shown!r}: {text!r} is not host:port")
-    return host, int(port) if port else SENTINEL_PORT
+    return hp
 
 
 def newest_master(answers: list, service: str, check) -> tuple[str, int]:

@@ -46,11 +46,15 @@ LAYERS = (
     Layer("kvgate.engine", ("kvgate.engine", "kvgate.kernels"), NO_REDIS),
     Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", *SHARED_WITH_WORKERS)),
     Layer("kvgate.producer.redis_url", ("kvgate.producer.protocol", "kvgate.producer.cluster",
-                                        "kvgate.producer.shards", "kvgate.producer.steps"), HEAVY),
+                                        "kvgate.producer.shards", "kvgate.producer.steps", "kvgate.producer.urls"),
+          HEAVY),
     Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards",
-                                      "kvgate.producer.steps"), HEAVY),
+                                      "kvgate.producer.steps", "kvgate.producer.urls"), HEAVY),
     Layer("kvgate.producer.lanes", ("kvgate.producer.protocol",), HEAVY),
-    Layer("kvgate.producer.protocol", ("kvgate.producer.shards", "kvgate.producer.fields"), HEAVY),
+    Layer("kvgate.producer.protocol", ("kvgate.producer.shards", "kvgate.producer.fields", "kvgate.producer.urls"),
+          HEAVY),
+    # Redis URLs split without urllib's netloc checks (several hosts, bracketed IPv6): the standard library only
+    Layer("kvgate.producer.urls", (), HEAVY),
     # the declaration helpers of the wire's request fields (bounds beside types): msgspec and the standard library
     Layer("kvgate.producer.fields", (), HEAVY),
     Layer("kvgate.producer.shards", (), HEAVY),
