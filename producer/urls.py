@@ -18,6 +18,7 @@ class UrlParts:
     path: str
     query: str
     fragment: str
+    authority: bool = True  # the URL has `//` (an authority, maybe empty): `unix:///x` has one, `host:6379` none
 
     @property
     def userinfo(self) -> str:
@@ -32,13 +33,14 @@ class UrlParts:
         return replace(self, **changes)
 
     def unsplit(self) -> str:
-        return (f"{self.scheme}:" if self.scheme else "") + (f"//{self.netloc}" if self.netloc or self.scheme else "") \
+        return (f"{self.scheme}:" if self.scheme else "") + (f"//{self.netloc}" if self.authority else "") \
             + self.path + (f"?{self.query}" if self.query else "") + (f"#{self.fragment}" if self.fragment else "")
 
 
 def split_url(url: str) -> UrlParts:
     m = _URL.match(url)  # the pattern matches any string
-    return UrlParts(*(m.group(name) or "" for name in ("scheme", "netloc", "path", "query", "fragment")))
+    return UrlParts(*(m.group(name) or "" for name in ("scheme", "netloc", "path", "query", "fragment")),
+                    authority=m.group("netloc") is not None)
 
 
 def host_port(text: str, default_port: int) -> tuple[str, int] | None:

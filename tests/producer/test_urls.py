@@ -53,7 +53,7 @@ def test_mask_url_hides_passwords_of_multi_host_urls(strict_urllib):
 
 
 @pytest.mark.parametrize("url", ["redis://h:1/0", "rediss://u:p@h/3?x=1#f", "unix:///tmp/r.sock?db=2", SENTINEL,
-                                 CLUSTER, "", "no-scheme", "redis://"])
+                                 CLUSTER, "", "no-scheme", "redis://", "localhost:6379", "//h:1/x"])
 def test_split_url_agrees_with_urllib_where_urllib_accepts_the_url(url):
     ours, theirs = split_url(url), _lenient(url)
     assert (ours.scheme, ours.netloc, ours.path, ours.query, ours.fragment) == tuple(theirs)
