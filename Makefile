@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install bench gpu-check clean
+.PHONY: demo test test-pythons install bench gpu-check clean
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The torch-free SDK and gateway tests on Python 3.10, 3.12, 3.13 and /usr/bin/python3 (PYTHONS="..." to choose);
+# CI runs it after `make test`
+test-pythons: $(STAMP)
+	$(PY) .ci/test_pythons.py
+
 bench: $(STAMP)
 	$(VENV)/bin/kvgate bench engine --repeats 3 --json bench-engine.json
 	$(VENV)/bin/kvgate bench steps --profile 10 --json bench-steps.json
@@ -49,4 +54,4 @@ gpu-check: $(STAMP)
 	KVGATE_DEVICE=cuda $(PY) -m kvgate.bench.gpu_check $(OUT)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-pythons *.egg-info .pytest_cache

@@ -83,7 +83,8 @@ def _sdk_field(spec: Spec) -> tuple[Any, Any]:
     if isinstance(b, Items):
         item = Annotated[Text, Field(min_length=b.chars[0], max_length=b.chars[1])] if b.chars else TokenId
         before = [BeforeValidator(_one_or_many)] if spec.name == "stop" else []
-        return Annotated[list[item], Field(max_length=b.max_items), *before] | None, None
+        # a tuple, not a starred subscript: `X[a, *b]` is Python 3.11 syntax, and the SDK claims 3.10
+        return Annotated[(list[item], Field(max_length=b.max_items), *before)] | None, None
     base = next(t for t in typing.get_args(spec.type) or (spec.type,) if t is not type(None))
     if isinstance(b, Range):
         if b.off is not None:  # a value outside the range that disables: one message for both

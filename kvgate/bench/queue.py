@@ -95,11 +95,9 @@ def settings_of(args, workload) -> dict:
 
 
 def environment(args) -> dict:
-    import torch
-
     from kvgate.bench.report import machine_info, versions
 
-    return {"machine": machine_info(torch.device("cpu")), "versions": versions()}
+    return {"machine": machine_info(), "versions": versions()}
 
 
 def print_header(report: dict) -> None:

@@ -10,14 +10,18 @@ import subprocess
 import time
 from pathlib import Path
 
-import torch
+try:  # the queue and gateway benchmarks run on an SDK or gateway install, which has no torch
+    import torch
+except ImportError:
+    torch = None
 
 
-def machine_info(device: torch.device) -> dict:
-    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+def machine_info(device: torch.device | None = None) -> dict:
+    """The machine a run measured; device None for runs whose figures do not come from torch."""
+    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads() if torch else None,
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "device": str(device), "platform": platform.platform()}
+            "gpu": torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else None,
+            "device": str(device or "cpu"), "platform": platform.platform()}
     return info
 
 
@@ -38,7 +42,7 @@ def versions() -> dict:
             found[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             found[package] = None
-    found["cuda"] = torch.version.cuda
+    found["cuda"] = torch.version.cuda if torch else None
     found["redis_server"] = redis_server_version()
     return found
 

@@ -6,6 +6,8 @@ import os
 import openai
 import pytest
 
+pytest.importorskip("torch", reason="a real model needs the worker's torch (make test-pythons runs without it)")
+
 from tests.gateway.conftest import start_gateway, stop_worker, wait_for_workers
 from tests.support import spawn_worker
 
