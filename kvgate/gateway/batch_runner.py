@@ -18,7 +18,7 @@ import time
 from kvgate.producer import AsyncClient
 from kvgate.openai.batch import custom_id_of, is_success, request_lines
 
-from .batch_input import input_errors
+from .batch_input import check_input
 from .batch_store import Batch, BatchStore
 from .batch_work import SUBMIT_CHUNK, Work
 from .file_store import FileStore
@@ -106,8 +106,13 @@ class BatchRunner:
 
     async def _validate(self, b: Batch) -> None:
         data = await self._input(b)
-        errors = [{"code": "file_not_found", "message": f"input file {b.input_file_id} is gone", "param":
-                   "input_file_id", "line": None}] if data is None else input_errors(data, b.endpoint)
+        if data is None:
+            checked = None
+            errors = [{"code": "file_not_found", "message": f"input file {b.input_file_id} is gone", "param":
+                       "input_file_id", "line": None}]
+        else:  # in a thread: parsing tens of thousands of lines would hold up every other request of this gateway
+            checked = await asyncio.to_thread(check_input, data, b.endpoint)
+            errors = checked.errors
         if b.expired:
             await self._expire(b, ("validating",))
         elif errors:
@@ -115,7 +120,7 @@ class BatchRunner:
                                         errors={"object": "list", "data": errors})
         else:
             await self.store.transition(b.id, ("validating",), "in_progress", in_progress_at=_now(),
-                                        total=len(request_lines(data)))
+                                        total=len(checked.custom_ids))
 
     async def _process(self, b: Batch) -> None:
         data = await self._input(b)
@@ -149,7 +154,7 @@ class BatchRunner:
     async def _order(self, b: Batch, lines: dict[str, str]) -> list[str]:
         """custom_ids in the order of the input file; any the file no longer has (it was deleted) at the end."""
         data = await self._input(b) or b""
-        order = [c for c in (custom_id_of(raw) or f"line-{n}" for n, raw in request_lines(data)) if c in lines]
+        order = [c for c in (custom_id_of(raw) for _, raw in request_lines(data)) if c in lines]
         seen = set(order)
         return order + sorted(c for c in lines if c not in seen)
 

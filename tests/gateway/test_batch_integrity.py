@@ -1,0 +1,73 @@
+"""A managed batch accounts for every line of its input, always (issue 26, items 4 and 5): no rejected line takes a
+real custom_id; custom_ids of any JSON type are checked for duplicates."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from kvgate.commands.cli import main as kvgate
+from tests.gateway.batch_files import jsonl, request, rows_of, wait_final
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def integrity_gateway(sim_fleet, tmp_path_factory):
+    """A small window and fast polls."""
+    from tests.gateway.conftest import start_gateway
+
+    gw = start_gateway(*sim_fleet, files_dir=str(tmp_path_factory.mktemp("files")), batch_window=8,
+                       batch_poll_s=0.2)
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def client(integrity_gateway):
+    c = openai.OpenAI(base_url=integrity_gateway.base_url, api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+def run_batch(client, rows: list[dict] | bytes, timeout: float = 20.0):
+    data = rows if isinstance(rows, bytes) else jsonl(rows)
+    f = client.files.create(file=("in.jsonl", data), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    return wait_final(client.batches.retrieve, batch.id, timeout=timeout)
+
+
+def test_a_line_without_a_custom_id_fails_the_batch_instead_of_taking_a_real_custom_id(client):
+    """The rejected line used to be named `line-2`, the first line's real custom_id: one answer lost, the error
+    line written twice, counts {3, 1, 1}."""
+    rows = [{**request(0), "custom_id": "line-2"}, {k: v for k, v in request(1).items() if k != "custom_id"},
+            request(2)]
+    done = run_batch(client, rows)
+    assert done.status == "failed", (done.status, done.request_counts)
+    assert [(e.code, e.line, e.param) for e in done.errors.data] == [("missing_custom_id", 2, "custom_id")]
+    assert "line 2" in done.errors.data[0].message and done.output_file_id is None
+
+
+def test_custom_ids_of_every_json_type_are_checked_for_duplicates(client):
+    """Two lines with custom_id 7, and two with the same object: before, neither pair was seen as a duplicate."""
+    rows = [{**request(i), "custom_id": cid} for i, cid in enumerate([7, "7", 7, {"a": [1]}, {"a": [1]}])]
+    done = run_batch(client, rows)
+    assert done.status == "failed", (done.status, done.request_counts)
+    duplicates = [e.message for e in done.errors.data if e.code == "duplicate_custom_id"]
+    assert len(duplicates) == 2, done.errors.data
+    assert "lines 1, 3" in duplicates[0] and "lines 4, 5" in duplicates[1]
+    invalid = [(e.code, e.line) for e in done.errors.data if e.code == "invalid_custom_id"]
+    assert invalid == [("invalid_custom_id", n) for n in (1, 3, 4, 5)]
+
+
+def test_kvgate_batch_refuses_a_file_whose_rejected_line_would_take_a_real_custom_id(sim_fleet, tmp_path, capsys):
+    """It used to write custom_id `line-2` twice (the real line's answer and the nameless line's error)."""
+    rows = [{**request(0), "custom_id": "line-2"}, {k: v for k, v in request(1).items() if k != "custom_id"}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(jsonl(rows))
+    code = kvgate(["batch", str(src), "-o", str(out), "--redis-url", sim_fleet[0], "--namespace", sim_fleet[1],
+                   "--no-progress", "--timeout", "20"])
+    written = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] if out.exists() else []
+    assert code == 2, written
+    assert written == [] and "line 2" in capsys.readouterr().err
