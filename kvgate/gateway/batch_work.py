@@ -17,6 +17,7 @@ from kvgate.producer import AsyncClient, Backpressure, JobLost, KvgateError, Par
 from kvgate.openai.batch import BatchRequest, answer_line, is_success, plan_line, request_lines
 
 from .batch_store import Batch, BatchStore
+from .file_store import FileStore
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Work:
     window: int
     priority: str
     chunk: int = SUBMIT_CHUNK  # at most max_backlog, so one chunk cannot overshoot it
+    files: FileStore | None = None  # where the input lives; None: its deletion is not watched
     todo: deque[BatchRequest] = field(default_factory=deque)
     pending: dict[asyncio.Task, tuple[BatchRequest, str]] = field(default_factory=dict)
     models: dict[str, str | None] = field(default_factory=dict)
@@ -57,7 +59,8 @@ class Work:
             await self.store.record_many(b.id, rejected)
 
     async def run(self) -> str:
-        """Until every line is answered ('done'), or the batch is cancelled or past its window (that status)."""
+        """Until every line is answered ('done'), or the batch is cancelled, past its window or its input file was
+        deleted (that status, 'input_deleted')."""
         checked = 0.0
         try:
             while self.todo or self.pending:
@@ -85,7 +88,11 @@ class Work:
         status, expires_at = await self.store.status(self.batch.id)
         if status != "in_progress":
             return status or "gone"
-        return "expired" if time.time() >= expires_at else None
+        if time.time() >= expires_at:
+            return "expired"
+        if self.files is not None and await asyncio.to_thread(self.files.get, self.batch.input_file_id) is None:
+            return "input_deleted"
+        return None
 
     async def _submit(self) -> None:
         room = self.window - len(self.pending)

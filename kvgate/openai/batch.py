@@ -228,6 +228,18 @@ def plan_line(line_no: int, raw: str, seed: str, priority: str, keys: Keys,
     return req
 
 
+UNRUN = {"cancelled": ("batch_cancelled", "the batch was cancelled (a cancel request, or its input file was deleted) "
+                                          "before this request was answered"),
+         "expired": ("batch_expired", "this request could not be executed before the completion window expired")}
+
+
+def unrun_line(seed: str, custom_id: str, status: str) -> dict[str, Any]:
+    """The error line of a request a cancelled or expired batch never answered, so the batch accounts for every line."""
+    code, message = UNRUN[status]
+    row_id = "batch_req_" + hashlib.sha256(f"{seed}\n{custom_id}\nunrun".encode()).hexdigest()[:24]
+    return error_line(row_id, custom_id, code, message)
+
+
 def answer_line(req: BatchRequest, result: Result, model: str | None = None) -> dict[str, Any]:
     """The output line of a finished job: its answer, or an error line saying why it has none."""
     return success_line(req, result, model) if result.status == "done" else failed_result_line(req, result)

@@ -1,14 +1,20 @@
-"""A managed batch accounts for every line of its input, always (issue 26, items 4 and 5): no rejected line takes a
-real custom_id; custom_ids of any JSON type are checked for duplicates."""
+"""A managed batch accounts for every line of its input, always (issue 26, items 4 and 5): a deleted input cancels
+it, across a gateway restart too; no rejected line takes a real custom_id; custom_ids of any JSON type are checked
+for duplicates."""
 from __future__ import annotations
 
 import json
 
 import openai
 import pytest
+import redis
 
 from kvgate.commands.cli import main as kvgate
+from kvgate.gateway.file_store import LocalFileStore
+from kvgate.producer.protocol import Keys
 from tests.gateway.batch_files import jsonl, request, rows_of, wait_final
+from tests.gateway.conftest import stop_worker, wait_for_workers
+from tests.support import spawn_worker, wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -36,6 +42,12 @@ def run_batch(client, rows: list[dict] | bytes, timeout: float = 20.0):
     f = client.files.create(file=("in.jsonl", data), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
     return wait_final(client.batches.retrieve, batch.id, timeout=timeout)
+
+
+def every_line(client, batch) -> list[dict]:
+    """The output and error files' lines together."""
+    return [row for file_id in (batch.output_file_id, batch.error_file_id) if file_id
+            for row in rows_of(client.files.content(file_id).content)]
 
 
 def test_a_line_without_a_custom_id_fails_the_batch_instead_of_taking_a_real_custom_id(client):
@@ -71,3 +83,52 @@ def test_kvgate_batch_refuses_a_file_whose_rejected_line_would_take_a_real_custo
     written = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] if out.exists() else []
     assert code == 2, written
     assert written == [] and "line 2" in capsys.readouterr().err
+
+
+@pytest.fixture
+def slow_fleet(shared_redis, namespace):
+    """Two sequences at a time, about 2 s a job: a batch of 40 is mid-run for a long while."""
+    proc = spawn_worker(shared_redis.url, namespace, "--simulated", "--sim-step-ms", "2", "--max-num-seqs", "2",
+                        worker_id="sim-integrity")
+    try:
+        wait_for_workers(shared_redis.url, namespace, proc=proc)
+        yield shared_redis.url, namespace
+    finally:
+        stop_worker(proc)
+
+
+@pytest.mark.parametrize("deleted", ["through the API, then a restart", "while no gateway ran"])
+def test_deleting_the_input_cancels_the_batch_across_a_restart_with_every_line_accounted_for(
+        slow_fleet, gateway_factory, tmp_path, deleted):
+    """Before: after the restart the batch ended `completed` with most lines neither answered nor in the error
+    file, and the jobs it had queued ran on, never cancelled."""
+    url, ns = slow_fleet
+    settings = dict(files_dir=str(tmp_path), batch_window=8, batch_poll_s=0.2)
+    first = gateway_factory(url, ns, **settings)
+    rows = [request(i, max_tokens=1000) for i in range(40)]
+    with openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0, timeout=30) as c:
+        f = c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+        batch = c.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+        with redis.Redis.from_url(url) as r:
+            wait_for(lambda: r.hlen(f"{ns}:batch:{batch.id}:jobs") >= 8, 20, "the window submitted")
+            jobs = {k.decode(): v.decode() for k, v in r.hgetall(f"{ns}:batch:{batch.id}:jobs").items()}
+        if deleted == "through the API, then a restart":
+            c.files.delete(f.id)
+    first.stop()
+    if deleted == "while no gateway ran":
+        with redis.Redis.from_url(url) as r:
+            assert r.hget(f"{ns}:batch:{batch.id}", "status") == b"in_progress"
+        assert LocalFileStore(tmp_path).delete(f.id)
+    second = gateway_factory(url, ns, **settings)
+    with openai.OpenAI(base_url=second.base_url, api_key="unused", max_retries=0, timeout=30) as c:
+        done = wait_final(c.batches.retrieve, batch.id, timeout=30)
+        assert done.status == "cancelled", (done.status, done.request_counts)
+        lines = every_line(c, done)
+    assert sorted(r["custom_id"] for r in lines) == sorted(r["custom_id"] for r in rows)  # each once
+    answered = {r["custom_id"] for r in lines if r["error"] is None}
+    assert {r["error"]["code"] for r in lines if r["error"]} == {"batch_cancelled"}
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (40, len(answered), 40 - len(answered))
+    with redis.Redis.from_url(url) as r:  # every job it had queued and not answered was asked to stop
+        uncancelled = [c for c, job in jobs.items() if c not in answered and not r.exists(Keys(ns).cancel(job))]
+    assert uncancelled == []
