@@ -24,7 +24,7 @@ from kvgate.openai.batch import custom_id_of, is_success, request_lines, unrun_l
 
 from .batch_input import check_input
 from .batch_store import Batch, BatchStore
-from .batch_work import SUBMIT_CHUNK, Work
+from .batch_work import SUBMIT_CHUNK, ModelCheck, Work
 from .file_store import FileStore
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,9 @@ def result_file_id(batch_id: str, kind: str) -> str:
 
 class BatchRunner:
     def __init__(self, client: AsyncClient, store: BatchStore, files: FileStore, *, window: int, priority: str,
-                 lease_s: float, poll_s: float, max_backlog: int | None = None):
-        self.client, self.store, self.files = client, store, files
+                 lease_s: float, poll_s: float, max_backlog: int | None = None, models: ModelCheck | None = None):
+        """`models`: the gateway's models check; a line for a model it refuses is an error line, not a job."""
+        self.client, self.store, self.files, self.models = client, store, files, models
         self.chunk = min(SUBMIT_CHUNK, max_backlog or SUBMIT_CHUNK)
         self.window, self.priority, self.lease_s, self.poll_s = window, priority, lease_s, poll_s
         self.token = secrets.token_hex(8)
@@ -109,7 +110,7 @@ class BatchRunner:
                 return
 
     def _work(self, b: Batch) -> Work:
-        return Work(b, self.client, self.store, self.window, self.priority, self.chunk, files=self.files)
+        return Work(b, self.client, self.store, self.window, self.priority, self.chunk, self.models, self.files)
 
     async def _validate(self, b: Batch) -> None:
         data = await self._input(b)

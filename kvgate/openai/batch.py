@@ -228,6 +228,11 @@ def plan_line(line_no: int, raw: str, seed: str, priority: str, keys: Keys,
     return req
 
 
+def unknown_model_line(req: BatchRequest, message: str, seed: str) -> dict[str, Any]:
+    """A line for a model nobody serves, knows or allows: OpenAI's model_not_found, not a job that waits forever."""
+    return error_line(line_id(seed, req.line_no), req.custom_id, "model_not_found", f"line {req.line_no}: {message}")
+
+
 UNRUN = {"cancelled": ("batch_cancelled", "the batch was cancelled (a cancel request, or its input file was deleted) "
                                           "before this request was answered"),
          "expired": ("batch_expired", "this request could not be executed before the completion window expired")}

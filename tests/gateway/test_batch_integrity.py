@@ -1,6 +1,7 @@
 """A managed batch accounts for every line of its input, always (issue 26, items 4 and 5): a deleted input cancels
 it, across a gateway restart too; no rejected line takes a real custom_id; custom_ids of any JSON type are checked
-for duplicates."""
+for duplicates; lines for a model nobody serves yet wait without holding up the others, and a model nobody knows
+is an error line naming it."""
 from __future__ import annotations
 
 import json
@@ -21,11 +22,11 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def integrity_gateway(sim_fleet, tmp_path_factory):
-    """A small window and fast polls."""
+    """A small window and fast polls; the operator allows `later`, a model no worker serves yet."""
     from tests.gateway.conftest import start_gateway
 
     gw = start_gateway(*sim_fleet, files_dir=str(tmp_path_factory.mktemp("files")), batch_window=8,
-                       batch_poll_s=0.2)
+                       batch_poll_s=0.2, models=("simulated", "default", "later"))
     yield gw
     gw.stop()
 
@@ -83,6 +84,41 @@ def test_kvgate_batch_refuses_a_file_whose_rejected_line_would_take_a_real_custo
     written = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] if out.exists() else []
     assert code == 2, written
     assert written == [] and "line 2" in capsys.readouterr().err
+
+
+def test_a_line_for_a_model_nobody_knows_is_an_error_line_naming_it(client, sim_fleet):
+    rows = [request(0), {**request(1), "body": {**request(1)["body"], "model": "simulatd-typo"}}, request(2)]
+    done = run_batch(client, rows)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 2, 1)
+    (bad,) = rows_of(client.files.content(done.error_file_id).content)
+    assert bad["custom_id"] == "req-1" and bad["error"]["code"] == "model_not_found"
+    assert "simulatd-typo" in bad["error"]["message"]
+    with redis.Redis.from_url(sim_fleet[0]) as r:  # never submitted, so never registered as a model
+        assert not r.sismember(Keys(sim_fleet[1]).models(), "simulatd-typo")
+
+
+def test_lines_for_a_model_nobody_serves_yet_do_not_hold_up_the_others(client):
+    """300 lines for `later` (allowed, no worker) ahead of 20 for the served model, window 8: before, the `later`
+    lines filled the window and none of the 20 was answered."""
+    rows = [{**request(i), "body": {**request(i)["body"], "model": "later"}} for i in range(300)]
+    rows += [request(i) for i in range(300, 320)]
+    f = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    try:
+        wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 20, 20,
+                 "the 20 served lines answered while the `later` lines wait")
+        assert client.batches.retrieve(batch.id).status == "in_progress"  # the `later` lines still wait
+    finally:
+        client.batches.cancel(batch.id)
+    done = wait_final(client.batches.retrieve, batch.id)
+    assert done.status == "cancelled"
+    lines = every_line(client, done)
+    assert sorted(r["custom_id"] for r in lines) == sorted(r["custom_id"] for r in rows)
+    answered = {r["custom_id"] for r in lines if r["error"] is None}
+    assert answered == {f"req-{i}" for i in range(300, 320)}
+    assert {r["error"]["code"] for r in lines if r["error"]} == {"batch_cancelled"}
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (320, 20, 300)
 
 
 @pytest.fixture
