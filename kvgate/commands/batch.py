@@ -16,7 +16,9 @@ from tqdm.auto import tqdm
 
 from kvgate.producer.client import Client
 from kvgate.producer.errors import ResultTimeout
-from kvgate.openai.batch import BatchRequest, answer_line, duplicate_custom_id, file_digest, plan_line, request_lines
+from kvgate.openai.batch import BatchRequest, answer_line, file_digest, file_problems, plan_line, request_lines
+
+MAX_PROBLEMS = 20  # listed when a file is refused; the message says how many more there are
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,9 +75,12 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"kvgate batch: cannot read {args.input}: {e}", file=sys.stderr)
         return 2
-    duplicate = duplicate_custom_id(data.decode("utf-8", "replace").splitlines())
-    if duplicate:
-        print(f"kvgate batch: {args.input}: {duplicate}", file=sys.stderr)
+    problems = file_problems(request_lines(data))
+    if problems:  # as /v1/batches fails such a file: every line needs its own custom_id to be answered under
+        more = f"\n  ... and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
+        listed = "".join(f"\n  {p.message}" for p in problems[:MAX_PROBLEMS])
+        print(f"kvgate batch: {args.input}: nothing was submitted; fix these lines and run again:{listed}{more}",
+              file=sys.stderr)
         return 2
     done = answered_ids(args.output)
     try:

@@ -63,7 +63,8 @@ class Gateway:
         self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s, s.models)
         store = BatchStore(self.client.redis, self.client.keys.prefix)  # a cluster's shard 0: batch scripts, one slot
         runner = BatchRunner(self.client, store, self.files.store, window=s.batch_window, priority=s.batch_priority,
-                             lease_s=s.batch_lease_s, poll_s=s.batch_poll_s, max_backlog=s.max_backlog)
+                             lease_s=s.batch_lease_s, poll_s=s.batch_poll_s, max_backlog=s.max_backlog,
+                             models=self.models)
         self.batches.store, self.batches.runner = store, runner
         runner.start()
         try:

@@ -4,6 +4,10 @@ Every poll it looks at the batches not yet final and takes the lease of any that
 renewed at a third of its length). A replica that dies stops renewing, its leases lapse, and another replica
 (or the same one restarted) resumes the batch from what Redis holds: the lines already answered, and the jobs
 already submitted, reattached through their idempotency keys.
+
+A batch accounts for every line of its input, whatever happens: validation keeps the custom_ids in order, and a
+batch that ends cancelled or expired writes an error line for each one never answered. Deleting the input file
+cancels the batch (its outstanding jobs too), noticed by the replica driving it or by the next one to resume it.
 """
 from __future__ import annotations
 
@@ -16,11 +20,11 @@ import secrets
 import time
 
 from kvgate.producer import AsyncClient
-from kvgate.openai.batch import custom_id_of, is_success, request_lines
+from kvgate.openai.batch import custom_id_of, is_success, request_lines, unrun_line
 
-from .batch_input import input_errors
+from .batch_input import check_input
 from .batch_store import Batch, BatchStore
-from .batch_work import SUBMIT_CHUNK, Work
+from .batch_work import SUBMIT_CHUNK, ModelCheck, Work
 from .file_store import FileStore
 
 log = logging.getLogger(__name__)
@@ -33,8 +37,9 @@ def result_file_id(batch_id: str, kind: str) -> str:
 
 class BatchRunner:
     def __init__(self, client: AsyncClient, store: BatchStore, files: FileStore, *, window: int, priority: str,
-                 lease_s: float, poll_s: float, max_backlog: int | None = None):
-        self.client, self.store, self.files = client, store, files
+                 lease_s: float, poll_s: float, max_backlog: int | None = None, models: ModelCheck | None = None):
+        """`models`: the gateway's models check; a line for a model it refuses is an error line, not a job."""
+        self.client, self.store, self.files, self.models = client, store, files, models
         self.chunk = min(SUBMIT_CHUNK, max_backlog or SUBMIT_CHUNK)
         self.window, self.priority, self.lease_s, self.poll_s = window, priority, lease_s, poll_s
         self.token = secrets.token_hex(8)
@@ -99,30 +104,39 @@ class BatchRunner:
             elif b.status == "finalizing":
                 await self._finalize(b, ("finalizing",), "completed", "completed_at")
             elif b.status == "cancelling":
-                await Work(b, self.client, self.store, self.window, self.priority).cancel_jobs()
+                await self._work(b).cancel_jobs()
                 await self._finalize(b, ("cancelling",), "cancelled", "cancelled_at")
             else:
                 return
 
+    def _work(self, b: Batch) -> Work:
+        return Work(b, self.client, self.store, self.window, self.priority, self.chunk, self.models, self.files)
+
     async def _validate(self, b: Batch) -> None:
         data = await self._input(b)
-        errors = [{"code": "file_not_found", "message": f"input file {b.input_file_id} is gone", "param":
-                   "input_file_id", "line": None}] if data is None else input_errors(data, b.endpoint)
+        if data is None:
+            checked = None
+            errors = [{"code": "file_not_found", "message": f"input file {b.input_file_id} is gone", "param":
+                       "input_file_id", "line": None}]
+        else:  # in a thread: parsing tens of thousands of lines would hold up every other request of this gateway
+            checked = await asyncio.to_thread(check_input, data, b.endpoint)
+            errors = checked.errors
         if b.expired:
             await self._expire(b, ("validating",))
         elif errors:
             await self.store.transition(b.id, ("validating",), "failed", failed_at=_now(),
                                         errors={"object": "list", "data": errors})
         else:
+            await self.store.keep_order(b.id, checked.custom_ids)
             await self.store.transition(b.id, ("validating",), "in_progress", in_progress_at=_now(),
-                                        total=len(request_lines(data)))
+                                        total=len(checked.custom_ids))
 
     async def _process(self, b: Batch) -> None:
         data = await self._input(b)
-        if data is None:  # deleted while the batch ran: what was answered is all there will be
-            await self.store.transition(b.id, ("in_progress",), "finalizing", finalizing_at=_now())
+        if data is None:  # deleted while no replica drove the batch (a restart): that cancels it, as below
+            await self._cancel_for_deleted_input(b)
             return
-        work = Work(b, self.client, self.store, self.window, self.priority, self.chunk)
+        work = self._work(b)
         await work.plan(data)
         outcome = await work.run()
         if outcome == "done":
@@ -130,26 +144,40 @@ class BatchRunner:
         elif outcome == "expired":
             await work.cancel_jobs()
             await self._expire(b, ("in_progress",))
+        elif outcome == "input_deleted":
+            await self._cancel_for_deleted_input(b)
+
+    async def _cancel_for_deleted_input(self, b: Batch) -> None:
+        """A batch whose input is deleted is cancelled, as a cancel request would: the loop then cancels its jobs
+        and writes an error line for every line not answered."""
+        log.info("batch %s: input file %s was deleted; cancelling the batch", b.id, b.input_file_id)
+        await self.store.transition(b.id, ("in_progress",), "cancelling", cancelling_at=_now())
 
     async def _expire(self, b: Batch, allowed: tuple[str, ...]) -> None:
         await self._finalize(b, allowed, "expired", "expired_at")
 
     async def _finalize(self, b: Batch, allowed: tuple[str, ...], status: str, stamp: str) -> None:
-        """Write the output (answers) and error files in input order, then move to the final status."""
+        """Write the output (answers) and error files in input order, then move to the final status. Every line is
+        in one of them: a cancelled or expired batch's unanswered lines get an error line saying so, and the
+        request counts are those of the files."""
         lines = await self.store.lines(b.id)
-        rows = [lines[c] for c in await self._order(b, lines)]
+        order = await self._order(b, lines)
+        unrun = "expired" if status == "expired" else "cancelled"
+        rows = [lines.get(c) or json.dumps(unrun_line(b.id, c, unrun), ensure_ascii=False) for c in order]
         ok = [row for row in rows if is_success(json.loads(row))]
         bad = [row for row in rows if not is_success(json.loads(row))]
         output = await self._write(b, "output", ok)
         error = await self._write(b, "error", bad)
         if await self.store.transition(b.id, allowed, status, output_file_id=output, error_file_id=error,
-                                       **{stamp: _now()}):
+                                       total=len(rows), completed=len(ok), failed=len(bad), **{stamp: _now()}):
             await self.store.forget_work(b.id)
 
     async def _order(self, b: Batch, lines: dict[str, str]) -> list[str]:
-        """custom_ids in the order of the input file; any the file no longer has (it was deleted) at the end."""
-        data = await self._input(b) or b""
-        order = [c for c in (custom_id_of(raw) or f"line-{n}" for n, raw in request_lines(data)) if c in lines]
+        """Every custom_id of the input in order (kept at validation); then any answered line not among them."""
+        order = await self.store.order(b.id)
+        if order is None:  # validated before the order was kept, or never validated: the input, while it exists
+            data = await self._input(b) or b""
+            order = list(dict.fromkeys(c for c in (custom_id_of(raw) for _, raw in request_lines(data)) if c))
         seen = set(order)
         return order + sorted(c for c in lines if c not in seen)
 

@@ -4,6 +4,8 @@ Keys, under the namespace ns:
   {ns}:batch:<id>          hash   the Batch object, one field per attribute (JSON for metadata and errors)
   {ns}:batch:<id>:lines    hash   custom_id -> its output or error line, as JSON; written once per custom_id
   {ns}:batch:<id>:jobs     hash   custom_id -> job id, so a cancel reaches jobs a dead replica submitted
+  {ns}:batch:<id>:order    list   every custom_id of the input in order, kept from validation on: the lines the
+                                  batch accounts for even when its input file is deleted
   {ns}:batch:<id>:lease    string the token of the one gateway replica driving the batch (SET NX PX, renewed)
   {ns}:batches             zset   every batch id by creation time, for listing
   {ns}:batches:active      set    batches not yet in a final state: what a starting gateway resumes
@@ -26,6 +28,7 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 WINDOW_S = 24 * 3600
 JSON_FIELDS = ("metadata", "errors")
 COUNTS = ("total", "completed", "failed")
+ORDER_CHUNK = 1000  # custom_ids per RPUSH
 
 # KEYS: batch hash, active set. ARGV: batch id, allowed current statuses (space separated), new status, "1" when
 # it is final, then field/value pairs. Moves the status only from an allowed one, so a cancel and the runner
@@ -222,9 +225,24 @@ class BatchStore:
         raw = await self.r.hgetall(self.key(batch_id, "jobs"))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
+    async def keep_order(self, batch_id: str, custom_ids: list[str]) -> None:
+        """Before the batch starts: the custom_ids its output and error files must hold, whatever becomes of its
+        input."""
+        key = self.key(batch_id, "order")
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(key)  # a validation redone after a crash writes the list anew
+        for start in range(0, len(custom_ids), ORDER_CHUNK):
+            pipe.rpush(key, *custom_ids[start:start + ORDER_CHUNK])
+        await pipe.execute()
+
+    async def order(self, batch_id: str) -> list[str] | None:
+        """The custom_ids in input order; None for a batch validated before the list was kept."""
+        ids = await self.r.lrange(self.key(batch_id, "order"), 0, -1)
+        return [i.decode() for i in ids] if ids else None
+
     async def forget_work(self, batch_id: str) -> None:
         """Once the output and error files hold every line, the per-line state has served its purpose."""
-        await self.r.delete(self.key(batch_id, "lines"), self.key(batch_id, "jobs"))
+        await self.r.delete(self.key(batch_id, "lines"), self.key(batch_id, "jobs"), self.key(batch_id, "order"))
 
     # -- the lease --------------------------------------------------------------------------------
     async def acquire(self, batch_id: str, token: str, lease_s: float) -> bool:

@@ -3,6 +3,10 @@
 Every line's job carries an idempotency key from the batch id and its custom_id, so a replica resuming a
 batch that another one started reattaches to the jobs already queued or finished instead of running them
 again; lines already answered are not submitted at all.
+
+The window is per model: lines for a model no worker serves yet (an operator's `--model` waiting for its
+autoscaler) fill only that model's window, so they wait without holding up the batch's other lines. A line for a
+model the gateway would answer 404 for is an error line at once.
 """
 from __future__ import annotations
 
@@ -10,19 +14,27 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvgate.producer import AsyncClient, Backpressure, JobLost, KvgateError, PartiallySubmitted
-from kvgate.openai.batch import BatchRequest, answer_line, is_success, plan_line, request_lines
+from kvgate.openai.batch import BatchRequest, answer_line, is_success, plan_line, request_lines, unknown_model_line
 
 from .batch_store import Batch, BatchStore
+from .errors import ApiError
+from .file_store import FileStore
 
 log = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.5  # how often a running batch looks for a cancel or its expiry
 RETRY_S = 1.0  # wait after a refused submit (backpressure, Redis refusing writes)
 SUBMIT_CHUNK = 32  # the SDK checks the backlog before each chunk, so a batch stops at --max-backlog
+
+
+class ModelCheck(Protocol):
+    async def check(self, model: str) -> None:
+        """ApiError (404 model_not_found) for a model the gateway would refuse: the gateway's LiveModels."""
 
 
 @dataclass(slots=True)
@@ -32,12 +44,15 @@ class Work:
     batch: Batch
     client: AsyncClient
     store: BatchStore
-    window: int
+    window: int  # per model
     priority: str
     chunk: int = SUBMIT_CHUNK  # at most max_backlog, so one chunk cannot overshoot it
-    todo: deque[BatchRequest] = field(default_factory=deque)
+    known: ModelCheck | None = None  # None: every model is taken (lines wait for a worker)
+    files: FileStore | None = None  # where the input lives; None: its deletion is not watched
+    todo: dict[str, deque[BatchRequest]] = field(default_factory=dict)  # by the line's model ("" for none)
     pending: dict[asyncio.Task, tuple[BatchRequest, str]] = field(default_factory=dict)
     models: dict[str, str | None] = field(default_factory=dict)
+    refused: dict[str, str | None] = field(default_factory=dict)  # model -> why the gateway refuses it, or None
 
     async def plan(self, data: bytes) -> None:
         """Queue the lines not yet answered; lines that fail on their own are answered with their error now."""
@@ -48,19 +63,37 @@ class Work:
                                                  for n, raw in request_lines(data)])
         rejected = []
         for planned in lines:
-            if isinstance(planned, BatchRequest):
-                if planned.custom_id not in answered:
-                    self.todo.append(planned)
-            elif planned["custom_id"] not in answered:
-                rejected.append((planned["custom_id"], planned, False))
+            if not isinstance(planned, BatchRequest):
+                if planned["custom_id"] not in answered:
+                    rejected.append((planned["custom_id"], planned, False))
+            elif planned.custom_id not in answered:
+                refusal = await self._refusal(planned.submit_args.get("model"))
+                if refusal is not None:
+                    rejected.append((planned.custom_id, unknown_model_line(planned, refusal, b.id), False))
+                else:
+                    self.todo.setdefault(planned.model, deque()).append(planned)
         if rejected:
             await self.store.record_many(b.id, rejected)
 
+    async def _refusal(self, model: str | None) -> str | None:
+        """Why the gateway would answer 404 for the model (asked once per model), or None; a line without a model
+        goes to whatever the fleet serves as its default."""
+        if not model or self.known is None:
+            return None
+        if model not in self.refused:
+            try:
+                await self.known.check(model)
+                self.refused[model] = None
+            except ApiError as e:
+                self.refused[model] = e.message
+        return self.refused[model]
+
     async def run(self) -> str:
-        """Until every line is answered ('done'), or the batch is cancelled or past its window (that status)."""
+        """Until every line is answered ('done'), or the batch is cancelled, past its window or its input file was
+        deleted (that status, 'input_deleted')."""
         checked = 0.0
         try:
-            while self.todo or self.pending:
+            while any(self.todo.values()) or self.pending:
                 if time.monotonic() - checked > CHECK_EVERY_S:
                     checked = time.monotonic()
                     stop = await self._stop_reason()
@@ -85,24 +118,40 @@ class Work:
         status, expires_at = await self.store.status(self.batch.id)
         if status != "in_progress":
             return status or "gone"
-        return "expired" if time.time() >= expires_at else None
+        if time.time() >= expires_at:
+            return "expired"
+        if self.files is not None and await asyncio.to_thread(self.files.get, self.batch.input_file_id) is None:
+            return "input_deleted"
+        return None
+
+    def _take(self) -> list[BatchRequest]:
+        """The next lines to submit: each model's, up to its room in the window."""
+        in_flight = Counter(req.model for req, _ in self.pending.values())
+        chunk: list[BatchRequest] = []
+        for model, todo in self.todo.items():
+            room = self.window - in_flight[model]
+            chunk += [todo.popleft() for _ in range(max(0, min(room, len(todo))))]
+        return chunk
+
+    def _put_back(self, reqs: list[BatchRequest]) -> None:
+        for req in reversed(reqs):
+            self.todo[req.model].appendleft(req)
 
     async def _submit(self) -> None:
-        room = self.window - len(self.pending)
-        if room <= 0 or not self.todo:
+        chunk = self._take()
+        if not chunk:
             return
-        chunk = [self.todo.popleft() for _ in range(min(room, len(self.todo)))]
         try:
             handles = await self.client.submit_many([r.submit_args for r in chunk], chunk_size=self.chunk)
         except PartiallySubmitted as e:
             handles = e.handles
         except (Backpressure, KvgateError) as e:  # the queue is full or Redis refuses: keep what we have, retry
             log.info("batch %s: submit deferred: %s", self.batch.id, e)
-            self.todo.extendleft(reversed(chunk))
+            self._put_back(chunk)
             if not self.pending:
                 await asyncio.sleep(RETRY_S)
             return
-        self.todo.extendleft(reversed(chunk[len(handles):]))  # none, unless the SDK returned fewer handles
+        self._put_back(chunk[len(handles):])  # none, unless the SDK returned fewer handles
         await self.store.remember_jobs(self.batch.id, {r.custom_id: h.job_id for r, h in zip(chunk, handles)})
         for req, handle in zip(chunk, handles):
             self.pending[asyncio.ensure_future(handle.result())] = (req, handle.job_id)
@@ -117,7 +166,7 @@ class Work:
             try:
                 result = task.result()
             except JobLost:  # Redis lost it: the same idempotency key enqueues it anew
-                self.todo.append(req)
+                self.todo[req.model].append(req)
                 continue
             row = answer_line(req, result, result.model or await self._served_by(result.worker))
             answers.append((req.custom_id, row, is_success(row)))

@@ -65,7 +65,8 @@ class GatewaySettings(BaseSettings):
                                      "$XDG_DATA_HOME/kvgate/files or ~/.local/share/kvgate/files")
     max_file_bytes: int = _s(200 * 1024 * 1024, "largest upload to /v1/files, in bytes (OpenAI's batch limit)",
                              "--max-file-size", ge=1)
-    batch_window: int = _s(256, "jobs of one batch queued or running at a time: batches never flood the fleet", ge=1)
+    batch_window: int = _s(256, "jobs of one batch queued or running at a time, per model: batches never flood the "
+                                "fleet", ge=1)
     batch_priority: Literal["high", "normal", "low"] = _s("low", "queue for batch jobs, so interactive requests go "
                                                                  "first")
     batch_lease_s: float = _s(30.0, "seconds after which another replica resumes the batches of a replica that died",

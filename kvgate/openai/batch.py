@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvgate.openai.json_body import BadJson, parse_json
 from kvgate.openai.shapes import BadLogprobs, choice, requested_logprobs
 from kvgate.producer import protocol as wire
@@ -103,18 +105,60 @@ def file_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
-def duplicate_custom_id(lines: list[str]) -> str | None:
-    """OpenAI refuses a batch file whose custom_ids repeat; the message names the first repeated id and its lines."""
-    where: dict[str, list[int]] = {}
-    for line_no, raw in enumerate(lines, start=1):
-        custom_id = custom_id_of(raw)
-        if custom_id is not None:
-            where.setdefault(custom_id, []).append(line_no)
+@dataclass(slots=True, frozen=True)
+class FileProblem:
+    """What makes a whole batch file unusable, in the shape of OpenAI's `errors.data` entries."""
+
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = "custom_id"
+
+
+def file_problems(lines: list[tuple[int, str]], endpoint: str | None = None) -> list[FileProblem]:
+    """Why the file must be refused before anything runs, as OpenAI refuses it; empty when it may run. Every line of a
+    file that passes is a JSON object with its own non-empty string custom_id, so no line's answer or error can take
+    another line's place: a line is never named by its number. custom_ids are compared as JSON values of any type
+    (7 twice is a repeat, 7 and "7" are not). `endpoint`: the batch's, which every line's url must be (the gateway's
+    /v1/batches; `kvgate batch` takes both endpoints in one file)."""
+    problems, where = [], {}
+    for n, raw in lines:
+        try:
+            data = parse_json(raw)
+        except BadJson as e:
+            problems.append(FileProblem("invalid_json", f"line {n} is not JSON ({e}); every line of a batch file is "
+                                                        "one JSON request with a custom_id", n, None))
+            continue
+        if not isinstance(data, dict):
+            problems.append(FileProblem("invalid_json", f"line {n} is a JSON {type(data).__name__}, not an object "
+                                                        "with a custom_id", n, None))
+            continue
+        custom_id = data.get("custom_id")
+        if custom_id is None:
+            problems.append(FileProblem("missing_custom_id", f"line {n} has no custom_id; every request of a batch "
+                                                             "needs its own, to find its answer by", n))
+        else:
+            where.setdefault(msgspec.json.encode(custom_id, order="sorted"), []).append(n)
+            if not isinstance(custom_id, str) or not custom_id:
+                problems.append(FileProblem("invalid_custom_id", f"line {n}: custom_id {_shown(custom_id)} must be a "
+                                                                 "non-empty string", n))
+        url = data.get("url")
+        if endpoint is not None and isinstance(url, str) and url != endpoint:
+            problems.append(FileProblem("mismatched_endpoint", f"line {n}: url {url!r} differs from the batch's "
+                                                               f"endpoint {endpoint!r}; every line of a batch must "
+                                                               "use its endpoint", n, "url"))
     for custom_id, line_nos in where.items():
         if len(line_nos) > 1:
-            return (f"custom_id {custom_id!r} appears on lines {', '.join(map(str, line_nos))}; every custom_id in "
-                    f"a batch file must be unique: rename the repeats and run again")
-    return None
+            problems.append(FileProblem("duplicate_custom_id", f"custom_id {custom_id.decode()} appears on lines "
+                                                               f"{', '.join(map(str, line_nos))}; every custom_id in a "
+                                                               "batch file must be unique: rename the repeats and run "
+                                                               "again", line_nos[1]))
+    return problems
+
+
+def _shown(value: Any) -> str:
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def custom_id_of(raw: str) -> str | None:
@@ -166,18 +210,39 @@ def invalid_request_line(req: BatchRequest, err: InvalidRequest, digest: str) ->
 
 def plan_line(line_no: int, raw: str, seed: str, priority: str, keys: Keys,
               client_id: str) -> BatchRequest | dict[str, Any]:
-    """One input line as a request ready to submit, or its error line: the one per-line check `kvgate batch` and
-    the gateway's /v1/batches share. `seed` makes the idempotency keys (the file digest, or the batch id)."""
+    """One input line of a file that passed file_problems as a request ready to submit, or its error line: the one
+    per-line check `kvgate batch` and the gateway's /v1/batches share. `seed` makes the idempotency keys (the file
+    digest, or the batch id)."""
+    custom_id = custom_id_of(raw)
+    if custom_id is None:  # file_problems refuses such a file; naming the line here could take a real custom_id
+        raise ValueError(f"line {line_no} has no usable custom_id: check the file with file_problems first")
     try:
         req = parse_line(line_no, raw, seed)
     except BadLine as e:
-        return error_line(line_id(seed, line_no), custom_id_of(raw) or f"line-{line_no}", e.code, str(e))
+        return error_line(line_id(seed, line_no), custom_id, e.code, str(e))
     req.submit_args.setdefault("priority", priority)
     try:
         prepare(req.submit_args, keys, client_id)  # every check submit would make
     except InvalidRequest as e:
         return invalid_request_line(req, e, seed)
     return req
+
+
+def unknown_model_line(req: BatchRequest, message: str, seed: str) -> dict[str, Any]:
+    """A line for a model nobody serves, knows or allows: OpenAI's model_not_found, not a job that waits forever."""
+    return error_line(line_id(seed, req.line_no), req.custom_id, "model_not_found", f"line {req.line_no}: {message}")
+
+
+UNRUN = {"cancelled": ("batch_cancelled", "the batch was cancelled (a cancel request, or its input file was deleted) "
+                                          "before this request was answered"),
+         "expired": ("batch_expired", "this request could not be executed before the completion window expired")}
+
+
+def unrun_line(seed: str, custom_id: str, status: str) -> dict[str, Any]:
+    """The error line of a request a cancelled or expired batch never answered, so the batch accounts for every line."""
+    code, message = UNRUN[status]
+    row_id = "batch_req_" + hashlib.sha256(f"{seed}\n{custom_id}\nunrun".encode()).hexdigest()[:24]
+    return error_line(row_id, custom_id, code, message)
 
 
 def answer_line(req: BatchRequest, result: Result, model: str | None = None) -> dict[str, Any]:

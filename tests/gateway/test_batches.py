@@ -104,6 +104,9 @@ def test_a_cancelled_batch_stops_with_a_partial_output_and_its_counts(client, si
     assert counts.total == 120 and 1 <= counts.completed < 120
     out = rows_of(client.files.content(done.output_file_id).content)
     assert len(out) == counts.completed and len({r["custom_id"] for r in out}) == len(out)
+    unrun = rows_of(client.files.content(done.error_file_id).content)  # every other line, once
+    assert sorted(r["custom_id"] for r in out + unrun) == sorted(r["custom_id"] for r in rows)
+    assert {r["error"]["code"] for r in unrun} == {"batch_cancelled"} and counts.failed == len(unrun)
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(wait_final(client.batches.retrieve, client.batches.create(
             input_file_id=upload(client, [request(0)]).id, endpoint="/v1/chat/completions",
@@ -179,6 +182,9 @@ def test_a_batch_past_its_window_ends_expired_with_what_was_answered(client, sim
     assert done.status == "expired" and done.expired_at and done.completed_at is None
     out = rows_of(client.files.content(done.output_file_id).content)
     assert 1 <= len(out) == done.request_counts.completed < 120
+    unrun = rows_of(client.files.content(done.error_file_id).content)  # every other line, once
+    assert sorted(r["custom_id"] for r in out + unrun) == sorted(r["custom_id"] for r in rows)
+    assert {r["error"]["code"] for r in unrun} == {"batch_expired"} and done.request_counts.failed == len(unrun)
 
 
 def test_a_batch_waits_out_a_full_queue_instead_of_failing_lines(shared_redis, namespace, gateway_factory, tmp_path):

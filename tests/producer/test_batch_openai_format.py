@@ -55,12 +55,12 @@ def _rows(out):
 
 MIXED = [
     _chat("ok-1", "hello"),
-    "{not json",
+    {"custom_id": "no-body", "method": "POST", "url": "/v1/completions"},
     {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
     _chat("hot", "x", temperature=-3),
     {"custom_id": "ok-2", "method": "POST", "url": "/v1/completions",
      "body": {"model": "gpt-4o-mini", "prompt": "once upon", "max_tokens": 4}},
-    {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no custom id"}},
+    {**_chat("get", "x"), "method": "GET"},
 ]
 
 
@@ -72,7 +72,7 @@ def test_every_output_line_has_its_own_id_and_failed_lines_have_a_null_response(
     assert len({r["id"] for r in rows}) == len(rows), [r["id"] for r in rows]
     assert all(r["id"].startswith("batch_req_") and r["id"] != "batch_req_none" for r in rows)
     by_id = {r["custom_id"]: r for r in rows}
-    for failed in ("line-2", "emb", "hot", "line-6"):
+    for failed in ("no-body", "emb", "hot", "get"):
         assert by_id[failed]["response"] is None
         assert set(by_id[failed]["error"]) == {"code", "message"} and by_id[failed]["error"]["message"]
     for ok in ("ok-1", "ok-2"):
@@ -132,15 +132,25 @@ def test_logprobs_lines_are_answered_in_the_gateways_shapes_and_bad_counts_fail_
     assert rows["too-many"]["response"] is None and "body.top_logprobs" in rows["too-many"]["error"]["message"]
 
 
-def test_duplicate_custom_ids_refuse_the_file_before_anything_is_submitted(sim_fleet, tmp_path, capsys):
+@pytest.mark.parametrize("rows, says", [
+    ([_chat("a", "one"), _chat("b", "two"), _chat("a", "three"), _chat("b", "four")],
+     ['custom_id "a" appears on lines 1, 3', 'custom_id "b" appears on lines 2, 4']),
+    ([_chat("a", "one"), "{not json", [1]], ["line 2 is not JSON", "line 3 is a JSON list, not an object"]),
+    ([_chat("a", "one"), {k: v for k, v in _chat("b", "two").items() if k != "custom_id"}, _chat(7, "three")],
+     ["line 2 has no custom_id", "line 3: custom_id 7 must be a non-empty string"]),
+], ids=["duplicates", "not-json", "no-custom-id"])
+def test_a_file_whose_lines_lack_their_own_custom_id_is_refused_before_anything_is_submitted(
+        sim_fleet, tmp_path, capsys, rows, says):
+    """A line named by its number (`line-2`) could take a real custom_id's place, so such a file is refused, as
+    /v1/batches fails it; the message lists every problem, one a line."""
     url, ns, r = sim_fleet
-    src = _write(tmp_path, [_chat("a", "one"), _chat("b", "two"), _chat("a", "three"), _chat("b", "four")])
+    src = _write(tmp_path, rows)
     out = tmp_path / "out.jsonl"
     before = r.xlen(Keys(ns).jobs(None, "low"))
     assert _batch(sim_fleet, src, out) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err
-    assert "custom_id 'a' appears on lines 1, 3" in err and "unique" in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "nothing was submitted" in err[0] and len(err) == 1 + len(says)
+    assert all(want in line for want, line in zip(says, err[1:])), err
     assert not out.exists()
     assert r.xlen(Keys(ns).jobs(None, "low")) == before
 

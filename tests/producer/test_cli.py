@@ -109,7 +109,7 @@ def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_u
     src = _lines(tmp_path, [
         _chat("a", "first", max_tokens=8),
         {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "second"}},
-        "{not json",
+        {"custom_id": "no-body", "method": "POST", "url": "/v1/completions"},
         _chat("c", "hot", temperature=-3),
         _chat("d", "x", response_format={"type": "json"}),
         {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
@@ -124,7 +124,7 @@ def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_u
     assert a["response"]["body"]["choices"][0]["message"]["content"] == "echo: first"
     assert a["response"]["body"]["usage"]["total_tokens"] == 5
     assert b["response"]["body"]["choices"][0]["text"] == "echo: second"
-    assert rows["line-3"]["error"]["code"] == "invalid_json"
+    assert rows["no-body"]["error"]["code"] == "invalid_request"
     assert rows["c"]["error"]["code"] == "invalid_request" and "temperature" in rows["c"]["error"]["message"]
     assert rows["d"]["error"]["code"] == "unsupported_parameter" and "response_format" in rows["d"]["error"]["message"]
     assert rows["e"]["error"]["code"] == "invalid_url"
