@@ -141,10 +141,10 @@ class SubmitRequest(_PromptAndSampling):
         return wire.Sampling(**{name: value for name, value in given.items() if value is not None})  # None: default
 
     def digest(self) -> str:
-        """What makes two submits 'the same request' for idempotency: the body, not its timing or key."""
-        # a request without a tenant digests as it did before tenants existed
-        body = self.model_dump(exclude={"idempotency_key", "deadline", "prefix_key"} |
-                               ({"tenant"} if self.tenant is None else set()), mode="json")
+        """What makes two submits 'the same request' for idempotency: the body, not its timing, key or tenant (who
+        sent it: a batch line resubmitted with its tenant by an upgraded gateway replica reattaches to the job a
+        replica from before tenants submitted, and every digest stays what it was before tenants existed)."""
+        body = self.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant"}, mode="json")
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:32]
 
 

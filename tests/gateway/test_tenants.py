@@ -244,3 +244,12 @@ def test_each_namespace_has_a_folder_of_its_own_inside_the_files_directory(tmp_p
     folder = namespace_dir(tmp_path, ns)
     assert folder.parent == tmp_path and folder.name not in (".", "..") and "/" not in folder.name
     assert folder != namespace_dir(tmp_path, ns + "x")
+
+
+def test_the_tenant_is_not_part_of_what_makes_two_submits_the_same_request():
+    """A batch line resubmitted with its tenant (a replica upgraded mid-batch) reattaches to the job submitted
+    without one, instead of failing on an idempotency conflict."""
+    from kvgate.producer.request import validate_request
+
+    same = {"prompt": "x", "idempotency_key": "batch_1-req-1"}
+    assert validate_request(same).digest() == validate_request({**same, "tenant": "team-a"}).digest()
