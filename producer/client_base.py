@@ -21,7 +21,7 @@ from .idempotency import owner_tag
 from .job_status import job_status
 from .lane_count import LaneCount
 from .mailbox import ReplyRouter
-from .protocol import Keys, decode_final
+from .protocol import Keys, check_tenant_name, decode_final
 from .queue_stats import backlog, queue_stats
 from .redis_url import FAILOVER_BUDGET_S, Durability
 from .request import plain_messages
@@ -53,10 +53,12 @@ class ClientBase:
     def __init__(self, redis_url: str | None = None, namespace: str = "kvgate", *, max_backlog: int | None = None,
                  backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
                  reply_ttl_s: int = 3600, durability: Literal["primary", "replicated"] = "primary",
-                 replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S):
+                 replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S,
+                 tenant: str | None = None):
         """durability="replicated": submit returns once a replica holds the job (WAIT 1 replica_timeout_ms), and a
         submit interrupted by a failover is sent again, to the new primary, for up to failover_budget_s (see
-        RELIABILITY.md, Failover)."""
+        RELIABILITY.md, Failover). tenant: recorded on every job this client submits that names none itself."""
+        self.tenant = None if tenant is None else check_tenant_name(tenant)
         self.url = resolve_url(redis_url)
         self.durability = Durability(durability, 1, replica_timeout_ms)
         self._failover_budget_s = failover_budget_s
@@ -80,8 +82,8 @@ class ClientBase:
         """Validate every request (InvalidRequest names requests[i].field), then enqueue them in chunks, each one
         MULTI/EXEC; PartiallySubmitted when a later chunk is refused."""
         lanes = yield from self._lanes()
-        prepared = [prepare(plain_messages(r), self.keys, self.client_id, where=f"requests[{i}].", lanes=lanes)
-                    for i, r in enumerate(requests)]
+        prepared = [prepare(self._own(plain_messages(r)), self.keys, self.client_id, where=f"requests[{i}].",
+                            lanes=lanes) for i, r in enumerate(requests)]
         handles: list = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
             for start in range(0, len(prepared), chunk_size):
@@ -95,8 +97,15 @@ class ClientBase:
         return handles
 
     def _submit(self, args: dict[str, Any]) -> Steps:
-        prepared = prepare(args, self.keys, self.client_id, lanes=(yield from self._lanes()))
+        prepared = prepare(self._own(args), self.keys, self.client_id, lanes=(yield from self._lanes()))
         return (yield from self._enqueue([prepared]))[0]
+
+    def _own(self, args: Any) -> Any:
+        """A submit's arguments with this client's tenant, unless they name one (or are not a dict: validation
+        names that)."""
+        if self.tenant is None or not isinstance(args, dict) or args.get("tenant") is not None:
+            return args
+        return {**args, "tenant": self.tenant}
 
     def _enqueue(self, prepared: list[Prepared]) -> Steps:
         yield from self._admit()

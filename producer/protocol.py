@@ -24,6 +24,9 @@ from .urls import split_url
 # bump: a job that does not use them encodes as before (omit_defaults), and readers of events ignore fields they
 # do not know. A worker from before them keeps forbid_unknown_fields on Sampling, so a job that asks for them
 # gets an error result naming the field from it instead of an answer that silently lacks them.
+# Job's `tenant` came the same way: a job without one encodes as before, so new workers serve old producers' jobs;
+# a worker from before it answers a job that carries one with an error result naming the field: upgrade workers
+# before the gateways and producers that set it.
 PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 JOB_VERSION = 1
@@ -40,6 +43,10 @@ MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with
 PRIORITIES = ("high", "normal", "low")  # read in this order
 DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
 MAX_MODEL_NAME_CHARS = 128
+# A tenant names who submitted a job (the gateway's API key maps to one): short, and safe as a metric label, a
+# Redis key part (no braces: Cluster hash tags) and a folder name.
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+DEFAULT_TENANT = "default"  # the tenant of a bare API key and of an open gateway's callers
 
 Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
@@ -104,6 +111,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     idempotency_key: str | None = None
     metadata: dict[str, str] | None = None
     model: str | None = None  # None: the `default` model's stream; a worker serves it unless serve_default=False
+    tenant: str | None = None  # who submitted it (the gateway: its API key's tenant); None: a producer that names none
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -246,6 +254,14 @@ def check_model_name(name: object) -> str:
     return name
 
 
+def check_tenant_name(name: object) -> str:
+    if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:77] + "...")
+        raise ProtocolError(f"tenant {shown} must be 1 to 64 letters, digits, '.', '_' or '-', starting with a "
+                            "letter or digit (for example 'team-a')")
+    return name
+
+
 def validate_job(job: Job) -> None:
     given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(job, name) is not None]
     if len(given) != 1:
@@ -270,6 +286,8 @@ def validate_job(job: Job) -> None:
             raise ProtocolError(f"{name}={value!r} must be a finite number of unix seconds")
     if job.model is not None:
         check_model_name(job.model)
+    if job.tenant is not None:
+        check_tenant_name(job.tenant)
     validate_sampling(job.sampling)
 
 

@@ -64,6 +64,13 @@ def _model_name(name: str) -> str:
         raise ValueError(str(e).removeprefix(f"model name {name!r} ")) from None
 
 
+def _tenant_name(name: str) -> str:
+    try:
+        return wire.check_tenant_name(name)
+    except wire.ProtocolError as e:
+        raise ValueError(str(e).removeprefix(f"tenant {name!r} ")) from None
+
+
 def _idempotency_key(key: str) -> str:
     if not key.isprintable() or any(c.isspace() for c in key):
         raise ValueError("must be printable with no whitespace")
@@ -128,14 +135,17 @@ class SubmitRequest(_PromptAndSampling):
     model: Annotated[str, AfterValidator(_model_name)] | None = None  # None: the `default` model
     metadata: Annotated[dict[Annotated[Text, Field(max_length=256)], Text],
                         AfterValidator(_metadata_size)] | None = None
+    tenant: Annotated[str, AfterValidator(_tenant_name)] | None = None  # None: the client's own, if it has one
 
     def sampling(self) -> wire.Sampling:
         given = {s.name: getattr(self, s.name) for s in wire.SAMPLING_FIELDS}
         return wire.Sampling(**{name: value for name, value in given.items() if value is not None})  # None: default
 
     def digest(self) -> str:
-        """What makes two submits 'the same request' for idempotency: the body, not its timing or key."""
-        body = self.model_dump(exclude={"idempotency_key", "deadline", "prefix_key"}, mode="json")
+        """What makes two submits 'the same request' for idempotency: the body, not its timing, key or tenant (who
+        sent it: a batch line resubmitted with its tenant by an upgraded gateway replica reattaches to the job a
+        replica from before tenants submitted, and every digest stays what it was before tenants existed)."""
+        body = self.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant"}, mode="json")
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:32]
 
 
@@ -242,7 +252,8 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
     job = wire.Job(v=wire.JOB_VERSION, job_id=job_id or new_job_id(), client_id=client_id, enqueued_at=now,
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
                    sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
-                   idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model)
+                   idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model,
+                   tenant=req.tenant)
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

@@ -21,7 +21,7 @@ class Answers:
         t = ended.ticket
         final = final_of(ended, worker=self.worker_id, model=self.model, finished_at=time.time())
         self.publisher.finish(Finish(final, t.job.client_id, t.stream, t.entry_id, ended.dead_reason,
-                                     t.payload if ended.dead_reason else b""))
+                                     t.payload if ended.dead_reason else b"", tenant=t.job.tenant))
         if ended.dead_reason:
             self.metrics.on_dead_letter("max_deliveries")
 
@@ -53,7 +53,7 @@ class Answers:
             self.jobs_done += 1
             self.acked.add(finish.stream)
             if fresh:
-                observe_finished(self.metrics, finish.final)
+                observe_finished(self.metrics, finish.final, finish.tenant)
         for finish, reason in settled.failed_finishes:
             if self.publisher.dead_letter_finish(finish, reason):
                 self.metrics.on_dead_letter("publish")

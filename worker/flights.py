@@ -68,14 +68,14 @@ def final_of(ended: Ended, *, worker: str, model: str, finished_at: float) -> Fi
     return final
 
 
-def observe_finished(metrics: Any, final: Final) -> None:
-    """A job's figures, once its final has answered the client."""
+def observe_finished(metrics: Any, final: Final, tenant: str | None = None) -> None:
+    """A job's figures, once its final has answered the client; `tenant`: the job's, where it named one."""
     t = final.timings
     tpot = None
     if t.first_token and final.usage.completion_tokens > 1:
         tpot = (t.finished - t.first_token) / (final.usage.completion_tokens - 1)
     metrics.on_finished(final.status, max(0.0, t.finished - t.queued), tpot, final.usage.prompt_tokens,
-                        final.usage.completion_tokens, final.usage.cached_tokens)
+                        final.usage.completion_tokens, final.usage.cached_tokens, tenant=tenant)
 
 
 class IdsOnly:

@@ -20,6 +20,10 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
 LABELS = ("worker", "model")
+# Producers name tenants (the gateway: one per API key's tenant), so a worker labels at most this many distinct ones
+# and counts the jobs of any further tenant under OTHER_TENANTS: a label's values must stay few.
+MAX_TENANT_LABELS = 32
+NO_TENANT, OTHER_TENANTS = "_none", "_other"  # no tenant name starts with '_' (protocol.TENANT_NAME)
 
 
 class StepStats(Protocol):
@@ -56,6 +60,22 @@ class _Seen:
     prefix_query: _Cumulative = field(default_factory=_Cumulative)
     prompt: _Cumulative = field(default_factory=_Cumulative)
     generation: _Cumulative = field(default_factory=_Cumulative)
+
+
+@dataclass(slots=True)
+class TenantLabels:
+    """The tenant label of a job: its tenant while fewer than `limit` have been labelled, else OTHER_TENANTS."""
+
+    limit: int = MAX_TENANT_LABELS
+    seen: set[str] = field(default_factory=set)
+
+    def of(self, tenant: str | None) -> str:
+        if tenant is None:
+            return NO_TENANT
+        if tenant not in self.seen and len(self.seen) >= self.limit:
+            return OTHER_TENANTS
+        self.seen.add(tenant)
+        return tenant
 
 
 class WorkerMetrics:
@@ -107,6 +127,13 @@ class WorkerMetrics:
                              (*LABELS, "reason"), registry=r)
         for status in ("done", "error", "expired", "cancelled"):  # so rate() works before the first of each
             self._finished.labels(**self.labels, status=status)
+        self._tenants = TenantLabels()
+        self._tenant_finished = Counter("kvgate_tenant_jobs_finished", "Jobs answered with a final event, by tenant "
+                                        f"(at most {MAX_TENANT_LABELS} per worker, then '{OTHER_TENANTS}') and status",
+                                        (*LABELS, "tenant", "status"), registry=r)
+        self._tenant_tokens = Counter("kvgate_tenant_generation_tokens", "Completion tokens of finished jobs, by "
+                                      "tenant (bounded as kvgate_tenant_jobs_finished)", (*LABELS, "tenant"),
+                                      registry=r)
 
     # --- hooks the worker calls ---
 
@@ -135,8 +162,11 @@ class WorkerMetrics:
         self.ttft.observe(max(0.0, ttft_s))
 
     def on_finished(self, status: str, e2e_s: float, tpot_s: float | None, prompt_tokens: int,
-                    completion_tokens: int, cached_tokens: int) -> None:
+                    completion_tokens: int, cached_tokens: int, tenant: str | None = None) -> None:
         self._finished.labels(**self.labels, status=status).inc()
+        label = self._tenants.of(tenant)
+        self._tenant_finished.labels(**self.labels, tenant=label, status=status).inc()
+        self._tenant_tokens.labels(**self.labels, tenant=label).inc(max(0, completion_tokens))
         self.e2e.observe(max(0.0, e2e_s))
         if tpot_s is not None:
             self.tpot.observe(max(0.0, tpot_s))

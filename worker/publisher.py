@@ -66,6 +66,7 @@ class Finish:
     entry_id: str
     dead_reason: str = ""
     job_payload: bytes = b""
+    tenant: str | None = None  # the job's, for the metrics; None: it named none, or could not be decoded
 
     @property
     def key(self) -> str:

@@ -29,6 +29,11 @@ def joined(field: FieldInfo) -> bool:
     return bool(_extra(field).get("joined"))
 
 
+def secret(field: FieldInfo) -> bool:
+    """A value no message shows (the gateway's API keys)."""
+    return bool(_extra(field).get("secret"))
+
+
 def choices_of(field: FieldInfo) -> tuple[str, ...] | None:
     if typing.get_origin(field.annotation) is typing.Literal:
         return typing.get_args(field.annotation)
@@ -94,17 +99,20 @@ def explain(error: ValidationError, model: type[BaseModel], given: dict[str, Any
     for e in error.errors():
         name = str(e["loc"][0]) if e["loc"] else ""
         field = model.model_fields.get(name)
-        if name in given and field is not None:
-            source = f"{flags_of(name, field)[0]} {given[name]!r}"
+        shown = (lambda value: "***") if field is not None and secret(field) else repr
+        if not name:  # a check of several settings together: its message names them
+            source = ""
+        elif name in given and field is not None:
+            source = f"{flags_of(name, field)[0]} {shown(given[name])}"
         elif f"{ENV_PREFIX}{name.upper()}" in os.environ:
-            source = f"{ENV_PREFIX}{name.upper()}={os.environ[ENV_PREFIX + name.upper()]!r}"
+            source = f"{ENV_PREFIX}{name.upper()}={shown(os.environ[ENV_PREFIX + name.upper()])}"
         else:
-            source = f"{name}={e.get('input')!r}"
+            source = f"{name}={shown(e.get('input'))}"
         message = e["msg"].removeprefix("Value error, ")
         choices = choices_of(field) if field is not None else None
         if choices:
             message = f"not allowed; allowed values: {', '.join(choices)}"
-        problems.append(f"{source}: {message[0].lower()}{message[1:]}")
+        problems.append(f"{source}: {message[0].lower()}{message[1:]}" if source else message)
     return "; ".join(problems)
 
 

@@ -35,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     settings = settings_from(args)
-    keys = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "open (no API key)"
+    table = settings.api_key_table()
+    keys = "open (no API key)" if table.open else (f"{len(table.tenants)} API key(s) of {table.tenant_count()} "
+                                                   f"tenant(s), {len(table.admins)} admin key(s)")
     print(f"kvgate serve: http://{settings.host}:{settings.port}/v1 -> namespace {settings.namespace!r}, {keys}",
           flush=True)
     # uvicorn drains on SIGTERM, then re-raises it to the handler it found: make that one a no-op so a graceful

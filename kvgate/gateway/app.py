@@ -15,12 +15,12 @@ from starlette.routing import Route
 from kvgate.producer import AsyncClient, AsyncJobHandle, KvgateError, Result
 
 from . import sse
-from .auth import authorize
+from .auth import Caller
 from .batch_runner import BatchRunner
 from .batch_store import BatchStore
 from .batches import BatchesApi
 from .errors import ApiError, api_error_handler, from_sdk, http_error_handler, unexpected_error_handler
-from .file_store import LocalFileStore, default_files_dir
+from .file_store import LocalFileStore, default_files_dir, namespace_dir
 from .files import FilesApi
 from .models import LiveModels, model_object
 from .request_body import read_json as _body
@@ -51,7 +51,9 @@ class Gateway:
         self.client: AsyncClient | None = None
         self.models: LiveModels | None = None
         self._cancelling: set[asyncio.Task] = set()
-        self.files = FilesApi(settings, LocalFileStore(settings.files_dir or default_files_dir()))
+        self.keys = settings.api_key_table()
+        files_dir = namespace_dir(settings.files_dir or default_files_dir(), settings.namespace)
+        self.files = FilesApi(settings, LocalFileStore(files_dir), self.keys)
         self.batches = BatchesApi(settings, self.files)
 
     @contextlib.asynccontextmanager
@@ -81,10 +83,10 @@ class Gateway:
         return await self.complete(request, "completion")
 
     async def complete(self, request: Request, kind: Kind) -> Response:
-        authorize(request, self.settings.api_keys)
+        caller = self.keys.caller(request)
         p = plan(kind, await _body(request), self.settings)
         await self.models.check(p.model)
-        handles = await self.submit(p)
+        handles = await self.submit(p, caller)
         reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}",
                       served=await self.models.served_as(p.model))
         headers = {"x-request-id": handles[0].job_id}
@@ -99,12 +101,12 @@ class Gateway:
         return json_response(reply.body(results), headers=headers)
 
     async def list_models(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
+        self.keys.caller(request)
         models = await self.models.get()
         return json_response({"object": "list", "data": [model_object(m) for _, m in sorted(models.items())]})
 
     async def get_model(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
+        self.keys.caller(request)
         name = request.path_params["model"]
         model = (await self.models.get()).get(name)
         if model is None:
@@ -120,9 +122,10 @@ class Gateway:
         return json_response({"status": "ok"})
 
     # -- jobs -------------------------------------------------------------------------------------
-    async def submit(self, p: Plan) -> list[AsyncJobHandle]:
+    async def submit(self, p: Plan, caller: Caller) -> list[AsyncJobHandle]:
+        """Enqueue the plan's jobs as the caller's tenant's."""
         try:
-            return await self.client.submit_many(p.submits, progress=False)
+            return await self.client.submit_many([{**s, "tenant": caller.tenant} for s in p.submits], progress=False)
         except KvgateError as e:
             raise from_sdk(e, p.names, self.settings.retry_after_s) from None
 

@@ -186,7 +186,7 @@ class BatchRunner:
             return None
         data = ("\n".join(rows) + "\n").encode()
         obj = await asyncio.to_thread(self.files.put, data, f"{b.id}_{kind}.jsonl", "batch_output",
-                                      result_file_id(b.id, kind))
+                                      result_file_id(b.id, kind), tenant=b.tenant)
         return obj.id
 
     async def _input(self, b: Batch) -> bytes | None:

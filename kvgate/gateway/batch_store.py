@@ -7,7 +7,8 @@ Keys, under the namespace ns:
   {ns}:batch:<id>:order    list   every custom_id of the input in order, kept from validation on: the lines the
                                   batch accounts for even when its input file is deleted
   {ns}:batch:<id>:lease    string the token of the one gateway replica driving the batch (SET NX PX, renewed)
-  {ns}:batches             zset   every batch id by creation time, for listing
+  {ns}:batches             zset   every batch id by creation time, for listing (an admin key's list)
+  {ns}:batches:tenant:<t>  zset   tenant t's batch ids by creation time, for listing (its keys' list)
   {ns}:batches:active      set    batches not yet in a final state: what a starting gateway resumes
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from kvgate.producer.cluster import run_script
+from kvgate.producer.protocol import DEFAULT_TENANT
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -97,9 +99,10 @@ class Batch:
     total: int = 0
     completed: int = 0
     failed: int = 0
+    tenant: str = DEFAULT_TENANT  # its input file's owner; kept, not shown. Batches from before tenants: default
 
     def body(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in COUNTS}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in (*COUNTS, "tenant")}
         out["request_counts"] = {"total": self.total, "completed": self.completed, "failed": self.failed}
         return out
 
@@ -122,7 +125,7 @@ def decode_batch(raw: dict[bytes, bytes]) -> Batch:
         if name in JSON_FIELDS:
             values[name] = json.loads(text)
         elif name in ("id", "endpoint", "input_file_id", "status", "completion_window", "object",
-                      "output_file_id", "error_file_id"):
+                      "output_file_id", "error_file_id", "tenant"):
             values[name] = text
         else:
             values[name] = int(text)
@@ -146,6 +149,9 @@ class BatchStore:
     def index(self) -> str:
         return f"{self.ns}:batches"
 
+    def tenant_index(self, tenant: str) -> str:
+        return f"{self.ns}:batches:tenant:{tenant}"
+
     @property
     def active_set(self) -> str:
         return f"{self.ns}:batches:active"
@@ -153,10 +159,12 @@ class BatchStore:
     # -- batch objects ----------------------------------------------------------------------------
     async def create(self, batch: Batch) -> None:
         values = {k: v for k, v in batch.body().items() if k != "request_counts"}
-        values |= {"total": 0, "completed": 0, "failed": 0}
+        values |= {"total": 0, "completed": 0, "failed": 0, "tenant": batch.tenant}
         pipe = self.r.pipeline(transaction=True)
+        now = time.time()
         pipe.hset(self.key(batch.id), mapping=encode_fields(values))
-        pipe.zadd(self.index, {batch.id: time.time()})
+        pipe.zadd(self.index, {batch.id: now})
+        pipe.zadd(self.tenant_index(batch.tenant), {batch.id: now})
         pipe.sadd(self.active_set, batch.id)
         await pipe.execute()
 
@@ -180,15 +188,16 @@ class BatchStore:
     async def set(self, batch_id: str, **values: Any) -> None:
         await self.r.hset(self.key(batch_id), mapping=encode_fields(values))
 
-    async def page(self, limit: int, after: str | None) -> tuple[list[Batch], bool]:
-        """Newest first; `after` is the last id of the previous page, as OpenAI's cursor pagination has it."""
-        start = 0
+    async def page(self, limit: int, after: str | None, tenant: str | None = None) -> tuple[list[Batch], bool]:
+        """Newest first, one tenant's (None: every tenant's); `after` is the last id of the previous page, as
+        OpenAI's cursor pagination has it."""
+        index, start = self.index if tenant is None else self.tenant_index(tenant), 0
         if after is not None:
-            rank = await self.r.zrevrank(self.index, after)
+            rank = await self.r.zrevrank(index, after)
             if rank is None:
                 return [], False
             start = rank + 1
-        ids = [i.decode() for i in await self.r.zrevrange(self.index, start, start + limit)]
+        ids = [i.decode() for i in await self.r.zrevrange(index, start, start + limit)]
         batches = [b for b in [await self.get(i) for i in ids[:limit]] if b is not None]
         return batches, len(ids) > limit
 

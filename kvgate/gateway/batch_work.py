@@ -142,7 +142,8 @@ class Work:
         if not chunk:
             return
         try:
-            handles = await self.client.submit_many([r.submit_args for r in chunk], chunk_size=self.chunk)
+            handles = await self.client.submit_many([{**r.submit_args, "tenant": self.batch.tenant} for r in chunk],
+                                                    chunk_size=self.chunk)
         except PartiallySubmitted as e:
             handles = e.handles
         except (Backpressure, KvgateError) as e:  # the queue is full or Redis refuses: keep what we have, retry

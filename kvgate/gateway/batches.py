@@ -1,7 +1,6 @@
 """/v1/batches: create a batch over an uploaded file, read it, list them, cancel one. The runner does the work."""
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -12,11 +11,11 @@ from starlette.routing import Route
 
 from kvgate.openai.batch import CHAT, COMPLETIONS
 
-from .auth import authorize
+from .auth import Caller
 from .batch_runner import BatchRunner
 from .batch_store import WINDOW_S, Batch, BatchStore, new_batch_id
 from .errors import ApiError, invalid
-from .files import FilesApi, not_found
+from .files import FilesApi
 from .paging import json_ok, limit_of, page_body
 from .request_body import read_json
 from .settings import GatewaySettings
@@ -40,7 +39,7 @@ class BatchesApi:
                 Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"])]
 
     async def create(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
+        caller = self.files.keys.caller(request)
         body = await read_json(request)
         if not isinstance(body, dict):
             raise invalid("body", "the request body must be a JSON object")
@@ -54,40 +53,41 @@ class BatchesApi:
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or not file_id:
             raise invalid("input_file_id", f"input_file_id={file_id!r} must be the id of an uploaded file")
-        source = await asyncio.to_thread(self.files.store.get, file_id)
-        if source is None:
-            raise not_found(file_id, "input_file_id")
+        source = await self.files.found(file_id, caller, "input_file_id")
         if source.purpose != "batch":
             raise invalid("input_file_id", f"file {file_id} has purpose {source.purpose!r}; upload the input "
                                            "with purpose 'batch'")
         now = int(time.time())
-        batch = Batch(new_batch_id(), endpoint, file_id, now, now + WINDOW_S, metadata=metadata)
+        # the batch is its input's owner's (an admin's batch on a tenant's file too): its jobs carry that tenant
+        batch = Batch(new_batch_id(), endpoint, file_id, now, now + WINDOW_S, metadata=metadata, tenant=source.tenant)
         await self.store.create(batch)
         self.runner.wake()
         return json_ok(batch.body())
 
     async def retrieve(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
-        return json_ok((await self.found(request.path_params["batch_id"])).body())
+        caller = self.files.keys.caller(request)
+        return json_ok((await self.found(request.path_params["batch_id"], caller)).body())
 
     async def list(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
-        batches, more = await self.store.page(limit_of(request, 20, 100), request.query_params.get("after"))
+        caller = self.files.keys.caller(request)
+        batches, more = await self.store.page(limit_of(request, 20, 100), request.query_params.get("after"),
+                                              tenant=None if caller.admin else caller.tenant)
         return json_ok(page_body([b.body() for b in batches], more))
 
     async def cancel(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
-        batch = await self.found(request.path_params["batch_id"])
+        caller = self.files.keys.caller(request)
+        batch = await self.found(request.path_params["batch_id"], caller)
         if batch.status not in CANCELLABLE + ("cancelling", "cancelled"):
             raise ApiError(409, f"batch {batch.id} is {batch.status}; only a validating or in_progress batch can be "
                                 "cancelled", code="batch_not_cancellable")
         await self.store.transition(batch.id, CANCELLABLE, "cancelling", cancelling_at=int(time.time()))
         self.runner.wake()
-        return json_ok((await self.found(batch.id)).body())
+        return json_ok((await self.found(batch.id, caller)).body())
 
-    async def found(self, batch_id: str) -> Batch:
+    async def found(self, batch_id: str, caller: Caller) -> Batch:
+        """The batch, if `caller` may see it; another tenant's batch is answered as one that does not exist."""
         batch = await self.store.get(batch_id)
-        if batch is None:
+        if batch is None or not caller.sees(batch.tenant):
             raise ApiError(404, f"no batch with id {batch_id!r}", code="batch_not_found")
         return batch
 

@@ -1,8 +1,10 @@
 """Where uploaded batch input files and the batch output and error files live, behind one small interface.
 
-The default keeps them in a local directory. One gateway process is all it serves: several replicas need one
+The default keeps them in a local directory, one folder per namespace (`<files dir>/<namespace>/`), so gateways of
+two namespaces never see each other's files even on one files directory. Several replicas of a namespace need one
 store they all see (a shared volume mounted at the same --files-dir, or an object store behind FileStore),
-because the replica that drives a batch may not be the one that took its upload.
+because the replica that drives a batch may not be the one that took its upload. Each file records its tenant;
+which tenant may see which file is the routes' business (files.py), not the store's.
 """
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ import os
 import re
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import BinaryIO, Protocol
+from urllib.parse import quote
+
+from kvgate.producer.protocol import DEFAULT_TENANT
 
 FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]{1,64}$")
 
@@ -22,6 +27,13 @@ def default_files_dir() -> Path:
     """$XDG_DATA_HOME/kvgate/files, else ~/.local/share/kvgate/files: per user, and kept across restarts."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "kvgate" / "files"
+
+
+def namespace_dir(files_dir: str | Path, namespace: str) -> Path:
+    """A namespace's own folder of the files directory. A namespace may hold any character but whitespace and
+    braces: quoted, so that '/' or '..' cannot lead out of it."""
+    name = quote(namespace, safe="")
+    return Path(files_dir) / (name if name not in (".", "..") else name.replace(".", "%2E"))
 
 
 def new_file_id() -> str:
@@ -41,16 +53,27 @@ class FileObject:
     status: str = "processed"
     expires_at: int | None = None
     status_details: str | None = None
+    tenant: str = DEFAULT_TENANT  # who owns it: the uploader's, or the batch's; files from before tenants: default
 
     def body(self) -> dict:
-        return asdict(self)
+        """OpenAI's FileObject: without the tenant."""
+        out = asdict(self)
+        del out["tenant"]
+        return out
+
+    @classmethod
+    def of(cls, stored: dict) -> "FileObject":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in stored.items() if k in known})
 
 
 class FileStore(Protocol):
     """What the gateway needs from file storage; calls block, so the gateway runs them in a thread."""
 
-    def put(self, data: bytes, filename: str, purpose: str, file_id: str | None = None) -> FileObject:
-        """Store `data`; with a file_id, replace that file (so a retried write does not leave a second copy)."""
+    def put(self, data: bytes, filename: str, purpose: str, file_id: str | None = None,
+            tenant: str = DEFAULT_TENANT) -> FileObject:
+        """Store `data` as `tenant`'s; with a file_id, replace that file (so a retried write does not leave a second
+        copy)."""
 
     def get(self, file_id: str) -> FileObject | None: ...
 
@@ -70,20 +93,21 @@ class LocalFileStore:
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)  # created by the first put: a gateway that stores nothing leaves no trace
 
-    def put(self, data: bytes, filename: str, purpose: str, file_id: str | None = None) -> FileObject:
+    def put(self, data: bytes, filename: str, purpose: str, file_id: str | None = None,
+            tenant: str = DEFAULT_TENANT) -> FileObject:
         file_id = file_id or new_file_id()
         self._check(file_id)
-        obj = FileObject(file_id, len(data), int(time.time()), filename, purpose)
+        obj = FileObject(file_id, len(data), int(time.time()), filename, purpose, tenant=tenant)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write(self.dir / file_id, data)
-        self._write(self._meta(file_id), json.dumps(obj.body()).encode())
+        self._write(self._meta(file_id), json.dumps(asdict(obj)).encode())
         return obj
 
     def get(self, file_id: str) -> FileObject | None:
         if not FILE_ID.match(file_id):
             return None
         try:
-            return FileObject(**json.loads(self._meta(file_id).read_bytes()))
+            return FileObject.of(json.loads(self._meta(file_id).read_bytes()))
         except FileNotFoundError:
             return None
 

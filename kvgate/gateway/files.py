@@ -11,7 +11,7 @@ from starlette.routing import Route
 
 from kvgate.openai.json_body import BadJson, parse_json
 
-from .auth import authorize
+from .auth import ApiKeys, Caller
 from .errors import ApiError, invalid
 from .file_store import FileObject, FileStore
 from .paging import json_ok, limit_of, page_body
@@ -25,6 +25,7 @@ READ_CHUNK = 1 << 20
 class FilesApi:
     settings: GatewaySettings
     store: FileStore
+    keys: ApiKeys
 
     def routes(self) -> list[Route]:
         return [Route("/v1/files", self.upload, methods=["POST"]),
@@ -34,7 +35,7 @@ class FilesApi:
                 Route("/v1/files/{file_id}/content", self.content, methods=["GET"])]
 
     async def upload(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
+        caller = self.keys.caller(request)
         limit = self.settings.max_file_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit + 64 * 1024:  # room for the multipart framing
@@ -49,16 +50,17 @@ class FilesApi:
             data = await _read(upload, limit)
             filename = upload.filename or "upload.jsonl"
         check_jsonl(data)
-        obj = await asyncio.to_thread(self.store.put, data, filename, purpose)
+        obj = await asyncio.to_thread(self.store.put, data, filename, purpose, tenant=caller.tenant)
         return json_ok(obj.body())
 
     async def list(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
+        caller = self.keys.caller(request)
         limit, after = limit_of(request, 10_000, 10_000), request.query_params.get("after")
         purpose, order = request.query_params.get("purpose"), request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
             raise invalid("order", f"order={order!r} must be asc or desc")
-        files = [f for f in await asyncio.to_thread(self.store.list) if purpose is None or f.purpose == purpose]
+        files = [f for f in await asyncio.to_thread(self.store.list)
+                 if caller.sees(f.tenant) and (purpose is None or f.purpose == purpose)]
         files = files if order == "desc" else files[::-1]
         if after is not None:
             ids = [f.id for f in files]
@@ -66,18 +68,18 @@ class FilesApi:
         return json_ok(page_body([f.body() for f in files[:limit]], len(files) > limit))
 
     async def retrieve(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
-        return json_ok((await self.found(request.path_params["file_id"])).body())
+        caller = self.keys.caller(request)
+        return json_ok((await self.found(request.path_params["file_id"], caller)).body())
 
     async def delete(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
-        file_id = (await self.found(request.path_params["file_id"])).id
+        caller = self.keys.caller(request)
+        file_id = (await self.found(request.path_params["file_id"], caller)).id
         deleted = await asyncio.to_thread(self.store.delete, file_id)
         return json_ok({"id": file_id, "object": "file", "deleted": deleted})
 
     async def content(self, request: Request) -> Response:
-        authorize(request, self.settings.api_keys)
-        obj = await self.found(request.path_params["file_id"])
+        caller = self.keys.caller(request)
+        obj = await self.found(request.path_params["file_id"], caller)
         f = await asyncio.to_thread(self.store.open, obj.id)
         if f is None:
             raise not_found(obj.id)
@@ -92,10 +94,11 @@ class FilesApi:
         return StreamingResponse(chunks(), media_type="application/octet-stream",
                                  headers={"content-length": str(obj.bytes)})
 
-    async def found(self, file_id: str) -> FileObject:
+    async def found(self, file_id: str, caller: Caller, param: str | None = None) -> FileObject:
+        """The file, if `caller` may see it; another tenant's file is answered as one that does not exist."""
         obj = await asyncio.to_thread(self.store.get, file_id)
-        if obj is None:
-            raise not_found(file_id)
+        if obj is None or not caller.sees(obj.tenant):
+            raise not_found(file_id, param)
         return obj
 
 

@@ -1,14 +1,18 @@
 """What one gateway process is configured with, each setting declared once: `kvgate serve` derives one flag per
 field (kvgate/commands/flags.py), with its description, default and KVGATE_* variable in --help. Flags win over
-variables, which win over these defaults; the two lists (API keys, models) take the flags and the variable together."""
+variables, which win over these defaults; the lists (API keys, admin keys, models) take the flags and the variable
+together."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvgate.producer.protocol import ProtocolError, check_model_name
+
+if TYPE_CHECKING:
+    from .auth import ApiKeys
 
 
 def _names(value: object) -> object:
@@ -24,15 +28,20 @@ def _names(value: object) -> object:
 Names = Annotated[list[str], NoDecode, BeforeValidator(_names)]
 
 
-def _s(default, description: str, *flags: str, metavar: str | None = None, joined: bool = False, **constraints):
+def _s(default, description: str, *flags: str, metavar: str | None = None, joined: bool = False,
+       secret: bool = False, **constraints):
     """A field whose description is its --help text; `flags` replace the --field-name derived from its name;
-    `joined`: a repeatable flag whose values add to the variable's instead of replacing them."""
-    extra = {k: v for k, v in (("flags", list(flags)), ("metavar", metavar), ("joined", joined)) if v}
+    `joined`: a repeatable flag whose values add to the variable's instead of replacing them; `secret`: a value
+    that messages never show (API keys)."""
+    extra = {k: v for k, v in (("flags", list(flags)), ("metavar", metavar), ("joined", joined), ("secret", secret))
+             if v}
     return Field(default, description=description, json_schema_extra=extra or None, **constraints)
 
 
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", validate_assignment=True)
+    # hide_input_in_errors: a bad setting's message never repeats what was given (API keys are among them)
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", validate_assignment=True,
+                                      hide_input_in_errors=True)
 
     redis_url: str | None = _s(None, "the fleet's Redis; unset: KVGATE_REDIS_URL, else the SDK's default")
     namespace: str = _s("kvgate", "key prefix shared by producers and workers")
@@ -42,8 +51,15 @@ class GatewaySettings(BaseSettings):
     port: int = _s(8000, "port")
     log_level: str = _s("info", "uvicorn's log level")
 
-    api_keys: Names = _s([], "accept `Authorization: Bearer KEY`; repeatable, comma-separated in the variable; no key "
-                             "at all leaves the gateway open", "--api-key", metavar="KEY", joined=True)
+    api_keys: Names = _s([], "accept `Authorization: Bearer KEY` for the tenant `default`, or with KEY=TENANT for "
+                             "that tenant (its own files, batches and jobs); repeatable, comma-separated in the "
+                             "variable; no key at all (and no keys file) leaves the gateway open", "--api-key",
+                         metavar="KEY[=TENANT]", joined=True, secret=True)
+    api_keys_file: str | None = _s(None, "a file of API keys, one KEY=TENANT (or a bare KEY: tenant `default`) a "
+                                         "line, `#` comment lines and blank lines skipped; read at start, added to "
+                                         "--api-key's", metavar="PATH")
+    admin_keys: Names = _s([], "an API key that sees and manages every tenant's files and batches; repeatable",
+                           "--admin-key", metavar="KEY", joined=True, secret=True)
     models: Names = _s([], "accept requests for this model even before any worker serves it (scale from zero); "
                            "repeatable. With none, the gateway accepts the models live workers serve and those the "
                            "fleet knows ({ns}:models); with some, only these and live ones", "--model", metavar="NAME",
@@ -61,8 +77,9 @@ class GatewaySettings(BaseSettings):
                    "(RELIABILITY.md, Failover)")
 
     # files and managed batches
-    files_dir: str | None = _s(None, "where /v1/files and batch outputs are stored; replicas must share it; unset: "
-                                     "$XDG_DATA_HOME/kvgate/files or ~/.local/share/kvgate/files")
+    files_dir: str | None = _s(None, "where /v1/files and batch outputs are stored, in a folder per namespace "
+                                     "(<dir>/<namespace>/); replicas must share it; unset: $XDG_DATA_HOME/kvgate/files "
+                                     "or ~/.local/share/kvgate/files")
     max_file_bytes: int = _s(200 * 1024 * 1024, "largest upload to /v1/files, in bytes (OpenAI's batch limit)",
                              "--max-file-size", ge=1)
     batch_window: int = _s(256, "jobs of one batch queued or running at a time, per model: batches never flood the "
@@ -73,12 +90,16 @@ class GatewaySettings(BaseSettings):
                               "--batch-lease", gt=0)
     batch_poll_s: float = _s(1.0, "how often a replica looks for batches nobody drives, seconds", gt=0)
 
-    @field_validator("api_keys")
-    @classmethod
-    def _keys(cls, keys: list[str]) -> list[str]:
-        if any(any(c.isspace() for c in k) for k in keys):
-            raise ValueError("API keys must be non-empty with no whitespace")
-        return keys
+    @model_validator(mode="after")
+    def _keys(self) -> "GatewaySettings":
+        self.api_key_table()  # a bad entry, a missing keys file or a key given twice fails the start
+        return self
+
+    def api_key_table(self) -> "ApiKeys":
+        """Every API key's tenant and the admin keys, read afresh (the keys file too)."""
+        from .auth import ApiKeys  # here: every `kvgate` command builds flags from this module, without a web stack
+
+        return ApiKeys.of(self.api_keys, self.api_keys_file, self.admin_keys)
 
     @field_validator("models")
     @classmethod

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from kvgate.commands.cli import main as kvgate
-from kvgate.gateway.file_store import LocalFileStore
+from kvgate.gateway.file_store import LocalFileStore, namespace_dir
 from kvgate.producer.protocol import Keys
 from tests.gateway.batch_files import jsonl, request, rows_of, wait_final
 from tests.gateway.conftest import stop_worker, wait_for_workers
@@ -154,7 +154,7 @@ def test_deleting_the_input_cancels_the_batch_across_a_restart_with_every_line_a
     if deleted == "while no gateway ran":
         with redis.Redis.from_url(url) as r:
             assert r.hget(f"{ns}:batch:{batch.id}", "status") == b"in_progress"
-        assert LocalFileStore(tmp_path).delete(f.id)
+        assert LocalFileStore(namespace_dir(tmp_path, ns)).delete(f.id)
     second = gateway_factory(url, ns, **settings)
     with openai.OpenAI(base_url=second.base_url, api_key="unused", max_retries=0, timeout=30) as c:
         done = wait_final(c.batches.retrieve, batch.id, timeout=30)

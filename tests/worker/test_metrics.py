@@ -89,3 +89,20 @@ def test_serve_exposes_the_registry_over_http():
     finally:
         m.close()
     assert 'kvgate_jobs_admitted_total{model="tiny",worker="w-http"} 1.0' in body
+
+
+def test_finished_jobs_are_counted_by_tenant_with_at_most_32_tenant_labels_per_worker():
+    m = WorkerMetrics("w1", "tiny")
+    m.on_finished("done", 1.0, 0.01, prompt_tokens=3, completion_tokens=7, cached_tokens=0, tenant="team-a")
+    m.on_finished("error", 0.1, None, prompt_tokens=0, completion_tokens=0, cached_tokens=0)  # an old producer's job
+    for k in range(40):  # a producer inventing tenants: 31 more get labels, the other 9 share one
+        m.on_finished("done", 1.0, 0.01, prompt_tokens=1, completion_tokens=2, cached_tokens=0, tenant=f"t{k}")
+    assert value(m, "kvgate_tenant_jobs_finished_total", tenant="team-a", status="done") == 1
+    assert value(m, "kvgate_tenant_generation_tokens_total", tenant="team-a") == 7
+    assert value(m, "kvgate_tenant_jobs_finished_total", tenant="_none", status="error") == 1
+    assert value(m, "kvgate_tenant_jobs_finished_total", tenant="t30", status="done") == 1
+    assert value(m, "kvgate_tenant_jobs_finished_total", tenant="t31", status="done") is None
+    assert value(m, "kvgate_tenant_jobs_finished_total", tenant="_other", status="done") == 9
+    tenants = {s.labels["tenant"] for f in m.registry.collect() if f.name == "kvgate_tenant_jobs_finished"
+               for s in f.samples}
+    assert len(tenants) == 34  # 32 tenants, _none, _other
