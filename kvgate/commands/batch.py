@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     done = answered_ids(args.output)
     try:
-        with Client(args.redis_url, args.namespace) as client, args.output.open("a", encoding="utf-8") as out:
+        with Client(args.redis_url, args.namespace, tenant=args.tenant) as client, args.output.open("a", encoding="utf-8") as out:
             todo, rejected = read_requests(data, done, args.priority, out, client)
             failed = _process(client, todo, out, args)
     except ResultTimeout as e:

@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),
 }
 NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "top", "exporter"}
+SUBMITS = {"submit", "batch"}  # commands that enqueue jobs, so take --tenant
 
 
 class Parser(argparse.ArgumentParser):
@@ -58,10 +59,27 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
                         help="show tracebacks instead of one-line errors")
 
 
+def add_tenant_argument(parser: argparse.ArgumentParser) -> None:
+    """Commands that submit jobs record whose they are (the gateway takes it from the API key instead)."""
+    from kvgate.producer.protocol import ProtocolError, check_tenant_name
+
+    def tenant(text: str) -> str:
+        try:
+            return check_tenant_name(text)
+        except ProtocolError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parser.add_argument("--tenant", type=tenant, default=os.environ.get("KVGATE_TENANT") or None,
+                        help="the tenant every job is recorded under (env KVGATE_TENANT; default: none, which "
+                             "fair share and quotas count as 'default')")
+
+
 def _register(subparsers, table: dict[str, tuple[str, str]], dest: str) -> None:
     for name, (module_name, help_text) in table.items():
         parser = subparsers.add_parser(name, help=help_text, description=help_text)
         add_connection_arguments(parser)
+        if table is COMMANDS and name in SUBMITS:
+            add_tenant_argument(parser)
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:  # a command whose extra is not installed still shows in --help

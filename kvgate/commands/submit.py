@@ -70,7 +70,7 @@ def request_from(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with Client(args.redis_url, args.namespace) as client:
+        with Client(args.redis_url, args.namespace, tenant=args.tenant) as client:
             handle = client.submit(**request_from(args))
             if args.no_wait:
                 print(handle.job_id)

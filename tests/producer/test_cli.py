@@ -93,6 +93,27 @@ def test_submit_command_sends_penalties_and_logprobs_and_prints_them(redis_url, 
     assert "logprobs=21" in capsys.readouterr().err
 
 
+def test_submit_and_batch_record_the_tenant_given_and_refuse_a_bad_one(redis_url, namespace, worker, tmp_path,
+                                                                       capsys, monkeypatch):
+    """Before: neither command had --tenant, so jobs from the command line were nobody's."""
+    worker.ensure_groups()
+    assert _cli(redis_url, namespace, "submit", "hi", "--no-wait", "--tenant", "team-a") == 0
+    monkeypatch.setenv("KVGATE_TENANT", "team-b")
+    src = _lines(tmp_path, [_chat("a", "first", max_tokens=4)])
+    thread = threading.Thread(target=_cli, args=(redis_url, namespace, "batch", str(src), "-o",
+                                                 str(tmp_path / "out.jsonl"), "--timeout", "10", "--no-progress"))
+    thread.start()
+    jobs = [job for priority in ("normal", "low") for job in worker.take(priority, count=5, block_ms=5000)]
+    for job in jobs:
+        worker.final(job, text="ok", token_ids=[1])
+    thread.join(15)
+    assert sorted(job.tenant for job in jobs) == ["team-a", "team-b"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        _cli(redis_url, namespace, "submit", "hi", "--no-wait", "--tenant", "team a")
+    assert refused.value.code == 2 and "tenant 'team a' must be 1 to 64 letters" in capsys.readouterr().err
+
+
 def _lines(tmp_path, rows):
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
