@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvgate.producer.protocol import ProtocolError, check_model_name
@@ -56,6 +56,12 @@ class GatewaySettings(BaseSettings):
                                  ge=1)
     max_n: int = _s(16, "most choices (n times prompts) in one request")
     models_cache_s: float = _s(2.0, "seconds the list of live workers' models is reused")
+    max_body_bytes: ByteSize = _s(8 * 1024 * 1024, "largest request body other than an upload (8MiB, 512KB or bytes): "
+                                                   "a larger one is a 413, from its Content-Length or as it streams",
+                                  "--max-body-size", ge=1024)
+    max_prompt_token_ids: int = _s(131_072, "most prompt token ids in one request, its n choices counted n times: "
+                                            "each is checked and encoded on the event loop (about 20 ms per 131,072 "
+                                            "on a loaded machine)", ge=1)
     durability: Literal["primary", "replicated"] = _s(
         "primary", "replicated: a request is enqueued only once a replica holds it, resent across a failover "
                    "(RELIABILITY.md, Failover)")
