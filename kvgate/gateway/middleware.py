@@ -1,22 +1,32 @@
-"""What wraps every route: the request body size limits; and what the process does once the app has started."""
+"""What wraps every route: CORS for browser pages (only with --cors-origin), then the request body size limits; and
+what the process does once the app has started."""
 from __future__ import annotations
 
 import gc
 
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .request_body import BodyLimit, SizeLimit
 from .settings import GatewaySettings
 
 UPLOAD_FRAMING = 64 * 1024  # room for an upload's multipart boundaries and part headers around the file
+CORS_METHODS = ["GET", "POST", "DELETE"]
+# what a page's script may read of an answer beyond the CORS-safelisted headers
+CORS_EXPOSED = ["x-request-id", "retry-after"]
 
 
 def middleware(s: GatewaySettings) -> list[Middleware]:
-    """Outermost first."""
+    """Outermost first: CORS wraps the size limit, so a page also reads the 413 that answers its oversized body."""
     bodies = SizeLimit(s.max_body_bytes, "--max-body-size, KVGATE_MAX_BODY_BYTES")
     uploads = SizeLimit(s.max_file_bytes + UPLOAD_FRAMING, "--max-file-size, KVGATE_MAX_FILE_BYTES")
     stack = [Middleware(BodyLimit, default=bodies, limits={"/v1/files": uploads}), Middleware(FreezeAtStartup)]
+    if s.cors_origins:
+        # any request header: the openai JavaScript client sends its own (x-stainless-*); no credentials mode, as
+        # an API key travels in Authorization, which a page sets itself
+        stack.insert(0, Middleware(CORSMiddleware, allow_origins=s.cors_origins, allow_methods=CORS_METHODS,
+                                   allow_headers=["*"], expose_headers=CORS_EXPOSED, max_age=600))
     return stack
 
 

@@ -3,6 +3,7 @@ field (kvgate/commands/flags.py), with its description, default and KVGATE_* var
 variables, which win over these defaults; the two lists (API keys, models) take the flags and the variable together."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, ByteSize, Field, field_validator
@@ -22,6 +23,7 @@ def _names(value: object) -> object:
 
 
 Names = Annotated[list[str], NoDecode, BeforeValidator(_names)]
+ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/?#\s]+$")
 
 
 def _s(default, description: str, *flags: str, metavar: str | None = None, joined: bool = False, **constraints):
@@ -62,6 +64,9 @@ class GatewaySettings(BaseSettings):
     max_prompt_token_ids: int = _s(131_072, "most prompt token ids in one request, its n choices counted n times: "
                                             "each is checked and encoded on the event loop (about 20 ms per 131,072 "
                                             "on a loaded machine)", ge=1)
+    cors_origins: Names = _s([], "let browser pages from this origin (https://app.example, or * for any) call the "
+                                 "API (CORS); repeatable; none: no CORS headers", "--cors-origin", metavar="ORIGIN",
+                             joined=True)
     durability: Literal["primary", "replicated"] = _s(
         "primary", "replicated: a request is enqueued only once a replica holds it, resent across a failover "
                    "(RELIABILITY.md, Failover)")
@@ -84,6 +89,15 @@ class GatewaySettings(BaseSettings):
         if any(any(c.isspace() for c in k) for k in keys):
             raise ValueError("API keys must be non-empty with no whitespace")
         return keys
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            if origin != "*" and not ORIGIN.match(origin):
+                raise ValueError(f"CORS origin {origin!r} must be scheme://host[:port] with no path or trailing "
+                                 "slash (as a browser sends it in Origin), or *")
+        return origins
 
     @field_validator("models")
     @classmethod

@@ -1,4 +1,4 @@
-"""Hostile bodies (issue 26.3): every oversized or costly body is a 4xx in OpenAI's shape, answered as soon
+"""Hostile bodies (issue 26.3) and CORS: every oversized or costly body is a 4xx in OpenAI's shape, answered as soon
 as it is over the limit (from its Content-Length, or while a chunked body streams in), and none holds the event loop.
 
 The raw-socket tests send a request's head and part of its body and then wait for the answer without sending the
@@ -186,11 +186,44 @@ def test_no_hostile_body_holds_the_event_loop(gateway):
     assert r.status_code == 200, r.text
 
 
-def test_the_limits_come_from_flags_and_variables(monkeypatch):
+def test_cors_is_off_unless_origins_are_given(gateway):
+    r = httpx.get(f"{gateway.base_url}/models", headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_cors_answers_a_preflight_and_a_simple_request_from_an_allowed_origin(sim_fleet, gateway_factory):
+    gw = gateway_factory(*sim_fleet, cors_origins=["https://app.example", "http://localhost:5173"], api_keys=["k"])
+    preflight = httpx.options(f"{gw.base_url}/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    allowed = preflight.headers["access-control-allow-headers"].lower()
+    assert all(h in allowed for h in ("authorization", "content-type", "x-stainless-os")), allowed
+    r = httpx.post(f"{gw.base_url}/chat/completions", headers={"Origin": "http://localhost:5173", "Authorization":
+                   "Bearer k"}, json={"model": "simulated", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:5173", r.headers
+    assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+    # an error is readable by the page too, and an origin not listed gets no grant
+    denied = httpx.get(f"{gw.base_url}/models", headers={"Origin": "http://localhost:5173"})
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "http://localhost:5173"
+    other = httpx.get(f"{gw.base_url}/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer k"})
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+    bad = httpx.options(f"{gw.base_url}/chat/completions", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+
+
+def test_the_limits_and_cors_origins_come_from_flags_and_variables(monkeypatch):
     from tests.gateway.test_serve_command import serve_settings
 
     s = serve_settings()
-    assert (s.max_body_bytes, s.max_prompt_token_ids) == (LIMIT, 131_072)
-    monkeypatch.setenv("KVGATE_MAX_PROMPT_TOKEN_IDS", "1000")
-    s = serve_settings("--max-body-size", "1MiB")
+    assert (s.max_body_bytes, s.max_prompt_token_ids, s.cors_origins) == (LIMIT, 131_072, [])
+    monkeypatch.setenv("KVGATE_CORS_ORIGINS", "https://b.example,http://localhost:5173")
+    s = serve_settings("--max-body-size", "1MiB", "--max-prompt-token-ids", "1000", "--cors-origin", "https://a.example")
     assert (s.max_body_bytes, s.max_prompt_token_ids) == (MiB, 1000)
+    assert s.cors_origins == ["https://a.example", "https://b.example", "http://localhost:5173"]
+    with pytest.raises(ValueError, match=r"--cors-origin .*'https://a.example/app' must be scheme://host\[:port\]"):
+        serve_settings("--cors-origin", "https://a.example/app")
