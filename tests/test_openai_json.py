@@ -2,6 +2,8 @@
 (the standard library's parser raised RecursionError and ValueError, which no caller caught)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvgate.openai.batch import BadLine, custom_id_of, parse_line
@@ -11,7 +13,9 @@ DEEP = "[" * 100_000 + "]" * 100_000
 HUGE_INT = '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"max_tokens": ' + "9" * 5000 + "}}"
 
 
-@pytest.mark.parametrize("text, says", [(DEEP, "nested too deeply"), (HUGE_INT, "out of range"),
+@pytest.mark.parametrize("text, says", [(DEEP, "more than 16,384 arrays or objects"), ("[" * 5000 + "]" * 5000,
+                                                                                        "nested too deeply"),
+                                        (HUGE_INT, "out of range"),
                                         ("{not json", "malformed"), ('{"a": NaN}', "malformed")])
 def test_parse_json_names_what_is_wrong(text, says):
     with pytest.raises(BadJson, match=says):
@@ -31,3 +35,14 @@ def test_a_hostile_batch_line_is_an_invalid_json_error_line(line):
         parse_line(3, line, "digest")
     assert bad.value.code == "invalid_json" and "line 3" in str(bad.value)
     assert custom_id_of(line) is None
+
+
+def test_the_budget_counts_arrays_and_values_outside_strings_only():
+    # brackets, commas and colons inside strings (escaped quotes among them) cost nothing to decode: not counted
+    text = json.dumps({"prompt": '[{,:"\\' * 200_000, "stop": ["\\", '"]', "a\\\"b"]})
+    assert parse_json(text)["prompt"] == '[{,:"\\' * 200_000
+    with pytest.raises(BadJson, match="more than 1,048,576 values"):
+        parse_json("[" + "1," * (1 << 20) + "1]")
+    with pytest.raises(BadJson, match="more than 16,384 arrays or objects"):
+        parse_json('{"prompt": "[[[", "x": [' + "[]," * 30_000 + "[]]}")  # 90 KB: past SMALL
+    assert len(parse_json("[" + "[1,2,3,4,5,6,7,8,9,10]," * 16_000 + "[]]")) == 16_001  # 350 KB within the budget

@@ -22,8 +22,9 @@ from .batches import BatchesApi
 from .errors import ApiError, api_error_handler, from_sdk, http_error_handler, unexpected_error_handler
 from .file_store import LocalFileStore, default_files_dir, namespace_dir
 from .files import FilesApi
+from .middleware import middleware
 from .models import LiveModels, model_object
-from .request_body import read_json as _body
+from .request_body import read_json as _body, sized
 from .responses import Reply, failure
 from .settings import GatewaySettings
 from .translate import Kind, Plan, plan
@@ -84,7 +85,7 @@ class Gateway:
 
     async def complete(self, request: Request, kind: Kind) -> Response:
         caller = self.keys.caller(request)
-        p = plan(kind, await _body(request), self.settings)
+        p = await sized(request, plan, kind, await _body(request), self.settings)  # a large body's checks: off the loop
         await self.models.check(p.model)
         handles = await self.submit(p, caller)
         reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}",
@@ -172,6 +173,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         *gw.batches.routes(),
     ]
     handlers = {ApiError: api_error_handler, HTTPException: http_error_handler, Exception: unexpected_error_handler}
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=gw.lifespan)
+    app = Starlette(routes=routes, middleware=middleware(gw.settings), exception_handlers=handlers,
+                    lifespan=gw.lifespan)
     app.state.gateway = gw
     return app

@@ -15,6 +15,7 @@ from .auth import ApiKeys, Caller
 from .errors import ApiError, invalid
 from .file_store import FileObject, FileStore
 from .paging import json_ok, limit_of, page_body
+from .request_body import off_loop
 from .settings import GatewaySettings
 
 PURPOSES = ("batch",)  # what uploads may be for; the gateway itself writes files with purpose batch_output
@@ -49,7 +50,7 @@ class FilesApi:
                 raise invalid("file", "no file in the upload: send it as the multipart field `file`")
             data = await _read(upload, limit)
             filename = upload.filename or "upload.jsonl"
-        check_jsonl(data)
+        await off_loop(check_jsonl, data)  # every line parsed: up to --max-file-size, off the event loop
         obj = await asyncio.to_thread(self.store.put, data, filename, purpose, tenant=caller.tenant)
         return json_ok(obj.body())
 

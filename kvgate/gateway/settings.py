@@ -4,9 +4,10 @@ variables, which win over these defaults; the lists (API keys, admin keys, model
 together."""
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvgate.producer.protocol import ProtocolError, check_model_name
@@ -26,6 +27,7 @@ def _names(value: object) -> object:
 
 
 Names = Annotated[list[str], NoDecode, BeforeValidator(_names)]
+ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/?#\s]+$")
 
 
 def _s(default, description: str, *flags: str, metavar: str | None = None, joined: bool = False,
@@ -72,6 +74,15 @@ class GatewaySettings(BaseSettings):
                                  ge=1)
     max_n: int = _s(16, "most choices (n times prompts) in one request")
     models_cache_s: float = _s(2.0, "seconds the list of live workers' models is reused")
+    max_body_bytes: ByteSize = _s(8 * 1024 * 1024, "largest request body other than an upload (8MiB, 512KB or bytes): "
+                                                   "a larger one is a 413, from its Content-Length or as it streams",
+                                  "--max-body-size", ge=1024)
+    max_prompt_token_ids: int = _s(131_072, "most prompt token ids in one request, its n choices counted n times: "
+                                            "each is checked and encoded on the event loop (about 20 ms per 131,072 "
+                                            "on a loaded machine)", ge=1)
+    cors_origins: Names = _s([], "let browser pages from this origin (https://app.example, or * for any) call the "
+                                 "API (CORS); repeatable; none: no CORS headers", "--cors-origin", metavar="ORIGIN",
+                             joined=True)
     durability: Literal["primary", "replicated"] = _s(
         "primary", "replicated: a request is enqueued only once a replica holds it, resent across a failover "
                    "(RELIABILITY.md, Failover)")
@@ -100,6 +111,15 @@ class GatewaySettings(BaseSettings):
         from .auth import ApiKeys  # here: every `kvgate` command builds flags from this module, without a web stack
 
         return ApiKeys.of(self.api_keys, self.api_keys_file, self.admin_keys)
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            if origin != "*" and not ORIGIN.match(origin):
+                raise ValueError(f"CORS origin {origin!r} must be scheme://host[:port] with no path or trailing "
+                                 "slash (as a browser sends it in Origin), or *")
+        return origins
 
     @field_validator("models")
     @classmethod

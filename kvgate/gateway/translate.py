@@ -70,6 +70,7 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
         raise invalid("model", "model is required: a model name from GET /v1/models", code="missing_required_parameter")
     prompts = chat_prompts(body) if kind == "chat" else completion_prompts(body.get("prompt"))
     n = _choices(body, settings.max_n, len(prompts))
+    _token_id_budget(prompts, n, settings.max_prompt_token_ids)
     stream, include_usage = _streaming(body)
     try:
         logprobs = requested_logprobs(kind == "chat", body)
@@ -116,6 +117,16 @@ def _choices(body: dict, max_n: int, prompts: int) -> int:
     if best_of is not None and best_of != n:
         raise unsupported("best_of", best_of, " (only best_of equal to n)")
     return n
+
+
+def _token_id_budget(prompts: list[dict[str, Any]], n: int, limit: int) -> None:
+    """The SDK checks and encodes every token id of every choice on the event loop (65 ms for the 512,000 a job may
+    hold, on a loaded machine), so a request's ids are bounded, n copies of a prompt counted n times."""
+    ids = sum(len(p.get("prompt_token_ids") or ()) for p in prompts)
+    if n * ids > limit:
+        raise invalid("n" if n > 1 else "prompt", f"{n} choice(s) of {ids} prompt token ids make {n * ids}, over this "
+                                                  f"gateway's limit of {limit} per request (--max-prompt-token-ids); "
+                                                  "ask for fewer choices or send a shorter prompt")
 
 
 def _streaming(body: dict) -> tuple[bool, bool]:

@@ -129,7 +129,7 @@ def test_hostile_json_bodies_are_400s_that_say_why(gateway, body):
     for route in ("chat/completions", "completions", "batches"):
         err = _error(httpx.post(f"{gateway.base_url}/{route}", content=body), 400)
         assert err["code"] == "invalid_json" and err["param"] == "body", (route, err)
-        assert "nested too deeply" in err["message"] or "out of range" in err["message"], err
+        assert any(why in err["message"] for why in ("nested too deeply", "out of range", "arrays or objects")), err
 
 
 def test_an_upload_with_a_hostile_line_is_a_400_naming_the_line(gateway):
@@ -137,4 +137,4 @@ def test_an_upload_with_a_hostile_line_is_a_400_naming_the_line(gateway):
     r = httpx.post(f"{gateway.base_url}/files", data={"purpose": "batch"},
                    files={"file": ("in.jsonl", good + DEEP + b"\n")})
     err = _error(r, 400)
-    assert err["code"] == "invalid_file" and "line 2" in err["message"] and "nested too deeply" in err["message"]
+    assert err["code"] == "invalid_file" and "line 2" in err["message"] and "arrays or objects" in err["message"]
