@@ -151,37 +151,50 @@ with ThreadPoolExecutor(len(hostile)) as pool:
 """
 
 
-def test_no_hostile_body_holds_the_event_loop(gateway):
-    """A probe on the gateway's own loop sleeps 10 ms at a time while hostile bodies arrive together, and records
-    the CPU time the loop's thread ran meanwhile: what held the loop, however loaded the machine (how late the sleep
-    ends also counts the OS running other processes: bounded loosely). On the old code the 50 MB body of token ids
-    alone held the loop for seconds."""
-    loop = gateway.server.servers[0].get_loop()
-    lags: list[float] = []  # how late each 10 ms sleep ended
-    busy: list[float] = []  # the loop thread's CPU seconds over the same span
-    stop = threading.Event()
+class LoopProbe:
+    """On the gateway's own loop, sleeps 10 ms at a time and records the CPU time the loop's thread ran meanwhile:
+    what held the loop, however loaded the machine (how late each sleep ends also counts the OS running other
+    processes: bounded loosely)."""
 
-    async def probe():
-        while not stop.is_set():
+    def __init__(self, gw):
+        self.loop = gw.server.servers[0].get_loop()
+        self.lags: list[float] = []  # how late each 10 ms sleep ended
+        self.busy: list[float] = []  # the loop thread's CPU seconds over the same span
+        self.stop = threading.Event()
+
+    async def _probe(self):
+        while not self.stop.is_set():
             start, cpu = time.monotonic(), time.thread_time()
             await asyncio.sleep(0.01)
-            lags.append(time.monotonic() - start - 0.01)
-            busy.append(time.thread_time() - cpu)
+            self.lags.append(time.monotonic() - start - 0.01)
+            self.busy.append(time.thread_time() - cpu)
 
-    probing = asyncio.run_coroutine_threadsafe(probe(), loop)
-    try:
+    def __enter__(self) -> "LoopProbe":
+        self.probing = asyncio.run_coroutine_threadsafe(self._probe(), self.loop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.probing.result(30)
+
+    def check(self, what: str) -> None:
+        print(f"event loop: {len(self.lags)} probes, worst: held {max(self.busy) * 1000:.0f} ms, "
+              f"late {max(self.lags) * 1000:.0f} ms")
+        assert max(self.busy) < 0.1, f"the event loop was held for {max(self.busy):.2f} s while {what}"
+        assert max(self.lags) < 5, f"the event loop was {max(self.lags):.1f} s late while {what}"
+
+
+def test_no_hostile_body_holds_the_event_loop(gateway):
+    """Hostile bodies arrive together while a LoopProbe runs. On the old code the 50 MB body of token ids alone held
+    the loop for seconds."""
+    with LoopProbe(gateway) as probe:
         client = subprocess.run([sys.executable, "-c", HOSTILE_CLIENT, gateway.base_url, str(LIMIT)],
                                 capture_output=True, text=True, timeout=300)
-    finally:
-        stop.set()
-        probing.result(30)
     assert client.returncode == 0, client.stderr[-3000:]
     for route, status, error_keys in json.loads(client.stdout):
         if isinstance(status, int):  # else the connection ended early, after a 413 the client did not read
             assert 400 <= status < 500 and error_keys == ["code", "message", "param", "type"], (route, status)
-    print(f"event loop: {len(lags)} probes, worst: held {max(busy) * 1000:.0f} ms, late {max(lags) * 1000:.0f} ms")
-    assert max(busy) < 0.1, f"the event loop was held for {max(busy):.2f} s while hostile bodies were in flight"
-    assert max(lags) < 5, f"the event loop was {max(lags):.1f} s late while hostile bodies were in flight"
+    probe.check("hostile bodies were in flight")
     r = httpx.post(f"{gateway.base_url}/completions", json={"model": "simulated", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200, r.text
 
