@@ -50,8 +50,9 @@ class GatewaySettings(BaseSettings):
                        joined=True)
     max_backlog: int | None = _s(None, "answer 429 while this many jobs wait in the queue; unset: no limit", ge=1)
     retry_after_s: int = _s(1, "seconds a 429's Retry-After asks clients to wait", "--retry-after")
-    request_timeout_s: float = _s(600.0, "seconds before an unanswered job is cancelled (504)", "--request-timeout",
-                                  gt=0)
+    request_timeout_s: float = _s(600.0, "seconds before an unanswered job is cancelled (504); on a stream, the "
+                                         "longest wait for the first token and between tokens, not the stream's "
+                                         "length", "--request-timeout", gt=0)
     default_max_tokens: int = _s(512, "max_tokens when a request gives neither max_tokens nor max_completion_tokens",
                                  ge=1)
     max_n: int = _s(16, "most choices (n times prompts) in one request")
