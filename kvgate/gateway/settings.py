@@ -56,7 +56,12 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = _s(512, "max_tokens when a request gives neither max_tokens nor max_completion_tokens",
                                  ge=1)
     max_n: int = _s(16, "most choices (n times prompts) in one request")
-    models_cache_s: float = _s(2.0, "seconds the list of live workers' models is reused")
+    models_cache_s: float = _s(2.0, "seconds the fleet snapshot (live workers' models, backlogs) is reused; one "
+                                    "task reads the next while requests go on with the last")
+    redis_pool_size: int = _s(100, "Redis connections this process holds for requests (the reply readers have their "
+                                   "own); a request that finds them all in use waits for one, up to "
+                                   "--request-timeout, instead of failing. On a Redis Cluster it is each node's "
+                                   "bound, which redis.asyncio cannot wait on", ge=1)
     durability: Literal["primary", "replicated"] = _s(
         "primary", "replicated: a request is enqueued only once a replica holds it, resent across a failover "
                    "(RELIABILITY.md, Failover)")
