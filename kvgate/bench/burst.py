@@ -6,7 +6,7 @@ code; time to the first byte of each answer, p50 and p99 (a whole answer's first
 first event); the gateway's resident memory before and at its peak, and its CPU per request. Before the burst (on a
 heap the burst has not grown), the memory an idle stream holds: N/2 streams for a model no worker serves (allowed
 with --model, so each waits with its first event sent), opened in waves so the figure is memory and not a burst,
-and the gateway's RSS growth per open stream.
+and the gateway's RSS growth per open stream past the first wave (which pays the code paths' one-time cost).
 """
 from __future__ import annotations
 
@@ -191,7 +191,6 @@ async def idle_streams(fleet, n: int) -> dict:
     """n streams waiting for a model no worker serves, opened IDLE_WAVE at a time; the RSS they add, per stream."""
     pid = fleet.gateway.pid
     body = {"model": IDLE_MODEL, "messages": [{"role": "user", "content": "wait"}], "max_tokens": 1, "stream": True}
-    opened: list[asyncio.Event] = []
     refused: list[int] = []
     stop = asyncio.Event()
 
@@ -208,23 +207,30 @@ async def idle_streams(fleet, n: int) -> dict:
         finally:
             ready.set()
 
+    async def open_wave(http, size: int) -> list[asyncio.Task]:
+        events = [asyncio.Event() for _ in range(size)]
+        wave = [asyncio.create_task(hold(http, e)) for e in events]
+        await asyncio.gather(*(e.wait() for e in events))
+        return wave
+
+    # the first wave warms the stream's code paths up (its fixed cost, a few MiB, is not per stream); the rest
+    # is measured against it
+    warm = max(1, min(IDLE_WAVE, n // 10))
     async with _client(fleet.base_url) as http:
-        await asyncio.sleep(1.0)
         rss_before = rss_kib(pid)
-        tasks = []
-        for wave in range(0, n, IDLE_WAVE):
-            events = [asyncio.Event() for _ in range(min(IDLE_WAVE, n - wave))]
-            tasks += [asyncio.create_task(hold(http, e)) for e in events]
-            await asyncio.gather(*(e.wait() for e in events))
-            opened += events
+        tasks = await open_wave(http, warm)
+        await asyncio.sleep(1.0)
+        rss_warm, warm_refused = rss_kib(pid), len(refused)
+        for start in range(warm, n, IDLE_WAVE):
+            tasks += await open_wave(http, min(IDLE_WAVE, n - start))
         await asyncio.sleep(1.0)
         rss_open = rss_kib(pid)
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-    held = n - len(refused)
+    held, measured = n - len(refused), (n - warm) - (len(refused) - warm_refused)
     return {"streams": n, "open": held, "refused": len(refused), "rss_mib_before": (rss_before or 0) / 1024,
-            "rss_mib_open": (rss_open or 0) / 1024,
-            "rss_kib_per_open_stream": ((rss_open or 0) - (rss_before or 0)) / held if held else None}
+            "rss_mib_warm": (rss_warm or 0) / 1024, "warm_streams": warm, "rss_mib_open": (rss_open or 0) / 1024,
+            "rss_kib_per_open_stream": ((rss_open or 0) - (rss_warm or 0)) / measured if measured > 0 else None}
 
 
 def print_report(report: dict) -> None:
@@ -240,5 +246,6 @@ def print_report(report: dict) -> None:
           + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items() if v is not None))
     per = idle["rss_kib_per_open_stream"]
     print(f"idle streams: {idle['open']} of {idle['streams']} open ({idle['refused']} refused); gateway RSS "
-          f"{idle['rss_mib_before']:.1f} -> {idle['rss_mib_open']:.1f} MiB"
+          f"{idle['rss_mib_before']:.1f} MiB, {idle['rss_mib_warm']:.1f} with the first {idle['warm_streams']}, "
+          f"{idle['rss_mib_open']:.1f} with all"
           + (f", {per:.1f} KiB per open stream" if per is not None else ""))
