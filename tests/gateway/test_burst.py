@@ -119,3 +119,40 @@ def test_a_bounded_pool_makes_400_concurrent_commands_wait_for_its_4_connections
     assert sync_redis.Redis.from_url(primary).get("n") == b"400"
     ours = [c for c in clients if c["flags"] == "N" and not c.get("name", "").startswith("sentinel")]
     assert len(ours) <= 4  # sentinels and the replica link aside, the pool's connections
+
+
+def test_a_burst_over_max_backlog_admits_at_most_the_limit_and_refuses_the_rest_with_429(redis_server,
+                                                                                         gateway_factory):
+    """No worker serves `parked` (the operator allowed it), so nothing drains: of 200 simultaneous requests at most
+    --max-backlog may be enqueued, every other one is the documented 429 with Retry-After, and nothing else."""
+    import redis as sync_redis
+
+    from kvgate.producer.protocol import Keys
+
+    limit, n = 50, 200
+    gw = gateway_factory(redis_server.url, "parked-ns", max_backlog=limit, retry_after_s=2, request_timeout_s=1,
+                         models=("parked",))
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=gw.base_url, limits=limits, timeout=60) as http:
+            start = asyncio.Event()
+
+            async def one(i: int) -> httpx.Response:
+                await start.wait()
+                return await http.post("/completions", json={"model": "parked", "prompt": f"p{i}", "max_tokens": 1})
+
+            tasks = [asyncio.create_task(one(i)) for i in range(n)]
+            await asyncio.sleep(0)
+            start.set()
+            return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(burst())
+    statuses = [r.status_code for r in responses]
+    refused = [r for r in responses if r.status_code == 429]
+    r = sync_redis.Redis.from_url(redis_server.url)
+    enqueued = sum(r.xlen(stream) for stream in Keys("parked-ns").all_jobs("parked"))
+    assert set(statuses) <= {429, 504}, sorted(set(statuses))  # 504: an admitted job nobody serves, at the timeout
+    assert 0 < enqueued <= limit, f"{enqueued} jobs enqueued past --max-backlog {limit}; statuses {statuses.count(429)} x 429"
+    assert len(refused) == n - enqueued
+    assert all(r.headers["retry-after"] == "2" and r.json()["error"]["code"] == "queue_full" for r in refused)
