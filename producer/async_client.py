@@ -38,6 +38,14 @@ class AsyncClient(ClientBase):
 
     _handle_type = AsyncJobHandle
 
+    def __init__(self, *args, pool_size: int | None = None, pool_timeout_s: float | None = None, **kwargs):
+        """As Client; `pool_size`: at most this many connections for commands (the reply readers have their own),
+        and a command that finds them all in use waits for one, up to `pool_timeout_s` (None: no bound), instead
+        of raising; unset, redis.asyncio's pool, which raises MaxConnectionsError at 100 (a server with many
+        concurrent requests, like the gateway, sets it)."""
+        self._pool = {"pool_size": pool_size, "pool_timeout_s": pool_timeout_s} if pool_size is not None else {}
+        super().__init__(*args, **kwargs)
+
     def _open(self, namespace: str, reply_ttl_s: int) -> None:
         """Connections only: Redis is first read in start() (`async with`, or the first call that needs it)."""
         self._durable = DurableSubmitter.on_asyncio(self.url, self.durability, self._failover_budget_s) \
@@ -45,7 +53,7 @@ class AsyncClient(ClientBase):
         self.namespace = namespace
         self.keys = None if is_cluster(self.url) else Keys(namespace)  # a cluster's shards are read at start()
         self._event = asyncio.Event()
-        self.redis = connect_async(self.url, **({} if is_cluster(self.url) else RETRY_CLOSED))
+        self.redis = connect_async(self.url, **self._pool, **({} if is_cluster(self.url) else RETRY_CLOSED))
         self._script = claim_script(self.redis)
         self._states = job_states_script(self.redis)
         self._reply_ttl_s = reply_ttl_s

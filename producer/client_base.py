@@ -108,16 +108,20 @@ class ClientBase:
         return {**args, "tenant": self.tenant}
 
     def _enqueue(self, prepared: list[Prepared]) -> Steps:
-        yield from self._admit()
-        if missing := new_models(prepared, self._grouped):
-            yield from self._ensure_groups(missing)
-        if self._durable is not None:
-            prepared = [with_claim(p, self.keys) for p in prepared]
-            replies = yield from self._durable.send(self._script, prepared, self.keys)
-        else:
-            replies = yield from send_riding_failovers(self.redis, self._script, prepared, self.keys,
-                                                       self._failover_budget_s)
-        self._gate.added(len(prepared))
+        yield from self._admit(len(prepared))
+        enqueued = False
+        try:
+            if missing := new_models(prepared, self._grouped):
+                yield from self._ensure_groups(missing)
+            if self._durable is not None:
+                prepared = [with_claim(p, self.keys) for p in prepared]
+                replies = yield from self._durable.send(self._script, prepared, self.keys)
+            else:
+                replies = yield from send_riding_failovers(self.redis, self._script, prepared, self.keys,
+                                                           self._failover_budget_s)
+            enqueued = True
+        finally:
+            self._gate.settle(len(prepared), enqueued)
         mine = owner_tag(self.client_id)
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
                 for p, c in zip(prepared, owners(prepared, replies))]
@@ -144,12 +148,19 @@ class ClientBase:
                 self._lane_count.record(None)
         return self._lane_count.lanes
 
-    def _admit(self) -> Steps:
+    def _admit(self, n: int) -> Steps:
+        """Pass the backlog gate with n jobs (reserved in it until their enqueue returns), or refuse / wait."""
         delay = 0.02
         while True:
-            if self._gate.stale():
-                self._gate.record((yield from backlog(self.redis, self.keys)))
+            if self._gate.claim_read():
+                try:
+                    found = yield from backlog(self.redis, self.keys)
+                except BaseException:  # an error, or the caller cancelled: let the next submit read
+                    self._gate.read_failed()
+                    raise
+                self._gate.record(found)
             if not self._gate.blocked():
+                self._gate.reserve(n)
                 return
             if self._gate.mode == "raise":
                 raise self._gate.refuse()

@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, unquote
 
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel, SentinelConnectionPool
 from redis.sentinel import MasterNotFoundError, Sentinel
 
 from .cluster import agreed_shards, connect_cluster, connect_cluster_async, is_cluster, parse_cluster_url, shard_count
@@ -140,9 +140,30 @@ def connect(url: str, **kwargs) -> redis.Redis:
     return _connect(url, kwargs, connect_cluster, redis.Redis, NewestSentinel)
 
 
-def connect_async(url: str, **kwargs) -> aioredis.Redis:
-    """`connect` on redis.asyncio."""
-    return _connect(url, kwargs, connect_cluster_async, aioredis.Redis, NewestAsyncSentinel)
+def connect_async(url: str, *, pool_size: int | None = None, pool_timeout_s: float | None = None,
+                  **kwargs) -> aioredis.Redis:
+    """`connect` on redis.asyncio. With `pool_size`, the client holds at most that many connections and a command
+    that finds them all in use waits for one (up to `pool_timeout_s`; None: as long as it takes) instead of failing
+    with MaxConnectionsError, which redis.asyncio's own pool raises at 100. A Cluster client cannot wait (redis.asyncio's
+    cluster client raises at its per-node bound): there `pool_size` is each node's bound."""
+    if pool_size is None:
+        return _connect(url, kwargs, connect_cluster_async, aioredis.Redis, NewestAsyncSentinel)
+    if is_cluster(url):
+        return connect_cluster_async(url, max_connections=pool_size, **kwargs)
+    pool = {"max_connections": pool_size, "timeout": pool_timeout_s}
+    if is_sentinel(url):
+        s = parse_sentinel_url(url)
+        sentinel = NewestAsyncSentinel(list(s.sentinels), sentinel_kwargs=s.sentinel_kwargs(kwargs))
+        return sentinel.master_for(s.service, connection_pool_class=BlockingSentinelPool,
+                                   **(s.node_kwargs() | kwargs | pool))
+    client = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(url, **(kwargs | pool)))
+    client.auto_close_connection_pool = True  # as Redis.from_url: closing the client closes its pool
+    return client
+
+
+class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Sentinel's pool (connections to whichever node the sentinels name primary) with the blocking pool's wait
+    for a free connection."""
 
 
 def _connect(url: str, kwargs: dict, cluster, plain, sentinel_type):

@@ -184,13 +184,19 @@ def group_exists(reply) -> bool:
 
 @dataclass(slots=True)
 class BacklogGate:
-    """Client(max_backlog=N): reads the backlog at most every `every_s`, so submit stays cheap."""
+    """Client(max_backlog=N): reads the backlog at most every `every_s`, so submit stays cheap. Concurrent submits (an
+    AsyncClient serving many requests) share one read in flight, and each admitted job is counted from the moment it
+    passes the gate, not once its enqueue returns: a burst arriving together can neither start one read each nor
+    all pass on the same stale count."""
 
     max_backlog: int | None
     mode: str = "raise"
     every_s: float = 0.1
     _checked_at: float = float("-inf")
-    _backlog: int = 0
+    _backlog: int = 0  # the last read, plus our jobs enqueued since
+    _reserved: int = 0  # jobs past the gate whose enqueue has not returned yet
+    _reading: bool = False
+    _added_while_reading: int = 0  # the read under way may have missed them: counted on top of it
 
     def __post_init__(self):
         if self.mode not in ("raise", "wait"):
@@ -201,17 +207,37 @@ class BacklogGate:
     def stale(self) -> bool:
         return self.max_backlog is not None and time.monotonic() - self._checked_at >= self.every_s
 
+    def claim_read(self) -> bool:
+        """True for the one caller that should read the backlog now; the others go on with the count they have."""
+        if self._reading or not self.stale():
+            return False
+        self._reading, self._added_while_reading = True, 0
+        return True
+
     def record(self, backlog: int) -> None:
-        self._checked_at, self._backlog = time.monotonic(), backlog
+        self._checked_at, self._backlog = time.monotonic(), backlog + self._added_while_reading
+        self._reading = False
+
+    def read_failed(self) -> None:
+        self._reading = False
 
     def blocked(self) -> bool:
-        return self.max_backlog is not None and self._backlog >= self.max_backlog
+        return self.max_backlog is not None and self._backlog + self._reserved >= self.max_backlog
 
-    def added(self, n: int) -> None:
-        self._backlog += n  # between reads, count our own jobs so a burst cannot overshoot the limit
+    def reserve(self, n: int) -> None:
+        self._reserved += n
+
+    def settle(self, n: int, enqueued: bool) -> None:
+        """The enqueue of n reserved jobs returned: between reads, count our own jobs (so a burst cannot overshoot
+        the limit), or release them when it failed."""
+        self._reserved -= n
+        if enqueued:
+            self._backlog += n
+            if self._reading:
+                self._added_while_reading += n
 
     def refuse(self) -> Backpressure:
-        return Backpressure(self._backlog, self.max_backlog)
+        return Backpressure(self._backlog + self._reserved, self.max_backlog)
 
     def force(self) -> None:
         self._checked_at = float("-inf")

@@ -30,9 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-step-ms", type=float, default=1.0, help="the simulated engine's step time")
     parser.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
     parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--burst", type=int, nargs="?", const=2000, metavar="N",
+                        help="W-BURST instead (kvgate/bench/burst.py): N simultaneous requests, half streamed "
+                             "(N default 2000)")
+    parser.add_argument("--burst-max-tokens", type=int, default=8, help="tokens of each W-BURST answer")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.burst is not None:
+        from kvgate.bench import burst
+
+        return burst.run(args)
     import openai
 
     from kvgate.bench.queue import environment, redis_for, server_version
@@ -61,18 +69,20 @@ def run(args: argparse.Namespace) -> int:
 class Fleet:
     """The worker and the gateway, as the processes they are in production."""
 
-    def __init__(self, url: str, ns: str, args: argparse.Namespace):
+    def __init__(self, url: str, ns: str, args: argparse.Namespace, serve_args: list[str] = (),
+                 max_num_seqs: int = 64):
         self.common = ["--redis-url", url, "--namespace", ns]
-        self.args = args
+        self.args, self.serve_args, self.max_num_seqs = args, list(serve_args), max_num_seqs
         self.port = args.port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> "Fleet":
         worker = ["worker", *self.common, "--simulated", "--sim-step-ms", str(self.args.sim_step_ms),
-                  "--sim-per-token-ms", "0.01", "--max-num-seqs", "64", "--worker-id", "bench-gw-worker"]
+                  "--sim-per-token-ms", "0.01", "--max-num-seqs", str(self.max_num_seqs), "--worker-id",
+                  "bench-gw-worker"]
         self.procs.append(subprocess.Popen([sys.executable, "-m", "kvgate.commands.cli", *worker]))
-        serve = [*self.common, "--port", str(self.port), "--log-level", "warning"]
+        serve = [*self.common, "--port", str(self.port), "--log-level", "warning", *self.serve_args]
         self.gateway = subprocess.Popen([sys.executable, "-m", "kvgate.commands.serve", *serve])
         self.procs.append(self.gateway)
         try:
@@ -89,7 +99,8 @@ class Fleet:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if httpx.get(f"{self.base_url}/models", timeout=2).json().get("data"):
+                models = httpx.get(f"{self.base_url}/models", timeout=2).json().get("data") or []
+                if any(m.get("live_workers") for m in models):  # an allowed model (--model) is listed without one
                     return
             except httpx.TransportError:
                 pass

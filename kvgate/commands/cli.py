@@ -30,7 +30,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "steps": ("kvgate.bench.steps", "W-CPU once per scheduling policy, every engine step timed; --profile N"),
     "queue": ("kvgate.bench.queue", "W-QUEUE: throughput and per-job overhead through Redis"),
     "host": ("kvgate.bench.host", "W-HOST: host CPU time per engine step by part, beside a baseline commit's engine"),
-    "gateway": ("kvgate.bench.gateway", "W-GATEWAY: latency and req/s the HTTP gateway adds over the SDK"),
+    "gateway": ("kvgate.bench.gateway", "W-GATEWAY: latency and req/s the HTTP gateway adds over the SDK; --burst N: W-BURST, N requests at once"),
     "fleet": ("kvgate.bench.fleet", "W-FLEET: simulated fleet, capacity admission vs fixed prefetch"),
     "prefix": ("kvgate.bench.prefix", "W-PREFIX: prefix-affinity lanes vs one shared stream vs an ideal single cache"),
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),

@@ -61,7 +61,8 @@ class Gateway:
     async def lifespan(self, app: Starlette):
         s = self.settings
         self.client = AsyncClient(s.redis_url, s.namespace, max_backlog=s.max_backlog, backpressure="raise",
-                                  durability=s.durability)
+                                  durability=s.durability, pool_size=s.redis_pool_size,
+                                  pool_timeout_s=s.request_timeout_s)
         await self.client.start()
         self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s, s.models)
         store = BatchStore(self.client.redis, self.client.keys.prefix)  # a cluster's shard 0: batch scripts, one slot
@@ -74,6 +75,7 @@ class Gateway:
             yield
         finally:
             await runner.stop()
+            await self.models.close()
             await close_client(self.client)
 
     # -- routes -----------------------------------------------------------------------------------

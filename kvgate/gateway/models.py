@@ -3,7 +3,10 @@
 Live workers list every name they serve (canonical, aliases, `default`) in their heartbeats
 (`{ns}:worker:<id>`, field `models`); a heartbeat expires with its worker. `{ns}:models` holds every name ever
 submitted to or served, so a model whose workers scaled to zero is still known, with its backlog counted
-from its streams' consumer group (lag plus pending). The view is cached for a moment: it is read on every request.
+from its streams' consumer group (lag plus pending). Every request reads one shared snapshot of this: when it is
+older than `--models-cache-s`, one task reads the next (single flight: however many requests arrive, one read of
+the fleet is in flight) while requests go on with the last; only a request for a model the stale snapshot does not
+accept, or the very first one, waits for the read under way.
 
 A request's model is accepted when a live worker serves it, when it is known (`{ns}:models`), or when the
 operator allowed it (`--model`, for models whose autoscaler has never started a worker yet); with an allow
@@ -12,15 +15,20 @@ fails at once instead of waiting forever for a worker that will never come.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
+import redis
 import redis.asyncio as aioredis
 
 from kvgate.producer.lanes import parse_lanes
 from kvgate.producer.protocol import DEFAULT_MODEL, Keys, as_text
 
 from .errors import ApiError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -49,17 +57,47 @@ class FleetModels:
 class LiveModels:
     def __init__(self, r: aioredis.Redis, keys: Keys, cache_s: float, allowed: tuple[str, ...] = ()):
         self.r, self.keys, self.cache_s, self.allowed = r, keys, cache_s, allowed
-        self._models = FleetModels({}, {})
-        self._read_at = float("-inf")
+        self._models: FleetModels | None = None
+        self._read_at = float("-inf")  # when the read that made the snapshot started
+        self._reading: asyncio.Task | None = None
 
-    async def fleet(self) -> FleetModels:
-        if time.monotonic() - self._read_at > self.cache_s:
-            self._models = await self._read()
-            self._read_at = time.monotonic()
-        return self._models
+    async def fleet(self, fresh: bool = False) -> FleetModels:
+        """The snapshot; a stale one starts the one refresh, which only the first request (no snapshot yet) and a
+        `fresh` caller wait for. The read is shielded: a caller that goes away does not cancel others' read."""
+        if not self._stale():
+            return self._models
+        reading = self._refresh()
+        return await asyncio.shield(reading) if fresh or self._models is None else self._models
+
+    def _stale(self) -> bool:
+        return time.monotonic() - self._read_at > self.cache_s
+
+    def _refresh(self) -> asyncio.Task:
+        if self._reading is None:
+            self._reading = asyncio.get_running_loop().create_task(self._read_once(), name="kvgate-fleet-snapshot")
+            self._reading.add_done_callback(_report_failure)
+        return self._reading
+
+    async def _read_once(self) -> FleetModels:
+        started = time.monotonic()
+        try:
+            models = await self._read()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise ApiError(503, f"the job queue is unreachable ({type(e).__name__}: {e}); retry later",
+                           type="server_error", code="queue_unavailable") from e
+        finally:
+            self._reading = None
+        self._models, self._read_at = models, started
+        return models
 
     async def get(self) -> dict[str, LiveModel]:
-        return (await self.fleet()).listed(self.allowed)
+        """GET /v1/models: a snapshot at most --models-cache-s old (not the hot path: it waits for the read)."""
+        return (await self.fleet(fresh=True)).listed(self.allowed)
+
+    async def close(self) -> None:
+        if (reading := self._reading) is not None:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
 
     async def _read(self) -> FleetModels:
         names = [name async for name in self.r.scan_iter(match=self.keys.worker_pattern(), count=1000)]
@@ -100,16 +138,26 @@ class LiveModels:
         live = (await self.fleet()).live.get(model)
         return next(iter(live.canonical)) if live is not None and len(live.canonical) == 1 else None
 
+    def _accepts(self, fleet: FleetModels, model: str) -> bool:
+        return model in fleet.live or model in self.allowed or (not self.allowed and model in fleet.known)
+
     async def check(self, model: str) -> None:
-        """Refuse a model nobody serves, nobody asked for before and the operator did not allow."""
+        """Refuse a model nobody serves, nobody asked for before and the operator did not allow; a stale snapshot
+        that would refuse it is read again first (joining the read under way)."""
         fleet = await self.fleet()
-        if model in fleet.live or model in self.allowed or (not self.allowed and model in fleet.known):
+        if self._accepts(fleet, model) or (self._stale() and self._accepts(fleet := await self.fleet(True), model)):
             return
         served = sorted(set(fleet.live) - {DEFAULT_MODEL})
         startable = sorted(set(self.allowed or fleet.known) - set(fleet.live) - {DEFAULT_MODEL})
         raise ApiError(404, f"model {model!r} is not served by any live worker and not known to the fleet; served "
                             f"now: {served}; known, waiting for a worker: {startable} (GET /v1/models)",
                        param="model", code="model_not_found")
+
+
+def _report_failure(task: asyncio.Task) -> None:
+    """A refresh nobody waited for failed: requests go on with the last snapshot; say why once per failed read."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("fleet snapshot not refreshed: %s", task.exception())
 
 
 def _unfinished(length, groups) -> int:

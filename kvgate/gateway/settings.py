@@ -68,12 +68,14 @@ class GatewaySettings(BaseSettings):
                        joined=True)
     max_backlog: int | None = _s(None, "answer 429 while this many jobs wait in the queue; unset: no limit", ge=1)
     retry_after_s: int = _s(1, "seconds a 429's Retry-After asks clients to wait", "--retry-after")
-    request_timeout_s: float = _s(600.0, "seconds before an unanswered job is cancelled (504)", "--request-timeout",
-                                  gt=0)
+    request_timeout_s: float = _s(600.0, "seconds before an unanswered job is cancelled (504); on a stream, the "
+                                         "longest wait for the first token and between tokens, not the stream's "
+                                         "length", "--request-timeout", gt=0)
     default_max_tokens: int = _s(512, "max_tokens when a request gives neither max_tokens nor max_completion_tokens",
                                  ge=1)
     max_n: int = _s(16, "most choices (n times prompts) in one request")
-    models_cache_s: float = _s(2.0, "seconds the list of live workers' models is reused")
+    models_cache_s: float = _s(2.0, "seconds the fleet snapshot (live workers' models, backlogs) is reused; one "
+                                    "task reads the next while requests go on with the last")
     max_body_bytes: ByteSize = _s(8 * 1024 * 1024, "largest request body other than an upload (8MiB, 512KB or bytes): "
                                                    "a larger one is a 413, from its Content-Length or as it streams",
                                   "--max-body-size", ge=1024)
@@ -83,6 +85,10 @@ class GatewaySettings(BaseSettings):
     cors_origins: Names = _s([], "let browser pages from this origin (https://app.example, or * for any) call the "
                                  "API (CORS); repeatable; none: no CORS headers", "--cors-origin", metavar="ORIGIN",
                              joined=True)
+    redis_pool_size: int = _s(100, "Redis connections this process holds for requests (the reply readers have their "
+                                   "own); a request that finds them all in use waits for one, up to "
+                                   "--request-timeout, instead of failing. On a Redis Cluster it is each node's "
+                                   "bound, which redis.asyncio cannot wait on", ge=1)
     durability: Literal["primary", "replicated"] = _s(
         "primary", "replicated: a request is enqueued only once a replica holds it, resent across a failover "
                    "(RELIABILITY.md, Failover)")

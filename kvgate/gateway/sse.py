@@ -3,6 +3,10 @@
 The n choices of a request stream side by side, each chunk naming its choice index. A job that fails
 mid-stream becomes one `data: {"error": {...}}` event (the openai client raises it), then [DONE]. A job that
 restarts mid-stream goes on where the client is when it repeats itself (replay.py), else fails so.
+
+The request timeout bounds the wait for each next event of a job (the first token, then the silence between
+tokens), not the whole stream: a long answer whose tokens keep coming is never cut; a job that goes quiet for that
+long is cancelled and the stream ends with a 504-shaped timeout error.
 """
 from __future__ import annotations
 
@@ -63,14 +67,26 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
 
 async def _pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Queue) -> None:
     replay = Replay()
+    items = handle.stream(None)
     try:
-        async for item in handle.stream(timeout):
+        while True:
+            try:  # the timeout starts again with every item: it bounds silence, not the stream's length
+                item = await asyncio.wait_for(anext(items), timeout)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise ApiError(504, f"job {handle.job_id} sent nothing for {timeout:g} s (--request-timeout bounds "
+                                    "the wait for the first token and between tokens); the job was cancelled, "
+                                    "retry later or raise --request-timeout", type="timeout_error",
+                               code="timeout") from None
             # a token that ends mid-character has no text yet (the next delta carries it), but has its logprob
             if (new := replay.take(item)) is not None:
                 inbox.put_nowait((i, (new[0], None, False, new[1])))
         inbox.put_nowait((i, await handle.result(0)))
     except (KvgateError, ApiError) as e:
         inbox.put_nowait((i, e))
+    finally:
+        await items.aclose()
 
 
 def _error_of(item: Result | Exception, timeout: float) -> ApiError | None:

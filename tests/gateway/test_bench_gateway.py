@@ -28,3 +28,31 @@ def test_bench_gateway_reports_added_latency_first_event_delay_and_requests_per_
         for path in ("sdk", "gateway"):
             assert level[path]["requests"] > 0 and level[path]["requests_per_s"] > 0
         assert level["gateway"]["cpu_ms_per_request"]["gateway"] > 0  # the gateway process did the work
+
+
+def test_bench_gateway_burst_reports_failures_first_byte_times_memory_per_stream_and_cpu(redis_server, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_connection_arguments(parser)
+    bench.add_arguments(parser)
+    out = tmp_path / "burst.json"
+    args = parser.parse_args(["--redis-url", redis_server.url, "--burst", "40", "--burst-max-tokens", "2",
+                              "--json", str(out)])
+    assert bench.run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["workload"] == "W-BURST" and report["settings"]["burst"] == 40
+    burst = report["burst"]
+    assert (burst["requests"], burst["streamed"], burst["failures"], burst["failures_by"]) == (40, 20, 0, {})
+    for name, n in (("first_byte_ms", 40), ("first_byte_ms_streamed", 20), ("first_byte_ms_whole", 20)):
+        assert burst[name]["n"] == n and 0 < burst[name]["p50"] <= burst[name]["p99"]
+    assert 0 < burst["gateway_rss_mib"]["before"] <= burst["gateway_rss_mib"]["peak"]
+    assert burst["cpu_ms_per_request"]["gateway"] > 0
+    idle = report["idle_streams"]
+    assert (idle["streams"], idle["open"], idle["refused"]) == (20, 20, 0)
+    assert idle["rss_mib_open"] > 0 and idle["rss_kib_per_open_stream"] is not None
+
+
+def test_burst_defaults_to_2000_requests_and_leaves_w_gateway_alone():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--burst"]).burst == 2000
+    assert parser.parse_args([]).burst is None
