@@ -1,8 +1,9 @@
 """Backlog, pending and live workers per queue, read from Redis by any process.
 
-Per model: every name in `{ns}:models` (each model ever submitted to or served) and `default`, each with its
-three priority streams; workers list the names they serve in their heartbeats, so a model with a backlog and
-no live worker shows as waiting for the autoscaler.
+Per model: every name in `{ns}:models` (each model a worker served or an operator added: model_set.py), the names
+live workers serve and `default`, each with its three priority streams and their lanes; workers list the names they
+serve in their heartbeats, so a known model with a backlog and no live worker shows as waiting for the autoscaler.
+Names a producer invents are never read: what a read costs grows with the fleet's models, not with theirs.
 
 Shared by Client.stats(), AsyncClient.stats(), `kvgate stats`, `kvgate top` and the exporter: step functions
 (steps.py) over a redis.Redis or a redis.asyncio.Redis and Keys; read_queue_stats and total_backlog run them on a
@@ -19,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from .lanes import parse_lanes
-from .protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
+from .model_set import known_models
+from .protocol import PRIORITIES, Keys, as_text
 from .steps import Steps, call, collect, run
 
 COUNT_PAGE = 5_000
@@ -183,11 +185,6 @@ def backlog_of(r, stream: str, group: str = Keys.GROUP) -> Steps:
     if lag is not None:
         return int(lag)
     return (yield from count_lag(r, stream, as_text(info["last-delivered-id"]), (yield call(r.xlen, stream))))
-
-
-def known_models(r, keys: Keys) -> Steps:
-    """Every model ever submitted to or served (`{ns}:models`), and `default`."""
-    return sorted({as_text(m) for m in (yield call(r.smembers, keys.models()))} | {DEFAULT_MODEL})
 
 
 def lanes_of(r, keys: Keys) -> Steps:
