@@ -14,7 +14,7 @@ from .lanes import lane_of, routing_key
 from .redis_url import FAILOVER_BUDGET_S, FAILOVER_ERRORS
 from .protocol import DEFAULT_MODEL, FIELD, Job, Keys, as_text
 from .request import build_job, encode_job, new_job_id, validate_request
-from .steps import Sleep, Steps, call
+from .steps import Sleep, Steps
 
 CANCEL_TTL_S = 24 * 3600
 
