@@ -70,19 +70,20 @@ class DurableSubmitter:
         if self.links is not None:
             return (yield from self._per_shard(script, prepared, keys))
         pipe = self.conn.pipeline(transaction=True)
-        yield from enqueue_commands(pipe, script, prepared, keys)
+        yield from enqueue_commands(pipe, script, prepared)
         replies = yield pipe.execute
         self.durability.check((yield call(self.conn.execute_command, "WAIT", self.durability.replicas,
                                           self.durability.timeout_ms)))
         return replies
 
     def _per_shard(self, script, prepared: list[Prepared], keys: Keys) -> Steps:
-        yield call(self.conn.sadd, keys.models(), *sorted({p.model for p in prepared}))
+        if isinstance(self.links, AsyncNodeLinks):  # redis.asyncio's cluster reads its slots on its first command
+            yield self.conn.initialize  # (it returns at once after that): the links are chosen from them
         replies: list = [None] * len(prepared)
         for group in by_shard(prepared, keys):
             def writes(link, jobs=[prepared[i] for i in group]) -> Steps:
                 pipe = link.pipeline(transaction=True)
-                yield from enqueue_commands(pipe, script, jobs, keys, models=False)
+                yield from enqueue_commands(pipe, script, jobs)
                 done = yield call(pipe.execute, raise_on_error=False)
                 return done + [(yield call(link.execute_command, "WAIT", self.durability.replicas,
                                            self.durability.timeout_ms))]

@@ -1,8 +1,9 @@
 """Backlog, pending and live workers per queue, read from Redis by any process.
 
-Per model: every name in `{ns}:models` (each model ever submitted to or served) and `default`, each with its
-three priority streams; workers list the names they serve in their heartbeats, so a model with a backlog and
-no live worker shows as waiting for the autoscaler.
+Per model: every name in `{ns}:models` (each model a worker served or an operator added: model_set.py), the names
+live workers serve and `default`, each with its three priority streams and their lanes; workers list the names they
+serve in their heartbeats, so a known model with a backlog and no live worker shows as waiting for the autoscaler.
+Names a producer invents are never read: what a read costs grows with the fleet's models, not with theirs.
 
 Shared by Client.stats(), AsyncClient.stats(), `kvgate stats`, `kvgate top` and the exporter: step functions
 (steps.py) over a redis.Redis or a redis.asyncio.Redis and Keys; read_queue_stats and total_backlog run them on a
@@ -19,8 +20,10 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from .lanes import parse_lanes
-from .protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
+from .model_set import known_models
+from .protocol import PRIORITIES, Keys, as_text
 from .steps import Steps, call, collect, run
+from .stream_rows import StreamRow, read_rows
 
 COUNT_PAGE = 5_000
 
@@ -146,17 +149,6 @@ def server_ms(r) -> Steps:
     return seconds * 1000 + micros // 1000
 
 
-def group_info(r, stream: str, group: str = Keys.GROUP) -> Steps:
-    try:
-        groups = yield call(r.xinfo_groups, stream)
-    except redis.ResponseError:  # no such stream yet
-        return None
-    for g in groups:
-        if as_text(g["name"]) == group:
-            return g
-    return None
-
-
 def count_lag(r, stream: str, last_delivered: str, length: int) -> Steps:
     """Entries after last_delivered, paging from both ends of it so the cost is the smaller side."""
     before = after = 0
@@ -174,20 +166,11 @@ def count_lag(r, stream: str, last_delivered: str, length: int) -> Steps:
         hi = f"({as_text(page[-1][0])}"
 
 
-def backlog_of(r, stream: str, group: str = Keys.GROUP) -> Steps:
-    """The lag of one job stream; the cheap check behind Client(max_backlog=...)."""
-    info = yield from group_info(r, stream, group)
-    if info is None:
-        return (yield call(r.xlen, stream))  # no group yet: nothing was ever delivered
-    lag = info.get("lag")
-    if lag is not None:
-        return int(lag)
-    return (yield from count_lag(r, stream, as_text(info["last-delivered-id"]), (yield call(r.xlen, stream))))
-
-
-def known_models(r, keys: Keys) -> Steps:
-    """Every model ever submitted to or served (`{ns}:models`), and `default`."""
-    return sorted({as_text(m) for m in (yield call(r.smembers, keys.models()))} | {DEFAULT_MODEL})
+def lag_of(r, stream: str, row: StreamRow) -> Steps:
+    """A stream's entries not yet delivered to the workers' group, counted here where the server has no lag."""
+    if row.lag is not None:
+        return row.lag
+    return (yield from count_lag(r, stream, row.last_delivered, row.length))
 
 
 def lanes_of(r, keys: Keys) -> Steps:
@@ -195,12 +178,13 @@ def lanes_of(r, keys: Keys) -> Steps:
 
 
 def backlog(r, keys: Keys) -> Steps:
-    """Across all models and their lanes: Client(max_backlog=...) bounds what the whole fleet has waiting."""
+    """Across all known models and their lanes: Client(max_backlog=...) bounds what the whole fleet has waiting. One
+    script call per shard, whatever the number of streams."""
     lanes = yield from lanes_of(r, keys)
+    streams = [st for m in (yield from known_models(r, keys)) for st in keys.all_jobs(m, lanes)]
     total = 0
-    for m in (yield from known_models(r, keys)):
-        for st in keys.all_jobs(m, lanes):
-            total += yield from backlog_of(r, st)
+    for stream, row in (yield from read_rows(r, keys, streams)).items():
+        total += yield from lag_of(r, stream, row)
     return total
 
 
@@ -209,11 +193,12 @@ def total_backlog(r: redis.Redis, keys: Keys) -> int:
     return run(backlog(r, keys))
 
 
-def read_priority(r, keys: Keys, model: str, priority: str, now_ms: int, lanes: int = 0) -> Steps:
+def read_priority(r, keys: Keys, model: str, priority: str, now_ms: int, lanes: int,
+                  rows: dict[str, StreamRow]) -> Steps:
     """One model's priority over its shared stream and every lane: sums, and the oldest job of them all."""
     stats = PriorityStats(priority)
     for stream in keys.job_streams(model, priority, lanes):
-        part = yield from read_stream(r, stream, priority, now_ms)
+        part = yield from read_stream(r, stream, priority, now_ms, rows[stream])
         stats.length += part.length
         stats.backlog += part.backlog
         stats.pending += part.pending
@@ -222,25 +207,12 @@ def read_priority(r, keys: Keys, model: str, priority: str, now_ms: int, lanes: 
     return stats
 
 
-def read_stream(r, stream: str, priority: str, now_ms: int) -> Steps:
-    stats = PriorityStats(priority, length=(yield call(r.xlen, stream)))
-    if stats.length == 0:
+def read_stream(r, stream: str, priority: str, now_ms: int, row: StreamRow) -> Steps:
+    stats = PriorityStats(priority, length=row.length)
+    if row.length == 0:
         return stats
-    info = yield from group_info(r, stream)
-    oldest: list[int] = []
-    if info is None:
-        stats.backlog = stats.length
-        first = yield call(r.xrange, stream, count=1)
-        oldest += [_id_ms(first[0][0])] if first else []
-    else:
-        last = as_text(info["last-delivered-id"])
-        lag = info.get("lag")
-        stats.backlog = int(lag) if lag is not None else (yield from count_lag(r, stream, last, stats.length))
-        stats.pending = int(info["pending"])
-        if stats.pending:
-            oldest.append(_id_ms((yield call(r.xpending, stream, Keys.GROUP))["min"]))
-        nxt = yield call(r.xrange, stream, min=f"({last}", max="+", count=1)
-        oldest += [_id_ms(nxt[0][0])] if nxt else []
+    stats.backlog, stats.pending = (yield from lag_of(r, stream, row)), row.pending
+    oldest = [_id_ms(entry) for entry in (row.oldest_pending, row.next_undelivered) if entry]
     if oldest:
         stats.oldest_age_s = max(0.0, (now_ms - min(oldest)) / 1000)
     return stats
@@ -274,20 +246,23 @@ def read_workers(r, keys: Keys, now_ms: int) -> Steps:
     return [parse_heartbeat(raw, now_ms) for raw in (yield pipe.execute) if raw]
 
 
-def read_model(r, keys: Keys, model: str, workers: list[WorkerStats], now_ms: int, lanes: int = 0) -> Steps:
+def read_model(r, keys: Keys, model: str, workers: list[WorkerStats], now_ms: int, lanes: int,
+               rows: dict[str, StreamRow]) -> Steps:
     priorities = {}
     for p in PRIORITIES:
-        priorities[p] = yield from read_priority(r, keys, model, p, now_ms, lanes)
+        priorities[p] = yield from read_priority(r, keys, model, p, now_ms, lanes, rows)
     return ModelStats(model, priorities, [w.worker_id for w in workers if model in w.models])
 
 
 def queue_stats(r, keys: Keys) -> Steps:
+    """Every known or served model's streams, read in one script call per shard."""
     now_ms, lanes = (yield from server_ms(r)), (yield from lanes_of(r, keys))
     workers = yield from read_workers(r, keys, now_ms)
     names = sorted(set((yield from known_models(r, keys))) | {m for w in workers for m in w.models})
+    rows = yield from read_rows(r, keys, [st for m in names for st in keys.all_jobs(m, lanes)], oldest=True)
     models = {}
     for m in names:
-        models[m] = yield from read_model(r, keys, m, workers, now_ms, lanes)
+        models[m] = yield from read_model(r, keys, m, workers, now_ms, lanes, rows)
     dead = 0
     for stream in keys.deads():
         dead += yield call(r.xlen, stream)

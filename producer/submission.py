@@ -14,7 +14,7 @@ from .lanes import lane_of, routing_key
 from .redis_url import FAILOVER_BUDGET_S, FAILOVER_ERRORS
 from .protocol import DEFAULT_MODEL, FIELD, Job, Keys, as_text
 from .request import build_job, encode_job, new_job_id, validate_request
-from .steps import Sleep, Steps, call
+from .steps import Sleep, Steps
 
 CANCEL_TTL_S = 24 * 3600
 
@@ -77,32 +77,29 @@ def add_to_pipeline(pipe, script, prepared: Prepared):
                        prepared.result_prefix, prepared.claim.digest], pipe)
 
 
-def enqueue_commands(pipe, script, prepared: list[Prepared], keys: Keys, models: bool = True) -> Steps:
-    """The jobs, then one SADD of their models to `{ns}:models`, in the caller's MULTI: a model is listed
-    exactly when a job of it was enqueued. `owners` reads the jobs' replies only. (On a cluster the models set
-    is in another slot than most jobs: the caller adds it first, alone.) On an asyncio cluster pipeline a script
-    call queues nothing until awaited, so each is yielded in turn and the commands keep their order (a command
-    that queued itself is not: awaiting a pipeline would execute it)."""
+def enqueue_commands(pipe, script, prepared: list[Prepared]) -> Steps:
+    """The jobs' enqueue commands in the caller's MULTI; `owners` reads their replies. A submit never lists its model
+    in `{ns}:models`: only workers and operators make a model known (model_set.py), so a typo stays a 404 at the
+    gateway and never grows what stats and backlog reads cost. On an asyncio cluster pipeline a script call queues
+    nothing until awaited, so each is yielded in turn and the commands keep their order (a command that queued
+    itself is not: awaiting a pipeline would execute it)."""
     for p in prepared:
         queued = add_to_pipeline(pipe, script, p)
         if inspect.iscoroutine(queued):
             yield lambda queued=queued: queued
-    if models:
-        pipe.sadd(keys.models(), *sorted({p.model for p in prepared}))
 
 
 def send(r, script, prepared: list[Prepared], keys: Keys) -> Steps:
-    """Enqueue in one MULTI: all or nothing. On a cluster, one MULTI per shard after the models' SADD: all or
-    nothing per shard (a refusal in a later shard leaves the earlier shards' jobs enqueued, and raises)."""
+    """Enqueue in one MULTI: all or nothing. On a cluster, one MULTI per shard: all or nothing per shard (a refusal
+    in a later shard leaves the earlier shards' jobs enqueued, and raises)."""
     if len(keys.parts) == 1:
         pipe = r.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
-        yield from enqueue_commands(pipe, script, prepared, keys)
+        yield from enqueue_commands(pipe, script, prepared)
         return (yield pipe.execute)
-    yield call(r.sadd, keys.models(), *sorted({p.model for p in prepared}))
     replies: list = [None] * len(prepared)
     for group in by_shard(prepared, keys):
         pipe = r.pipeline(transaction=True)
-        yield from enqueue_commands(pipe, script, [prepared[i] for i in group], keys, models=False)
+        yield from enqueue_commands(pipe, script, [prepared[i] for i in group])
         for i, reply in zip(group, (yield pipe.execute)):
             replies[i] = reply
     return replies

@@ -2,10 +2,11 @@
 
 Separate XREADGROUP calls per priority cost up to three round trips per look, most of them on empty
 streams; a script reads high, then normal, then low, until `count` entries are taken, and never more.
-When a reclaim is due, each stream's entries idle past the reclaim timeout (their worker is dead) are
-taken over before its new entries are read: sized by free slots like any read, a reclaim that ran apart
+When a reclaim is due, the entries of every stream idle past the reclaim timeout (their worker is dead)
+are taken over before any new entry is read: sized by free slots like any read, a reclaim that ran apart
 from the reads found those slots already filled by new entries, and under sustained load orphans waited
-until the producer stopped.
+until the producer stopped; one that went stream by stream found them filled by the reader's own lanes, so
+a killed owner's lanes waited for its ring beat to expire (issue 26.7).
 """
 from __future__ import annotations
 
@@ -63,6 +64,27 @@ local function take(key, n)
   want = want - #reply[1][2]
   return reply[1][2]
 end
+local claimed = {}
+if min_idle > 0 then  -- every stream's orphans before any new entry: our own lanes must not crowd out a dead owner's
+  for index = 1, last_key do
+    if want <= 0 then break end
+    local key = KEYS[index]
+    local mine = {}
+    local reply = redis.call('XAUTOCLAIM', key, group, consumer, min_idle, '0-0', 'COUNT', want, 'JUSTID')
+    for _, id in ipairs(reply[2]) do
+      local row = redis.call('XPENDING', key, group, id, id, 1)[1]
+      local n = (row and row[4] or 0) + 1
+      redis.call('XCLAIM', key, group, consumer, 0, id, 'RETRYCOUNT', n, 'JUSTID')
+      local found = redis.call('XRANGE', key, id, id)[1]
+      mine[#mine + 1] = {id, found and found[2] or false, n}
+    end
+    for _, id in ipairs(reply[3] or {}) do  -- Redis 7: deleted while pending, already dropped from the PEL
+      mine[#mine + 1] = {id, false, 1}
+    end
+    want = want - #mine
+    if #mine > 0 then claimed[index] = mine end
+  end
+end
 if overdue_age > 0 and now then
   for index = last_key + 1, #KEYS do
     if want <= 0 then break end
@@ -73,31 +95,17 @@ if overdue_age > 0 and now then
   end
 end
 for index = 1, last_key do
-  if want <= 0 then break end
-  local key = KEYS[index]
-  local claimed = {}
-  if min_idle > 0 then
-    local reply = redis.call('XAUTOCLAIM', key, group, consumer, min_idle, '0-0', 'COUNT', want, 'JUSTID')
-    for _, id in ipairs(reply[2]) do
-      local row = redis.call('XPENDING', key, group, id, id, 1)[1]
-      local n = (row and row[4] or 0) + 1
-      redis.call('XCLAIM', key, group, consumer, 0, id, 'RETRYCOUNT', n, 'JUSTID')
-      local found = redis.call('XRANGE', key, id, id)[1]
-      claimed[#claimed + 1] = {id, found and found[2] or false, n}
+  local key, taken, entries = KEYS[index], claimed[index] or {}, {}
+  if want > 0 then
+    local n = want
+    if index > home then
+      n = math.min(want, steal_max)
+      if steal_age > 0 and now and index > urgent then n = ripe(key, n, now - steal_age) end
     end
-    for _, id in ipairs(reply[3] or {}) do  -- Redis 7: deleted while pending, already dropped from the PEL
-      claimed[#claimed + 1] = {id, false, 1}
-    end
-    want = want - #claimed
+    entries = take(key, n)
+    if index > home then steal_max = steal_max - #entries end
   end
-  local n = want
-  if index > home then
-    n = math.min(want, steal_max)
-    if steal_age > 0 and now and index > urgent then n = ripe(key, n, now - steal_age) end
-  end
-  local entries = take(key, n)
-  if index > home then steal_max = steal_max - #entries end
-  if #entries > 0 or #claimed > 0 then table.insert(out, {key, entries, claimed}) end  -- lanes: most are empty
+  if #entries > 0 or #taken > 0 then table.insert(out, {key, entries, taken}) end  -- lanes: most are empty
 end
 return out
 """

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("kvgate.commands.cancel", "ask the fleet to stop a job"),
     "batch": ("kvgate.commands.batch", "run an OpenAI Batch-format JSONL file through the fleet"),
     "stats": ("kvgate.commands.stats", "backlog, pending and live workers per queue"),
+    "models": ("kvgate.commands.models", "list the models the fleet knows; add or remove some (scale from zero)"),
     "top": ("kvgate.commands.top", "live terminal view of the fleet"),
     "serve": ("kvgate.commands.serve", "OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models"),
     "exporter": ("kvgate.commands.exporter", "Prometheus exporter for queue lag, backlog and live workers"),
@@ -35,7 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "prefix": ("kvgate.bench.prefix", "W-PREFIX: prefix-affinity lanes vs one shared stream vs an ideal single cache"),
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),
 }
-NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "top", "exporter"}
+NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "models", "top", "exporter"}
 SUBMITS = {"submit", "batch"}  # commands that enqueue jobs, so take --tenant
 
 

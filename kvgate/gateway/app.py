@@ -13,6 +13,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvgate.producer import AsyncClient, AsyncJobHandle, KvgateError, Result
+from kvgate.producer.model_set import add_models
+from kvgate.producer.steps import run_async
 
 from . import sse
 from .auth import Caller
@@ -64,6 +66,8 @@ class Gateway:
                                   durability=s.durability, pool_size=s.redis_pool_size,
                                   pool_timeout_s=s.request_timeout_s)
         await self.client.start()
+        if s.models:  # the operator's --model: known to the fleet (stats, the exporter, other gateways) from now on
+            await run_async(add_models(self.client.redis, self.client.keys, s.models))
         self.models = LiveModels(self.client.redis, self.client.keys, s.models_cache_s, s.models)
         store = BatchStore(self.client.redis, self.client.keys.prefix)  # a cluster's shard 0: batch scripts, one slot
         runner = BatchRunner(self.client, store, self.files.store, window=s.batch_window, priority=s.batch_priority,

@@ -1,16 +1,16 @@
 """Which models the gateway answers for: what live workers serve, and what waits for a worker.
 
-Live workers list every name they serve (canonical, aliases, `default`) in their heartbeats
-(`{ns}:worker:<id>`, field `models`); a heartbeat expires with its worker. `{ns}:models` holds every name ever
-submitted to or served, so a model whose workers scaled to zero is still known, with its backlog counted
-from its streams' consumer group (lag plus pending). Every request reads one shared snapshot of this: when it is
-older than `--models-cache-s`, one task reads the next (single flight: however many requests arrive, one read of
-the fleet is in flight) while requests go on with the last; only a request for a model the stale snapshot does not
-accept, or the very first one, waits for the read under way.
+Live workers list every name they serve (canonical, aliases, `default`) in their heartbeats (`{ns}:worker:<id>`,
+field `models`); a heartbeat expires with its worker. `{ns}:models` holds every name a worker served or an operator
+added (producer/model_set.py; never a producer's submit), so a model whose workers scaled to zero is still known,
+with its backlog counted from its streams' consumer group (lag plus pending). Every request reads one shared
+snapshot of this: when it is older than `--models-cache-s`, one task reads the next (single flight: however many
+requests arrive, one read of the fleet is in flight) while requests go on with the last; only a request for a model
+the stale snapshot does not accept, or the very first one, waits for the read under way.
 
 A request's model is accepted when a live worker serves it, when it is known (`{ns}:models`), or when the
-operator allowed it (`--model`, for models whose autoscaler has never started a worker yet); with an allow
-list, only allowed and live models are accepted. Anything else is OpenAI's 404 model_not_found, so a typo
+operator allowed it (`--model`, for models whose autoscaler has never started a worker yet; the gateway adds them
+to `{ns}:models` when it starts); with an allow list, only allowed and live models are accepted. Anything else is OpenAI's 404 model_not_found, so a typo
 fails at once instead of waiting forever for a worker that will never come.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class LiveModel:
 @dataclass(slots=True)
 class FleetModels:
     live: dict[str, LiveModel]  # served by live workers, with their backlog
-    known: dict[str, LiveModel]  # in {ns}:models: ever submitted to or served
+    known: dict[str, LiveModel]  # in {ns}:models: served by a worker or added by an operator
 
     def listed(self, allowed: tuple[str, ...]) -> dict[str, LiveModel]:
         """GET /v1/models: live models and models with a backlog; `default` only while jobs wait in it

@@ -180,11 +180,12 @@ def test_the_gateway_serves_chat_models_and_batches_as_its_acl_user_with_a_worke
         stop_worker(worker)
 
 
-def test_producers_and_workers_list_models_in_the_model_set_and_the_monitor_only_reads_it(acl_server):
+def test_workers_and_gateways_list_models_in_the_model_set_and_producers_and_the_monitor_only_read_it(acl_server):
     keys, producer, worker, monitor = Keys("kvgate"), acl_server("producer"), acl_server("worker"), acl_server("monitor")
-    producer.sadd(keys.models(), "org/m")
+    acl_server("gateway").sadd(keys.models(), "org/m")
     worker.sadd(keys.models(), "alpha")
     assert producer.smembers(keys.models()) == monitor.smembers(keys.models()) == {b"org/m", b"alpha"}
+    assert denied(lambda: producer.sadd(keys.models(), "typo"))  # a submit never makes a model known (issue 26.4)
     producer.xadd(keys.jobs("org/m", "high"), {"p": b"job"})
     assert denied(lambda: producer.sadd(keys.dead(), "x"))
     assert denied(lambda: monitor.sadd(keys.models(), "x"))

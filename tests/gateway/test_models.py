@@ -80,8 +80,11 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones(two_models):
 
 def test_a_known_model_with_no_worker_waits_shows_in_models_with_its_backlog_and_is_answered_after_scale_up(
         two_models):
+    from kvgate.commands.cli import main
+
     gw, url, ns = two_models
-    with Client(url, ns) as sdk:  # a producer asked for gamma before: the fleet knows it
+    assert main(["models", "--redis-url", url, "--namespace", ns, "add", "gamma"]) == 0  # the operator expects it
+    with Client(url, ns) as sdk:
         early = sdk.submit("first", model="gamma", max_tokens=2)
     client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=60)
     listed = {m.id: m for m in client.models.list().data}
@@ -114,3 +117,24 @@ def test_an_allow_list_accepts_a_model_no_worker_has_served_yet_and_only_those(t
     assert httpx.post(f"{gw.base_url}/chat/completions", json={"model": "gamma", **ASK}).status_code == 404
     assert httpx.post(f"{gw.base_url}/chat/completions", json={"model": "alpha", **ASK}).status_code == 200
     assert "delta" in [m["id"] for m in httpx.get(f"{gw.base_url}/models").json()["data"]]
+
+
+def test_a_typo_stays_a_404_after_an_sdk_submit_and_a_batch_line_name_it(two_models):
+    """Issue 26.4: one SDK submit (or one managed batch line) for `alpah` made it a known model, and chat requests
+    for it then waited forever instead of a 404. Only workers and operators make a model known."""
+    from tests.gateway.batch_files import FINAL, jsonl, request
+
+    gw, url, ns = two_models
+    with Client(url, ns) as sdk:
+        sdk.submit("hi", model="alpah", max_tokens=2)
+    client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=60)
+    f = client.files.create(file=("typo.jsonl", jsonl([request(0, model="alhpa")])), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    r = redis.Redis.from_url(url)
+    queued = lambda: sum(r.xlen(st) for st in Keys(ns).all_jobs("alhpa"))  # noqa: E731
+    wait_for(lambda: queued() or client.batches.retrieve(batch.id).status in FINAL, 30, "the batch line submitted")
+    for typo in ("alpah", "alhpa"):
+        answer = httpx.post(f"{gw.base_url}/chat/completions", json={"model": typo, **ASK}, timeout=30)
+        assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found", (typo, answer.text)
+    assert not {"alpah", "alhpa"} & {m.id for m in client.models.list().data}
+    client.batches.cancel(batch.id)

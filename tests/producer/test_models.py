@@ -33,7 +33,7 @@ def test_bad_model_names_are_refused_by_the_protocol_and_the_sdk_naming_the_fiel
     assert redis_server.client().xlen(keys.jobs(None, "normal")) == 0
 
 
-def test_a_job_names_its_model_and_lands_on_that_models_stream_and_in_the_model_set(client, redis_server, keys):
+def test_a_job_names_its_model_and_lands_on_that_models_stream_but_never_in_the_model_set(client, redis_server, keys):
     r = redis_server.client()
     named = client.submit("hi", model="org/m-1", priority="high")
     plain = client.submit("hi")
@@ -42,7 +42,7 @@ def test_a_job_names_its_model_and_lands_on_that_models_stream_and_in_the_model_
     (job,) = _jobs(r, keys.jobs(None, "normal"))
     assert job.job_id == plain.job_id and job.model is None
     assert r.xlen("%s:jobs:default:normal" % keys.ns) == 1
-    assert {m.decode() for m in r.smembers(keys.models())} == {"org/m-1", "default"}
+    assert r.smembers(keys.models()) == set()  # only workers and operators make a model known (issue 26.4)
     # the workers' group exists at id 0 on the new model's streams: a worker started later reads the job
     assert [g["name"] for g in r.xinfo_groups(keys.jobs("org/m-1", "high"))] == [Keys.GROUP.encode()]
     assert r.xinfo_groups(keys.jobs("org/m-1", "high"))[0]["last-delivered-id"] == b"0-0"
@@ -79,9 +79,12 @@ def test_the_async_client_routes_by_model_and_reads_the_serving_model(redis_serv
     assert result.text == "ok" and result.model == "m-async-canonical"
 
 
-def test_backpressure_counts_the_backlog_of_every_model(redis_server, keys):
+def test_backpressure_counts_the_backlog_of_every_known_model(redis_server, keys):
     from kvgate.producer import Backpressure, Client
+    from kvgate.producer.model_set import add_models
+    from kvgate.producer.steps import run
 
+    run(add_models(redis_server.client(), keys, ["m1", "m2"]))  # as their workers do when they start
     with Client(redis_server.url, keys.ns, max_backlog=2) as client:
         client.submit("a", model="m1")
         client.submit("b", model="m2")
@@ -141,8 +144,10 @@ def test_batch_routes_each_line_by_body_model_and_reports_the_serving_model(redi
 
 def test_stats_show_backlog_per_model_and_flag_a_model_with_no_live_worker(redis_server, keys, client, capsys):
     r = redis_server.client()
+    assert _cli(redis_server.url, keys.ns, "models", "add", "lonely") == 0  # an operator expects it: scale from zero
     client.submit_many([{"prompt": "x", "model": "lonely", "priority": "high"}] * 3)
     client.submit("y", model="served")
+    client.submit("z", model="lonley")  # a typo: nobody made it known, so nobody counts it
     r.hset(keys.worker("w1"), mapping={"worker_id": "w1", "model": "served", "models": "served,default",
                                        "updated_at": 0, "state": "serving"})
     stats = client.stats()
@@ -150,7 +155,7 @@ def test_stats_show_backlog_per_model_and_flag_a_model_with_no_live_worker(redis
     assert stats.models["served"].backlog == 1 and stats.models["served"].workers == ["w1"]
     assert not stats.models["served"].waiting_for_workers and stats.backlog == 4
     assert stats.priorities["high"].backlog == 3 and stats.priorities["normal"].backlog == 1
-    assert stats.workers[0].models == ["served", "default"]
+    assert stats.workers[0].models == ["served", "default"] and "lonley" not in stats.models
     assert _cli(redis_server.url, keys.ns, "stats") == 0
     table = capsys.readouterr().out
     lonely = next(line for line in table.splitlines() if line.startswith("lonely"))
@@ -159,6 +164,19 @@ def test_stats_show_backlog_per_model_and_flag_a_model_with_no_live_worker(redis
     assert _cli(redis_server.url, keys.ns, "stats", "--json") == 0
     body = json.loads(capsys.readouterr().out)
     assert body["models"]["lonely"]["waiting_for_workers"] is True and body["models"]["lonely"]["backlog"] == 3
+
+
+def test_the_models_command_lists_adds_and_removes_known_models_and_refuses_a_bad_name(redis_server, keys, capsys):
+    assert _cli(redis_server.url, keys.ns, "models", "add", "org/m", "random:qwen3-0.6b", "org/m") == 0
+    assert "added 2 of 2 models" in capsys.readouterr().out
+    assert _cli(redis_server.url, keys.ns, "models") == 0
+    assert capsys.readouterr().out.split() == ["default", "org/m", "random:qwen3-0.6b"]
+    assert _cli(redis_server.url, keys.ns, "models", "add", "two words") == 2
+    assert "model name 'two words'" in capsys.readouterr().err
+    assert _cli(redis_server.url, keys.ns, "models", "remove", "org/m") == 0
+    assert redis_server.client().smembers(keys.models()) == {b"random:qwen3-0.6b"}
+    assert _cli(redis_server.url, keys.ns, "models", "add") == 2
+    assert "name at least one model" in capsys.readouterr().err
 
 
 def test_a_raw_job_with_an_unknown_field_type_for_model_is_a_protocol_error():

@@ -293,3 +293,35 @@ def test_a_models_lanes_go_to_the_worker_that_serves_it(queue, spawn):
         served = {m: {h.result(timeout=30).worker for h in hs} for m, hs in handles.items()}
     assert served == {"ma": {"w-ma"}, "mb": {"w-mb"}}
     assert any(queue.r.exists(queue.keys.jobs("ma", "normal", lane)) for lane in range(LANES))  # routed into lanes
+
+
+def test_a_killed_owners_lane_jobs_are_reclaimed_while_the_survivors_own_lanes_keep_its_reads_full(queue, spawn):
+    """Issue 26.7: a survivor busy with its own lanes took a killed owner's pending jobs only once its own backlog
+    ran dry or the owner's ring beat expired (9.8-19.4 s against 2.4 s on the shared stream). The owner's beat here
+    outlives the test, and the survivor's lane holds a minute of work: the reclaim must not wait for either."""
+    keep_beat = ("--heartbeat-ttl-s", "120", "--reclaim-idle-ms", "2000")
+    a = spawn(queue.server.url, queue.ns, *SIM, "--sim-step-ms", "50", "--max-num-seqs", "4", *keep_beat, *AFFINITY,
+              worker_id="a")
+    spawn(queue.server.url, queue.ns, *SIM, "--sim-step-ms", "5", "--max-num-seqs", "2", *keep_beat, *AFFINITY,
+          "--affinity-steal-age-ms", "30000", "--affinity-max-lag-ms", "0", worker_id="b")  # a's jobs stay a's
+    settled_ring(queue, 2)
+    key_a, key_b = key_owned_by(queue, "a"), key_owned_by(queue, "b")
+    lane_a = queue.keys.jobs(None, "normal", lane_of(routing_key(prefix_key=key_a), LANES))
+    lane_b = queue.keys.jobs(None, "normal", lane_of(routing_key(prefix_key=key_b), LANES))
+    ids = submit_keyed(queue, key_a, 4, max_tokens=200, ignore_eos=True)
+
+    def held_by_a() -> int:
+        return sum(row["consumer"] == b"a" for row in queue.r.xpending_range(lane_a, "workers", "-", "+", 10))
+
+    wait_for(lambda: held_by_a() == 4, 20, lambda: f"the owner holds its 4 jobs ({held_by_a()})")
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait()
+    killed_at = time.monotonic()
+    submit_keyed(queue, key_b, 600, max_tokens=40, ignore_eos=True)  # ~a minute of the survivor's own work
+    wait_for(lambda: held_by_a() == 0, 30, lambda: f"the survivor reclaims the 4 jobs ({held_by_a()} still held)")
+    print(f"reclaimed {time.monotonic() - killed_at:.1f} s after the kill")
+    assert "a" in decode_members(queue.r.zrange(queue.keys.lane_ring(None), 0, -1))  # not by the ring beat expiring
+    assert queue.r.xinfo_groups(lane_b)[0]["lag"] > 0  # nor by the survivor running out of its own work
+    finals = wait_for(lambda: (f := [e for e in queue.finals() if e.job_id in ids]) and len(f) == 4 and f, 30,
+                      "the 4 reclaimed jobs answered")
+    assert {(f.worker, f.status, f.attempt) for f in finals} == {("b", "done", 2)}

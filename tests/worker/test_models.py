@@ -10,7 +10,9 @@ from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client
 from kvgate.commands.stats import NO_WORKER, render
 from kvgate.producer.protocol import PRIORITIES, Keys, encode
+from kvgate.producer.model_set import add_models
 from kvgate.producer.queue_stats import read_queue_stats
+from kvgate.producer.steps import run
 from tests.support import wait_for
 
 SIM = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0.01")
@@ -49,6 +51,7 @@ def test_a_job_for_a_model_nobody_serves_waits_shows_in_stats_and_is_answered_on
     url, keys, r = redis_server.url, Keys(namespace), redis_server.client()
     spawn(url, namespace, *SIM, "--served-model-name", "alpha", worker_id="w-alpha")
     _heartbeats(r, keys, 1)
+    run(add_models(r, keys, ["gamma"]))  # an operator's `kvgate models add gamma`: its backlog is seen before a worker
     with Client(url, namespace) as client:
         waiting = client.submit("wait for me", model="gamma", max_tokens=2, priority="high")
         assert client.submit("now", model="alpha", max_tokens=2).result(timeout=60).model == "alpha"
