@@ -15,8 +15,11 @@ from typing import IO
 from tqdm.auto import tqdm
 
 from kvgate.producer.client import Client
+from kvgate.producer.model_set import known_models
+from kvgate.producer.steps import run as run_steps
 from kvgate.producer.errors import ResultTimeout
-from kvgate.openai.batch import BatchRequest, answer_line, file_digest, file_problems, plan_line, request_lines
+from kvgate.openai.batch import (BatchRequest, answer_line, file_digest, file_problems, plan_line, request_lines,
+                                 unknown_model_line)
 
 MAX_PROBLEMS = 20  # listed when a file is refused; the message says how many more there are
 
@@ -51,10 +54,18 @@ def answered_ids(output: Path) -> set[str]:
 
 def read_requests(data: bytes, done: set[str], priority: str, out: IO[str],
                   client: Client) -> tuple[list[BatchRequest], int]:
-    """Parse and validate the lines still to do; bad lines get their error line now, and are counted."""
+    """Parse and validate the lines still to do; bad lines get their error line now, and are counted. A line for a
+    model the fleet does not know (no worker served it, no operator added it) is one of them, as the gateway answers
+    it: a typo would otherwise wait in streams nobody reads until --timeout."""
     digest, todo, rejected = file_digest(data), [], 0
+    known = set(run_steps(known_models(client.redis, client.keys)))
     for line_no, raw in request_lines(data):
         planned = plan_line(line_no, raw, digest, priority, client.keys, client.client_id)
+        if isinstance(planned, BatchRequest) and planned.model and planned.model not in known:
+            planned = unknown_model_line(planned, f"model {planned.model!r} is not known to the fleet: no worker has "
+                                                  f"served it and no operator added it (known: {', '.join(sorted(known))}"
+                                                  f"; `kvgate models add {planned.model}` if its workers are on the way)",
+                                         digest)
         if isinstance(planned, BatchRequest):
             if planned.custom_id not in done:
                 todo.append(planned)

@@ -2,6 +2,8 @@
 name; an unknown model is a 404 unless the fleet knows it or the operator allowed it (scale from zero)."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -130,11 +132,14 @@ def test_a_typo_stays_a_404_after_an_sdk_submit_and_a_batch_line_name_it(two_mod
     client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=60)
     f = client.files.create(file=("typo.jsonl", jsonl([request(0, model="alhpa")])), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    r = redis.Redis.from_url(url)
-    queued = lambda: sum(r.xlen(st) for st in Keys(ns).all_jobs("alhpa"))  # noqa: E731
-    wait_for(lambda: queued() or client.batches.retrieve(batch.id).status in FINAL, 30, "the batch line submitted")
+    wait_for(lambda: client.batches.retrieve(batch.id).status in FINAL, 30, "the batch to end")
+    done = client.batches.retrieve(batch.id)  # the line is answered model_not_found, never enqueued (issue 26.4)
+    assert done.status == "completed" and done.request_counts.failed == 1, done
+    (line,) = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert line["error"]["code"] == "model_not_found" and "alhpa" in line["error"]["message"], line
+    with redis.Redis.from_url(url) as r:
+        assert sum(r.xlen(st) for st in Keys(ns).all_jobs("alhpa") if r.exists(st)) == 0
     for typo in ("alpah", "alhpa"):
         answer = httpx.post(f"{gw.base_url}/chat/completions", json={"model": typo, **ASK}, timeout=30)
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found", (typo, answer.text)
     assert not {"alpah", "alhpa"} & {m.id for m in client.models.list().data}
-    client.batches.cancel(batch.id)

@@ -24,6 +24,8 @@ class FakeWorker:
     taken: dict[str, tuple[str, str]] = field(default_factory=dict)  # job_id -> (stream, entry id)
 
     def ensure_groups(self) -> None:
+        if self.model is not None:  # a worker makes the models it serves known when it starts
+            self.r.sadd(self.keys.models(), self.model)
         for priority in ("high", "normal", "low"):
             try:
                 self.r.xgroup_create(self.keys.jobs(self.model, priority), Keys.GROUP, id="0", mkstream=True)

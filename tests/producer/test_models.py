@@ -113,11 +113,12 @@ def test_batch_routes_each_line_by_body_model_and_reports_the_serving_model(redi
     stop = threading.Event()
 
     def serve(fake: FakeWorker):
-        fake.ensure_groups()
         while not stop.is_set():
             for job in fake.take("low", block_ms=20):
                 fake.final(job, text=f"{fake.model} says hi", token_ids=[1], model=f"{fake.model}-canonical")
 
+    for fake in workers:
+        fake.ensure_groups()
     threads = [threading.Thread(target=serve, args=(w,), daemon=True) for w in workers]
     for t in threads:
         t.start()
@@ -125,6 +126,8 @@ def test_batch_routes_each_line_by_body_model_and_reports_the_serving_model(redi
              "body": {"model": m, "prompt": "x", "max_tokens": 2}} for m in ("m-a", "m-b") for i in range(2)]
     rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
                  "body": {"model": "no good", "prompt": "x"}})
+    rows.append({"custom_id": "typo", "method": "POST", "url": "/v1/completions",
+                 "body": {"model": "m-c", "prompt": "x"}})  # before: waited in streams nobody reads, to --timeout
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     try:
@@ -140,6 +143,9 @@ def test_batch_routes_each_line_by_body_model_and_reports_the_serving_model(redi
             body = by_id[f"{m}-{i}"]["response"]["body"]
             assert body["choices"][0]["text"] == f"{m} says hi" and body["model"] == f"{m}-canonical"
     assert by_id["bad"]["response"] is None and "model" in by_id["bad"]["error"]["message"]
+    typo = by_id["typo"]["error"]
+    assert typo["code"] == "model_not_found" and "'m-c' is not known" in typo["message"], typo
+    assert "kvgate models add m-c" in typo["message"] and "m-a" in typo["message"], typo
 
 
 def test_stats_show_backlog_per_model_and_flag_a_model_with_no_live_worker(redis_server, keys, client, capsys):
