@@ -32,6 +32,7 @@ from .models import LiveModels, model_object
 from .request_body import read_json as _body, sized
 from .responses import Reply, failure
 from .settings import GatewaySettings
+from .tokenize import TokenizerApi
 from .translate import Kind, Plan, plan
 
 DISCONNECT_POLL_S = 1.0
@@ -62,6 +63,7 @@ class Gateway:
         self.files = FilesApi(settings, LocalFileStore(files_dir), self.keys)
         self.batches = BatchesApi(settings, self.files)
         self.metrics = GatewayMetrics()
+        self.tokenizer = TokenizerApi(self)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
@@ -194,6 +196,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         Route("/metrics", gw.prometheus, methods=["GET"]),
         *gw.files.routes(),
         *gw.batches.routes(),
+        *gw.tokenizer.routes(),
     ]
     handlers = {ApiError: api_error_handler, HTTPException: http_error_handler, Exception: unexpected_error_handler}
     counted = Middleware(MetricsMiddleware, metrics=gw.metrics, routes=routes)  # outermost: counts every answer

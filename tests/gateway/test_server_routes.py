@@ -51,3 +51,51 @@ def test_metrics_count_requests_by_route_template_and_status_and_time_streams(ga
     routes = {dict(labels).get("route") for (name, labels) in after if name.startswith("kvgate_gateway_")}
     assert not any("file-" in r for r in routes if r), f"an id became a label value: {sorted(filter(None, routes))}"
     assert not any({"tenant", "model"} & dict(labels).keys() for (_, labels) in after), "unbounded label"
+
+
+# -- /tokenize and /detokenize: the shapes, against the simulated worker's tokenizer (the engine's own object) -------
+def sim_tokenizer():
+    from kvgate.engine.cost_model_runner import SimulatedTokenizer
+
+    return SimulatedTokenizer(32000)  # `kvgate worker --simulated` keeps SimulatedEngine's vocab_size
+
+
+def test_tokenize_answers_vllms_shape_from_the_serving_workers_tokenizer(gateway):
+    tok = sim_tokenizer()
+    with httpx.Client(base_url=gateway.root, timeout=60) as http:
+        got = http.post("/tokenize", json={"model": "default", "prompt": "the cat sat on the mat"})
+        assert got.status_code == 200, got.text
+        expected = tok.encode("the cat sat on the mat")
+        assert got.json() == {"count": len(expected), "max_model_len": 4096, "tokens": expected, "token_strs": None}
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+        chat = http.post("/tokenize", json={"model": "default", "messages": messages}).json()
+        templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert chat["tokens"] == tok.encode(templated, add_special_tokens=False) and chat["count"] == len(chat["tokens"]) == 7
+        back = http.post("/detokenize", json={"model": "default", "tokens": expected})
+        assert back.status_code == 200 and back.json() == {"prompt": tok.decode(expected)}
+
+
+def test_tokenize_refuses_unknown_models_and_bad_bodies_in_openais_shape(gateway):
+    with httpx.Client(base_url=gateway.root, timeout=60) as http:
+        missing = http.post("/tokenize", json={"model": "no-such-model", "prompt": "hi"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert http.post("/detokenize", json={"model": "no-such-model", "tokens": [1]}).status_code == 404
+        for body, param in [({"model": "default"}, "prompt"),
+                            ({"model": "default", "prompt": 7}, "prompt"),
+                            ({"model": "default", "prompt": "hi", "colour": "red"}, "colour"),
+                            ({"model": "default", "messages": [{"role": "user", "content": "hi"}],
+                              "add_generation_prompt": False}, "add_generation_prompt"),
+                            ({"model": "default", "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template": "{{ messages }}"}, "chat_template"),
+                            ({"model": "default", "prompt": "hi", "return_token_strs": True}, "return_token_strs")]:
+            got = http.post("/tokenize", json=body)
+            error = got.json()["error"]
+            assert got.status_code == 400 and error["type"] == "invalid_request_error", (body, got.text)
+            assert error["param"] == param, (body, error)
+        for body, param in [({"model": "default", "tokens": [-1]}, "tokens.0"),
+                            ({"model": "default", "tokens": []}, "tokens"),
+                            ({"model": "default", "tokens": "1 2"}, "tokens")]:
+            got = http.post("/detokenize", json=body)
+            assert got.status_code == 400 and got.json()["error"]["param"] == param, (body, got.text)
+        not_json = http.post("/tokenize", content=b"{nope", headers={"content-type": "application/json"})
+        assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_json"
