@@ -55,7 +55,7 @@ Status = Literal["done", "error", "expired", "cancelled"]
 Role = Literal["system", "user", "assistant", "tool"]  # the SDK's roles; a raw job with another is bad input
 FinishReason = Literal["stop", "length", "abort"]
 # What a job asks of a worker: generate (the engine runs it), or tokenize / detokenize (the worker answers from its
-# own tokenizer at once, without the engine or its KV cache: GET-like questions about the model, see worker/intake.py)
+# own tokenizer at once, without the engine or its KV cache: worker/tokenizer_jobs.py)
 Task = Literal["generate", "tokenize", "detokenize"]
 
 

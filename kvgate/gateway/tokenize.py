@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
@@ -60,7 +59,7 @@ def parse(kind: type[BaseModel], body: Any) -> BaseModel:
     """A body as `kind`, or the 400 that names its first bad field and value."""
     if not isinstance(body, dict):
         raise invalid("body", f"the request body must be a JSON object, got {type(body).__name__}")
-    for name in NOT_HONOURED:
+    for name in NOT_HONOURED if kind is not Detokenize else ():
         if body.get(name) is not None:
             raise unsupported(name, body[name], " for /tokenize: the worker applies the model's own chat template")
     try:

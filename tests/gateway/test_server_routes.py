@@ -70,7 +70,8 @@ def test_tokenize_answers_vllms_shape_from_the_serving_workers_tokenizer(gateway
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
         chat = http.post("/tokenize", json={"model": "default", "messages": messages}).json()
         templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert chat["tokens"] == tok.encode(templated, add_special_tokens=False) and chat["count"] == len(chat["tokens"]) == 7
+        assert chat["tokens"] == tok.encode(templated, add_special_tokens=False)
+        assert chat["count"] == len(chat["tokens"]) == 7
         back = http.post("/detokenize", json={"model": "default", "tokens": expected})
         assert back.status_code == 200 and back.json() == {"prompt": tok.decode(expected)}
 
