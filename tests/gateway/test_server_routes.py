@@ -2,7 +2,10 @@
 POST /tokenize and /detokenize (answered by a serving worker's own tokenizer), through raw HTTP."""
 from __future__ import annotations
 
+import time
+
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvgate
@@ -100,3 +103,31 @@ def test_tokenize_refuses_unknown_models_and_bad_bodies_in_openais_shape(gateway
             assert got.status_code == 400 and got.json()["error"]["param"] == param, (body, got.text)
         not_json = http.post("/tokenize", content=b"{nope", headers={"content-type": "application/json"})
         assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_json"
+
+
+def test_tokenize_needs_a_key_and_waits_as_the_keys_tenants_high_priority_job_while_version_and_metrics_stay_open(
+        shared_redis, gateway_factory):
+    """A model no worker serves yet (scale from zero): the tokenize job waits in the queue like any job, as the
+    key's tenant's, at high priority, and the request ends at the request timeout with the 504 of a generation."""
+    import redis
+
+    from kvgate.producer.protocol import FIELD, Keys, decode_job
+
+    ns = f"tok{time.monotonic_ns() % 10**9}"
+    gw = gateway_factory(shared_redis.url, ns, api_keys=["sk-tok-0001=team-t"], models=["cold"], request_timeout_s=1)
+    with httpx.Client(base_url=gw.root, timeout=60) as http:
+        assert http.get("/version").status_code == 200 and http.get("/metrics").status_code == 200
+        refused = http.post("/tokenize", json={"model": "cold", "prompt": "hello world"})
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "invalid_request_error"
+        waited = http.post("/tokenize", json={"model": "cold", "prompt": "hello world"},
+                           headers={"Authorization": "Bearer sk-tok-0001"})
+        assert waited.status_code == 504 and waited.json()["error"]["code"] == "timeout", waited.text
+    r = redis.Redis.from_url(shared_redis.url)
+    try:
+        entries = r.xrange(Keys(ns).jobs("cold", "high"))
+    finally:
+        r.close()
+    assert len(entries) == 1
+    job = decode_job(entries[0][1][FIELD.encode()])
+    assert (job.task, job.tenant, job.prompt, job.model) == ("tokenize", "team-t", "hello world", "cold")
+    assert job.deadline is not None and job.deadline - job.enqueued_at == pytest.approx(1.0)
