@@ -108,13 +108,15 @@ def test_tokenize_refuses_unknown_models_and_bad_bodies_in_openais_shape(gateway
 def test_tokenize_needs_a_key_and_waits_as_the_keys_tenants_high_priority_job_while_version_and_metrics_stay_open(
         shared_redis, gateway_factory):
     """A model no worker serves yet (scale from zero): the tokenize job waits in the queue like any job, as the
-    key's tenant's, at high priority, and the request ends at the request timeout with the 504 of a generation."""
+    key's tenant's, at high priority, and the request ends at the request timeout with the 504 of a generation; it
+    counts against --max-backlog (then 429), and /metrics counts both answers under the route."""
     import redis
 
     from kvgate.producer.protocol import FIELD, Keys, decode_job
 
     ns = f"tok{time.monotonic_ns() % 10**9}"
-    gw = gateway_factory(shared_redis.url, ns, api_keys=["sk-tok-0001=team-t"], models=["cold"], request_timeout_s=1)
+    gw = gateway_factory(shared_redis.url, ns, api_keys=["sk-tok-0001=team-t"], models=["cold"], request_timeout_s=1,
+                         max_backlog=1)
     with httpx.Client(base_url=gw.root, timeout=60) as http:
         assert http.get("/version").status_code == 200 and http.get("/metrics").status_code == 200
         refused = http.post("/tokenize", json={"model": "cold", "prompt": "hello world"})
@@ -122,6 +124,12 @@ def test_tokenize_needs_a_key_and_waits_as_the_keys_tenants_high_priority_job_wh
         waited = http.post("/tokenize", json={"model": "cold", "prompt": "hello world"},
                            headers={"Authorization": "Bearer sk-tok-0001"})
         assert waited.status_code == 504 and waited.json()["error"]["code"] == "timeout", waited.text
+        full = http.post("/tokenize", json={"model": "cold", "prompt": "again"},
+                         headers={"Authorization": "Bearer sk-tok-0001"})  # the waiting job fills --max-backlog 1
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        counted = samples(gw.root)
+    assert counted[("kvgate_gateway_requests_total", (("route", "/tokenize"), ("status", "429")))] == 1
+    assert counted[("kvgate_gateway_requests_total", (("route", "/tokenize"), ("status", "504")))] == 1
     r = redis.Redis.from_url(shared_redis.url)
     try:
         entries = r.xrange(Keys(ns).jobs("cold", "high"))
