@@ -27,6 +27,8 @@ from .urls import split_url
 # Job's `tenant` came the same way: a job without one encodes as before, so new workers serve old producers' jobs;
 # a worker from before it answers a job that carries one with an error result naming the field: upgrade workers
 # before the gateways and producers that set it.
+# Job's `task` and `add_special_tokens` and Final's `max_model_len` came the same way: a generation job encodes as
+# before; a worker from before them answers a tokenizer job with an error result naming the field.
 PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 JOB_VERSION = 1
@@ -52,6 +54,9 @@ Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
 Role = Literal["system", "user", "assistant", "tool"]  # the SDK's roles; a raw job with another is bad input
 FinishReason = Literal["stop", "length", "abort"]
+# What a job asks of a worker: generate (the engine runs it), or tokenize / detokenize (the worker answers from its
+# own tokenizer at once, without the engine or its KV cache: worker/tokenizer_jobs.py)
+Task = Literal["generate", "tokenize", "detokenize"]
 
 
 class ProtocolError(ValueError):
@@ -112,6 +117,10 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     metadata: dict[str, str] | None = None
     model: str | None = None  # None: the `default` model's stream; a worker serves it unless serve_default=False
     tenant: str | None = None  # who submitted it (the gateway: its API key's tenant); None: a producer that names none
+    task: Task = "generate"
+    # tokenize: the tokenizer's special tokens (BOS...) around a prompt, as tokenizer.encode(prompt,
+    # add_special_tokens=...); messages go through the chat template exactly as a generation job's do
+    add_special_tokens: bool = True
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -179,6 +188,7 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     attempt: int = 1  # the delivery that produced this result
     model: str | None = None  # the canonical name of the model that served it (None: answered without a model)
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
+    max_model_len: int | None = None  # tokenize: the serving worker's longest prompt plus output, in tokens
 
 
 Event = Delta | Final
@@ -275,6 +285,10 @@ def validate_job(job: Job) -> None:
             raise ProtocolError(f"messages has {len(job.messages)} entries; it must have 1 to {MAX_MESSAGES}")
         if sum(len(m.content) for m in job.messages) > MAX_PROMPT_CHARS:
             raise ProtocolError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
+    if job.task == "tokenize" and job.prompt_token_ids is not None:
+        raise ProtocolError("a tokenize job takes a prompt or messages, not prompt_token_ids")
+    if job.task == "detokenize" and job.prompt_token_ids is None:
+        raise ProtocolError("a detokenize job takes prompt_token_ids, not a prompt or messages")
     if job.prompt_token_ids is not None:
         if not 0 < len(job.prompt_token_ids) <= MAX_PROMPT_CHARS or min(job.prompt_token_ids) < 0:
             raise ProtocolError("prompt_token_ids must be a non-empty list of non-negative token ids")

@@ -136,6 +136,8 @@ class SubmitRequest(_PromptAndSampling):
     metadata: Annotated[dict[Annotated[Text, Field(max_length=256)], Text],
                         AfterValidator(_metadata_size)] | None = None
     tenant: Annotated[str, AfterValidator(_tenant_name)] | None = None  # None: the client's own, if it has one
+    task: wire.Task = "generate"  # tokenize / detokenize: the serving worker's tokenizer answers (token_ids / text)
+    add_special_tokens: bool = True  # tokenize: as tokenizer.encode(prompt, add_special_tokens=...)
 
     def sampling(self) -> wire.Sampling:
         given = {s.name: getattr(self, s.name) for s in wire.SAMPLING_FIELDS}
@@ -145,8 +147,14 @@ class SubmitRequest(_PromptAndSampling):
         """What makes two submits 'the same request' for idempotency: the body, not its timing, key or tenant (who
         sent it: a batch line resubmitted with its tenant by an upgraded gateway replica reattaches to the job a
         replica from before tenants submitted, and every digest stays what it was before tenants existed)."""
-        body = self.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant"}, mode="json")
+        body = self.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant", *self._defaults()},
+                               mode="json")
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:32]
+
+    def _defaults(self) -> set[str]:
+        """Fields newer than digests that hold their default: left out, so a generation job's digest stays."""
+        fields = type(self).model_fields
+        return {name for name in ("task", "add_special_tokens") if getattr(self, name) == fields[name].default}
 
 
 def _submit_signature() -> inspect.Signature:
@@ -220,6 +228,9 @@ def _check_combination(req: SubmitRequest, where: str) -> None:
                                          "give exactly one of prompt, messages, prompt_token_ids")])
     if req.ttl_s is not None and req.deadline is not None:
         raise InvalidRequest([FieldError(f"{where}deadline", req.deadline, "give ttl_s or deadline, not both")])
+    if req.task != "generate" and (req.task == "detokenize") != (req.prompt_token_ids is not None):
+        raise InvalidRequest([FieldError(f"{where}task", req.task, "detokenize takes prompt_token_ids; tokenize "
+                                         "takes a prompt or messages")])
     if req.deadline is not None and req.deadline <= time.time():
         raise InvalidRequest([FieldError(f"{where}deadline", req.deadline,
                                          f"is in the past (now is {time.time():.3f}); give a future unix time "
@@ -253,7 +264,7 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
                    sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
                    idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model,
-                   tenant=req.tenant)
+                   tenant=req.tenant, task=req.task, add_special_tokens=req.add_special_tokens)
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

@@ -21,12 +21,13 @@ class Result:
     attempt: int = 1  # the delivery of the job that produced this result (2 and up after a redelivery)
     model: str | None = None  # the canonical name of the model that served it
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when submitted with logprobs=N
+    max_model_len: int | None = None  # a tokenize job's: the serving worker's limit in tokens
 
     @classmethod
     def from_final(cls, final: Final) -> "Result":
         return cls(final.job_id, final.status, final.text, list(final.token_ids), final.finish_reason, final.error,
                    final.usage, final.worker, final.timings, final.metadata, final.attempt,
-                   model=final.model, logprobs=final.logprobs)
+                   model=final.model, logprobs=final.logprobs, max_model_len=final.max_model_len)
 
     @property
     def ok(self) -> bool:

@@ -33,7 +33,8 @@ class Answers:
 
     def reject(self, r: Rejection) -> None:
         if r.ticket is not None:
-            self.answer(Ended(r.ticket, r.status, error=r.error, dead_reason=r.dead_reason))
+            self.answer(Ended(r.ticket, r.status, error=r.error or None, dead_reason=r.dead_reason,
+                              tokenized=r.tokenized))
             return
         self.metrics.on_dead_letter("invalid")
         ident = identify(r.payload) if r.payload is not None else None

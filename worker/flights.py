@@ -17,6 +17,7 @@ from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Final, Timings, To
 from kvgate.worker.admission import Ticket
 from kvgate.worker.engine import Engine
 from kvgate.worker.logprobs import TokenRenderer
+from kvgate.worker.tokenizer_jobs import Tokenized
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class Ended:
     flight: Flight | None = None
     error: str | None = None
     dead_reason: str = ""
+    tokenized: Tokenized | None = None  # a tokenizer job's answer (worker/tokenizer_jobs.py)
 
 
 @dataclass(slots=True)
@@ -65,6 +67,8 @@ def final_of(ended: Ended, *, worker: str, model: str, finished_at: float) -> Fi
         final.finish_reason = out.finish_reason
         final.usage = Usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
         final.logprobs = flight.logprobs if flight is not None else None
+    if (answer := ended.tokenized) is not None:
+        final.token_ids, final.text, final.max_model_len = answer.token_ids, answer.text, answer.max_model_len
     return final
 
 

@@ -17,6 +17,7 @@ from kvgate.worker.clock import ServerClock
 from kvgate.worker.engine import Engine
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.reader import Entry
+from kvgate.worker.tokenizer_jobs import Tokenized, answer
 
 FIELD_BYTES = FIELD.encode()
 
@@ -65,7 +66,8 @@ def prompt_ids(engine, job: Job) -> list[int]:
 
 @dataclass(slots=True)
 class Rejection:
-    """An entry answered at once instead of run: the status and the error to answer with."""
+    """An entry answered at once instead of run: the status and the error to answer with, or (status done) a
+    tokenizer job's answer."""
 
     stream: str
     entry_id: str
@@ -74,6 +76,7 @@ class Rejection:
     ticket: Ticket | None = None  # None: the payload did not decode; whoever `identify` finds in it is told
     payload: bytes | None = None
     dead_reason: str = ""  # also dead-lettered, with this reason
+    tokenized: Tokenized | None = None
 
 
 @dataclass(slots=True)
@@ -109,6 +112,8 @@ class Intake:
             return Rejection(e.stream, e.entry_id, "error", reason, ticket, dead_reason=reason)
         if self.clock.expired(job, e.entry_id):
             return Rejection(e.stream, e.entry_id, "expired", "deadline passed before the job started", ticket)
+        if job.task != "generate":
+            return self._tokenizer_answer(e, ticket)
         try:
             ticket.params = sampling_params(job.sampling)
             ticket.prompt_ids = prompt_ids(self.engine, job)
@@ -119,6 +124,12 @@ class Intake:
         except Exception as error:  # a tokenizer or chat template refusing this input is bad input, not a crash
             return Rejection(e.stream, e.entry_id, "error", f"invalid job: {error}", ticket)
         return ticket
+
+    def _tokenizer_answer(self, e: Entry, ticket: Ticket) -> Rejection:
+        try:
+            return Rejection(e.stream, e.entry_id, "done", "", ticket, tokenized=answer(self.engine, ticket.job))
+        except Exception as error:  # as for a generation job: bad input, not a crash
+            return Rejection(e.stream, e.entry_id, "error", f"invalid job: {ticket.job.task}: {error}", ticket)
 
     def _clamp_budget(self, ticket: Ticket) -> None:
         """The budget is clamped here, once, by the engine's own rule (output_budget): a max_tokens beyond

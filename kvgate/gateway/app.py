@@ -10,8 +10,10 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from kvgate import __version__
 from kvgate.producer import AsyncClient, AsyncJobHandle, KvgateError, Result
 from kvgate.producer.model_set import add_models
 from kvgate.producer.steps import run_async
@@ -24,11 +26,13 @@ from .batches import BatchesApi
 from .errors import ApiError, api_error_handler, from_sdk, http_error_handler, unexpected_error_handler
 from .file_store import LocalFileStore, default_files_dir, namespace_dir
 from .files import FilesApi
+from .metrics import GatewayMetrics, MetricsMiddleware
 from .middleware import middleware
 from .models import LiveModels, model_object
 from .request_body import read_json as _body, sized
 from .responses import Reply, failure
 from .settings import GatewaySettings
+from .tokenize import TokenizerApi
 from .translate import Kind, Plan, plan
 
 DISCONNECT_POLL_S = 1.0
@@ -58,6 +62,8 @@ class Gateway:
         files_dir = namespace_dir(settings.files_dir or default_files_dir(), settings.namespace)
         self.files = FilesApi(settings, LocalFileStore(files_dir), self.keys)
         self.batches = BatchesApi(settings, self.files)
+        self.metrics = GatewayMetrics()
+        self.tokenizer = TokenizerApi(self)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
@@ -99,6 +105,8 @@ class Gateway:
         headers = {"x-request-id": handles[0].job_id}
         if p.stream:
             events = sse.events(reply, handles, self.settings.request_timeout_s, self.abandon)
+            events = self.metrics.stream(events, request.state.kvgate_route, request.state.kvgate_started,
+                                         preamble=len(handles) if kind == "chat" else 0)
             return StreamingResponse(events, media_type="text/event-stream", headers=sse.HEADERS | headers)
         results = await self.wait(request, handles)
         for r in results:
@@ -127,6 +135,15 @@ class Gateway:
         except Exception as e:  # the load balancer should route elsewhere while Redis is unreachable
             raise ApiError(503, f"redis unreachable: {e}", type="server_error", code="queue_unavailable") from None
         return json_response({"status": "ok"})
+
+    async def version(self, request: Request) -> Response:
+        """vLLM's GET /version; open, as /health is."""
+        return json_response({"version": __version__})
+
+    async def prometheus(self, request: Request) -> Response:
+        """The gateway's own metrics (metrics.py); open, as /health is, for Prometheus to scrape."""
+        body, media_type = self.metrics.exposition()
+        return Response(body, media_type=media_type)
 
     # -- jobs -------------------------------------------------------------------------------------
     async def submit(self, p: Plan, caller: Caller) -> list[AsyncJobHandle]:
@@ -175,11 +192,15 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         Route("/v1/models", gw.list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", gw.get_model, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        Route("/version", gw.version, methods=["GET"]),
+        Route("/metrics", gw.prometheus, methods=["GET"]),
         *gw.files.routes(),
         *gw.batches.routes(),
+        *gw.tokenizer.routes(),
     ]
     handlers = {ApiError: api_error_handler, HTTPException: http_error_handler, Exception: unexpected_error_handler}
-    app = Starlette(routes=routes, middleware=middleware(gw.settings), exception_handlers=handlers,
+    counted = Middleware(MetricsMiddleware, metrics=gw.metrics, routes=routes)  # outermost: counts every answer
+    app = Starlette(routes=routes, middleware=[counted, *middleware(gw.settings)], exception_handlers=handlers,
                     lifespan=gw.lifespan)
     app.state.gateway = gw
     return app

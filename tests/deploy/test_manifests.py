@@ -109,15 +109,16 @@ def test_keda_scales_the_worker_to_zero_on_lag_of_every_job_stream():
     assert streams == set(keys.all_jobs(None))
 
 
-def test_pod_and_service_monitors_select_the_worker_and_exporter_ports():
+def test_pod_and_service_monitors_select_the_worker_exporter_and_gateway_ports():
     worker = named("Deployment", "kvgate-worker")["spec"]["template"]
     pm = named("PodMonitor", "kvgate-worker")["spec"]
     assert pm["selector"]["matchLabels"].items() <= worker["metadata"]["labels"].items()
     assert pm["podMetricsEndpoints"][0]["port"] in {p["name"] for p in worker["spec"]["containers"][0]["ports"]}
-    svc = named("Service", "kvgate-exporter")
-    sm = named("ServiceMonitor", "kvgate-exporter")["spec"]
-    assert sm["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert sm["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    for name in ("kvgate-exporter", "kvgate-gateway"):  # the gateway's /metrics is on its API port
+        svc = named("Service", name)
+        sm = named("ServiceMonitor", name)["spec"]
+        assert sm["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        assert sm["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
 
 
 def test_prometheus_rule_carries_exactly_the_alerts_file():
@@ -187,7 +188,8 @@ def test_compose_stack_has_every_service_and_its_mounted_files_exist():
     assert "--appendonly" in compose["services"]["redis"]["command"]
     prom = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    assert targets == {"worker:9300", "exporter:9400"}
+    assert targets == {"worker:9300", "exporter:9400", "gateway:8000"}
+    assert "8000:8000" in compose["services"]["gateway"]["ports"]  # its GET /metrics is on its API port
     assert compose["services"]["worker"]["environment"]["KVGATE_METRICS_PORT"] == "9300"
     assert (DEPLOY / "Dockerfile").exists() and (DEPLOY / "README.md").exists()
 

@@ -10,6 +10,7 @@ import yaml
 
 from kvgate.producer.protocol import Keys
 from kvgate.commands.exporter import build_registry
+from kvgate.gateway.metrics import GatewayMetrics
 from kvgate.worker.metrics import WorkerMetrics
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
@@ -40,8 +41,12 @@ def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
     client, keys = shared_redis.client(), Keys(namespace)
     client.xadd(keys.jobs(None, "normal"), {"p": b"x"})
     client.hset(keys.worker("w"), mapping={"worker_id": "w", "free_blocks": 3})
+    gateway = GatewayMetrics()
+    gateway.requests.labels("/v1/chat/completions", "200").inc()
+    gateway.latency.labels("/v1/chat/completions").observe(0.1)
+    gateway.ttft.labels("/v1/chat/completions").observe(0.1)
     names, labels = set(), {"le"}
-    for registry in (worker.registry, build_registry(client, keys)):
+    for registry in (worker.registry, build_registry(client, keys), gateway.registry):
         for family in registry.collect():
             for sample in family.samples:
                 names.add(sample.name)

@@ -79,3 +79,28 @@ def test_smollm2_answers_a_small_managed_batch(smol):
     answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"]
                for r in rows_of(smol.files.content(done.output_file_id).content)}
     assert "Paris" in answers["france"]
+
+
+def test_smollm2_tokenize_and_detokenize_equal_hfs_tokenizer_of_the_serving_model(smol):
+    """vLLM's /tokenize and /detokenize over raw HTTP, answered by the worker, against transformers' own tokenizer
+    of the bundled model: the prompt with and without special tokens, chat messages through the chat template."""
+    import httpx
+
+    from kvgate.engine.loader import resolve_model
+
+    tok = resolve_model("smollm2-135m").tokenizer
+    model = smol.models.list().data[0].id
+    prompt = "Déjà vu: the café's naïve 🦊 ran 3×."
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+    with httpx.Client(base_url=str(smol.base_url).rstrip("/").removesuffix("/v1"), timeout=240) as http:
+        for special in (True, False):
+            got = http.post("/tokenize", json={"model": model, "prompt": prompt, "add_special_tokens": special})
+            assert got.status_code == 200, got.text
+            expected = tok.encode(prompt, add_special_tokens=special)
+            assert got.json() == {"count": len(expected), "max_model_len": 512, "tokens": expected, "token_strs": None}
+        chat = http.post("/tokenize", json={"model": model, "messages": messages}).json()
+        templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert chat["tokens"] == tok.encode(templated, add_special_tokens=False) and chat["count"] > len(expected)
+        back = http.post("/detokenize", json={"model": model, "tokens": chat["tokens"]})
+        assert back.status_code == 200
+        assert back.json() == {"prompt": tok.decode(chat["tokens"])} == {"prompt": templated}
