@@ -2,6 +2,7 @@
 `kvgate worker --simulated` subprocesses on a real redis-server."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -79,16 +80,23 @@ def stop_worker(proc) -> None:
             proc.wait()
 
 
+@contextlib.contextmanager
+def running_worker(redis_url: str, namespace: str, *args: str, worker_id: str):
+    """A `kvgate worker` subprocess with `args`, from its first heartbeat until the block ends; yields (url, ns)."""
+    proc = spawn_worker(redis_url, namespace, *args, worker_id=worker_id)
+    try:
+        wait_for_workers(redis_url, namespace, proc=proc)
+        yield redis_url, namespace
+    finally:
+        stop_worker(proc)
+
+
 @pytest.fixture(scope="module")
 def sim_fleet(shared_redis):
     """One simulated worker for a module, on its own namespace of the session's redis-server."""
-    ns = f"gw{os.getpid()}-{abs(hash(time.monotonic())) % 10**6}"
-    proc = spawn_worker(shared_redis.url, ns, *SIM, worker_id="sim-gw")
-    try:
-        wait_for_workers(shared_redis.url, ns, proc=proc)
-        yield shared_redis.url, ns
-    finally:
-        stop_worker(proc)
+    with running_worker(shared_redis.url, f"gw{os.getpid()}-{abs(hash(time.monotonic())) % 10**6}", *SIM,
+                        worker_id="sim-gw") as fleet:
+        yield fleet
 
 
 @pytest.fixture(scope="module")

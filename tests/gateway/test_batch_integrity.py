@@ -14,8 +14,8 @@ from kvgate.commands.cli import main as kvgate
 from kvgate.gateway.file_store import LocalFileStore, namespace_dir
 from kvgate.producer.protocol import Keys
 from tests.gateway.batch_files import jsonl, request, rows_of, wait_final
-from tests.gateway.conftest import stop_worker, wait_for_workers
-from tests.support import spawn_worker, wait_for
+from tests.gateway.conftest import running_worker
+from tests.support import wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -124,13 +124,9 @@ def test_lines_for_a_model_nobody_serves_yet_do_not_hold_up_the_others(client):
 @pytest.fixture
 def slow_fleet(shared_redis, namespace):
     """Two sequences at a time, about 2 s a job: a batch of 40 is mid-run for a long while."""
-    proc = spawn_worker(shared_redis.url, namespace, "--simulated", "--sim-step-ms", "2", "--max-num-seqs", "2",
-                        worker_id="sim-integrity")
-    try:
-        wait_for_workers(shared_redis.url, namespace, proc=proc)
-        yield shared_redis.url, namespace
-    finally:
-        stop_worker(proc)
+    with running_worker(shared_redis.url, namespace, "--simulated", "--sim-step-ms", "2", "--max-num-seqs", "2",
+                        worker_id="sim-integrity") as fleet:
+        yield fleet
 
 
 @pytest.mark.parametrize("deleted", ["through the API, then a restart", "while no gateway ran"])

@@ -14,8 +14,8 @@ import redis
 
 from kvgate.producer.protocol import Keys
 from tests.gateway.batch_files import jsonl, request, rows_of, wait_final
-from tests.gateway.conftest import stop_worker, wait_for_workers
-from tests.support import ROOT, free_port, spawn_worker, wait_for
+from tests.gateway.conftest import running_worker
+from tests.support import ROOT, free_port, wait_for
 
 N = 80
 LEASE_S = 1.5
@@ -39,13 +39,9 @@ def up(client: openai.OpenAI) -> bool:
 @pytest.fixture
 def slow_fleet(shared_redis, namespace):
     """Slow enough (about 50 ms a job, 8 at a time) that a kill lands mid-batch."""
-    proc = spawn_worker(shared_redis.url, namespace, "--simulated", "--sim-step-ms", "2", "--max-num-seqs", "16",
-                        worker_id="sim-restart")
-    try:
-        wait_for_workers(shared_redis.url, namespace, proc=proc)
-        yield shared_redis.url, namespace
-    finally:
-        stop_worker(proc)
+    with running_worker(shared_redis.url, namespace, "--simulated", "--sim-step-ms", "2", "--max-num-seqs", "16",
+                        worker_id="sim-restart") as fleet:
+        yield fleet
 
 
 def test_a_batch_resumes_after_its_gateway_is_killed_and_runs_no_job_twice(slow_fleet, tmp_path):

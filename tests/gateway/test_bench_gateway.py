@@ -8,15 +8,17 @@ from kvgate.bench import gateway as bench
 from kvgate.commands.cli import add_connection_arguments
 
 
-def test_bench_gateway_reports_added_latency_first_event_delay_and_requests_per_s(redis_server, tmp_path):
+def run_bench(redis_server, out, *argv: str) -> dict:
+    """`kvgate bench gateway` with these flags, its JSON report written to `out` and returned."""
     parser = argparse.ArgumentParser()
     add_connection_arguments(parser)
     bench.add_arguments(parser)
-    out = tmp_path / "gw.json"
-    args = parser.parse_args(["--redis-url", redis_server.url, "--probes", "6", "--concurrency", "1,4",
-                              "--duration", "0.5", "--json", str(out)])
-    assert bench.run(args) == 0
-    report = json.loads(out.read_text())
+    assert bench.run(parser.parse_args(["--redis-url", redis_server.url, *argv, "--json", str(out)])) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_gateway_reports_added_latency_first_event_delay_and_requests_per_s(redis_server, tmp_path):
+    report = run_bench(redis_server, tmp_path / "gw.json", "--probes", "6", "--concurrency", "1,4", "--duration", "0.5")
     seq = report["sequential"]
     assert set(seq["latency_ms"]) == {"sdk", "gateway_http", "gateway", "stream_first_event", "stream_first_token", "stream_done"}
     assert all(p["n"] == 6 and 0 < p["p50"] <= p["p99"] for p in seq["latency_ms"].values())
@@ -31,14 +33,7 @@ def test_bench_gateway_reports_added_latency_first_event_delay_and_requests_per_
 
 
 def test_bench_gateway_burst_reports_failures_first_byte_times_memory_per_stream_and_cpu(redis_server, tmp_path):
-    parser = argparse.ArgumentParser()
-    add_connection_arguments(parser)
-    bench.add_arguments(parser)
-    out = tmp_path / "burst.json"
-    args = parser.parse_args(["--redis-url", redis_server.url, "--burst", "40", "--burst-max-tokens", "2",
-                              "--json", str(out)])
-    assert bench.run(args) == 0
-    report = json.loads(out.read_text())
+    report = run_bench(redis_server, tmp_path / "burst.json", "--burst", "40", "--burst-max-tokens", "2")
     assert report["workload"] == "W-BURST" and report["settings"]["burst"] == 40
     burst = report["burst"]
     assert (burst["requests"], burst["streamed"], burst["failures"], burst["failures_by"]) == (40, 20, 0, {})
