@@ -36,11 +36,20 @@ class Capacity:
 
     engine: Engine
     seen: Admission | None = None
+    jobs: int | None = None  # whole jobs the room takes, once asked
 
     def now(self) -> Admission:
         if self.seen is None:
             self.seen = self.engine.admission()
         return self.seen
+
+    def readable(self, queue: AdmissionQueue) -> int:
+        """How many whole jobs to read now, the jobs already waiting here counted against the room: one answer per
+        step, for what the worker tells the others (has_room) and for what it reads (request)."""
+        if self.jobs is None:
+            adm = self.now()
+            self.jobs = queue.read_count(adm.free_seqs, adm.admissible_tokens, False)
+        return self.jobs
 
 
 @dataclass(slots=True)
@@ -177,8 +186,7 @@ class Refill:
             return False
         if not self.engine.has_unfinished() and not self.queue.tickets:
             return True
-        adm = capacity.now()
-        return self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False) > 0
+        return capacity.readable(self.queue) > 0
 
     def request(self, capacity: Capacity, draining: bool) -> ReadRequest:
         """Jobs to read in this step's round trip, and besides them, lanes whose prefix we hold with how many of
@@ -190,9 +198,8 @@ class Refill:
             wait_s = min(wait_s, self.settings.affinity_steal_age_ms / 1000)
         if time.monotonic() - self.last_read_empty_at < wait_s:
             return ReadRequest()
-        adm = capacity.now()
-        count = self.queue.read_count(adm.free_seqs, adm.admissible_tokens, False)
-        lanes, held = self._held_lanes(count, adm)
+        count = capacity.readable(self.queue)
+        lanes, held = self._held_lanes(count, capacity.now())
         return ReadRequest(count, lanes, held, self._reclaim_ms() if count else 0)
 
     def _held_lanes(self, count: int, adm: Admission) -> tuple[list[Lane], int]:
