@@ -177,13 +177,21 @@ def agreed_shards(client: RedisCluster, namespace: str, wanted: int | None) -> i
 MOVED_REPLIES = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "READONLY")
 
 
+# redis-py parses these replies into their own classes (MovedError is an AskError), without the reply's first word
+REDIRECTIONS = (redis.exceptions.ExecAbortError, redis.exceptions.AskError, redis.exceptions.TryAgainError,
+                redis.exceptions.ClusterDownError, redis.exceptions.ReadOnlyError)
+
+
 def is_moved(error: BaseException) -> bool:
     """A reply that says the slot is served elsewhere now (or not at all, mid-failover): a redirection, a MULTI that
-    one aborted, or a WAIT sent to what has become a replica."""
-    if isinstance(error, redis.exceptions.ExecAbortError):
+    one aborted, or a WAIT sent to what has become a replica. By class where redis-py gives one: inside a MULTI it
+    re-raises the first queued command's error as 'Command # 1 (...) of pipeline caused error: 1598 host:port', the
+    word MOVED gone."""
+    if isinstance(error, REDIRECTIONS):
         return True
-    return isinstance(error, redis.ResponseError) and (str(error).split(" ", 1)[0] in MOVED_REPLIES or
-                                                       "used with replica" in str(error))
+    text = str(error)
+    return isinstance(error, redis.ResponseError) and (text.split(" ", 1)[0] in MOVED_REPLIES or
+                                                       "used with replica" in text)
 
 
 class SlotMoved(redis.ConnectionError):

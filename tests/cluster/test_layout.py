@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from kvgate.producer.cluster import parse_cluster_url
+from kvgate.producer.cluster import is_moved, parse_cluster_url
 from kvgate.producer.protocol import Keys, check_url
 from kvgate.producer.shards import shard_of, shard_tags
 
@@ -86,3 +86,21 @@ def test_cluster_urls_parse():
     assert c.nodes == (("a", 7000), ("b", 6379)) and c.username == "u" and c.password == "p@ss"
     assert c.ssl and c.shards == 12
     assert check_url("redis+cluster://a:7000/") == "redis+cluster://a:7000/"
+
+
+def test_a_redirection_counts_as_moved_also_as_redis_py_rewrites_it_inside_a_multi():
+    """Before: a MULTI sent on a node link after a failover raised MovedError('Command # 1 (EVALSHA ...) of pipeline
+    caused error: 1598 127.0.0.1:32793'), which the text check missed, so the submit failed instead of retrying on
+    the new primary (the cluster failover chaos run lost its producer thread in 3 runs of 4)."""
+    import redis
+
+    annotated = redis.exceptions.MovedError("1598 127.0.0.1:32793")
+    annotated.args = ("Command # 1 (EVALSHA 82c0 2 ...) of pipeline caused error: 1598 127.0.0.1:32793",)
+    for error in (annotated, redis.exceptions.AskError("1598 127.0.0.1:1"), redis.exceptions.TryAgainError("x"),
+                  redis.exceptions.ClusterDownError("The cluster is down"), redis.exceptions.ReadOnlyError("r"),
+                  redis.exceptions.ExecAbortError("Transaction discarded"),
+                  redis.ResponseError("MOVED 1598 127.0.0.1:32793"),
+                  redis.ResponseError("WAIT cannot be used with replica instances")):
+        assert is_moved(error), error
+    assert not is_moved(redis.ResponseError("WRONGTYPE Operation against a key"))
+    assert not is_moved(redis.ConnectionError("MOVED in name only"))
