@@ -269,7 +269,7 @@ def queue_stats(r, keys: Keys) -> Steps:
     dead = 0
     for stream in keys.deads():
         dead += yield call(r.xlen, stream)
-    return QueueStats(models=models, workers=workers, dead=dead, tenants=(yield from tenant_usage(r, keys)))
+    return QueueStats(models=models, workers=workers, dead=dead, tenants=(yield from tenant_usage(r, keys, now_ms)))
 
 
 def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:

@@ -278,15 +278,14 @@ class TenantsUsage:
         return {"top": [asdict(u) for u in self.top], "other": asdict(self.other) | {"tenant": None}}
 
 
-def tenant_usage(r, keys: Keys, top: int = TOP_TENANTS) -> Steps:
-    """The busiest `top` tenants (by jobs in flight, then by tokens) and the rest summed: two round trips of bounded
-    size whatever the number of tenants."""
+def tenant_usage(r, keys: Keys, now_ms: int, top: int = TOP_TENANTS) -> Steps:
+    """The busiest `top` tenants (by jobs in flight, then by tokens) and the rest summed, at `now_ms` on the server's
+    clock: two round trips of bounded size whatever the number of tenants."""
     pipe = r.pipeline(transaction=False)
-    pipe.time()
     pipe.hgetall(keys.quota_window())
     for key in (keys.quota_jobs(), keys.quota_tokens(), keys.quota_tokens_prev()):
         pipe.zrevrange(key, 0, top - 1)
-    (seconds, micros), window, *tops = yield pipe.execute
+    window, *tops = yield pipe.execute
     names = list(dict.fromkeys(as_text(t) for listed in tops for t in listed))
     scores: list[list] = [[], [], []]
     if names:
@@ -295,7 +294,7 @@ def tenant_usage(r, keys: Keys, top: int = TOP_TENANTS) -> Steps:
             pipe.zmscore(key, names)
         scores = yield pipe.execute
     window = {as_text(k): int(float(v)) for k, v in window.items()}
-    minute, into = divmod(int(seconds) * 1000 + int(micros) // 1000, WINDOW_MS)
+    minute, into = divmod(now_ms, WINDOW_MS)
     fade = (WINDOW_MS - into) / WINDOW_MS
 
     def tokens(cur: float | None, prev: float | None) -> int:
