@@ -105,7 +105,7 @@ def test_a_tenant_over_its_tokens_per_minute_gets_a_429_on_tokens(shared_redis, 
                                                                    monkeypatch):
     monkeypatch.setenv("KVGATE_TENANT_TOKENS_PER_MINUTE", "300")
     gws = [gateway_factory(shared_redis.url, namespace, api_keys=KEYS, models=["m"]) for _ in range(2)]
-    first = hang_up_after(gws[0], "sk-a", 2.0, max_tokens=250)  # charged its estimate (prompt + 250 max_tokens) at admission
+    first = hang_up_after(gws[0], "sk-a", 2.0, max_tokens=250)  # charged at admission: prompt + 250 max_tokens
     wait_until(lambda: queued(shared_redis.url, namespace) == 1, 20, "team-a's job queued")
     over = chat(gws[1], "sk-a", max_tokens=100)
     assert over.status_code == 429, over.text
