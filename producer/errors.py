@@ -48,8 +48,12 @@ class QuotaExceeded(Backpressure):
         self.retry_after_s = retry_after_s
         self.backlog, self.max_backlog = used, limit
         what = "jobs queued or running" if ceiling == "max_jobs" else "tokens in the last minute"
+        advice = f"retry after {retry_after_s:g} s, or raise the tenant's quota"
+        if requested > limit:  # waiting never helps
+            advice = ("this call alone is over it, so retrying cannot help: send fewer jobs (or, for tokens, a lower "
+                      "max_tokens or shorter prompts), or raise the tenant's quota")
         KvgateError.__init__(self, f"tenant {tenant!r} has {used} {what} and asks for {requested} more, over its "
-                                   f"{ceiling}={limit}; retry after {retry_after_s:g} s, or raise the tenant's quota")
+                                   f"{ceiling}={limit}; {advice}")
 
 
 class IdempotencyConflict(KvgateError):

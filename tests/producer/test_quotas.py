@@ -39,6 +39,8 @@ def test_a_tenant_over_max_jobs_is_refused_and_another_tenant_is_not_and_slots_c
         assert (e.tenant, e.ceiling, e.limit, e.used, e.retry_after_s) == ("team-a", "max_jobs", 2, 2, 1.0)
         assert "tenant 'team-a'" in str(e) and "max_jobs=2" in str(e) and "retry after 1 s" in str(e)
         assert len(b.submit_many([{"prompt": "b1"}, {"prompt": "b2"}])) == 2  # team-b has its own two
+        with pytest.raises(QuotaExceeded, match="this call alone is over it, so retrying cannot help"):
+            b.submit_many([{"prompt": "b"}] * 3)
         assert worker.r.xlen(keys.jobs(None, "normal")) == 4  # the refused job was never enqueued
 
         jobs = worker.take(count=10)
