@@ -151,8 +151,8 @@ class ClientBase:
         charged: list[str] = []
         try:
             for tenant, jobs in by_tenant.items():
-                charges = yield from take(self.redis, self._quota_take, self.keys, tenant,
-                                                               self.quotas.of(tenant), jobs, self._quota_lease_s)
+                charges = yield from take(self.redis, self._quota_take, self.keys, tenant, self.quotas.of(tenant),
+                                          jobs, self._quota_lease_s)
                 self._ledger.hold(charges)  # before the enqueue: a final may come back before it returns
                 charged += [c.job_id for c in charges]
         except BaseException:
