@@ -10,8 +10,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from kvgate.producer import (AsyncClient, AsyncJobHandle, Backpressure, Client, ConnectionFailed, Delta, FieldError,
                              Final, IdempotencyConflict, InvalidRequest, JobHandle, JobLost, JobStatus, KvgateError,
-                             PartiallySubmitted, PriorityStats, QueueStats, Restart, Result, ResultTimeout,
-                             ServerRefused, Timings, Usage, WorkerStats)
+                             PartiallySubmitted, PriorityStats, QueueStats, Quota, QuotaExceeded, Quotas, Restart,
+                             Result, ResultTimeout, ServerRefused, Timings, Usage, WorkerStats)
 from kvgate.producer import __all__ as _sdk_names
 
 try:

@@ -9,11 +9,12 @@ Importing this package never imports torch: the SDK is redis, msgspec, pydantic 
 from .async_client import AsyncClient, AsyncJobHandle
 from .client import Client
 from .errors import (Backpressure, ConnectionFailed, FieldError, IdempotencyConflict, InvalidRequest, JobLost,
-                     KvgateError, NotReplicatedError, PartiallySubmitted, ResultTimeout, ServerRefused)
+                     KvgateError, NotReplicatedError, PartiallySubmitted, QuotaExceeded, ResultTimeout, ServerRefused)
 from .handle import JobHandle
 from .job_status import JobStatus
 from .protocol import Delta, Final, Timings, TokenLogprob, TopLogprob, Usage
 from .queue_stats import PriorityStats, QueueStats, WorkerStats
+from .quotas import Quota, Quotas
 from .result import Result
 from .stream import Restart
 
@@ -23,5 +24,5 @@ __all__ = [
     "JobStatus", "JobLost", "ServerRefused", "PartiallySubmitted",
     "QueueStats", "PriorityStats", "WorkerStats",
     "KvgateError", "InvalidRequest", "FieldError", "Backpressure", "IdempotencyConflict", "ResultTimeout",
-    "ConnectionFailed", "NotReplicatedError",
+    "ConnectionFailed", "NotReplicatedError", "QuotaExceeded", "Quota", "Quotas",
 ]

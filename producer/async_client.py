@@ -24,6 +24,7 @@ from .reply_reader import ReaderState
 from .request import submit_arguments, takes_submit_arguments
 from .result import Result
 from .steps import run_async
+from .quotas import quota_scripts
 from .submission import claim_script
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class AsyncClient(ClientBase):
         self._event = asyncio.Event()
         self.redis = connect_async(self.url, **self._pool, **({} if is_cluster(self.url) else RETRY_CLOSED))
         self._script = claim_script(self.redis)
+        self._quota_take, self._quota_release = quota_scripts(self.redis)
         self._states = job_states_script(self.redis)
         self._reply_ttl_s = reply_ttl_s
         self._states_by_shard: list[ReaderState] = []
@@ -70,7 +72,8 @@ class AsyncClient(ClientBase):
         await self._run(self._ensure_groups([DEFAULT_MODEL]), start=False)
         self._readers = []
         for shard in range(len(self.keys.parts)):  # one per shard: a blocking read covers one slot
-            state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=self._reply_ttl_s, shard=shard)
+            state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=self._reply_ttl_s, shard=shard,
+                                release=self._release_settled)
             self._states_by_shard.append(state)
             conn = connect_async(self.url, socket_timeout=state.block_ms / 1000 + 10)
             self._readers.append(asyncio.create_task(self._read(conn, state),
@@ -91,8 +94,9 @@ class AsyncClient(ClientBase):
         return await self._run(self._submit(submit_arguments(self, prompt, arguments)))
 
     async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
-                          chunk_size: int = CHUNK) -> list[AsyncJobHandle]:
-        return await self._run(self._submit_many(requests, progress, chunk_size))
+                          chunk_size: int = CHUNK, quota: bool = True) -> list[AsyncJobHandle]:
+        """As Client.submit_many."""
+        return await self._run(self._submit_many(requests, progress, chunk_size, quota))
 
     # -- results ----------------------------------------------------------------------------------
     async def status(self, job_id: str) -> JobStatus:

@@ -20,6 +20,7 @@ from .reply_reader import ReaderState, ReplyReader
 from .request import submit_arguments, takes_submit_arguments
 from .result import Result
 from .steps import run
+from .quotas import quota_scripts
 from .submission import claim_script
 
 
@@ -37,11 +38,13 @@ class Client(ClientBase):
         with translated(self.url):
             self.keys = keys_for(self.url, self.redis, namespace)  # on a cluster: the namespace's shards
         self._script = claim_script(self.redis)
+        self._quota_take, self._quota_release = quota_scripts(self.redis)
         self._states = job_states_script(self.redis)
         self._run(self._ensure_groups([DEFAULT_MODEL]))
         self._readers = []  # one per shard: a blocking read covers one slot
         for shard in range(len(self.keys.parts)):
-            state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s, shard=shard)
+            state = ReaderState(self.keys, self.client_id, self.router, reply_ttl_s=reply_ttl_s, shard=shard,
+                                release=self._release_settled)
             conn = connect(self.url, socket_timeout=state.block_ms / 1000 + 10)
             self._readers.append(ReplyReader(conn, state, job_states_script(conn)))
             self._readers[-1].start()
@@ -59,12 +62,13 @@ class Client(ClientBase):
         return self._run(self._submit(submit_arguments(self, prompt, arguments)))
 
     def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
-                    chunk_size: int = CHUNK) -> list[JobHandle]:
+                    chunk_size: int = CHUNK, quota: bool = True) -> list[JobHandle]:
         """Validate every request (InvalidRequest names requests[i].field), then enqueue them in chunks of
         `chunk_size`, each one MULTI/EXEC: all of a chunk or none of it. A refusal (ServerRefused: Redis out of
         memory or read-only) in the first chunk enqueued nothing; in a later one, PartiallySubmitted says which
-        requests were enqueued (with their handles) and which were not."""
-        return self._run(self._submit_many(requests, progress, chunk_size))
+        requests were enqueued (with their handles) and which were not. quota=False: past the client's tenant
+        quotas (a caller that bounds its jobs otherwise, as the gateway's managed batches do with their window)."""
+        return self._run(self._submit_many(requests, progress, chunk_size, quota))
 
     # -- results ----------------------------------------------------------------------------------
     def get(self, job_id: str) -> Result | None:

@@ -23,6 +23,7 @@ from .lane_count import LaneCount
 from .mailbox import ReplyRouter
 from .protocol import Keys, check_tenant_name, decode_final
 from .queue_stats import backlog, queue_stats
+from .quotas import Quota, QuotaLedger, Quotas, quotas_of, release, take, tenant_of
 from .redis_url import FAILOVER_BUDGET_S, Durability
 from .request import plain_messages
 from .result import Result
@@ -54,18 +55,26 @@ class ClientBase:
                  backpressure: Literal["raise", "wait"] = "raise", client_id: str | None = None,
                  reply_ttl_s: int = 3600, durability: Literal["primary", "replicated"] = "primary",
                  replica_timeout_ms: int = 1000, failover_budget_s: float = FAILOVER_BUDGET_S,
-                 tenant: str | None = None):
+                 tenant: str | None = None, quota: Quota | Quotas | None = None, quota_lease_s: float = 3600.0):
         """durability="replicated": submit returns once a replica holds the job (WAIT 1 replica_timeout_ms), and a
         submit interrupted by a failover is sent again, to the new primary, for up to failover_budget_s (see
-        RELIABILITY.md, Failover). tenant: recorded on every job this client submits that names none itself."""
+        RELIABILITY.md, Failover). tenant: recorded on every job this client submits that names none itself.
+        quota: the ceilings of each job's tenant (`default` for jobs with none), counted in Redis with every other
+        client and gateway of the namespace; a submit over them raises QuotaExceeded. A job holds its slot until
+        its final event reaches this client, or at most quota_lease_s should this client go away first."""
         self.tenant = None if tenant is None else check_tenant_name(tenant)
+        self.quotas = quotas_of(quota)
+        if quota_lease_s <= 0:
+            raise ValueError(f"quota_lease_s={quota_lease_s} must be a positive number of seconds")
+        self._quota_lease_s = quota_lease_s
+        self._ledger = QuotaLedger()
         self.url = resolve_url(redis_url)
         self.durability = Durability(durability, 1, replica_timeout_ms)
         self._failover_budget_s = failover_budget_s
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
         self._lane_count = LaneCount()
-        self.router = ReplyRouter(self._notify)
+        self.router = ReplyRouter(self._notify, self._ledger.finished)
         self._grouped: set[str] = set()  # models whose streams have the workers' group
         self._closed = False
         self._open(namespace, reply_ttl_s)
@@ -78,7 +87,8 @@ class ClientBase:
         raise NotImplementedError
 
     # -- submitting -------------------------------------------------------------------------------
-    def _submit_many(self, requests: Iterable[dict[str, Any]], progress: bool, chunk_size: int) -> Steps:
+    def _submit_many(self, requests: Iterable[dict[str, Any]], progress: bool, chunk_size: int,
+                     quota: bool = True) -> Steps:
         """Validate every request (InvalidRequest names requests[i].field), then enqueue them in chunks, each one
         MULTI/EXEC; PartiallySubmitted when a later chunk is refused."""
         lanes = yield from self._lanes()
@@ -88,7 +98,7 @@ class ClientBase:
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
             for start in range(0, len(prepared), chunk_size):
                 try:
-                    handles += yield from self._enqueue(prepared[start:start + chunk_size])
+                    handles += yield from self._enqueue(prepared[start:start + chunk_size], quota)
                 except KvgateError as e:
                     if handles:
                         raise PartiallySubmitted(handles, len(prepared), e) from None
@@ -107,10 +117,13 @@ class ClientBase:
             return args
         return {**args, "tenant": self.tenant}
 
-    def _enqueue(self, prepared: list[Prepared]) -> Steps:
+    def _enqueue(self, prepared: list[Prepared], quota: bool = True) -> Steps:
         yield from self._admit(len(prepared))
         enqueued = False
+        charged: list[str] = []
         try:
+            if quota and self.quotas is not None:
+                charged = yield from self._charge(prepared)
             if missing := new_models(prepared, self._grouped):
                 yield from self._ensure_groups(missing)
             if self._durable is not None:
@@ -122,9 +135,30 @@ class ClientBase:
             enqueued = True
         finally:
             self._gate.settle(len(prepared), enqueued)
+            if not enqueued:
+                self._ledger.drop(charged)
         mine = owner_tag(self.client_id)
+        claims = owners(prepared, replies)
+        self._ledger.drop(p.job.job_id for p, c in zip(prepared, claims) if c.job_id != p.job.job_id)  # a resubmit
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
-                for p, c in zip(prepared, owners(prepared, replies))]
+                for p, c in zip(prepared, claims)]
+
+    def _charge(self, prepared: list[Prepared]) -> Steps:
+        """Admit the jobs under their tenants' quotas (all or none); QuotaExceeded names the first tenant over."""
+        by_tenant: dict[str, list] = {}
+        for p in prepared:
+            by_tenant.setdefault(tenant_of(p.job), []).append(p.job)
+        charged: list[str] = []
+        try:
+            for tenant, jobs in by_tenant.items():
+                charges = yield from take(self.redis, self._quota_take, self.keys, tenant, self.quotas.of(tenant),
+                                          jobs, self._quota_lease_s)
+                self._ledger.hold(charges)  # before the enqueue: a final may come back before it returns
+                charged += [c.job_id for c in charges]
+        except BaseException:
+            self._ledger.drop(charged)
+            raise
+        return charged
 
     def _ensure_groups(self, models: list[str]) -> Steps:
         streams = [st for m in models for st in self.keys.all_jobs(m)]
@@ -186,12 +220,24 @@ class ClientBase:
     def _cancel(self, job_id: str) -> Steps:
         yield call(self.redis.set, self.keys.cancel(job_id), "1", ex=CANCEL_TTL_S)
 
+    def _release_settled(self) -> Steps:
+        """Give back the quota slots of jobs that settled; run by the reply readers after each read."""
+        settled = self._ledger.take_settled()
+        if settled:
+            try:
+                yield from release(self.redis, self._quota_release, self.keys, settled)
+            except BaseException:
+                self._ledger.put_back(settled)
+                raise
+
     def _stats(self) -> Steps:
         return (yield from queue_stats(self.redis, self.keys))
 
     # -- lifetime ---------------------------------------------------------------------------------
     def _expire_replies(self) -> Steps:
-        """At close: let the reply streams expire; results stay readable with get()."""
+        """At close: give back the quota slots of jobs that settled, and let the reply streams expire; results stay
+        readable with get(). (Slots of jobs still running are held until their lease ends.)"""
+        yield from self._release_settled()
         for stream in self.keys.replies(self.client_id):
             yield call(self.redis.expire, stream, CLOSED_REPLY_TTL_S)
 

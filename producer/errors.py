@@ -40,6 +40,22 @@ class Backpressure(KvgateError):
                          "add workers, or create the Client with backpressure='wait'")
 
 
+class QuotaExceeded(Backpressure):
+    """A tenant is at its quota: `ceiling` is "max_jobs" (jobs queued or running) or "tokens_per_minute"."""
+
+    def __init__(self, tenant: str, ceiling: str, limit: int, used: int, requested: int, retry_after_s: float):
+        self.tenant, self.ceiling, self.limit, self.used, self.requested = tenant, ceiling, limit, used, requested
+        self.retry_after_s = retry_after_s
+        self.backlog, self.max_backlog = used, limit
+        what = "jobs queued or running" if ceiling == "max_jobs" else "tokens in the last minute"
+        advice = f"retry after {retry_after_s:g} s, or raise the tenant's quota"
+        if requested > limit:  # waiting never helps
+            advice = ("this call alone is over it, so retrying cannot help: send fewer jobs (or, for tokens, a lower "
+                      "max_tokens or shorter prompts), or raise the tenant's quota")
+        KvgateError.__init__(self, f"tenant {tenant!r} has {used} {what} and asks for {requested} more, over its "
+                                   f"{ceiling}={limit}; {advice}")
+
+
 class IdempotencyConflict(KvgateError):
     """An idempotency key was reused with a different request body."""
 

@@ -52,12 +52,14 @@ class Mailbox:
 
 
 class ReplyRouter:
-    def __init__(self, on_change: Callable[[], None]):
+    def __init__(self, on_change: Callable[[], None], on_final: Callable[[str, Final | None], None] | None = None):
+        """on_final(job_id, final) for every final event routed, a job's mailbox or not (None: the job was lost)."""
         self._boxes: weakref.WeakValueDictionary[str, Mailbox] = weakref.WeakValueDictionary()
         self._orphans: OrderedDict[str, list[Delta | Final]] = OrderedDict()
         self._foreign: set[str] = set()  # unfinished jobs of other clients, whose result keys the reader polls
         self._lock = threading.Lock()
         self._on_change = on_change
+        self._on_final = on_final
 
     def mailbox(self, job_id: str, foreign: bool = False, entry: tuple[str, str] | None = None) -> Mailbox:
         with self._lock:
@@ -77,6 +79,10 @@ class ReplyRouter:
 
     def route(self, events: list[Delta | Final]) -> None:
         changed, finished = False, []
+        if self._on_final is not None:
+            for event in events:
+                if isinstance(event, Final):
+                    self._on_final(event.job_id, event)
         with self._lock:
             for event in events:
                 box = self._boxes.get(event.job_id)
@@ -103,6 +109,8 @@ class ReplyRouter:
 
     def mark_lost(self, job_id: str, reason: str) -> None:
         """The job is in no stream, pending nowhere and has no result: it will never finish."""
+        if self._on_final is not None:
+            self._on_final(job_id, None)
         with self._lock:
             box = self._boxes.get(job_id)
             if box is None or box.settled:

@@ -423,6 +423,27 @@ class Keys:
     def worker_pattern(self) -> str:
         return f"{self.prefix}:worker:*"
 
+    def quota_leases(self) -> str:
+        """Sorted set of admitted jobs, `tenant|job_id`, scored by the end of their lease (server ms); see
+        producer/quotas.py."""
+        return f"{self.prefix}:quota:leases"
+
+    def quota_jobs(self) -> str:
+        """Sorted set tenant -> jobs in flight (queued or running); a tenant leaves it at zero."""
+        return f"{self.prefix}:quota:jobs"
+
+    def quota_tokens(self) -> str:
+        """Sorted set tenant -> tokens charged in the current server minute."""
+        return f"{self.prefix}:quota:tokens"
+
+    def quota_tokens_prev(self) -> str:
+        """Sorted set tenant -> tokens charged in the previous server minute."""
+        return f"{self.prefix}:quota:tokens:prev"
+
+    def quota_window(self) -> str:
+        """Hash: the minute `quota_tokens` counts, and the totals over every tenant (jobs, tokens, tokens_prev)."""
+        return f"{self.prefix}:quota:window"
+
     # -- a job's keys, in its shard ------------------------------------------------------------------------
     def reply(self, client_id: str, shard: int = 0) -> str:
         return f"{self.parts[shard].prefix}:reply:{client_id}"

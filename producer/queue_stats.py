@@ -22,6 +22,7 @@ import redis
 from .lanes import parse_lanes
 from .model_set import known_models
 from .protocol import PRIORITIES, Keys, as_text
+from .quotas import TenantsUsage, tenant_usage
 from .steps import Steps, call, collect, run
 from .stream_rows import StreamRow, read_rows
 
@@ -102,6 +103,7 @@ class QueueStats:
     models: dict[str, ModelStats] = field(default_factory=dict)
     workers: list[WorkerStats] = field(default_factory=list)
     dead: int = 0
+    tenants: TenantsUsage = field(default_factory=TenantsUsage)  # jobs and tokens under quotas, busiest first
 
     @property
     def priorities(self) -> dict[str, PriorityStats]:
@@ -136,7 +138,8 @@ class QueueStats:
                 "workers": [asdict(w) | {"free_kv_tokens": w.free_kv_tokens, "kv_usage": w.kv_usage}
                             for w in self.workers],
                 "backlog": self.backlog, "pending": self.pending, "dead": self.dead,
-                "free_kv_tokens": self.free_kv_tokens, "oldest_age_s": self.oldest_age_s}
+                "free_kv_tokens": self.free_kv_tokens, "oldest_age_s": self.oldest_age_s,
+                "tenants": self.tenants.to_dict()}
 
 
 def _id_ms(entry_id) -> int:
@@ -266,7 +269,7 @@ def queue_stats(r, keys: Keys) -> Steps:
     dead = 0
     for stream in keys.deads():
         dead += yield call(r.xlen, stream)
-    return QueueStats(models=models, workers=workers, dead=dead)
+    return QueueStats(models=models, workers=workers, dead=dead, tenants=(yield from tenant_usage(r, keys, now_ms)))
 
 
 def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import redis
 
@@ -43,6 +44,7 @@ class ReaderState:
     liveness: bool = True  # look for lost jobs; off once Redis says this user may not run the script
     liveness_due: bool = False
     shard: int = 0  # the shard whose reply stream this reader follows; shard 0's also polls results and liveness
+    release: Callable[[], Steps] | None = None  # gives back the quota slots of jobs that settled (client_base.py)
     stream: str = field(init=False)
 
     def __post_init__(self):
@@ -139,6 +141,8 @@ class ReaderState:
         response = yield call(conn.xread, {self.stream: self.last_id}, count=READ_COUNT, block=self.block_for_ms())
         if self.absorb(response) and self.maintain:
             yield from self._maintain(call(conn.xtrim, self.stream, minid=self.last_id, approximate=True))
+        if self.release is not None:
+            yield from self.release()
 
     def check_liveness(self, ids: list[str], conn, states_script) -> Steps:
         """Mark lost the unfinished jobs that are in no stream, pending nowhere and have no result."""

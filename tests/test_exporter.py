@@ -107,6 +107,21 @@ def test_live_workers_free_kv_and_dead_letters_come_from_heartbeats_and_the_dead
     assert (m[("kvgate_live_workers", None)], m[("kvgate_fleet_free_kv_blocks", None)]) == (1, 10)
 
 
+def test_tenants_under_quotas_are_the_busiest_ten_by_name_and_the_rest_as_other(server):
+    from kvgate.producer.quotas import TAKE, quota_keys
+
+    keys, take = Keys("exp"), server.register_script(TAKE)
+    for i in range(30):  # tenant t0 holds 1 job, t1 2, ... t29 30
+        take(keys=quota_keys(keys), args=[f"t{i}", -1, -1, 100, 600_000, *(f"j{i}-{n}" for n in range(i + 1))])
+    registry = exporter.build_registry(server, keys)
+    samples = {(s.name, s.labels["tenant"]): s.value for fam in registry.collect()
+               if fam.name.startswith("kvgate_tenant") for s in fam.samples}
+    jobs = {t: v for (name, t), v in samples.items() if name == "kvgate_tenant_jobs_in_flight"}
+    assert sorted(jobs) == sorted([f"t{i}" for i in range(20, 30)] + ["_other"])
+    assert jobs["t29"] == 30 and jobs["_other"] == sum(range(1, 21))
+    assert samples[("kvgate_tenant_tokens_per_minute", "_other")] == 20 * 100
+
+
 def test_exporter_reports_redis_down_instead_of_failing_the_scrape():
     dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
     registry = exporter.build_registry(dead, Keys("exp"))

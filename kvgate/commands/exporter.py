@@ -46,6 +46,7 @@ class FleetCollector:
         yield from _stream_families(ns, list(snap.models.values()))
         yield from _model_families(ns, list(snap.models.values()))
         yield from _fleet_families(ns, snap)
+        yield from _tenant_families(ns, snap)
         took = GaugeMetricFamily("kvgate_exporter_scrape_seconds", "Time to read the fleet from Redis",
                                  labels=["kvgate_namespace"])
         took.add_metric([ns], time.perf_counter() - started)
@@ -96,6 +97,22 @@ def _fleet_families(ns: str, snap: QueueStats):
         family = GaugeMetricFamily(f"kvgate_{name}", doc, labels=["kvgate_namespace"])
         family.add_metric([ns], value)
         yield family
+
+
+def _tenant_families(ns: str, snap: QueueStats):
+    """Tenants under quotas: the ten busiest by name and the rest as `_other` (no tenant name starts with `_`), so
+    the labels stay few however many tenants there are."""
+    jobs = GaugeMetricFamily("kvgate_tenant_jobs_in_flight", "A tenant's jobs queued or running, under quotas",
+                             labels=["kvgate_namespace", "tenant"])
+    tokens = GaugeMetricFamily("kvgate_tenant_tokens_per_minute", "A tenant's prompt plus generated tokens over the "
+                               "last minute, under quotas (estimates until jobs finish)",
+                               labels=["kvgate_namespace", "tenant"])
+    for u in snap.tenants.top + [snap.tenants.other]:
+        name = u.tenant if u is not snap.tenants.other else "_other"
+        jobs.add_metric([ns, name], u.jobs)
+        tokens.add_metric([ns, name], u.tokens_per_minute)
+    yield jobs
+    yield tokens
 
 
 def build_registry(client: redis.Redis, keys: Keys) -> CollectorRegistry:

@@ -45,7 +45,19 @@ def render(stats: QueueStats, namespace: str) -> str:
             lines.append(f"{w.worker_id[:23]:<24}{w.state[:9]:<10}{w.running:>8}{w.waiting:>8}{w.kv_usage:>9.0%}"
                          f"{w.free_kv_tokens:>10}{w.tokens_per_s:>9.1f}{_age(w.heartbeat_age_s):>7}  "
                          f"{', '.join(w.models)}")
-    return "\n".join(lines)
+    return "\n".join(lines + _tenant_lines(stats))
+
+
+def _tenant_lines(stats: QueueStats) -> list[str]:
+    """Tenants under quotas: the busiest by name, the rest summed (jobs: queued or running; tokens: last minute)."""
+    t = stats.tenants
+    if not t.top and not (t.other.jobs or t.other.tokens_per_minute):
+        return []
+    lines = ["", f"{'tenant':<32}{'jobs':>10}{'tokens/min':>12}"]
+    lines += [f"{u.tenant[:31]:<32}{u.jobs:>10}{u.tokens_per_minute:>12}" for u in t.top]
+    if t.other.jobs or t.other.tokens_per_minute:
+        lines.append(f"{'(other tenants)':<32}{t.other.jobs:>10}{t.other.tokens_per_minute:>12}")
+    return lines
 
 
 def _model_lines(m: ModelStats) -> list[str]:

@@ -37,6 +37,7 @@ from .translate import Kind, Plan, plan
 
 DISCONNECT_POLL_S = 1.0
 CLOSE_TIMEOUT_S = 5.0
+QUOTA_LEASE_MARGIN_S = 60  # a job holds its tenant's slot this long past the request timeout should its replica die
 
 
 async def close_client(client: AsyncClient) -> None:
@@ -70,7 +71,8 @@ class Gateway:
         s = self.settings
         self.client = AsyncClient(s.redis_url, s.namespace, max_backlog=s.max_backlog, backpressure="raise",
                                   durability=s.durability, pool_size=s.redis_pool_size,
-                                  pool_timeout_s=s.request_timeout_s)
+                                  pool_timeout_s=s.request_timeout_s, quota=s.quota_table(),
+                                  quota_lease_s=s.request_timeout_s + QUOTA_LEASE_MARGIN_S)
         await self.client.start()
         if s.models:  # the operator's --model: known to the fleet (stats, the exporter, other gateways) from now on
             await run_async(add_models(self.client.redis, self.client.keys, s.models))

@@ -143,7 +143,7 @@ class Work:
             return
         try:
             handles = await self.client.submit_many([{**r.submit_args, "tenant": self.batch.tenant} for r in chunk],
-                                                    chunk_size=self.chunk)
+                                                    chunk_size=self.chunk, quota=False)  # --batch-window bounds them
         except PartiallySubmitted as e:
             handles = e.handles
         except (Backpressure, KvgateError) as e:  # the queue is full or Redis refuses: keep what we have, retry

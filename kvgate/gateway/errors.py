@@ -5,7 +5,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from kvgate.producer import Backpressure, ConnectionFailed, InvalidRequest, ResultTimeout
+import math
+
+from kvgate.producer import Backpressure, ConnectionFailed, InvalidRequest, QuotaExceeded, ResultTimeout
 
 INVALID = "invalid_request_error"
 
@@ -40,6 +42,8 @@ def from_sdk(e: Exception, names: dict[str, str], retry_after_s: int) -> ApiErro
         field = e.field.split(".", 1)
         param = ".".join([names.get(field[0], field[0]), *field[1:]])
         return ApiError(400, f"{param}: {e.reason} (got {e.value!r})", param=param, code="invalid_value")
+    if isinstance(e, QuotaExceeded):
+        return rate_limited(e, retry_after_s)
     if isinstance(e, Backpressure):
         return ApiError(429, f"the queue holds {e.backlog} waiting jobs, at or over this gateway's limit of "
                              f"{e.max_backlog}; retry after {retry_after_s} s", type="rate_limit_error",
@@ -51,6 +55,16 @@ def from_sdk(e: Exception, names: dict[str, str], retry_after_s: int) -> ApiErro
         return ApiError(503, "the job queue is unreachable; retry later", type="server_error",
                         code="queue_unavailable")
     raise e
+
+
+def rate_limited(e: QuotaExceeded, retry_after_s: int) -> ApiError:
+    """A tenant over its quota, in OpenAI's rate-limit shape and headers: `requests` for its jobs in flight (the
+    ceiling on jobs queued or running), `tokens` for its tokens per minute."""
+    kind = "requests" if e.ceiling == "max_jobs" else "tokens"
+    wait = max(retry_after_s, math.ceil(e.retry_after_s))
+    headers = {"Retry-After": str(wait), f"x-ratelimit-limit-{kind}": str(e.limit),
+               f"x-ratelimit-remaining-{kind}": str(max(0, e.limit - e.used)), f"x-ratelimit-reset-{kind}": f"{wait}s"}
+    return ApiError(429, f"{e}", type=kind, code="rate_limit_exceeded", headers=headers)
 
 
 async def api_error_handler(request: Request, exc: ApiError) -> JSONResponse:

@@ -11,6 +11,7 @@ from pydantic import BeforeValidator, ByteSize, Field, field_validator, model_va
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvgate.producer.protocol import ProtocolError, check_model_name
+from kvgate.producer.quotas import Quota, Quotas
 
 if TYPE_CHECKING:
     from .auth import ApiKeys
@@ -67,6 +68,14 @@ class GatewaySettings(BaseSettings):
                            "fleet knows ({ns}:models); with some, only these and live ones", "--model", metavar="NAME",
                        joined=True)
     max_backlog: int | None = _s(None, "answer 429 while this many jobs wait in the queue; unset: no limit", ge=1)
+    tenant_max_jobs: int | None = _s(None, "per tenant, answer 429 while this many of its jobs are queued or running, "
+                                           "counted in Redis across every replica; unset: no ceiling (a "
+                                           "--quotas-file entry wins)", ge=1)
+    tenant_tokens_per_minute: int | None = _s(None, "per tenant, answer 429 while its prompt plus generated tokens "
+                                                    "over the last minute would pass this (estimated at admission, "
+                                                    "corrected as jobs finish); unset: no ceiling", ge=1)
+    quotas_file: str | None = _s(None, "a TOML file of tenant quotas: [default] and [tenants.NAME] tables of max_jobs "
+                                       "and tokens_per_minute (README, Quotas); read at start", metavar="PATH")
     retry_after_s: int = _s(1, "seconds a 429's Retry-After asks clients to wait", "--retry-after")
     request_timeout_s: float = _s(600.0, "seconds before an unanswered job is cancelled (504); on a stream, the "
                                          "longest wait for the first token and between tokens, not the stream's "
@@ -110,7 +119,15 @@ class GatewaySettings(BaseSettings):
     @model_validator(mode="after")
     def _keys(self) -> "GatewaySettings":
         self.api_key_table()  # a bad entry, a missing keys file or a key given twice fails the start
+        self.quota_table()  # so does a bad quotas file
         return self
+
+    def quota_table(self) -> Quotas | None:
+        """Every tenant's quota: the file's, its [default] filled in from --tenant-max-jobs and
+        --tenant-tokens-per-minute; None when no tenant has a ceiling."""
+        default = Quota(max_jobs=self.tenant_max_jobs, tokens_per_minute=self.tenant_tokens_per_minute)
+        quotas = Quotas(default=default) if self.quotas_file is None else Quotas.read(self.quotas_file, default)
+        return None if quotas.unlimited else quotas
 
     def api_key_table(self) -> "ApiKeys":
         """Every API key's tenant and the admin keys, read afresh (the keys file too)."""

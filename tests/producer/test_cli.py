@@ -186,3 +186,19 @@ def test_stats_command_prints_a_table_and_json(redis_url, namespace, client, cap
     assert "high" in table and "live workers: 0" in table
     assert _cli(redis_url, namespace, "stats", "--json") == 0
     assert json.loads(capsys.readouterr().out)["priorities"]["high"]["backlog"] == 2
+
+
+def test_stats_command_shows_tenants_under_quotas_by_name_and_the_rest_summed(redis_url, namespace, capsys):
+    from kvgate.producer import Client, Quota
+
+    with Client(redis_url, namespace, tenant="team-a", quota=Quota(max_jobs=5)) as a:
+        a.submit_many([{"prompt": "x", "max_tokens": 10}] * 3, progress=False)
+    assert _cli(redis_url, namespace, "stats") == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("team-a"))
+    # 3 jobs queued or running, 3 x (ceil(1 / 4) + 10) tokens (a hair less should the server's minute turn meanwhile)
+    assert row.split()[:2] == ["team-a", "3"] and 32 <= int(row.split()[2]) <= 33
+    assert _cli(redis_url, namespace, "stats", "--json") == 0
+    tenants = json.loads(capsys.readouterr().out)["tenants"]
+    assert [(u["tenant"], u["jobs"]) for u in tenants["top"]] == [("team-a", 3)]
+    assert tenants["other"] == {"tenant": None, "jobs": 0, "tokens_per_minute": 0}
