@@ -1,8 +1,9 @@
 """Batched sampling: every transform is a tensor operation over the whole batch and the step ends with one
 device-to-host transfer.
 
-Penalties (repetition with HF's rule over prompt and output; OpenAI's frequency and presence over the output),
-then temperature, top-k and top-p, then inverse-CDF sampling with one uniform number per row (`inverse_cdf`).
+A structured-output row's logits are first masked to what its grammar allows (engine/constraints.py: -inf
+elsewhere), so every later transform and greedy's argmax see only allowed tokens. Then penalties (repetition with
+HF's rule over prompt and output; OpenAI's frequency and presence over the output), then temperature, top-k and top-p, then inverse-CDF sampling with one uniform number per row (`inverse_cdf`).
 That number is a hash of the row's seed and its output position, so a seeded request draws the same tokens
 whatever else is in the batch, and no per-row torch.Generator (and no per-row host sync) is needed. Requests
 without a seed get one from the engine's seeded stream when first sampled. Logprobs are the model's own
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvgate.engine.constraints import TokenMasks
 from kvgate.engine.sampling_rows import SamplingBatch
 from kvgate.engine.sequence import Sequence
 
@@ -154,6 +156,7 @@ class Sampler:
         self.device = device
         self.buffer: torch.Tensor | None = None  # scratch for the temperature path's weights
         self.cpu_rows = compiled_sampler() if torch.device(device).type == "cpu" else None
+        self.masks: TokenMasks | None = None  # made at the first step with a structured-output row
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch | None = None,
                  consume: bool = False) -> tuple[list[int], list[dict[int, float] | None]]:
@@ -164,8 +167,12 @@ class Sampler:
         if batch is None:
             batch = SamplingBatch.of(seqs)
         raw = logits
+        if batch.constrained:  # before everything else; the logprobs stay the model's own
+            if batch.logprob_rows or not consume:
+                logits = logits.clone()
+            self.mask(logits, seqs, batch.constrained)
         if batch.penalized:
-            logits = logits.clone()
+            logits = logits.clone() if logits is raw else logits
             apply_penalties(logits, seqs, batch.penalized)
         if batch.all_greedy:
             tokens = argmax_rows(logits)
@@ -175,6 +182,12 @@ class Sampler:
         if not batch.logprob_rows:
             return tokens.tolist(), [None] * len(seqs)
         return self._with_logprobs(raw, tokens, batch.logprob_rows, batch.logprob_tops)
+
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        """In place: each constrained row's logits outside what its grammar allows next become -inf."""
+        if self.masks is None:
+            self.masks = TokenMasks(logits.shape[1])
+        self.masks.mask(logits, rows, [seqs[i].matcher for i in rows])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, spare: bool) -> torch.Tensor:
         dev = logits.device

@@ -110,8 +110,11 @@ class ClientBase:
                                                        self._failover_budget_s)
         self._gate.added(len(prepared))
         mine = owner_tag(self.client_id)
-        return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
-                for p, c in zip(prepared, owners(prepared, replies))]
+        handles = [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
+                   for p, c in zip(prepared, owners(prepared, replies))]
+        for p, h in zip(prepared, handles):
+            h._box.parse_as = p.parse_as
+        return handles
 
     def _ensure_groups(self, models: list[str]) -> Steps:
         streams = [st for m in models for st in self.keys.all_jobs(m)]
