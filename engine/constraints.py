@@ -29,6 +29,10 @@ from typing import Any
 log = logging.getLogger("kvgate.engine")
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON as json.dumps writes it: one space after ':' and ',' and no other whitespace. With llguidance's default
+# (any run of whitespace between tokens) a greedy small model can fill its whole max_tokens with newlines: 15 of 16
+# W-STRUCT answers ran to max_tokens so. A schema's own "x-guidance" options still override these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 BITS = 32
 
 
@@ -65,10 +69,8 @@ class StructuredOutput:
         """llguidance's grammar text for this constraint."""
         import llguidance
 
-        if self.kind == "json_schema":
-            return llguidance.grammar_from("json_schema", self.spec)
-        if self.kind == "json_object":
-            return llguidance.grammar_from("json_schema", self.spec or '{"type": "object"}')
+        if self.kind in ("json_schema", "json_object"):
+            return llguidance.LLMatcher.grammar_from_json_schema(self.spec or '{"type": "object"}', JSON_OPTIONS)
         if self.kind == "regex":
             return llguidance.grammar_from("regex", self.spec)
         if self.kind == "choice":
@@ -179,23 +181,34 @@ class TokenMasks:
         llguidance.torch.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(rows))), bitmask)
         return bitmask
 
-    def apply(self, logits, rows: list[int], bitmask) -> None:
-        """In place: logits[rows[r], t] = -inf where bit t of bitmask row r is clear (and past the mask's words)."""
+    def blocked(self, bitmask, vocab: int, device):
+        """[rows, vocab] bool, True where the token is not allowed. On the CPU numpy unpacks the bits in one pass
+        (little-endian words: token t is bit t % 32 of word t // 32); on a GPU the words go over (32x fewer bytes
+        than the booleans) and are unpacked there with shifts."""
+        import numpy as np
         import torch
 
-        dev = logits.device
-        shifts = self._shifts.get(dev)
+        if device.type == "cpu":
+            words = np.invert(bitmask.numpy())
+            bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+            return torch.from_numpy(bits.view(np.bool_))
+        shifts = self._shifts.get(device)
         if shifts is None:
-            shifts = self._shifts[dev] = torch.arange(BITS, dtype=torch.int32, device=dev)
-        bits = bitmask.to(dev, non_blocking=True)
-        allowed = ((bits[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :logits.shape[1]].bool()
-        index = torch.tensor(rows, device=dev)
-        sub = logits[index]
-        width = allowed.shape[1]
-        sub[:, :width] = sub[:, :width].masked_fill(~allowed, float("-inf"))
-        if width < sub.shape[1]:
-            sub[:, width:] = float("-inf")
-        logits[index] = sub
+            shifts = self._shifts[device] = torch.arange(BITS, dtype=torch.int32, device=device)
+        words = bitmask.to(device, non_blocking=True)
+        return ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, :vocab] == 0
+
+    def apply(self, logits, rows: list[int], bitmask) -> None:
+        """In place: logits[rows[r], t] = -inf where bit t of bitmask row r is clear (tokens past the grammar's
+        vocabulary are never allowed: the mask covers the logits' whole width)."""
+        import torch
+
+        blocked = self.blocked(bitmask, logits.shape[1], logits.device)
+        if len(rows) == logits.shape[0]:  # every row constrained (rows are in order and distinct)
+            logits.masked_fill_(blocked, float("-inf"))
+            return
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
 
     def mask(self, logits, rows: list[int], matchers: list[Any]) -> None:
         self.apply(logits, rows, self.fill(matchers))
