@@ -87,7 +87,7 @@ class Spec:
         if isinstance(b, Range):
             return None if b.holds(value) else f"{self.name}={value} must {b.rule()}"
         if isinstance(b, Shape):
-            return value.problem()
+            return value.problem(b.max_chars)
         head = value[:8]
         if len(value) > b.max_items:
             return b.too_many.format(n=len(value), max=b.max_items, head=head, item=None)

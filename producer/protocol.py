@@ -71,12 +71,11 @@ class Structured(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     spec: str = ""
     choices: list[str] = []
 
-    def problem(self) -> str | None:
+    def problem(self, max_chars: int = MAX_STRUCTURED_CHARS) -> str | None:
         """What makes this constraint unusable before any compiling, or None."""
         size = len(self.spec) + sum(len(c) for c in self.choices)
-        if size > MAX_STRUCTURED_CHARS:
-            return (f"structured {self.kind} constraint has {size} characters, over the limit of "
-                    f"{MAX_STRUCTURED_CHARS}")
+        if size > max_chars:
+            return f"structured {self.kind} constraint has {size} characters, over the limit of {max_chars}"
         if self.kind == "choice":
             if not 0 < len(self.choices) <= MAX_CHOICES or not all(self.choices) or self.spec:
                 return (f"structured choice needs 1 to {MAX_CHOICES} non-empty strings in choices and no spec; got "
