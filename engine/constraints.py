@@ -215,6 +215,6 @@ class TokenMasks:
 
 
 def allowed_by_reference(matcher: Any, vocab_size: int) -> list[int]:
-    """Every token the matcher alone accepts next, found by trying each one (validate_tokens, which consumes nothing): the brute-force
-    twin of the bitmask, for tests."""
+    """Every token the matcher alone accepts next, found by trying each one (validate_tokens, which consumes
+    nothing): the brute-force twin of the bitmask, for tests."""
     return [token for token in range(vocab_size) if matcher.validate_tokens([token]) == 1]

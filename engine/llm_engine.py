@@ -311,7 +311,8 @@ class LLMEngine:
     def admission(self) -> Admission:
         s = self.scheduler
         free_tokens = self.block_manager.num_free * self.block_size
-        return Admission(free_seqs=max(0, self.config.max_num_seqs - len(s.running) - len(s.waiting) - len(self.compiling)),
+        held = len(s.running) + len(s.waiting) + len(self.compiling)  # a compiling request takes its seat already
+        return Admission(free_seqs=max(0, self.config.max_num_seqs - held),
                          admissible_tokens=max(0, free_tokens - self._reserved_tokens()), block_size=self.block_size)
 
     def shared_prefix_tokens(self, prompt_ids: list[int], hashes: list[int] | None = None) -> int:

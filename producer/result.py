@@ -34,7 +34,8 @@ class Result:
             try:
                 parsed = parse_as.model_validate_json(final.text)
             except ValueError as e:  # pydantic's ValidationError is a ValueError
-                error = f"the answer does not validate as {parse_as.__name__} (finish_reason {final.finish_reason}): {e}"
+                error = (f"the answer does not validate as {parse_as.__name__} (finish_reason "
+                         f"{final.finish_reason}): {e}")
         return cls(final.job_id, final.status, final.text, list(final.token_ids), final.finish_reason, final.error,
                    final.usage, final.worker, final.timings, final.metadata, final.attempt,
                    model=final.model, logprobs=final.logprobs, parsed=parsed, parse_error=error)

@@ -33,7 +33,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gateway": ("kvgate.bench.gateway", "W-GATEWAY: latency and req/s the HTTP gateway adds over the SDK"),
     "fleet": ("kvgate.bench.fleet", "W-FLEET: simulated fleet, capacity admission vs fixed prefetch"),
     "prefix": ("kvgate.bench.prefix", "W-PREFIX: prefix-affinity lanes vs one shared stream vs an ideal single cache"),
-    "structured": ("kvgate.bench.structured", "W-STRUCT: JSON-schema-constrained vs free generation, mask and compile cost"),
+    "structured": ("kvgate.bench.structured", "W-STRUCT: JSON-schema-constrained vs free generation, mask, compile"),
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),
 }
 NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "top", "exporter"}
