@@ -32,6 +32,10 @@ class EngineConfig(BaseModel):
     scheduling: Literal["continuous", "static"] = Field(
         "continuous", description="continuous batching, or static (fill a batch, run it out) as a baseline")
     seed: int = Field(0, description="seed for random weights and unseeded sampling")
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0.0, description="seconds a structured-output constraint may take to compile before its request "
+                                  "is answered with an error")
+    grammar_threads: int = Field(2, ge=1, description="threads that compile structured-output constraints")
     enforce_eager: bool = Field(False, description="run decode steps eagerly, without CUDA graphs (a CPU has none)")
 
     @field_validator("device")

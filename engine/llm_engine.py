@@ -12,12 +12,13 @@ import time
 from typing import Any, Protocol
 
 from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.constraints import GrammarError, Grammars
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import find_stop, held_back, take_increment
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import AllDecode, ScheduledBatch, Scheduler
-from kvgate.engine.sequence import Sequence
+from kvgate.engine.sequence import Sequence, SequenceStatus
 
 RESERVE_RATIO_START, RESERVE_RATIO_FLOOR, RESERVE_RATIO_BUMP, RESERVE_RATIO_DECAY = 0.5, 0.25, 0.25, 0.995
 GC_GEN0_THRESHOLD = 100_000  # allocations between young collections; CPython's default is 700
@@ -67,6 +68,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling)
         self.seqs: dict[str, Sequence] = {}
+        # structured output: compiled off this thread; a request waits here, holding no KV block, until it is
+        self.grammars = Grammars(runner.tokenizer, runner.vocab_size, runner.eos_token_ids,
+                                 threads=config.grammar_threads, timeout_s=config.grammar_compile_timeout_s)
+        self.compiling: dict[Sequence, Any] = {}  # sequence -> the future of its compiled grammar
         self.reserve_ratio = RESERVE_RATIO_START
         self.steps = self.prompt_tokens = self.generation_tokens = 0
         self._seen_preemptions = 0
@@ -110,9 +115,40 @@ class LLMEngine:
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise RequestRejected(f"structured output needs a tokenizer and model {self.model_name!r} has none")
+            future = self.grammars.compile(params.structured)
+            try:
+                seq.matcher = self.grammars.ready(future)
+            except GrammarError as e:  # known bad from an earlier request with the same constraint
+                raise RequestRejected(str(e)) from None
+            if seq.matcher is None:
+                self.seqs[request_id] = seq
+                self.compiling[seq] = future
+                return n
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return n
+
+    def _compiled(self) -> list[StepOutput]:
+        """Requests whose grammar is now compiled join the scheduler's queue; one that failed is answered with
+        finish_reason "error" naming the problem."""
+        failed = []
+        for seq, future in list(self.compiling.items()):
+            try:
+                seq.matcher = self.grammars.ready(future)
+            except GrammarError as e:
+                del self.compiling[seq]
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+                self.seqs.pop(seq.request_id, None)
+                failed.append(StepOutput(seq.request_id, [], "", True, "error", seq.num_prompt_tokens, 0, 0,
+                                         token_ids=[], text="", error=str(e)))
+                continue
+            if seq.matcher is not None:
+                del self.compiling[seq]
+                self.scheduler.add(seq)
+        return failed
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -140,24 +176,30 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return None
+        if self.compiling.pop(seq, None) is not None:  # never scheduled
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            return self._finish_output(seq, [], None)
         self.scheduler.finish(seq, "abort")
         return self._finish_output(seq, [], None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.compiling) or self.scheduler.has_unfinished()
 
     # ---- the loop -------------------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
         """One scheduler iteration; outputs only for requests that produced something."""
+        failed = self._compiled() if self.compiling else []
         batch = self.scheduler.schedule()
         self.steps += 1
         self._adapt_reserve()
         if not batch:
-            return []
+            if self.compiling and not failed:
+                time.sleep(0.001)  # nothing to run until a grammar compiles: do not spin a core the compiler needs
+            return failed
         seqs, tokens, logprobs = self.runner.run(batch)
         if isinstance(batch, AllDecode) and len(seqs) == len(batch.seqs):
-            return self._step_decode(batch.seqs, tokens, logprobs)
+            return failed + self._step_decode(batch.seqs, tokens, logprobs)
         bs, commit = self.block_size, self.block_manager.commit
         for seq, n in batch:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -171,7 +213,7 @@ class LLMEngine:
             seq.first_token_time = seq.first_token_time or now
             outputs.append(self._append_token(seq, token, lp))
         self.generation_tokens += len(tokens)
-        return outputs
+        return failed + outputs
 
     def _step_decode(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> list[StepOutput]:
         """The pure-decode step: every sequence computed its last token and takes one more, accounted and appended
@@ -187,7 +229,8 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             ids, prompt = seq.token_ids, seq.num_prompt_tokens
-            if seq.stream_text or lp is not None or token in seq.stop_ids or len(ids) + 1 - prompt >= seq.max_tokens:
+            if (seq.stream_text or lp is not None or token in seq.stop_ids or len(ids) + 1 - prompt >= seq.max_tokens
+                    or seq.matcher is not None):
                 outputs.append(self._append_token(seq, token, lp))
                 continue
             ids.append(token)
@@ -211,8 +254,12 @@ class LLMEngine:
             seq.logprobs.append(logprob)
         p = seq.params
         reason = None
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)  # the mask allowed it, so the grammar accepts it
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
+        elif seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"  # the grammar is complete and allows nothing more: no step spent drawing its EOS
         elif len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
             reason = "length"
         new_text = ""
@@ -264,7 +311,8 @@ class LLMEngine:
     def admission(self) -> Admission:
         s = self.scheduler
         free_tokens = self.block_manager.num_free * self.block_size
-        return Admission(free_seqs=max(0, self.config.max_num_seqs - len(s.running) - len(s.waiting)),
+        held = len(s.running) + len(s.waiting) + len(self.compiling)  # a compiling request takes its seat already
+        return Admission(free_seqs=max(0, self.config.max_num_seqs - held),
                          admissible_tokens=max(0, free_tokens - self._reserved_tokens()), block_size=self.block_size)
 
     def shared_prefix_tokens(self, prompt_ids: list[int], hashes: list[int] | None = None) -> int:

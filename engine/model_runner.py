@@ -15,6 +15,7 @@ from kvgate.engine.cuda_graphs import DecodeGraphs
 from kvgate.engine.decode_inputs import DecodeInputs
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
 from kvgate.engine.sampler import Sampler
+from kvgate.engine.sampling_rows import SamplingBatch
 from kvgate.engine.scheduler import AllDecode, ScheduledBatch
 from kvgate.engine.sequence import Sequence
 
@@ -120,6 +121,7 @@ class ModelRunner:
         runner.model_name, runner.tokenizer, runner.vocab_size = source.name, source.tokenizer, hf_config.vocab_size
         runner.max_model_len, runner.eos_token_ids = max_model_len, eos_ids(hf_config, source.tokenizer)
         runner.num_blocks = num_blocks
+        runner.sampler.vocab_size = hf_config.vocab_size
         if device.type == "cuda" and not config.enforce_eager:
             runner.capture_graphs()
         return runner
@@ -231,15 +233,19 @@ class ModelRunner:
         if self.home_thread not in (None, threading.get_ident()):
             self._warn_foreign_thread()
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None)
         if sample_rows is None:  # a decode step: its sampling parameters are kept per row with its inputs
             seqs = batch.seqs if isinstance(batch, AllDecode) else [seq for seq, _ in batch]
             sampling = self.decode_inputs.sampling_batch(seqs)
         else:
             seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+            sampling = SamplingBatch.of(seqs) if seqs else None
+        if sampling is not None and sampling.constrained:  # structured output: its mask fills during the forward
+            self.sampler.start_mask(seqs, sampling.constrained)
+        hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None)
+        if sample_rows is not None:
             if not seqs:
                 return [], [], []
-            hidden, sampling = hidden[sample_rows], None
+            hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler(logits, seqs, sampling, consume=True)
         return seqs, tokens, logprobs

@@ -25,6 +25,7 @@ class StepOutput:
     token_ids: list[int] | None = None  # all output ids, only on finish
     text: str | None = None  # full output text, only on finish
     logprobs: Logprobs | None = None  # for new_token_ids, only when asked
+    error: str | None = None  # finish_reason "error": why the request could not run (its constraint did not compile)
 
 
 @dataclass(slots=True)
@@ -36,6 +37,7 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: Logprobs | None = None
     cached_tokens: int = 0
+    error: str | None = None  # finish_reason "error": why it could not run
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """Batched sampling: every transform is a tensor operation over the whole batch and the step ends with one
 device-to-host transfer.
 
-Penalties (repetition with HF's rule over prompt and output; OpenAI's frequency and presence over the output),
-then temperature, top-k and top-p, then inverse-CDF sampling with one uniform number per row (`inverse_cdf`).
+A structured-output row's logits are first masked to what its grammar allows (engine/constraints.py: -inf
+elsewhere), so every later transform and greedy's argmax see only allowed tokens. Then penalties (repetition with
+HF's rule over prompt and output; OpenAI's frequency and presence over the output), then temperature, top-k and top-p, then inverse-CDF sampling with one uniform number per row (`inverse_cdf`).
 That number is a hash of the row's seed and its output position, so a seeded request draws the same tokens
 whatever else is in the batch, and no per-row torch.Generator (and no per-row host sync) is needed. Requests
 without a seed get one from the engine's seeded stream when first sampled. Logprobs are the model's own
@@ -12,12 +13,14 @@ twin here where numba is missing); on a GPU everything stays on the device."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 import random
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from kvgate.engine.constraints import TokenMasks
 from kvgate.engine.sampling_rows import SamplingBatch
 from kvgate.engine.sequence import Sequence
 
@@ -149,11 +152,15 @@ def compiled_sampler() -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndar
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu", vocab_size: int | None = None) -> None:
+        self.vocab_size = vocab_size  # the logits' width, where known before the first step (structured output)
         self.seeds = random.Random(seed)  # for requests that did not give one
         self.device = device
         self.buffer: torch.Tensor | None = None  # scratch for the temperature path's weights
         self.cpu_rows = compiled_sampler() if torch.device(device).type == "cpu" else None
+        self.masks: TokenMasks | None = None  # made at the first step with a structured-output row
+        self._filler: ThreadPoolExecutor | None = None  # fills a step's mask while its forward runs
+        self._filling: tuple[list[Sequence], list[int], Future] | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch | None = None,
                  consume: bool = False) -> tuple[list[int], list[dict[int, float] | None]]:
@@ -164,8 +171,12 @@ class Sampler:
         if batch is None:
             batch = SamplingBatch.of(seqs)
         raw = logits
+        if batch.constrained:  # before everything else; the logprobs stay the model's own
+            if batch.logprob_rows or not consume:
+                logits = logits.clone()
+            self.mask(logits, seqs, batch.constrained)
         if batch.penalized:
-            logits = logits.clone()
+            logits = logits.clone() if logits is raw else logits
             apply_penalties(logits, seqs, batch.penalized)
         if batch.all_greedy:
             tokens = argmax_rows(logits)
@@ -175,6 +186,31 @@ class Sampler:
         if not batch.logprob_rows:
             return tokens.tolist(), [None] * len(seqs)
         return self._with_logprobs(raw, tokens, batch.logprob_rows, batch.logprob_tops)
+
+    def start_mask(self, seqs: list[Sequence], rows: list[int]) -> None:
+        """Begin filling the mask of `rows` of `seqs` on another thread (llguidance's executor works without the
+        GIL), so that it overlaps the step's forward; `mask` then takes it. The matchers do not move meanwhile: only
+        this step's sampling advances them."""
+        if self.masks is None:
+            vocab = self.vocab_size
+            if vocab is None:
+                return  # unknown until the first logits: this step fills at sampling time
+            self.masks = TokenMasks(vocab)
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="kvgate-mask")
+        self._filling = (seqs, rows, self._filler.submit(self.masks.fill, [seqs[i].matcher for i in rows]))
+
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        """In place: each constrained row's logits outside what its grammar allows next become -inf."""
+        if self.masks is None:
+            self.masks = TokenMasks(logits.shape[1])
+        filling, self._filling = self._filling, None
+        if filling is not None and filling[0] is seqs and filling[1] == rows:
+            self.masks.apply(logits, rows, filling[2].result())
+        else:
+            if filling is not None:
+                filling[2].result()  # never two fills of one buffer at once
+            self.masks.mask(logits, rows, [seqs[i].matcher for i in rows])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, spare: bool) -> torch.Tensor:
         dev = logits.device

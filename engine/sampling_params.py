@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from kvgate.engine.constraints import StructuredOutput
 
 
 @dataclass(slots=True)
@@ -31,6 +34,8 @@ class SamplingParams:
     logprobs: int | None = None  # how many top logprobs to return per token (0: only the chosen one)
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the output so far
     presence_penalty: float = 0.0  # OpenAI's: subtracted once if the token occurred in the output so far
+    # the one constraint the output follows (engine/constraints.py): a StructuredOutput, its dict, or the wire's
+    structured: Any = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -38,6 +43,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.structured = StructuredOutput.of(self.structured)
         self._validate()
 
     def _validate(self) -> None:

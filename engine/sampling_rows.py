@@ -32,6 +32,7 @@ class SamplingBatch:
     penalized: list[int]  # rows with a repetition, frequency or presence penalty
     logprob_rows: list[int]  # rows that asked for logprobs
     logprob_tops: list[int]  # how many alternatives each of them asked for
+    constrained: list[int] = ()  # rows whose output follows a grammar (structured output): masked first
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> SamplingBatch:
@@ -46,14 +47,16 @@ class SamplingBatch:
         penalized = [i for i, p in enumerate(params) if is_penalized(p)]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp_tops = [params[i].logprobs for i in lp_rows]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if all_greedy:
-            return cls(True, None, 1.0, None, None, EMPTY_SEEDS, [], EMPTY_POSITIONS, penalized, lp_rows, lp_tops)
+            return cls(True, None, 1.0, None, None, EMPTY_SEEDS, [], EMPTY_POSITIONS, penalized, lp_rows, lp_tops,
+                       constrained)
         seeds = np.array([s.sample_seed or 0 for s in seqs], dtype=np.uint64)
         unseeded = [i for i, s in enumerate(seqs) if s.sample_seed is None]
         positions = np.array([len(s.token_ids) - s.num_prompt_tokens for s in seqs], dtype=np.int64)
         inv = 1.0 / np.where(greedy, 1.0, temps)
         return cls(False, greedy if greedy.any() else None, inv, top_k if uses_top else None,
-                   top_p if uses_top else None, seeds, unseeded, positions, penalized, lp_rows, lp_tops)
+                   top_p if uses_top else None, seeds, unseeded, positions, penalized, lp_rows, lp_tops, constrained)
 
 
 def is_penalized(p: SamplingParams) -> bool:
@@ -76,8 +79,9 @@ class SamplingRows:
         self.first_output = np.zeros(capacity, dtype=np.int64)  # the input position whose next token is output 0
         self.seed = np.zeros(capacity, dtype=np.uint64)
         self.seeded = np.zeros(capacity, dtype=bool)  # False: drawn from the sampler's stream at first need
+        self.constrained = np.zeros(capacity, dtype=bool)  # structured output: the row's tokens follow a grammar
         self.temperatures: Counter[float] = Counter()  # of the rows held; 0.0 stands for every greedy one
-        self.num_top = self.num_penalized = self.num_logprobs = self.num_unseeded = 0
+        self.num_top = self.num_penalized = self.num_logprobs = self.num_unseeded = self.num_constrained = 0
 
     def write(self, row: int, seq: Sequence) -> None:
         p = seq.params
@@ -90,6 +94,7 @@ class SamplingRows:
         self.first_output[row] = seq.num_prompt_tokens - 1
         self.seeded[row] = seq.sample_seed is not None
         self.seed[row] = seq.sample_seed or 0
+        self.constrained[row] = seq.matcher is not None
         self._count(row, 1)
 
     def clear(self, row: int) -> None:
@@ -104,6 +109,7 @@ class SamplingRows:
         self.num_penalized += n * bool(self.penalized[row])
         self.num_logprobs += n * bool(self.logprobs[row] >= 0)
         self.num_unseeded += n * (not self.seeded[row])
+        self.num_constrained += n * bool(self.constrained[row])
 
     def gather(self, rows: np.ndarray, positions: np.ndarray, seqs: list[Sequence]) -> SamplingBatch:
         """The batch of a decode-only step: `rows` its decode-input rows, `positions` each row's input position
@@ -114,6 +120,7 @@ class SamplingRows:
             asked = self.logprobs[rows]
             lp_index = np.flatnonzero(asked >= 0)
             lp_rows, lp_tops = lp_index.tolist(), asked[lp_index].tolist()
+        constrained = np.flatnonzero(self.constrained[rows]).tolist() if self.num_constrained else []
         if len(self.temperatures) == 1:  # every row held, so every row of this batch, at one temperature
             inv_temperature, greedy = next(iter(self.temperatures)), None
             all_greedy = inv_temperature == 0.0
@@ -123,14 +130,14 @@ class SamplingRows:
             greedy = greedy if greedy.any() else None
         if all_greedy:
             return SamplingBatch(True, None, 1.0, None, None, EMPTY_SEEDS, [], EMPTY_POSITIONS, penalized, lp_rows,
-                                 lp_tops)
+                                 lp_tops, constrained)
         top_k = top_p = None
         if self.num_top:
             top_k, top_p = self.top_k[rows], self.top_p[rows]
             if not ((top_k > 0) | (top_p < 1.0)).any():
                 top_k = top_p = None
         return SamplingBatch(False, greedy, inv_temperature, top_k, top_p, *self._seeds(rows, seqs),
-                             positions - self.first_output[rows], penalized, lp_rows, lp_tops)
+                             positions - self.first_output[rows], penalized, lp_rows, lp_tops, constrained)
 
     def _seeds(self, rows: np.ndarray, seqs: list[Sequence]) -> tuple[np.ndarray, list[int]]:
         """The rows' seeds, and the rows still without one; a seed the sampler drew since is written down here."""

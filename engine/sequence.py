@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 from kvgate.engine.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # set by the engine: stop_token_ids, and EOS unless ignore_eos
     sample_seed: int | None = None  # the sampler's seed for this request: its own, or one drawn at first sample
     logprobs: list[dict[int, float]] | None = None
+    matcher: Any = None  # structured output: the grammar's matcher, advanced with each accepted token
     # incremental detokenization (see engine.llm_engine.detokenize_increment)
     stream_text: bool = True
     detokenize: bool = True  # False: the caller turns the ids into text (engine.detokenizer)

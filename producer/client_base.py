@@ -140,8 +140,11 @@ class ClientBase:
         mine = owner_tag(self.client_id)
         claims = owners(prepared, replies)
         self._ledger.drop(p.job.job_id for p, c in zip(prepared, claims) if c.job_id != p.job.job_id)  # a resubmit
-        return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
-                for p, c in zip(prepared, claims)]
+        handles = [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
+                   for p, c in zip(prepared, claims)]
+        for p, h in zip(prepared, handles):
+            h._box.parse_as = p.parse_as
+        return handles
 
     def _charge(self, prepared: list[Prepared]) -> Steps:
         """Admit the jobs under their tenants' quotas (all or none); QuotaExceeded names the first tenant over."""

@@ -59,13 +59,21 @@ class Items:
 
 
 @dataclass(frozen=True, slots=True)
+class Shape:
+    """A structured value's bounds (a Struct with a `problem()` method that checks its parts and sizes):
+    `max_chars` is its size limit, as messages and documentation state it."""
+
+    max_chars: int
+
+
+@dataclass(frozen=True, slots=True)
 class Spec:
     """One field as the Struct declares it: its name, type (without the bounds), default and bounds."""
 
     name: str
     type: Any
     default: Any
-    bounds: Range | Items | None
+    bounds: Range | Items | Shape | None
 
     @property
     def optional(self) -> bool:
@@ -78,6 +86,8 @@ class Spec:
             return None
         if isinstance(b, Range):
             return None if b.holds(value) else f"{self.name}={value} must {b.rule()}"
+        if isinstance(b, Shape):
+            return value.problem(b.max_chars)
         head = value[:8]
         if len(value) > b.max_items:
             return b.too_many.format(n=len(value), max=b.max_items, head=head, item=None)
@@ -99,7 +109,7 @@ def specs(struct: type[msgspec.Struct]) -> tuple[Spec, ...]:
         hint, bounds = hints[f.name], None
         if typing.get_origin(hint) is Annotated:
             hint, *meta = typing.get_args(hint)
-            bounds = next((m for m in meta if isinstance(m, (Range, Items))), None)
+            bounds = next((m for m in meta if isinstance(m, (Range, Items, Shape))), None)
         default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
         out.append(Spec(f.name, hint, default, bounds))
     return tuple(out)

@@ -89,4 +89,4 @@ class JobHandle(HandleBase):
 def settled_result(box: Mailbox) -> Result:
     if box.final is None:
         raise JobLost(box.job_id, box.lost)
-    return Result.from_final(box.final)
+    return Result.from_final(box.final, box.parse_as)

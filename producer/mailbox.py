@@ -20,7 +20,7 @@ MAX_ORPHAN_JOBS = 10_000
 
 class Mailbox:
     __slots__ = ("job_id", "foreign", "created", "items", "attempts", "final", "listeners", "entry", "lost",
-                 "__weakref__")
+                 "parse_as", "__weakref__")
 
     def __init__(self, job_id: str, foreign: bool):
         self.job_id = job_id
@@ -32,6 +32,7 @@ class Mailbox:
         self.listeners: list[Callable[[Mailbox], None]] = []  # called once, when the final arrives
         self.entry: tuple[str, str] | None = None  # (job stream, entry id) when known: lets the reader spot a lost job
         self.lost: str | None = None  # why the job can no longer finish, once the reader found it gone
+        self.parse_as = None  # a pydantic model class: the result's text is validated into Result.parsed
 
     def put(self, event: Delta | Final) -> bool:
         """Keep an event; False when it adds nothing (a duplicate, a superseded attempt, anything after the final)."""

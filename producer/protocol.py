@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .fields import Items, Range, specs
+from .fields import Items, Range, Shape, specs
 from .shards import check_shards, shard_of, shard_tags
 from .urls import split_url
 
@@ -41,6 +41,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_METADATA_BYTES = 16_384
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_STRUCTURED_CHARS = 65_536  # a JSON schema, regex or grammar; OpenAI's strict schemas are far smaller
+MAX_CHOICES = 256
 MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with top-20 logprobs runs to megabytes
 PRIORITIES = ("high", "normal", "low")  # read in this order
 DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
@@ -66,6 +68,43 @@ class ProtocolError(ValueError):
 class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: Role
     content: str
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class Structured(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """The one constraint a request's output must follow. `spec` is a JSON schema's text (json_schema; also
+    json_object, where it is optional and narrows "any JSON object"), a regular expression (regex) or a grammar
+    (grammar: Lark, or GBNF/EBNF as the worker's grammar library takes it); `choices` the strings of `choice`.
+    The worker compiles it off the engine thread; one it cannot compile is an error result naming the problem."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+    choices: list[str] = []
+
+    def problem(self, max_chars: int = MAX_STRUCTURED_CHARS) -> str | None:
+        """What makes this constraint unusable before any compiling, or None."""
+        size = len(self.spec) + sum(len(c) for c in self.choices)
+        if size > max_chars:
+            return f"structured {self.kind} constraint has {size} characters, over the limit of {max_chars}"
+        if self.kind == "choice":
+            if not 0 < len(self.choices) <= MAX_CHOICES or not all(self.choices) or self.spec:
+                return (f"structured choice needs 1 to {MAX_CHOICES} non-empty strings in choices and no spec; got "
+                        f"{len(self.choices)} choices")
+            return None
+        if self.choices:
+            return f"structured {self.kind} takes no choices (only kind='choice' does)"
+        if self.kind in ("regex", "grammar", "json_schema") and not self.spec:
+            return f"structured {self.kind} needs a non-empty spec (the {self.kind.replace('_', ' ')})"
+        if self.kind in ("json_schema", "json_object") and self.spec:
+            try:
+                schema = msgspec.json.decode(self.spec)
+            except msgspec.DecodeError as e:
+                return f"structured {self.kind} spec is not valid JSON: {e}"
+            if not isinstance(schema, dict):
+                return f"structured {self.kind} spec must be a JSON schema object, got {type(schema).__name__}"
+        return None
 
 
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -94,6 +133,8 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # None: no logprobs; N: the chosen token's logprob and the N most likely
     logprobs: Annotated[int | None, Range(ge=0, le=MAX_LOGPROBS, says=f"be None (no logprobs) or 0 to {MAX_LOGPROBS} "
                                                                        "top alternatives per token")] = None
+    # None: free text; else the one constraint its output follows (JSON schema, any JSON, regex, choice, grammar)
+    structured: Annotated[Structured | None, Shape(MAX_STRUCTURED_CHARS)] = None
 
 
 SAMPLING_FIELDS = specs(Sampling)

@@ -16,11 +16,12 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
+from pydantic import (AfterValidator, model_validator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError,
+                      create_model)
 
 from . import protocol as wire
 from .errors import FieldError, InvalidRequest
-from .fields import Items, Range, Spec
+from .fields import Items, Range, Shape, Spec
 
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
@@ -83,10 +84,86 @@ class ChatMessage(BaseModel):
     content: Annotated[Text, Field(max_length=wire.MAX_PROMPT_CHARS)]
 
 
+def _structured(value: Any) -> wire.Structured | None:
+    """The wire's constraint from itself or its dict form ({"kind": "regex", "spec": "[0-9]+"}), checked as the
+    worker checks it."""
+    if value is None or isinstance(value, wire.Structured):
+        structured = value
+    else:
+        try:
+            structured = msgspec.convert(value, wire.Structured)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"is not a structured constraint ({e}); give {{'kind': one of "
+                             f"{', '.join(wire.STRUCTURED_KINDS)}, 'spec': text, 'choices': [...]}}, or use "
+                             "response_format=, regex=, choice= or grammar=") from None
+    if structured is not None and (problem := structured.problem()):
+        raise ValueError(problem)
+    return structured
+
+
+Structured = Annotated[Any, BeforeValidator(_structured),
+                       PlainSerializer(lambda v: None if v is None else msgspec.to_builtins(v))]
+
+
+def _is_model_class(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseModel)
+
+
+def closed_objects(schema: Any) -> Any:
+    """A pydantic model's schema with `additionalProperties: false` on each object that does not say, as OpenAI's
+    strict mode makes it: the model's fields and no others (an open object lets a small model add keys until its
+    max_tokens and the answer never closes)."""
+    if isinstance(schema, dict):
+        schema = {k: closed_objects(v) for k, v in schema.items()}
+        if schema.get("type") == "object" and "properties" in schema:
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [closed_objects(v) for v in schema]
+    return schema
+
+
+def structured_of(response_format: Any = None, regex: str | None = None, choice: list[str] | None = None,
+                  grammar: str | None = None) -> wire.Structured | None:
+    """The wire constraint of the SDK's conveniences: `response_format` as OpenAI's dict ({"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"schema": ...}}), a JSON schema dict, or a pydantic model class;
+    `regex`, `choice` (a list of strings), `grammar` (Lark or GBNF text). At most one; None: free text."""
+    given = [n for n, v in (("response_format", response_format), ("regex", regex), ("choice", choice),
+                            ("grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of response_format, regex, choice, grammar; got {', '.join(given)}")
+    if regex is not None:
+        return wire.Structured("regex", regex)
+    if grammar is not None:
+        return wire.Structured("grammar", grammar)
+    if choice is not None:
+        return wire.Structured("choice", choices=list(choice))
+    if response_format is None:
+        return None
+    if _is_model_class(response_format):
+        schema = closed_objects(response_format.model_json_schema())
+        return wire.Structured("json_schema", msgspec.json.encode(schema).decode())
+    if not isinstance(response_format, dict):
+        raise ValueError(f"response_format must be OpenAI's dict, a JSON schema dict or a pydantic model class, "
+                         f"got {type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind == "text" and len(response_format) == 1:
+        return None
+    if kind == "json_object" and len(response_format) == 1:
+        return wire.Structured("json_object")
+    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
+        schema = response_format["json_schema"].get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return wire.Structured("json_schema", msgspec.json.encode(schema).decode())
+    return wire.Structured("json_schema", msgspec.json.encode(response_format).decode())  # a JSON schema itself
+
+
 def _sdk_field(spec: Spec) -> tuple[Any, Any]:
     """A wire sampling field as a submit argument: the wire's type, default and bounds, and the SDK's two
     conveniences: a list may be left out (None, sent as the empty list) and `stop` may be one string."""
     b = spec.bounds
+    if isinstance(b, Shape):
+        return Structured, spec.default
     if isinstance(b, Items):
         item = Annotated[Text, Field(min_length=b.chars[0], max_length=b.chars[1])] if b.chars else TokenId
         before = [BeforeValidator(_one_or_many)] if spec.name == "stop" else []
@@ -138,6 +215,29 @@ class SubmitRequest(_PromptAndSampling):
     tenant: Annotated[str, AfterValidator(_tenant_name)] | None = None  # None: the client's own, if it has one
     task: wire.Task = "generate"  # tokenize / detokenize: the serving worker's tokenizer answers (token_ids / text)
     add_special_tokens: bool = True  # tokenize: as tokenizer.encode(prompt, add_special_tokens=...)
+    # the conveniences that make `structured` (structured_of); a pydantic model class also makes Result.parsed
+    response_format: Annotated[Any, PlainSerializer(lambda v: v.model_json_schema() if _is_model_class(v) else v)] \
+        = None
+    regex: Annotated[Text, Field(min_length=1, max_length=wire.MAX_STRUCTURED_CHARS)] | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=wire.MAX_CHOICES)] \
+        | None = None
+    grammar: Annotated[Text, Field(min_length=1, max_length=wire.MAX_STRUCTURED_CHARS)] | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "SubmitRequest":
+        made = structured_of(self.response_format, self.regex, self.choice, self.grammar)
+        if made is not None:
+            if self.structured is not None:
+                raise ValueError("give structured= or one of response_format, regex, choice, grammar, not both")
+            if problem := made.problem():
+                raise ValueError(problem)
+            object.__setattr__(self, "structured", made)
+        return self
+
+    @property
+    def parse_as(self) -> type[BaseModel] | None:
+        """The pydantic model class the answer is validated into (Result.parsed), when response_format is one."""
+        return self.response_format if _is_model_class(self.response_format) else None
 
     def sampling(self) -> wire.Sampling:
         given = {s.name: getattr(self, s.name) for s in wire.SAMPLING_FIELDS}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .protocol import Final, FinishReason, Status, Timings, TokenLogprob, Usage
 
@@ -22,12 +23,24 @@ class Result:
     model: str | None = None  # the canonical name of the model that served it
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when submitted with logprobs=N
     max_model_len: int | None = None  # a tokenize job's: the serving worker's limit in tokens
+    # submitted with response_format=<a pydantic model class>: the text validated into it (None: not done, or
+    # cut off before the JSON closed: finish_reason "length"); `parse_error` says why it did not validate
+    parsed: Any = None
+    parse_error: str | None = None
 
     @classmethod
-    def from_final(cls, final: Final) -> "Result":
+    def from_final(cls, final: Final, parse_as: Any = None) -> "Result":
+        parsed = error = None
+        if parse_as is not None and final.status == "done":
+            try:
+                parsed = parse_as.model_validate_json(final.text)
+            except ValueError as e:  # pydantic's ValidationError is a ValueError
+                error = (f"the answer does not validate as {parse_as.__name__} (finish_reason "
+                         f"{final.finish_reason}): {e}")
         return cls(final.job_id, final.status, final.text, list(final.token_ids), final.finish_reason, final.error,
                    final.usage, final.worker, final.timings, final.metadata, final.attempt,
-                   model=final.model, logprobs=final.logprobs, max_model_len=final.max_model_len)
+                   model=final.model, logprobs=final.logprobs, max_model_len=final.max_model_len, parsed=parsed,
+                   parse_error=error)
 
     @property
     def ok(self) -> bool:

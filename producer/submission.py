@@ -31,13 +31,15 @@ class Prepared:
     claim_key: str | None = None
     result_prefix: str = ""
     claim_ttl_s: int = IDEMPOTENCY_TTL_S
+    parse_as: Any = None  # a pydantic model class the answer's text is validated into (Result.parsed)
 
 
 def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "", lanes: int = 0) -> Prepared:
     req = validate_request(kwargs, where)
     job = build_job(req, client_id, job_id=job_id_for(keys, req.idempotency_key), where=where)
     model = req.model or DEFAULT_MODEL
-    prepared = Prepared(job, encode_job(job, where), stream_for(job, model, keys, lanes, req.prefix_key), model)
+    prepared = Prepared(job, encode_job(job, where), stream_for(job, model, keys, lanes, req.prefix_key), model,
+                        parse_as=req.parse_as)
     if req.idempotency_key is not None:
         prepared.claim = Claim(job.job_id, req.digest(), owner_tag(client_id))
         prepared.claim_key = keys.idempotency(req.idempotency_key)

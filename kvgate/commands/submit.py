@@ -11,7 +11,7 @@ import msgspec
 
 from kvgate.producer.client import Client
 from kvgate.producer.errors import ResultTimeout
-from kvgate.producer.fields import Range
+from kvgate.producer.fields import Range, Shape
 from kvgate.producer.protocol import SAMPLING_FIELDS
 from kvgate.openai.shapes import chat_logprobs
 from kvgate.producer.stream import Restart
@@ -30,6 +30,10 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         rule = f"must {spec.bounds.rule()}" if isinstance(spec.bounds, Range) else ""
         if spec.type is bool:
             parser.add_argument(flag, action="store_true", help=f"default {default}")
+        elif isinstance(spec.bounds, Shape):  # the output's constraint, as JSON
+            parser.add_argument(flag, type=json.loads, default=default, metavar="JSON",
+                                help="the answer follows it: '{\"kind\": \"regex\", \"spec\": \"[0-9]+\"}' "
+                                     "(kinds: json_schema, json_object, regex, choice with \"choices\", grammar)")
         elif isinstance(spec.default, list):
             item = typing.get_args(spec.type)[0]
             parser.add_argument(flag, action="append", type=item, metavar=item.__name__.upper(),

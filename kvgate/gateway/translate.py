@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from kvgate.producer import InvalidRequest
-from kvgate.openai.shapes import BadLogprobs, requested_logprobs
+from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, requested_logprobs,
+                                  structured_of_body)
 from kvgate.producer.protocol import SAMPLING_FIELDS
 from kvgate.producer.request import validate_request
 
@@ -27,7 +28,6 @@ DIRECT = {spec.name: spec.name for spec in SAMPLING_FIELDS if spec.name not in (
     "prompt_cache_key": "prefix_key"}
 # body fields accepted only at a value that asks for nothing the engine lacks, with why the rest is refused
 NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: v is None or v == {"type": "text"}, " (plain text output only)"),
     "tools": (lambda v: v in (None, []), " (no tool calling)"),
     "functions": (lambda v: v in (None, []), " (no tool calling)"),
     "tool_choice": (lambda v: v in (None, "none"), " (no tool calling)"),
@@ -40,7 +40,8 @@ NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (lambda v: v in (None, False), ""),
     "suffix": (lambda v: v is None, ""),
 }
-COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", "logprobs", *DIRECT}
+COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", "logprobs", *DIRECT,
+          *STRUCTURED_BODY_FIELDS}
 FIELDS: dict[Kind, set[str]] = {
     "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | (NO_OP.keys() - {"echo", "suffix"}),
     "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix", "logit_bias"},
@@ -77,9 +78,18 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
     except BadLogprobs as e:
         raise invalid(e.param, str(e)) from None
     common = _sampling(kind, body, settings) | {"stream": stream, "model": model}  # the model picks the streams
+    try:
+        asked = structured_of_body(body)
+    except BadStructured as e:
+        raise invalid(e.param, str(e)) from None
+    names = NAMES
+    if asked is not None:
+        if "structured" in common:
+            raise invalid(asked[0], f"give {asked[0]} or structured, not both")
+        common["structured"], names = asked[1], NAMES | {"structured": asked[0]}
     if logprobs is not None:
         common["logprobs"] = logprobs
-    names = NAMES | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+    names = names | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                      "logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
     submits, prompt_of = [], []
     for p, prompt in enumerate(prompts):

@@ -14,7 +14,8 @@ from typing import Any
 import msgspec
 
 from kvgate.openai.json_body import BadJson, parse_json
-from kvgate.openai.shapes import BadLogprobs, choice, requested_logprobs
+from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, choice, requested_logprobs,
+                                  structured_of_body)
 from kvgate.producer import protocol as wire
 from kvgate.producer.errors import InvalidRequest
 from kvgate.producer.protocol import Keys
@@ -77,7 +78,7 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
         raise BadLine("unsupported_parameter", "body.top_logprobs is a chat parameter; /v1/completions takes "
                       "logprobs: N")
     unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - set(LOGPROB_FIELDS)
-                     - {"messages", "prompt", "model"})
+                     - {"messages", "prompt", "model", *STRUCTURED_BODY_FIELDS})
     if unknown:
         raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported")
     if body.get("n", 1) != 1:
@@ -93,6 +94,14 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
             args[arg] = body[name]
     if logprobs is not None:
         args["logprobs"] = logprobs
+    try:  # response_format, guided_*, structured_outputs: as the gateway reads them
+        asked = structured_of_body(body)
+    except BadStructured as e:
+        raise BadLine("invalid_request", f"body.{e.param}: {e}") from None
+    if asked is not None:
+        if "structured" in args:
+            raise BadLine("invalid_request", f"body.{asked[0]} and body.structured: give one")
+        args["structured"] = asked[1]
     return args
 
 

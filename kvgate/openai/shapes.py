@@ -7,6 +7,7 @@ Completions (legacy):        {"tokens", "token_logprobs", "top_logprobs": [{text
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvgate.producer.protocol import MAX_LOGPROBS, TokenLogprob, TopLogprob
@@ -87,3 +88,103 @@ def choice(chat: bool, index: int, text: str, finish_reason: str | None,
         message = {"role": "assistant", "content": text, "refusal": None}
         return {"index": index, "message": message, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs), "finish_reason": finish_reason}
+
+
+# ---- structured output: OpenAI's response_format and vLLM's guided_* / structured_outputs --------------------------
+
+STRUCTURED_BODY_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                          "structured_outputs")
+
+
+class BadStructured(ValueError):
+    def __init__(self, param: str, message: str):
+        self.param = param
+        super().__init__(message)
+
+
+def _schema_text(param: str, schema: Any) -> str:
+    if isinstance(schema, str):  # vLLM takes a schema as JSON text too
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise BadStructured(param, f"{param} is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise BadStructured(param, f"{param} must be a JSON schema object, got {type(schema).__name__}")
+    return json.dumps(schema)
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format: text (nothing), json_object (any JSON object), json_schema (its schema; strict or
+    not, the output follows it)."""
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadStructured("response_format", "response_format must be {\"type\": \"text\"}, {\"type\": "
+                                               "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                                               "{\"name\": ..., \"schema\": {...}}}")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return {"kind": "json_object"}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise BadStructured("response_format.json_schema",
+                            "response_format json_schema needs json_schema.schema, a JSON schema object")
+    return {"kind": "json_schema", "spec": _schema_text("response_format.json_schema.schema", spec["schema"])}
+
+
+def _choice(param: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise BadStructured(param, f"{param} must be a non-empty list of non-empty strings")
+    return {"kind": "choice", "choices": value}
+
+
+def _text(param: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise BadStructured(param, f"{param} must be a non-empty string")
+    return value
+
+
+def _structured_outputs(value: Any) -> dict[str, Any]:
+    """vLLM's newer extra body: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
+    {"json_object": true}, exactly one."""
+    param = "structured_outputs"
+    known = {"json", "regex", "choice", "grammar", "json_object"}
+    if not isinstance(value, dict):
+        raise BadStructured(param, f"{param} must be an object with one of {', '.join(sorted(known))}")
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    unknown = set(given) - known
+    if unknown or len(given) != 1:
+        raise BadStructured(param, f"{param} must give exactly one of {', '.join(sorted(known))}; got "
+                                   f"{', '.join(sorted(given)) or 'none'}")
+    (key, item), = given.items()
+    where = f"{param}.{key}"
+    if key == "json":
+        return {"kind": "json_schema", "spec": _schema_text(where, item)}
+    if key == "json_object":
+        return {"kind": "json_object"}
+    if key == "choice":
+        return _choice(where, item)
+    return {"kind": key, "spec": _text(where, item)}
+
+
+def structured_of_body(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The one output constraint a request body asks for, as the wire's Structured in dict form, with the body
+    field that asked; None: free text. More than one of the fields is a BadStructured naming them."""
+    given = [name for name in STRUCTURED_BODY_FIELDS if body.get(name) is not None]
+    made = []
+    for name in given:
+        value = body[name]
+        if name == "response_format":
+            got = _response_format(value)
+        elif name == "guided_json":
+            got = {"kind": "json_schema", "spec": _schema_text(name, value)}
+        elif name == "guided_choice":
+            got = _choice(name, value)
+        elif name == "structured_outputs":
+            got = _structured_outputs(value)
+        else:
+            got = {"kind": name.removeprefix("guided_"), "spec": _text(name, value)}
+        if got is not None:
+            made.append((name, got))
+    if len(made) > 1:
+        raise BadStructured(made[1][0], f"give one output constraint; got {', '.join(n for n, _ in made)}")
+    return made[0] if made else None

@@ -163,7 +163,12 @@ def test_every_body_field_batch_accepts_is_an_openai_parameter_or_a_named_extens
 
     from kvgate.openai.batch import IGNORED_FIELDS, LOGPROB_FIELDS, SAMPLING_FIELDS
 
-    extensions = {"top_k", "repetition_penalty", "ignore_eos"}
+    from kvgate.openai.shapes import STRUCTURED_BODY_FIELDS
+
+    # vLLM's sampling and structured-output parameters, and kvgate's own wire form of the latter
+    extensions = {"top_k", "repetition_penalty", "ignore_eos", "structured"} | (set(STRUCTURED_BODY_FIELDS) -
+                                                                                 {"response_format"})
     openai_names = set(chat.CompletionCreateParamsBase.__annotations__) | set(
         completions.CompletionCreateParamsBase.__annotations__) | {"stream"}
-    assert (set(SAMPLING_FIELDS) | IGNORED_FIELDS | set(LOGPROB_FIELDS)) - extensions <= openai_names
+    assert (set(SAMPLING_FIELDS) | IGNORED_FIELDS | set(LOGPROB_FIELDS) | set(STRUCTURED_BODY_FIELDS)) - extensions \
+        <= openai_names

@@ -1,0 +1,185 @@
+"""Structured output in the engine (issue 25): the mask the sampler applies is exactly what the grammar allows, answers
+follow their constraint at temperature 0 and 0.8, a cut-off answer ends `length`, preemption by recompute changes
+nothing, and a constraint that cannot compile is an error for its request alone."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import jsonschema
+import pytest
+import torch
+
+from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.constraints import allowed_by_reference
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.sampler import Sampler
+from tests.engine.helpers import COMMON, TinySource
+
+pytest.importorskip("llguidance")
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "kind"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+                         "kind": {"enum": ["cat", "dog"]}}}
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+COLORS = ["red", "green", "blue"]
+
+
+def structured(kind: str, spec: object = "", choices=()) -> dict:
+    return {"kind": kind, "spec": spec if isinstance(spec, str) else json.dumps(spec), "choices": list(choices)}
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from kvgate.engine.loader import resolve_model
+    return resolve_model("smollm2-135m").tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_with_vocab(smol_tokenizer):
+    """A tiny random Llama over SmolLM2's real vocabulary, so grammars have real tokens to allow."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    config = LlamaConfig(**(COMMON | {"vocab_size": len(smol_tokenizer), "max_position_embeddings": 512}),
+                         eos_token_id=smol_tokenizer.eos_token_id, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return TinySource("tiny-smol-vocab", config, smol_tokenizer, None,
+                      {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def test_the_mask_applied_at_every_step_is_what_the_matcher_alone_accepts(tiny_with_vocab, monkeypatch):
+    """Every token is tried on the matcher alone. The mask must allow exactly those, but for one rule of llguidance's
+    own: where the grammar forces bytes (`{"` after nothing), a token that is a strict prefix of them (`{`) is left
+    out so the forced text is tokenized canonically (`{"` is one token); such a token is accepted one at a time."""
+    checked, canonical_only = [], []
+    original = Sampler.mask
+
+    def checking_mask(self, logits, seqs, rows):
+        references = [set(allowed_by_reference(seqs[i].matcher, logits.shape[1])) for i in rows]
+        forced = [seqs[i].matcher.compute_ff_bytes() for i in rows]
+        original(self, logits, seqs, rows)
+        vocab = engine.grammars.tokenizer_future().result()
+        for i, reference, ff in zip(rows, references, forced):
+            allowed = set(torch.isfinite(logits[i]).nonzero().flatten().tolist())
+            assert not allowed - reference, f"row {i}: {sorted(allowed - reference)[:8]} allowed, the matcher refuses"
+            for token in reference - allowed:
+                text = vocab.decode_bytes([token])
+                assert len(text) < len(ff) and ff.startswith(text), (
+                    f"row {i}: token {token} ({text!r}) refused though the matcher accepts it (forced {ff!r})")
+                canonical_only.append(token)
+            checked.append(len(reference))
+
+    monkeypatch.setattr(Sampler, "mask", checking_mask)
+    engine = LLMEngine(tiny_with_vocab, max_num_seqs=4, kv_cache_memory=1 << 22, device="cpu")
+    engine.add_request("json", "Answer:", SamplingParams(temperature=0.8, seed=3, max_tokens=6,
+                                                         structured=structured("json_schema", PERSON)))
+    engine.add_request("free", "Answer:", SamplingParams(temperature=0.8, seed=3, max_tokens=6))
+    engine.add_request("date", "Answer:", SamplingParams(temperature=0, max_tokens=6,
+                                                         structured=structured("regex", DATE)))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(checked) >= 8  # both constrained rows, at several steps (the free row is never masked)
+    assert len(canonical_only) <= len(checked)  # at most a token or so a step, not a different mask
+    assert min(checked) >= 1 and max(checked) < len(tiny_with_vocab.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def smol_llm():
+    torch.set_num_threads(1)
+    return LLM("smollm2-135m", max_model_len=512, kv_cache_memory=1 << 26, max_num_seqs=8, device="cpu")
+
+
+def ask(topic: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": topic}]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_smollm2_answers_follow_their_schema_regex_and_choice(smol_llm, temperature):
+    requests = [
+        (ask("Describe a pet as JSON."), structured("json_schema", PERSON), 60),
+        (ask("Give me any JSON object about Paris."), structured("json_object"), 40),
+        (ask("When did it happen? Answer with a date."), structured("regex", DATE), 12),
+        (ask("Pick a color."), structured("choice", choices=COLORS), 6),
+    ]
+    params = [SamplingParams(temperature=temperature, seed=7, max_tokens=n, structured=s) for _, s, n in requests]
+    outs = smol_llm.chat([m for m, _, _ in requests], params, use_tqdm=False)
+    person, anything, date, color = outs
+    assert person.finish_reason == "stop", person.text
+    jsonschema.validate(json.loads(person.text), PERSON)
+    if anything.finish_reason == "stop":  # any JSON may run long; cut off it is only the start of one
+        assert isinstance(json.loads(anything.text), dict)
+    assert re.fullmatch(DATE, date.text) and date.finish_reason == "stop"
+    assert color.text in COLORS and color.finish_reason == "stop"
+
+
+def test_a_cut_off_structured_answer_ends_with_length(smol_llm):
+    out = smol_llm.chat([ask("Describe a pet as JSON.")],
+                        SamplingParams(temperature=0, max_tokens=4, structured=structured("json_schema", PERSON)),
+                        use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert out.text.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(out.text)
+
+
+def test_a_preempted_constrained_greedy_sequence_writes_what_an_unpreempted_one_does(tiny_with_vocab):
+    prompts = [f"Record {i}:" for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=False,
+                            structured=structured("json_schema", PERSON))
+
+    def run(kv_bytes: int):
+        engine = LLMEngine(tiny_with_vocab, max_num_seqs=6, kv_cache_memory=kv_bytes, block_size=4, device="cpu")
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params, stream_text=False)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.token_ids, out.finish_reason)
+        return done, engine.stats.preemptions
+
+    block = 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, 4 tokens, 2 kv heads, head size 16, float32
+    roomy, none = run(200 * block)
+    tight, preemptions = run(24 * block)
+    assert none == 0 and preemptions > 0
+    assert tight == roomy
+
+
+def test_a_constraint_that_does_not_compile_is_an_error_for_its_request_alone(tiny_with_vocab):
+    engine = LLMEngine(tiny_with_vocab, max_num_seqs=4, kv_cache_memory=1 << 22, device="cpu")
+    engine.add_request("bad", "x", SamplingParams(max_tokens=4, structured=structured("json_schema",
+                                                                                      {"type": "no-such-type"})))
+    engine.add_request("deep", "x", SamplingParams(max_tokens=4, structured=structured(
+        "regex", "(" * 2000 + "a" + ")*" * 2000)))
+    engine.add_request("good", "x", SamplingParams(temperature=0, max_tokens=4, structured=structured(
+        "choice", choices=COLORS)))
+    engine.add_request("free", "x", SamplingParams(temperature=0, max_tokens=4))
+    done, start = {}, time.monotonic()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert time.monotonic() - start < 60  # generous: bounded, not a figure
+    assert done["bad"].finish_reason == "error" and "no-such-type" in done["bad"].error
+    assert done["deep"].finish_reason == "error" and done["deep"].error
+    assert done["good"].finish_reason == "stop" and tiny_with_vocab.tokenizer.decode(done["good"].token_ids) in COLORS
+    assert done["free"].finish_reason in ("stop", "length") and done["free"].token_ids
+
+
+def test_a_compile_past_its_time_limit_is_an_error_and_a_cached_grammar_is_reused(tiny_with_vocab):
+    engine = LLMEngine(tiny_with_vocab, max_num_seqs=4, kv_cache_memory=1 << 22, device="cpu",
+                       grammar_compile_timeout_s=0.01)  # the vocabulary alone takes longer to prepare
+    engine.add_request("slow", "x", SamplingParams(max_tokens=4, structured=structured("regex", "[a-z]+")))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finish_reason == "error" and "took more than 0.01 s to compile" in outs[-1].error
+    engine.grammars.timeout_s = 60
+    for i in range(3):
+        engine.add_request(f"again{i}", "x", SamplingParams(max_tokens=3, structured=structured("regex", "[a-z]+")))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.grammars.compiles == 2 and engine.grammars.hits == 2  # the timed-out one, then one for all three
