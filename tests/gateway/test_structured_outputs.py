@@ -8,13 +8,14 @@ import json
 import os
 import re
 
-import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
 pytest.importorskip("torch", reason="a real model needs the worker's torch (make test-pythons runs without it)")
 pytest.importorskip("llguidance")
+
+import jsonschema  # noqa: E402
 
 from kvgate.producer import Client  # noqa: E402
 from tests.gateway.conftest import start_gateway, stop_worker, wait_for_workers  # noqa: E402
