@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import math
 import threading
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pyproject's dependencies)
+    import tomli as tomllib
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 

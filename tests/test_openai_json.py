@@ -24,6 +24,19 @@ def test_parse_json_names_what_is_wrong(text, says):
         parse_json(text.encode())
 
 
+def test_the_nesting_limit_is_the_same_on_every_python():
+    """Before: msgspec's depth limit follows the interpreter's, so 5,000 deep was 'nested too deeply' on 3.11 and a
+    decoded document on 3.13 (make test-pythons caught it)."""
+    from kvgate.openai.json_body import MAX_DEPTH
+
+    assert parse_json("[" * MAX_DEPTH + "]" * MAX_DEPTH) is not None
+    assert parse_json(b'{"messages": [' + b'{"content": "x"},' * 2000 + b'{"content": "y"}]}')["messages"][-1] == {
+        "content": "y"}  # many objects side by side are not deep
+    for text in ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), '{"a": ' * 300 + "1" + "}" * 300):
+        with pytest.raises(BadJson, match=f"nested too deeply: more than {MAX_DEPTH}"):
+            parse_json(text)
+
+
 def test_parse_json_takes_ordinary_documents_as_the_standard_library_does():
     assert parse_json(' {"a": [1, 2.5, "x", null, true], "b": {"c": 10000000000000000000000}} ') == {
         "a": [1, 2.5, "x", None, True], "b": {"c": 10**22}}

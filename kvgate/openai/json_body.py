@@ -22,6 +22,10 @@ MAX_VALUES = 1 << 20
 # checks; 16,384 is far more than a request holds (a message is one object, a prompt one array).
 MAX_CONTAINERS = 1 << 14
 SMALL = 64 * 1024  # a document this short decodes in about a millisecond whatever it holds: not counted
+# Arrays and objects inside one another. msgspec's own limit follows the interpreter's recursion limit, so 5,000 deep
+# was refused on 3.11 and decoded on 3.13, where the request's checks (recursive, as the standard library's json is)
+# could then fail with a RecursionError; one limit on every Python, far above a chat request's or a schema's depth.
+MAX_DEPTH = 256
 
 
 class BadJson(ValueError):
@@ -35,11 +39,32 @@ def parse_json(data: bytes | str) -> Any:
     if len(data) > SMALL:
         check_budget(data.encode() if isinstance(data, str) else data)
     try:
-        return msgspec.json.decode(data)
+        doc = msgspec.json.decode(data)
     except msgspec.DecodeError as e:  # malformed, not UTF-8, or a number past what a JSON number may hold here
         raise BadJson(str(e)) from None
     except RecursionError:
-        raise BadJson("nested too deeply (arrays or objects inside one another past the parser's depth limit)") from None
+        raise _too_deep() from None
+    _check_depth(doc, data)
+    return doc
+
+
+def _check_depth(doc: Any, data: bytes | str) -> None:
+    """BadJson past MAX_DEPTH. Walked without recursion, and only when the document holds more arrays and objects
+    than the limit (a prompt of token ids is one array: nothing to walk)."""
+    opening = (b"[", b"{") if isinstance(data, bytes) else ("[", "{")
+    if data.count(opening[0]) + data.count(opening[1]) <= MAX_DEPTH:
+        return
+    stack = [(doc, 1)] if isinstance(doc, (list, dict)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)
+                     if isinstance(child, (list, dict)))
+
+
+def _too_deep() -> BadJson:
+    return BadJson(f"nested too deeply: more than {MAX_DEPTH} arrays or objects inside one another")
 
 
 def check_budget(data: bytes) -> None:
