@@ -140,11 +140,8 @@ class ClientBase:
         mine = owner_tag(self.client_id)
         claims = owners(prepared, replies)
         self._ledger.drop(p.job.job_id for p, c in zip(prepared, claims) if c.job_id != p.job.job_id)  # a resubmit
-        handles = [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None)
-                   for p, c in zip(prepared, claims)]
-        for p, h in zip(prepared, handles):
-            h._box.parse_as = p.parse_as
-        return handles
+        return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None,
+                             parse_as=p.parse_as) for p, c in zip(prepared, claims)]
 
     def _charge(self, prepared: list[Prepared]) -> Steps:
         """Admit the jobs under their tenants' quotas (all or none); QuotaExceeded names the first tenant over."""
@@ -210,8 +207,8 @@ class ClientBase:
         """A handle for a job submitted elsewhere (another client or process): its result is polled."""
         return self._handle(job_id, foreign=True)
 
-    def _handle(self, job_id: str, foreign: bool, entry: tuple[str, str] | None = None):
-        return self._handle_type(self, self.router.mailbox(job_id, foreign, entry))
+    def _handle(self, job_id: str, foreign: bool, entry: tuple[str, str] | None = None, parse_as=None):
+        return self._handle_type(self, self.router.mailbox(job_id, foreign, entry, parse_as))
 
     def _get(self, job_id: str) -> Steps:
         raw = yield call(self.redis.get, self.keys.result(job_id))

@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Callable
+from typing import Any, Callable
 
 from .protocol import Delta, Final
 from .stream import AttemptFilter, StreamItem
@@ -62,7 +62,9 @@ class ReplyRouter:
         self._on_change = on_change
         self._on_final = on_final
 
-    def mailbox(self, job_id: str, foreign: bool = False, entry: tuple[str, str] | None = None) -> Mailbox:
+    def mailbox(self, job_id: str, foreign: bool = False, entry: tuple[str, str] | None = None,
+                parse_as: Any = None) -> Mailbox:
+        """The job's mailbox, made on first use; `parse_as`: the pydantic class its answer is validated into."""
         with self._lock:
             box = self._boxes.get(job_id)
             if box is None:
@@ -70,6 +72,7 @@ class ReplyRouter:
                 for event in self._orphans.pop(job_id, []):
                     box.put(event)
             box.entry = box.entry or entry
+            box.parse_as = box.parse_as or parse_as
             box.foreign = box.foreign and foreign
             if box.foreign and box.final is None:
                 self._foreign.add(job_id)
