@@ -81,11 +81,11 @@ def stop_worker(proc) -> None:
 
 
 @contextlib.contextmanager
-def running_worker(redis_url: str, namespace: str, *args: str, worker_id: str):
+def running_worker(redis_url: str, namespace: str, *args: str, worker_id: str, timeout: float = 120.0):
     """A `kvgate worker` subprocess with `args`, from its first heartbeat until the block ends; yields (url, ns)."""
     proc = spawn_worker(redis_url, namespace, *args, worker_id=worker_id)
     try:
-        wait_for_workers(redis_url, namespace, proc=proc)
+        wait_for_workers(redis_url, namespace, timeout=timeout, proc=proc)
         yield redis_url, namespace
     finally:
         stop_worker(proc)
@@ -120,3 +120,23 @@ def gateway_factory():
     yield start
     for gw in started:
         gw.stop()
+
+
+@pytest.fixture(scope="package")
+def smol(shared_redis):
+    """The bundled SmolLM2-135M in a `kvgate worker` subprocess (CPU, ~15 s to load) behind a gateway, shared by the
+    gateway tests that need a real model (test_smollm2, test_structured_outputs): the official client, with
+    `.kvgate` = (redis url, namespace) for the SDK."""
+    import openai
+
+    with running_worker(shared_redis.url, f"gwsmol{os.getpid()}", "--model", "smollm2-135m", "--max-model-len",
+                        "512", "--max-num-seqs", "4", worker_id="gw-smol", timeout=300) as (url, ns):
+        gw = start_gateway(url, ns)
+        client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=240)
+        client.kvgate = (url, ns)
+        try:
+            yield client
+        finally:
+            client.close()
+            gw.stop()
+

@@ -1,33 +1,9 @@
 """A real answer through the gateway: the bundled SmolLM2-135M in a `kvgate worker` subprocess (CPU, ~15 s load)."""
 from __future__ import annotations
 
-import os
-
-import openai
 import pytest
 
 pytest.importorskip("torch", reason="a real model needs the worker's torch (make test-pythons runs without it)")
-
-from tests.gateway.conftest import start_gateway, stop_worker, wait_for_workers
-from tests.support import spawn_worker
-
-
-@pytest.fixture(scope="module")
-def smol(shared_redis):
-    ns = f"gwsmol{os.getpid()}"
-    proc = spawn_worker(shared_redis.url, ns, "--model", "smollm2-135m", "--max-model-len", "512",
-                        "--max-num-seqs", "4", worker_id="gw-smol")
-    gw = None
-    try:
-        wait_for_workers(shared_redis.url, ns, timeout=300, proc=proc)
-        gw = start_gateway(shared_redis.url, ns)
-        client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=240)
-        yield client
-        client.close()
-    finally:
-        if gw is not None:
-            gw.stop()
-        stop_worker(proc)
 
 
 def test_smollm2_answers_a_chat_through_the_openai_client(smol):

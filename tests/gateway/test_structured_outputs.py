@@ -5,7 +5,6 @@ Before: every one of these bodies was a 400 (`response_format={'type': 'json_obj
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import openai
@@ -18,33 +17,12 @@ pytest.importorskip("llguidance")
 import jsonschema  # noqa: E402
 
 from kvgate.producer import Client  # noqa: E402
-from tests.gateway.conftest import start_gateway, stop_worker, wait_for_workers  # noqa: E402
-from tests.support import spawn_worker  # noqa: E402
 
 
 class City(BaseModel):
     name: str = Field(max_length=16)
     country: str = Field(max_length=16)
     population_millions: int = Field(ge=0, le=50)
-
-
-@pytest.fixture(scope="module")
-def smol(shared_redis):
-    ns = f"gwstruct{os.getpid()}"
-    proc = spawn_worker(shared_redis.url, ns, "--model", "smollm2-135m", "--max-model-len", "512",
-                        "--max-num-seqs", "4", worker_id="gw-struct")
-    gw = None
-    try:
-        wait_for_workers(shared_redis.url, ns, timeout=300, proc=proc)
-        gw = start_gateway(shared_redis.url, ns)
-        client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=240)
-        client.kvgate = (shared_redis.url, ns)
-        yield client
-        client.close()
-    finally:
-        if gw is not None:
-            gw.stop()
-        stop_worker(proc)
 
 
 def model_of(client) -> str:
