@@ -178,8 +178,8 @@ class LLMEngine:
             return None
         if self.compiling.pop(seq, None) is not None:  # never scheduled
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            return self._finish_output(seq, [], None)
-        self.scheduler.finish(seq, "abort")
+        else:
+            self.scheduler.finish(seq, "abort")
         return self._finish_output(seq, [], None)
 
     def has_unfinished(self) -> bool:

@@ -13,9 +13,9 @@ twin here where numba is missing); on a GPU everything stays on the device."""
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 import random
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
