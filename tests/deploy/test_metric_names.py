@@ -12,6 +12,7 @@ from kvgate.producer.protocol import Keys
 from kvgate.commands.exporter import build_registry
 from kvgate.gateway.metrics import GatewayMetrics
 from kvgate.worker.metrics import WorkerMetrics
+from kvgate.worker.heartbeat import write_beat
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 NAME = re.compile(r"\bkvgate_[a-z0-9_]+")
@@ -40,7 +41,7 @@ def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
     worker.on_steals(2)
     client, keys = shared_redis.client(), Keys(namespace)
     client.xadd(keys.jobs(None, "normal"), {"p": b"x"})
-    client.hset(keys.worker("w"), mapping={"worker_id": "w", "free_blocks": 3})
+    write_beat(client, keys, "w", {"worker_id": "w", "free_blocks": 3}, ttl_s=60)
     gateway = GatewayMetrics()
     gateway.requests.labels("/v1/chat/completions", "200").inc()
     gateway.latency.labels("/v1/chat/completions").observe(0.1)

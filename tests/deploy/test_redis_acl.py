@@ -8,6 +8,7 @@ import redis
 
 from kvgate.producer.protocol import Keys
 from kvgate.producer.queue_stats import read_queue_stats
+from kvgate.worker.heartbeat import write_beat
 from tests.support import redis_major
 
 REDIS = shutil.which("redis-server")
@@ -77,7 +78,7 @@ def test_worker_reads_acks_publishes_and_heartbeats_but_cannot_administer(acl_se
 def test_monitor_user_serves_the_exporter_but_writes_nothing(acl_server):
     keys, producer, monitor = Keys("kvgate"), acl_server("producer"), acl_server("monitor")
     producer.xadd(keys.jobs(None, "low"), {"p": b"job"})
-    acl_server("worker").hset(keys.worker("w1"), mapping={"worker_id": "w1", "free_blocks": 7})
+    write_beat(acl_server("worker"), keys, "w1", {"worker_id": "w1", "free_blocks": 7}, ttl_s=60)  # as workers do
     snap = read_queue_stats(monitor, keys)
     assert snap.priorities["low"].backlog == 1 and snap.workers[0].free_blocks == 7
     assert denied(lambda: monitor.xadd(keys.jobs(None, "low"), {"p": b"x"}))

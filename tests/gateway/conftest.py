@@ -60,7 +60,7 @@ def wait_for_workers(redis_url: str, namespace: str, count: int = 1, timeout: fl
     r, keys = redis.Redis.from_url(redis_url), Keys(namespace)
     deadline = time.monotonic() + timeout
     try:
-        while len(list(r.scan_iter(match=keys.worker_pattern()))) < count:
+        while r.zcard(keys.workers()) < count:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"worker exited with {proc.returncode}: {proc.stdout.read()[-3000:]}")
             if time.monotonic() > deadline:

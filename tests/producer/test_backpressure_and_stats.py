@@ -10,6 +10,7 @@ import redis
 from kvgate.producer import Backpressure, Client
 from kvgate.producer.protocol import HEARTBEAT_FIELDS, Keys
 from kvgate.producer.queue_stats import read_queue_stats, total_backlog
+from kvgate.worker.heartbeat import write_beat
 
 
 def _fill_and_consume(url: str, namespace: str, FakeWorker) -> tuple[Client, object]:
@@ -39,8 +40,7 @@ def _heartbeat(r: redis.Redis, keys: Keys, worker_id: str, free: int) -> None:
               "free_blocks": free, "total_blocks": 100, "block_size": 16, "admissible_tokens": free * 16,
               "tokens_per_s": 123.5, "jobs_done": 7}
     assert set(values) == set(HEARTBEAT_FIELDS)
-    r.hset(keys.worker(worker_id), mapping=values)
-    r.expire(keys.worker(worker_id), 10)
+    write_beat(r, keys, worker_id, values, ttl_s=10)
 
 
 def test_stats_report_lag_pending_age_and_workers_on_redis_7(redis_server, namespace, fake_worker):

@@ -10,6 +10,7 @@ from kvgate.commands.cli import main
 from kvgate.producer import AsyncClient, InvalidRequest
 from kvgate.producer.protocol import (FIELD, PROTOCOL_VERSION, Job, Keys, ProtocolError, check_model_name, decode_job,
                                       encode)
+from kvgate.worker.heartbeat import write_beat
 from tests.producer.conftest import FakeWorker
 
 
@@ -154,8 +155,8 @@ def test_stats_show_backlog_per_model_and_flag_a_model_with_no_live_worker(redis
     client.submit_many([{"prompt": "x", "model": "lonely", "priority": "high"}] * 3)
     client.submit("y", model="served")
     client.submit("z", model="lonley")  # a typo: nobody made it known, so nobody counts it
-    r.hset(keys.worker("w1"), mapping={"worker_id": "w1", "model": "served", "models": "served,default",
-                                       "updated_at": 0, "state": "serving"})
+    write_beat(r, keys, "w1", {"worker_id": "w1", "model": "served", "models": "served,default", "updated_at": 0,
+                               "state": "serving"}, ttl_s=60)
     stats = client.stats()
     assert stats.models["lonely"].backlog == 3 and stats.models["lonely"].waiting_for_workers
     assert stats.models["served"].backlog == 1 and stats.models["served"].workers == ["w1"]

@@ -20,7 +20,7 @@ SIM = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0.01")
 
 def _heartbeats(r, keys: Keys, n: int) -> dict[str, dict]:
     def beats():
-        found = {k: r.hgetall(k) for k in r.scan_iter(match=keys.worker_pattern())}
+        found = {k: r.hgetall(k) for k in (keys.worker(i.decode()) for i in r.zrange(keys.workers(), 0, -1))}
         return found if len(found) >= n else None
 
     return wait_for(beats, 60, f"{n} worker heartbeats")
