@@ -164,7 +164,6 @@ class TokenMasks:
         self._executor = None
         self._threads = threads
         self._bitmask = None
-        self._shifts: dict[Any, Any] = {}
 
     def fill(self, matchers: list[Any]):
         """The bitmask [len(matchers), words] int32: bit t of row r set where matchers[r] allows token t."""
@@ -181,37 +180,46 @@ class TokenMasks:
         llguidance.torch.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(rows))), bitmask)
         return bitmask
 
-    def blocked(self, bitmask, vocab: int, device):
-        """[rows, vocab] bool, True where the token is not allowed. On the CPU numpy unpacks the bits in one pass
-        (little-endian words: token t is bit t % 32 of word t // 32); on a GPU the words go over (32x fewer bytes
-        than the booleans) and are unpacked there with shifts."""
-        import numpy as np
-        import torch
-
-        if device.type == "cpu":
-            words = np.invert(bitmask.numpy())
-            bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
-            return torch.from_numpy(bits.view(np.bool_))
-        shifts = self._shifts.get(device)
-        if shifts is None:
-            shifts = self._shifts[device] = torch.arange(BITS, dtype=torch.int32, device=device)
-        words = bitmask.to(device, non_blocking=True)
-        return ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, :vocab] == 0
-
     def apply(self, logits, rows: list[int], bitmask) -> None:
         """In place: logits[rows[r], t] = -inf where bit t of bitmask row r is clear (tokens past the grammar's
-        vocabulary are never allowed: the mask covers the logits' whole width)."""
+        vocabulary are never allowed: the mask covers the logits' whole width). On a GPU the words go over (32x
+        fewer bytes than booleans) and a Triton kernel writes the -inf; on the CPU one compiled loop walks each
+        row's words once (kernels/cpu_mask.py), or the torch twin where numba or the dtype rules that out."""
         import torch
 
-        blocked = self.blocked(bitmask, logits.shape[1], logits.device)
-        if len(rows) == logits.shape[0]:  # every row constrained (rows are in order and distinct)
-            logits.masked_fill_(blocked, float("-inf"))
+        if logits.device.type == "cuda":
+            from kvgate.kernels.token_mask import apply_token_bitmask
+
+            index = torch.tensor(rows, dtype=torch.int32).to(logits.device, non_blocking=True)
+            apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), index)
             return
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
+        cpu_apply = _cpu_mask() if logits.dtype == torch.float32 and logits.is_contiguous() else None
+        if cpu_apply is not None:
+            import numpy as np
+
+            cpu_apply(logits.numpy(), np.asarray(rows, dtype=np.int64), bitmask.numpy())
+            return
+        from kvgate.kernels.reference import apply_token_bitmask
+
+        apply_token_bitmask(logits, bitmask, torch.tensor(rows))
 
     def mask(self, logits, rows: list[int], matchers: list[Any]) -> None:
         self.apply(logits, rows, self.fill(matchers))
+
+
+_CPU_MASK: list = []
+
+
+def _cpu_mask():
+    """kernels/cpu_mask.py's compiled loop, or None where numba cannot be imported (the twin serves)."""
+    if not _CPU_MASK:
+        try:
+            from kvgate.kernels.cpu_mask import apply_token_bitmask
+        except ImportError as e:
+            log.warning("structured output masks through torch on the CPU: numba is unavailable (%s)", e)
+            apply_token_bitmask = None
+        _CPU_MASK.append(apply_token_bitmask)
+    return _CPU_MASK[0]
 
 
 def allowed_by_reference(matcher: Any, vocab_size: int) -> list[int]:

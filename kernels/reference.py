@@ -115,3 +115,15 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[rows[r], t] = -inf where bit t % 32 of bitmask[r, t // 32] is clear (a structured-output
+    row's disallowed tokens); tokens past the bitmask's 32 * words are never allowed."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
+    if allowed.shape[1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = rows.long()
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
