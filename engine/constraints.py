@@ -207,6 +207,18 @@ class TokenMasks:
         self.apply(logits, rows, self.fill(matchers))
 
 
+def forced_tokens(matcher: Any, limit: int) -> list[int]:
+    """Jump-forward: the tokens the grammar allows as the only continuation from here (llguidance's fast-forward
+    tokens, tokenized as the model would write them), at most `limit`, consumed by the matcher. The engine appends
+    them to the sequence at once; the next step computes them with the token after them, one forward for all."""
+    if limit <= 0:
+        return []
+    forced = list(matcher.compute_ff_tokens()[:limit])
+    if forced:
+        matcher.consume_tokens(forced)
+    return forced
+
+
 _CPU_MASK: list = []
 
 

@@ -12,7 +12,7 @@ import time
 from typing import Any, Protocol
 
 from kvgate.engine.block_manager import BlockManager
-from kvgate.engine.constraints import GrammarError, Grammars
+from kvgate.engine.constraints import GrammarError, Grammars, forced_tokens
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import find_stop, held_back, take_increment
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
@@ -252,16 +252,18 @@ class LLMEngine:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        p = seq.params
-        reason = None
+        p, new_ids = seq.params, [token]
         if seq.matcher is not None:
             seq.matcher.consume_token(token)  # the mask allowed it, so the grammar accepts it
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"
-        elif seq.matcher is not None and seq.matcher.is_stopped():
-            reason = "stop"  # the grammar is complete and allows nothing more: no step spent drawing its EOS
-        elif len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
-            reason = "length"
+        reason = self._stop_reason(seq, token)
+        if reason is None and seq.matcher is not None and self.config.jump_forward and p.logprobs is None:
+            # the tokens the grammar forces next join the sequence now (no logprobs: a forced token has none)
+            for forced in forced_tokens(seq.matcher, seq.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens)):
+                seq.token_ids.append(forced)
+                new_ids.append(forced)
+                if reason := self._stop_reason(seq, forced):
+                    break
+            self.generation_tokens += len(new_ids) - 1
         new_text = ""
         if seq.stream_text:
             seq.text += detokenize_increment(self.tokenizer, seq, final=reason is not None)
@@ -272,9 +274,20 @@ class LLMEngine:
         lps = [logprob] if logprob is not None else None
         if reason:
             self.scheduler.finish(seq, reason)
-            return self._finish_output(seq, [token], lps, new_text)
-        return StepOutput(seq.request_id, [token], new_text, False, None, seq.num_prompt_tokens,
+            return self._finish_output(seq, new_ids, lps, new_text)
+        return StepOutput(seq.request_id, new_ids, new_text, False, None, seq.num_prompt_tokens,
                           len(seq.token_ids) - seq.num_prompt_tokens, seq.num_cached_tokens, None, None, lps)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why the sequence ends with `token`, just appended (and consumed by its matcher), or None."""
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return "stop"  # the grammar is complete and allows nothing more: no step spent drawing its EOS
+        if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
+            return "length"
+        return None
 
     def _finish_output(self, seq: Sequence, new_ids: list[int], lps, new_text: str = "") -> StepOutput:
         self.seqs.pop(seq.request_id, None)

@@ -183,3 +183,46 @@ def test_a_compile_past_its_time_limit_is_an_error_and_a_cached_grammar_is_reuse
     while engine.has_unfinished():
         engine.step()
     assert engine.grammars.compiles == 2 and engine.grammars.hits == 2  # the timed-out one, then one for all three
+
+
+def run_engine(source, params: SamplingParams, prompts: list[str], **config) -> tuple[dict, int, list]:
+    """Every request to its end: (request id -> final output, engine steps taken, every step output)."""
+    engine = LLMEngine(source, max_num_seqs=len(prompts), kv_cache_memory=1 << 22, device="cpu", **config)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params, stream_text=False)
+    done, outputs = {}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.append(out)
+            if out.finished:
+                done[out.request_id] = out
+    return done, engine.steps, outputs
+
+
+def test_jump_forward_appends_what_the_grammar_forces_without_a_forward_per_token(tiny_with_vocab):
+    """PERSON's keys, quotes and colons are forced: with jump-forward a request takes fewer steps than tokens, and
+    its answer still follows the schema; counted as output like any token."""
+    params = SamplingParams(temperature=0, max_tokens=120, structured=structured("json_schema", PERSON))
+    prompts = ["Record 1:", "Record 2:"]
+    jumped, jumped_steps, _ = run_engine(tiny_with_vocab, params, prompts)
+    stepped, stepped_steps, _ = run_engine(tiny_with_vocab, params, prompts, jump_forward=False)
+    tok = tiny_with_vocab.tokenizer
+    for done in (jumped, stepped):
+        for out in done.values():
+            assert out.finish_reason == "stop", tok.decode(out.token_ids)
+            jsonschema.validate(json.loads(tok.decode(out.token_ids)), PERSON)
+            assert out.output_tokens == len(out.token_ids)
+    longest = max(len(out.token_ids) for out in jumped.values())
+    assert stepped_steps >= max(len(out.token_ids) for out in stepped.values())  # a forward per token
+    assert jumped_steps < longest - 4  # the four keys alone are forced
+
+
+def test_a_forced_run_stops_at_max_tokens_and_a_request_with_logprobs_never_jumps(tiny_with_vocab):
+    params = SamplingParams(temperature=0, max_tokens=3, structured=structured("json_schema", PERSON))
+    (cut,) = run_engine(tiny_with_vocab, params, ["Record:"])[0].values()
+    assert cut.finish_reason == "length" and len(cut.token_ids) == cut.output_tokens == 3
+    params = SamplingParams(temperature=0, max_tokens=120, logprobs=1, structured=structured("json_schema", PERSON))
+    done, _, outputs = run_engine(tiny_with_vocab, params, ["Record:"])
+    assert done["0"].finish_reason == "stop"
+    assert all(len(o.new_token_ids) == len(o.logprobs) == 1 for o in outputs)  # a logprob for every token
+    assert sum(len(o.new_token_ids) for o in outputs) == len(done["0"].token_ids)
