@@ -94,7 +94,8 @@ class ResponsesApi:
         headers = {"x-request-id": handle.job_id}
         if p.stream:
             events = gw.metrics.stream(self.events(view, handle, record, asked.background),
-                                       request.state.kvgate_route, request.state.kvgate_started, preamble=4)
+                                       request.state.kvgate_route, request.state.kvgate_started,
+                                       preamble=5 if asked.background else 4)  # the events before any token
             return StreamingResponse(events, media_type="text/event-stream", headers=sse.HEADERS | headers)
         if asked.background:
             return _json(view.body("queued"), headers)

@@ -79,8 +79,12 @@ def take(body: Any, earlier: list[dict[str, str]] | None = None) -> Asked:
         chat["max_tokens"] = body["max_output_tokens"]
     if (metadata := _metadata(body)) is not None:
         chat["metadata"] = metadata
+    if body.get("user") is not None:
+        chat["user"] = body["user"]  # kept in the job's metadata, as chat keeps it
     structured = _structured(body.get("text"))
     if structured is not None:
+        if body.get("structured") is not None:
+            raise invalid("text.format", "give text.format or structured, not both")
         chat["structured"] = structured
     chat |= _logprobs(body.get("include"), body.get("top_logprobs"))
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "metadata", "user", "safety_identifier",

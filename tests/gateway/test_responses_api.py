@@ -10,7 +10,7 @@ import openai
 import pytest
 import redis
 
-from kvgate.producer.protocol import FIELD, Keys, decode_job
+from kvgate.producer.protocol import FIELD, Job, Keys, decode_job
 
 FINAL = ("completed", "incomplete", "failed", "cancelled")
 
@@ -30,17 +30,21 @@ def until_final(client, rid: str, timeout: float = 60.0):
     return r
 
 
-def job_messages(redis_url: str, ns: str, model: str, job_id: str) -> list[tuple[str, str]]:
-    """The messages of the job a response submitted, as the worker read them from the job stream."""
+def job_of(redis_url: str, ns: str, model: str, job_id: str) -> Job:
+    """The job a response submitted, as the worker read it from the job stream."""
     r = redis.Redis.from_url(redis_url)
     try:
         for _, fields in r.xrange(Keys(ns).jobs(model, "normal")):
             job = decode_job(fields[FIELD.encode()])
             if job.job_id == job_id:
-                return [(m.role, m.content) for m in job.messages]
+                return job
     finally:
         r.close()
     raise AssertionError(f"job {job_id} is not in the stream")
+
+
+def job_messages(redis_url: str, ns: str, model: str, job_id: str) -> list[tuple[str, str]]:
+    return [(m.role, m.content) for m in job_of(redis_url, ns, model, job_id).messages]
 
 
 def test_a_string_input_is_answered_with_a_response_cut_at_max_output_tokens(client):
@@ -68,6 +72,14 @@ def test_message_items_with_text_parts_and_an_earlier_answer_are_one_conversatio
     assert out.top_p == 0.9 and out.usage.output_tokens == 3
     assert job_messages(*sim_fleet, "simulated", out.id.removeprefix("resp_")) == [
         ("system", "Answer in one word."), ("user", "Name a colour."), ("assistant", "Blue."), ("user", "Another.")]
+
+
+def test_user_safety_identifier_and_metadata_are_kept_with_the_job(client, sim_fleet):
+    out = client.responses.create(model="simulated", input="x", max_output_tokens=2, user="u-1",
+                                  safety_identifier="s-1", metadata={"team": "a"})
+    assert out.user == "u-1" and out.safety_identifier == "s-1" and out.metadata == {"team": "a"}
+    job = job_of(*sim_fleet, "simulated", out.id.removeprefix("resp_"))
+    assert job.metadata == {"team": "a", "user": "u-1", "safety_identifier": "s-1"}
 
 
 def test_the_stream_is_the_typed_events_numbered_in_order_and_joins_to_the_answer(client):
@@ -182,6 +194,8 @@ def test_another_tenants_response_is_answered_as_one_that_does_not_exist(sim_fle
     ({"truncation": "auto"}, "truncation"),
     ({"background": True, "store": False}, "store"),
     ({"temperature": 7000}, "temperature"),
+    ({"input": [{"role": "user", "content": "x"}] * 300}, "input"),  # over the messages a job may hold
+    ({"text": {"format": {"type": "json_object"}}, "structured": {"kind": "regex", "spec": "a"}}, "text.format"),
 ])
 def test_what_is_not_honoured_is_a_400_naming_it(client, extra, param):
     body = {"model": "simulated", "input": "x"} | extra
