@@ -140,3 +140,7 @@ class ResponseEvents:
 
     def failing(self, error: ApiError) -> list[dict[str, Any]]:
         return [self.event("response.failed", response=self.view.failed(error))]
+
+    def detached(self, error: ApiError) -> list[dict[str, Any]]:
+        """A background response's stream that ends while its job runs on: an `error` event, not response.failed."""
+        return [self.event("error", code=error.code, message=error.message, param=None)]

@@ -128,7 +128,12 @@ class ResponsesApi:
                     if record is not None:
                         await self.store.finish(record, closing[-1]["response"], events.text)
                 else:  # the job went quiet past the timeout, restarted saying something else, or Redis failed
-                    closing = events.failing(item if isinstance(item, ApiError) else from_sdk(item, {}, 1))
+                    error = item if isinstance(item, ApiError) else from_sdk(item, {}, 1)
+                    if background:  # the stream ends, the job runs on (only cancel stops it)
+                        error = ApiError(error.status, f"the stream ended: {error.message.split(';')[0]}; the "
+                                                       f"background job runs on: GET /v1/responses/{view.id} reads "
+                                                       "it", code=error.code)
+                    closing = events.detached(error) if background else events.failing(error)
                 for event in closing:
                     yield frame(event)
                 return

@@ -127,6 +127,19 @@ def test_a_background_response_waiting_for_its_model_is_cancelled_and_stays_canc
         assert caught.value.body["code"] == "not_background"
 
 
+def test_a_background_stream_that_goes_quiet_ends_with_an_error_event_and_its_job_runs_on(sim_fleet,
+                                                                                             gateway_factory):
+    gw = gateway_factory(*sim_fleet, models=["nobody-serves-this"], request_timeout_s=0.5)
+    with openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        events = list(c.responses.create(model="nobody-serves-this", input="x", background=True, stream=True))
+        assert [e.type for e in events] == ["response.created", "response.queued", "response.in_progress",
+                                            "response.output_item.added", "response.content_part.added", "error"]
+        assert events[-1].code == "timeout" and "runs on" in events[-1].message
+        rid = events[0].response.id
+        assert c.responses.retrieve(rid).status == "queued"  # not cancelled: only cancel stops a background job
+        assert c.responses.cancel(rid).status == "cancelled"
+
+
 def test_previous_response_id_continues_the_stored_conversation_without_its_instructions(client, sim_fleet):
     first = client.responses.create(model="simulated", input="My name is Ada.", instructions="Be kind.",
                                     max_output_tokens=3)
