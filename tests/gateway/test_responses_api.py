@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 import redis
@@ -223,3 +224,30 @@ def test_resuming_a_stream_on_retrieve_is_refused_by_name(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.get(f"/responses/{out.id}", options={"params": {"stream": "true"}}, cast_to=object)
     assert caught.value.body["param"] == "stream"
+
+
+@pytest.mark.parametrize("body, param", [
+    ([1, 2], "body"),
+    ({"model": "simulated", "input": 5}, "input"),
+    ({"model": "simulated", "input": ["x"]}, "input[0]"),
+    ({"model": "simulated", "input": [{"role": "user", "content": ["x"]}]}, "input[0].content[0].type"),
+    ({"model": "simulated", "input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
+     "input[0].content[0].text"),
+    ({"model": "simulated", "input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"model": "simulated", "input": [{"role": "user", "content": "x", "name": "bob"}]}, "input[0].name"),
+    ({"model": "simulated", "input": "x", "instructions": ["a"]}, "instructions"),
+    ({"model": "simulated", "input": "x", "stream": "yes"}, "stream"),
+    ({"model": "simulated", "input": "x", "background": "no"}, "background"),
+    ({"model": "simulated", "input": "x", "text": "json"}, "text"),
+    ({"model": "simulated", "input": "x", "text": {"format": {"type": "json_schema", "schema": "[1"}}},
+     "text.format.schema"),
+    ({"model": "simulated", "input": "x", "include": "logprobs"}, "include"),
+    ({"model": "simulated", "input": "x", "metadata": ["a"]}, "metadata"),
+    ({"model": "simulated", "input": "x", "safety_identifier": 7}, "safety_identifier"),
+    ({"model": "simulated", "input": "x", "previous_response_id": 7}, "previous_response_id"),
+    ({"model": "simulated", "input": "x", "previous_response_id": "resp_" + "0" * 32}, "previous_response_id"),
+    ({"input": "x"}, "model"),
+])
+def test_malformed_bodies_are_400s_naming_the_field_never_500s(gateway, body, param):
+    reply = httpx.post(f"{gateway.base_url}/responses", json=body, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
