@@ -13,7 +13,7 @@ from typing import Any, Callable
 from kvgate.openai.shapes import BadStructured, structured_of_text_format
 
 from .errors import ApiError, invalid, unsupported
-from .translate import DIRECT, NO_OP as CHAT_NO_OP
+from .translate import DIRECT
 
 LOGPROBS = "message.output_text.logprobs"  # the one `include` the engine can answer
 ROLES = ("user", "assistant", "system", "developer")
@@ -25,12 +25,12 @@ PART_KEYS = {"type", "text", "annotations", "logprobs"}
 NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tools": (lambda v: v in (None, []), " on /v1/responses (no tool calling yet)"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), " (no tools to call)"),
-    "parallel_tool_calls": CHAT_NO_OP["parallel_tool_calls"],
+    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), ""),
     "max_tool_calls": (lambda v: v is None, " (no tools to call)"),
     "truncation": (lambda v: v in (None, "disabled"), " (a conversation over the model's length is refused, "
                                                       "never truncated)"),
     "reasoning": (lambda v: v is None or (isinstance(v, dict) and not any(v.values())), " (no reasoning models)"),
-    "service_tier": CHAT_NO_OP["service_tier"],
+    "service_tier": (lambda v: v in (None, "auto", "default"), ""),
     "stream_options": (lambda v: v in (None, {}) or v == {"include_obfuscation": False}, " (no obfuscation)"),
     "prompt_cache_retention": (lambda v: v in (None, "in_memory"), " (the workers' prefix cache is in memory)"),
 }
