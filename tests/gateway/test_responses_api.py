@@ -251,3 +251,28 @@ def test_resuming_a_stream_on_retrieve_is_refused_by_name(client):
 def test_malformed_bodies_are_400s_naming_the_field_never_500s(gateway, body, param):
     reply = httpx.post(f"{gateway.base_url}/responses", json=body, timeout=30)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_any_replica_answers_a_background_response_whose_gateway_is_gone(sim_fleet, gateway_factory):
+    """The record and the job's result are in Redis: a second replica reads the response, records its end, and a
+    third continues it, though the replica that took it stopped before its job finished."""
+    first, second = gateway_factory(*sim_fleet), gateway_factory(*sim_fleet)
+    with openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0, timeout=60) as a:
+        out = a.responses.create(model="simulated", input="hand over", max_output_tokens=3, background=True)
+    first.stop()
+    with openai.OpenAI(base_url=second.base_url, api_key="unused", max_retries=0, timeout=60) as b:
+        done = until_final(b, out.id)
+        assert done.status == "incomplete" and done.usage.output_tokens == 3
+        later = b.responses.create(model="simulated", input="go on", previous_response_id=out.id,
+                                   max_output_tokens=2)
+        assert later.status == "incomplete"
+
+
+def test_a_record_shares_its_jobs_slot_on_a_redis_cluster():
+    from kvgate.gateway.response_store import record_key
+
+    keys = Keys("ns", shards=6, cluster=True)
+    for job_id in ("0" * 32, "f" * 32, "0123456789abcdef" * 2):
+        tag = keys.result(job_id).split("}")[0]
+        assert record_key(keys, "resp_" + job_id, job_id).startswith(tag + "}:response:resp_")
+    assert len({keys.result(j).split("}")[0] for j in ("0" * 32, "f" * 32, "0123456789abcdef" * 2)}) > 1
