@@ -53,7 +53,6 @@ class Asked:
     echo: dict[str, Any] = field(default_factory=dict)
     background: bool = False
     store: bool = True
-    previous_response_id: str | None = None
 
 
 def take(body: Any, earlier: list[dict[str, str]] | None = None) -> Asked:
@@ -87,14 +86,14 @@ def take(body: Any, earlier: list[dict[str, str]] | None = None) -> Asked:
             raise invalid("text.format", "give text.format or structured, not both")
         chat["structured"] = structured
     chat |= _logprobs(body.get("include"), body.get("top_logprobs"))
-    echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "metadata", "user", "safety_identifier",
+    echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "user", "safety_identifier",
                                       "prompt_cache_key", "top_logprobs", "previous_response_id")}
     echo |= {"temperature": _number(body, "temperature"), "top_p": _number(body, "top_p"),
              "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-             "tool_choice": body.get("tool_choice") or "none", "parallel_tool_calls": body.get("parallel_tool_calls",
-                                                                                                True) is not False,
+             "tool_choice": body.get("tool_choice") or "none",
+             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
              "background": background, "store": store, "metadata": body.get("metadata") or {}}
-    return Asked(chat, conversation, echo, background, store, body.get("previous_response_id"))
+    return Asked(chat, conversation, echo, background, store)
 
 
 def input_messages(value: Any) -> list[dict[str, str]]:
