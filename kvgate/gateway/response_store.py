@@ -28,6 +28,15 @@ class Record(msgspec.Struct, omit_defaults=True):
     entry: str = ""
     final: dict[str, Any] | None = None  # the Response body once the job ended
     answer: str | None = None  # its output text, the assistant turn previous_response_id continues with
+    inputs: int = 0  # the conversation's last `inputs` messages are the request's own `input` (its input items)
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The request's own `input` as OpenAI's input items, oldest first."""
+        own = self.conversation[len(self.conversation) - self.inputs:] if self.inputs else []
+        return [{"type": "message", "id": f"msg_{self.job_id}_{i}", "status": "completed", "role": m["role"],
+                 "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text", "text": m["content"]}
+                             | ({"annotations": []} if m["role"] == "assistant" else {})]}
+                for i, m in enumerate(own)]
 
     def conversation_after(self) -> list[dict[str, str]]:
         """The messages a response continuing this one starts with."""

@@ -22,6 +22,7 @@ from kvgate.producer.steps import run_async
 from . import sse
 from .auth import Caller
 from .errors import ApiError, from_sdk, invalid, unsupported
+from .paging import limit_of, page_body
 from .request_body import read_json, sized
 from .response_object import FINAL, ResponseEvents, ResponseView, job_of, response_id
 from .response_store import Record, ResponseStore
@@ -66,7 +67,8 @@ class ResponsesApi:
         return [Route("/v1/responses", self.create, methods=["POST"]),
                 Route("/v1/responses/{response_id}", self.retrieve, methods=["GET"]),
                 Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
-                Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"])]
+                Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"]),
+                Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"])]
 
     # -- create -----------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
@@ -89,7 +91,7 @@ class ResponsesApi:
         if asked.store:
             stream, entry = gw.client.router.entry(handle.job_id) or ("", "")
             record = Record(view.id, handle.job_id, caller.tenant, view.created_at, view.model, asked.echo,
-                            asked.conversation, stream, entry)
+                            asked.conversation, stream, entry, inputs=asked.inputs)
             await self.store.put(record)
         headers = {"x-request-id": handle.job_id}
         if p.stream:
@@ -148,6 +150,25 @@ class ResponsesApi:
         for name, value in request.query_params.items():  # stream=true resumes a stream; not kept: refused
             raise unsupported(name, value, " on GET /v1/responses/{id}")
         return _json(await self.current(await self.found(request.path_params["response_id"], caller)))
+
+    async def input_items(self, request: Request) -> Response:
+        """The request's own `input` as items, a cursor page (`limit`, `after`, `order`: desc by default)."""
+        caller = self.gw.keys.caller(request)
+        query = request.query_params
+        for name, value in query.items():
+            if name not in ("limit", "after", "order"):
+                raise unsupported(name, value, " on GET /v1/responses/{id}/input_items")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order", f"order={order!r} must be asc or desc")
+        items = (await self.found(request.path_params["response_id"], caller)).input_items()
+        items = items if order == "asc" else items[::-1]
+        ids = [item["id"] for item in items]
+        start = ids.index(query["after"]) + 1 if query.get("after") in ids else 0
+        if "after" in query and start == 0:
+            raise invalid("after", f"after={query['after']!r} is not an input item of this response")
+        limit = limit_of(request, 20, 100)
+        return _json(page_body(items[start:start + limit], start + limit < len(items)))
 
     async def cancel(self, request: Request) -> Response:
         caller = self.gw.keys.caller(request)

@@ -53,6 +53,7 @@ class Asked:
     echo: dict[str, Any] = field(default_factory=dict)
     background: bool = False
     store: bool = True
+    inputs: int = 0  # the conversation's last `inputs` messages are this request's `input`
 
 
 def take(body: Any, earlier: list[dict[str, str]] | None = None) -> Asked:
@@ -70,7 +71,8 @@ def take(body: Any, earlier: list[dict[str, str]] | None = None) -> Asked:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions", f"instructions must be a string, got {type(instructions).__name__}")
-    conversation = [*(earlier or []), *input_messages(body.get("input"))]
+    own = input_messages(body.get("input"))
+    conversation = [*(earlier or []), *own]
     chat = {k: v for k, v in body.items() if k in DIRECT and v is not None}
     chat |= {"model": body.get("model"), "stream": body.get("stream"),
              "messages": ([{"role": "system", "content": instructions}] if instructions else []) + conversation}
@@ -93,7 +95,7 @@ def take(body: Any, earlier: list[dict[str, str]] | None = None) -> Asked:
              "tool_choice": body.get("tool_choice") or "none",
              "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
              "background": background, "store": store, "metadata": body.get("metadata") or {}}
-    return Asked(chat, conversation, echo, background, store)
+    return Asked(chat, conversation, echo, background, store, len(own))
 
 
 def input_messages(value: Any) -> list[dict[str, str]]:

@@ -156,6 +156,19 @@ def test_previous_response_id_continues_the_stored_conversation_without_its_inst
         "My name is Ada.", first.output_text, "What is my name?", second.output_text, "And again?"]
 
 
+def test_input_items_are_the_requests_own_input_in_pages(client):
+    first = client.responses.create(model="simulated", input="one", max_output_tokens=2)
+    items = [{"role": "user", "content": f"m{i}"} for i in range(3)]
+    out = client.responses.create(model="simulated", input=items, previous_response_id=first.id,
+                                  instructions="not an item", max_output_tokens=2)
+    page = client.responses.input_items.list(out.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["m0", "m1"] and page.has_more
+    assert [i.content[0].text for i in client.responses.input_items.list(out.id, order="asc", after=page.last_id)
+            .data] == ["m2"]
+    assert [i.content[0].text for i in client.responses.input_items.list(out.id)] == ["m2", "m1", "m0"]  # desc
+    assert all(i.role == "user" and i.type == "message" for i in page.data)
+
+
 def test_store_false_keeps_nothing_to_read_or_continue(client):
     out = client.responses.create(model="simulated", input="forget me", max_output_tokens=2, store=False)
     assert out.store is False
