@@ -31,6 +31,7 @@ from .middleware import middleware
 from .models import LiveModels, model_object
 from .request_body import read_json as _body, sized
 from .responses import Reply, failure
+from .responses_api import ResponsesApi
 from .settings import GatewaySettings
 from .tokenize import TokenizerApi
 from .translate import Kind, Plan, plan
@@ -65,6 +66,7 @@ class Gateway:
         self.batches = BatchesApi(settings, self.files)
         self.metrics = GatewayMetrics()
         self.tokenizer = TokenizerApi(self)
+        self.responses = ResponsesApi(self)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
@@ -199,6 +201,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         *gw.files.routes(),
         *gw.batches.routes(),
         *gw.tokenizer.routes(),
+        *gw.responses.routes(),
     ]
     handlers = {ApiError: api_error_handler, HTTPException: http_error_handler, Exception: unexpected_error_handler}
     counted = Middleware(MetricsMiddleware, metrics=gw.metrics, routes=routes)  # outermost: counts every answer

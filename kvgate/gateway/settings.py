@@ -102,6 +102,10 @@ class GatewaySettings(BaseSettings):
         "primary", "replicated: a request is enqueued only once a replica holds it, resent across a failover "
                    "(RELIABILITY.md, Failover)")
 
+    responses_ttl_s: int = _s(86_400, "seconds a stored response (/v1/responses, store=true: OpenAI's default) stays "
+                                      "readable by its id, cancellable and continuable with previous_response_id",
+                              "--responses-ttl", ge=1)
+
     # files and managed batches
     files_dir: str | None = _s(None, "where /v1/files and batch outputs are stored, in a folder per namespace "
                                      "(<dir>/<namespace>/); replicas must share it; unset: $XDG_DATA_HOME/kvgate/files "

@@ -188,3 +188,19 @@ def structured_of_body(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | Non
     if len(made) > 1:
         raise BadStructured(made[1][0], f"give one output constraint; got {', '.join(n for n, _ in made)}")
     return made[0] if made else None
+
+
+def structured_of_text_format(value: Any, param: str = "text.format") -> dict[str, Any] | None:
+    """The Responses API's `text.format`: {"type": "text"} (nothing), {"type": "json_object"}, or {"type":
+    "json_schema", "name": ..., "schema": {...}, "strict": ...} (flat, where chat nests it under json_schema), as the
+    wire's Structured in dict form; strict or not, the output follows the schema."""
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadStructured(param, f"{param} must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
+                                   "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return {"kind": "json_object"}
+    if "schema" not in value:
+        raise BadStructured(f"{param}.schema", f"{param} json_schema needs schema, a JSON schema object")
+    return {"kind": "json_schema", "spec": _schema_text(f"{param}.schema", value["schema"])}
