@@ -176,6 +176,12 @@ def test_the_gateway_serves_chat_models_and_batches_as_its_acl_user_with_a_worke
         assert done.status == "completed" and done.request_counts.completed == 5, done
         assert len(rows_of(client.files.content(done.output_file_id).content)) == 5
         assert [b.id for b in client.batches.list().data] == [batch.id]
+        # the Responses API: a stored background response is written, read back while it runs and when done
+        model = client.models.list().data[0].id
+        queued = client.responses.create(model=model, input="hi", max_output_tokens=3, background=True)
+        final = wait_for(lambda: (r := client.responses.retrieve(queued.id)).status in ("completed", "incomplete")
+                         and r, timeout=60, what="the background response to end")
+        assert final.usage.output_tokens == 3 and final.output_text
     finally:
         gw.stop()
         stop_worker(worker)
