@@ -40,9 +40,12 @@ VERSIONS = ("torch", "triton", "transformers", "tokenizers", "numpy", "numba", "
 class Scale:
     device: str
     layers: int | None  # None: the model's own
+    vocab: int | None  # None: the model's own
     graph_requests: int
     graph_prompt: tuple[int, int]
+    graph_lengths: tuple[int, int]  # request i asks for first + step * i tokens: the batch shrinks bucket by bucket
     parity_prompts: int
+    parity_prompt: tuple[int, int]
     parity_tokens: int
     kv_cache_memory: str
     w_gpu: dict = field(default_factory=dict)  # Workload fields replaced (the rehearsal's tiny run)
@@ -51,8 +54,8 @@ class Scale:
 def scale(device: str | None = None) -> Scale:
     device = device or os.environ.get("KVGATE_DEVICE", "cuda")
     if device.startswith("cuda"):
-        return Scale(device, None, 48, (20, 200), 4, 16, "8GiB")
-    return Scale(device, 2, 6, (8, 24), 2, 6, "64MiB",
+        return Scale(device, None, None, 48, (20, 200), (8, 3), 4, (16, 120), 16, "8GiB")
+    return Scale(device, 2, 4096, 5, (4, 12), (3, 2), 2, (8, 24), 4, "64MiB",
                  dict(num_requests=3, prompt_len=(8, 16), output_len=(3, 6), max_num_seqs=4, dtype="float32"))
 
 
@@ -73,10 +76,16 @@ def held_source(name: str, sc: Scale) -> HeldWeights:
     from kvgate.engine.loader import resolve_model
 
     src = resolve_model(name)
-    if sc.layers is not None:  # the rehearsal's 2-layer twin of the same config
-        src.config.num_hidden_layers = sc.layers
-        if isinstance(getattr(src.config, "layer_types", None), list):
-            src.config.layer_types = src.config.layer_types[:sc.layers]
+    config = src.config
+    if sc.layers is not None:  # the rehearsal's twin of the same config: fewer layers, a smaller vocabulary
+        config.num_hidden_layers = sc.layers
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:sc.layers]
+    if sc.vocab is not None:
+        config.vocab_size = sc.vocab
+        for special in ("bos_token_id", "eos_token_id", "pad_token_id"):  # HF pads with them: keep them in range
+            if isinstance(getattr(config, special, None), int) and getattr(config, special) >= sc.vocab:
+                setattr(config, special, sc.vocab - 1)
     return HeldWeights(src.name, src.config, src.tokenizer, src.path, src.seed)
 
 
@@ -162,8 +171,10 @@ def check_graphs(out: Path, sc: Scale) -> dict:
     source = held_source(RANDOM_MODELS[0], sc)
     n = sc.graph_requests
     prompts = random_prompts(n, *sc.graph_prompt, source.config.vocab_size)
-    lengths = [8 + 3 * i for i in range(n)]  # the batch shrinks through every bucket
-    result: dict = {"model": source.name, "layers": source.config.num_hidden_layers, "requests": n,
+    first, step = sc.graph_lengths
+    lengths = [first + step * i for i in range(n)]  # the batch shrinks through every bucket
+    result: dict = {"model": source.name, "layers": source.config.num_hidden_layers,
+                    "vocab": source.config.vocab_size, "requests": n,
                     "device": sc.device}
     engine = engine_for(source, sc, "bfloat16", n, eager=False)
     probe = ReplayProbe(engine.runner)
@@ -202,7 +213,7 @@ def check_parity(out: Path, sc: Scale) -> dict:
     result: dict = {"device": sc.device, "tolerance": PARITY_TOLERANCE}
     for name in RANDOM_MODELS:
         source = held_source(name, sc)
-        prompts = random_prompts(sc.parity_prompts, 16, 120, source.config.vocab_size)
+        prompts = random_prompts(sc.parity_prompts, *sc.parity_prompt, source.config.vocab_size)
         engine = engine_for(source, sc, "float32", sc.parity_prompts, eager=False)
         ids, lps = greedy_ids(engine, prompts, [sc.parity_tokens] * len(prompts), logprobs=5)
         del engine
@@ -236,7 +247,7 @@ def check_w_gpu(out: Path, sc: Scale, models: list[str], contestants: list[str])
     device = torch.device(sc.device)
     report = {"workload": workload.name, "machine": machine_info(device), "versions": versions(),
               "settings": {**bench.settings_of(workload, device), "contestants": contestants,
-                           "layers": sc.layers or "the model's own"},
+                           "layers": sc.layers or "the model's own", "vocab": sc.vocab or "the model's own"},
               "notes": bench.notes_of(device), "models": {}}
     for name in models:
         source = held_source(name, sc)

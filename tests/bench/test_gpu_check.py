@@ -127,18 +127,18 @@ def test_steps_past_the_global_deadline_are_skipped_and_said_so(tmp_path):
 
 
 def test_the_engine_and_hf_read_one_set_of_random_weights():
-    sc = gpu_checks.Scale("cpu", 1, 1, (1, 1), 1, 1, "1MiB")
+    sc = gpu_checks.Scale("cpu", 1, 512, 1, (1, 1), (1, 1), 1, (1, 1), 1, "1MiB")
     source = gpu_checks.held_source("random:smollm2-135m", sc)
     first, second = dict(source.weights(torch.float32)), dict(source.weights(torch.float32))
     assert first.keys() == second.keys() and all(first[k] is second[k] for k in first)
-    assert source.config.num_hidden_layers == 1
+    assert source.config.num_hidden_layers == 1 and first["model.embed_tokens.weight"].shape[0] == 512
 
 
 def test_replay_probe_compares_replay_with_eager_on_the_same_inputs():
     from tests.engine.helpers import random_prompts, tiny_source
 
     source, _ = tiny_source("llama", seed=6)
-    sc = gpu_checks.Scale("cpu", None, 5, (3, 20), 1, 1, "1MiB")
+    sc = gpu_checks.Scale("cpu", None, None, 5, (3, 20), (4, 3), 1, (1, 1), 1, "1MiB")
     engine = gpu_checks.engine_for(source, sc, "float32", 5, eager=False)
     probe = gpu_checks.ReplayProbe(engine.runner)
     gpu_checks.greedy_ids(engine, random_prompts(5, 3, 20, seed=6), [4, 6, 9, 12, 15])
