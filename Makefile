@@ -71,7 +71,9 @@ gpu-kit: $(STAMP)
 
 gpu-check:
 	@ls $(GPU_KIT)/wheels/*.whl >/dev/null 2>&1 || { echo "gpu-check: no wheels in $(GPU_KIT)/wheels: run make gpu-kit where PyPI is reachable and carry $(GPU_KIT) along"; exit 2; }
-	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target $(GPU_KIT)/site $(GPU_KIT)/wheels/*.whl
+	@if [ ! -f $(GPU_KIT)/site/.installed ] || [ -n "$$(find $(GPU_KIT)/wheels -name '*.whl' -newer $(GPU_KIT)/site/.installed)" ]; then \
+		echo "installing $(GPU_KIT)/wheels into $(GPU_KIT)/site (no index, no network)"; \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target $(GPU_KIT)/site $(GPU_KIT)/wheels/*.whl && touch $(GPU_KIT)/site/.installed; fi
 	@if [ -f $(GPU_KIT)/triton-cache.tgz ]; then mkdir -p $(TRITON_CACHE_DIR) && tar xzf $(GPU_KIT)/triton-cache.tgz -C $(TRITON_CACHE_DIR); fi
 	PYTHONPATH=$(abspath $(GPU_KIT))/site KVGATE_DEVICE=$(KVGATE_DEVICE) TRITON_CACHE_DIR=$(TRITON_CACHE_DIR) $(GPU_PYTHON) -m kvgate.bench.gpu_check $(OUT) $(if $(ONLY),--only $(ONLY))
 

@@ -145,7 +145,8 @@ class Run:
             self.record(step, {"rc": rc, "seconds": round(time.monotonic() - start, 1), "limit_s": limit,
                                "triton_kernels_compiled": self.kernels_cached() - before})
             if step.name == "preflight" and rc != 0:
-                self.log("FATAL: the preflight failed; the run stops here (see summary.json)")
+                reason = self.summary["steps"][step.name].get("reason") or f"rc={rc}, see its log in results.tgz"
+                self.log(f"FATAL: the preflight failed ({reason}); the run stops here")
                 break
         self.finish()
         return 0 if all(s["rc"] == 0 for s in self.summary["steps"].values()) else 1
@@ -167,6 +168,7 @@ class Run:
 
     def finish(self) -> None:
         self.summary["seconds"] = round(self.budget_s - self.left(), 1)
+        self.summary["w_gpu_qwen2.5_kvgate_continuous_over"] = across_steps(self.work)
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str) + "\n")
         if self.triton_cache.is_dir() and self.left() > 0:
             pack(self.triton_cache, self.out / "triton-cache.tgz")
@@ -192,7 +194,7 @@ def step_findings(work: Path, step: Step) -> dict:
         except ValueError:
             return found
         found.update({k: data[k] for k in ("ok", "reason") if k in data})
-        if "ok" not in data:  # killed before its end: what it had finished
+        if "ok" not in data and "--check" in step.command:  # killed before its end: what it had finished
             found["partial"] = sorted(k for k in data if k not in ("machine", "versions", "settings", "notes"))
         for model, entry in data.get("models", {}).items():
             found.setdefault("tok_s", {})[model] = {c: round(r["output_tok_s"]) for c, r in
@@ -200,6 +202,19 @@ def step_findings(work: Path, step: Step) -> dict:
             if "fraction_of_ceiling" in entry:
                 found.setdefault("fraction_of_ceiling", {})[model] = entry["fraction_of_ceiling"]
     return found
+
+
+def across_steps(work: Path) -> dict | str:
+    """kvgate continuous over every other contestant on qwen2.5, across the steps that ran them apart (same seed,
+    same requests): the issue's targets are >= 10x HF static and >= 2x HF generate_batch."""
+    try:
+        runs = {}
+        for name in ("w-gpu-qwen2.5", "w-gpu-qwen2.5-hf"):
+            runs.update(json.loads((work / f"{name}.json").read_text())["models"]["random:qwen2.5-0.5b"]["contestants"])
+        ours = runs.pop("kvgate_continuous")["output_tok_s"]
+        return {name: ours / r["output_tok_s"] for name, r in runs.items()}
+    except (OSError, KeyError, ValueError) as e:
+        return f"not available: {type(e).__name__}: {e}"
 
 
 def pack(folder: Path, target: Path) -> None:

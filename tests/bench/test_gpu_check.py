@@ -161,3 +161,13 @@ def test_hf_cache_blocks_read_block_size_on_5_17_and_page_size_after():
     real = ContinuousBatchingConfig()
     per_block = getattr(real, "page_size", None) or real.block_size
     assert cache_blocks(real, 3 * per_block + 1) == 4
+
+
+def test_kvgate_is_compared_with_hf_across_the_two_qwen_steps(tmp_path):
+    def figures(**tok_s):
+        return json.dumps({"models": {"random:qwen2.5-0.5b": {"contestants": {
+            name: {"output_tok_s": value} for name, value in tok_s.items()}}}})
+    (tmp_path / "w-gpu-qwen2.5.json").write_text(figures(kvgate_continuous=40000.0, kvgate_static=20000.0))
+    assert gpu_check.across_steps(tmp_path).startswith("not available")  # the HF step never finished
+    (tmp_path / "w-gpu-qwen2.5-hf.json").write_text(figures(hf_static=4000.0, hf_generate_batch=16000.0))
+    assert gpu_check.across_steps(tmp_path) == {"kvgate_static": 2.0, "hf_static": 10.0, "hf_generate_batch": 2.5}
