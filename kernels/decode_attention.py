@@ -141,6 +141,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             out, part_out, part_lse, cu_seqlens_q, out.stride(0), out.stride(1), num_heads, head_dim, num_splits,
-            BLOCK_S=triton.next_power_of_2(max(num_splits, MAX_SPLITS)), BLOCK_D=block_d,  # one variant num_warps=4 if block_d >= 128 else 2,
+            # one BLOCK_S for every split count up to MAX_SPLITS: one variant, not one per power of two
+            BLOCK_S=triton.next_power_of_2(max(num_splits, MAX_SPLITS)), BLOCK_D=block_d,
+            num_warps=4 if block_d >= 128 else 2,
         )
     return out

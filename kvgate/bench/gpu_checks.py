@@ -202,8 +202,13 @@ def hf_on_device(source, dtype, device: str):
 
     from kvgate.engine.loader import hf_reference_model
 
-    with torch.device(device):
-        return hf_reference_model(source, dtype)
+    try:
+        with torch.device(device):
+            return hf_reference_model(source, dtype)
+    except Exception as e:  # noqa: BLE001 - a transformers that cannot build there: the slow way, said so
+        print(f"HF's model could not be built on {device} ({type(e).__name__}: {e}); built on the CPU instead",
+              flush=True)
+        return hf_reference_model(source, dtype).to(device)
 
 
 def check_parity(out: Path, sc: Scale) -> dict:
