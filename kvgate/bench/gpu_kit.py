@@ -46,13 +46,12 @@ def image() -> tuple[list[str], list[str], list[str]]:
     shape the rehearsal's stand-in."""
     has, lacks, older = [], [], []
     for line in IMAGE_FILE.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line.startswith("lacks:"):
-            lacks += line.removeprefix("lacks:").split()
-        elif line.startswith("older:"):
-            older += line.removeprefix("older:").split()
-        elif line:
-            has.append(line)
+        if line.startswith("# lacks:"):  # comments to pip, so that pip install -r takes the file as it is
+            lacks += line.removeprefix("# lacks:").split()
+        elif line.startswith("# older:"):
+            older += line.removeprefix("# older:").split()
+        elif line.split("#", 1)[0].strip():
+            has.append(line.split("#", 1)[0].strip())
     return has, lacks, older
 
 

@@ -29,6 +29,13 @@ def test_the_image_file_says_what_the_image_has_lacks_and_holds_older():
     assert not names & set(lacks) and [gpu_kit.name_of(r) for r in older] == ["typing-extensions"]
 
 
+def test_the_image_file_is_a_requirements_file_pip_reads_as_it_is():
+    from packaging.requirements import Requirement
+
+    lines = [line.split("#", 1)[0].strip() for line in gpu_kit.IMAGE_FILE.read_text().splitlines()]
+    assert [Requirement(line) for line in lines if line] == [Requirement(r) for r in gpu_kit.image()[0]]
+
+
 def test_the_kit_is_what_our_requirements_reach_around_the_images_packages():
     resolved = {  # name -> (pin, who requires it), as uv's annotated output gives them
         "torch": ("torch==2.11.0", {"-r"}),
