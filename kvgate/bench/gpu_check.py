@@ -171,7 +171,7 @@ class Run:
         self.summary["w_gpu_qwen2.5_kvgate_continuous_over"] = across_steps(self.work)
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str) + "\n")
         if self.triton_cache.is_dir() and self.left() > 0:
-            pack(self.triton_cache, self.out / "triton-cache.tgz")
+            pack_triton_cache(self.triton_cache, self.out / "triton-cache.tgz")
         self.log(f"done; OUT holds {', '.join(sorted(p.name for p in self.out.iterdir()))}")
 
 
@@ -221,6 +221,30 @@ def pack(folder: Path, target: Path) -> None:
     tmp = target.with_suffix(".part")
     with tarfile.open(tmp, "w:gz") as tar:
         tar.add(folder, arcname=".")
+    tmp.replace(target)
+
+
+def pack_triton_cache(cache: Path, target: Path) -> None:
+    """This run's compiled kernels for a rerun, small: per kernel its metadata and cubin (not its IR or PTX), its
+    group file naming just those (a group file lists absolute paths: the rerun unpacks at the same
+    TRITON_CACHE_DIR)."""
+    import io
+
+    tmp = target.with_suffix(".part")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for group in cache.glob("*/__grp__*.json"):
+            try:
+                children = json.loads(group.read_text())["child_paths"]
+            except (OSError, ValueError, KeyError):
+                continue
+            keep = {name: path for name, path in children.items() if name.endswith((".json", ".cubin"))}
+            for path in keep.values():
+                if Path(path).exists():
+                    tar.add(path, arcname=str(Path(path).relative_to(cache)))
+            data = json.dumps({"child_paths": keep}).encode()
+            info = tarfile.TarInfo(str(group.relative_to(cache)))
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     tmp.replace(target)
 
 

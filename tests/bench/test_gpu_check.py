@@ -171,3 +171,18 @@ def test_kvgate_is_compared_with_hf_across_the_two_qwen_steps(tmp_path):
     assert gpu_check.across_steps(tmp_path).startswith("not available")  # the HF step never finished
     (tmp_path / "w-gpu-qwen2.5-hf.json").write_text(figures(hf_static=4000.0, hf_generate_batch=16000.0))
     assert gpu_check.across_steps(tmp_path) == {"kvgate_static": 2.0, "hf_static": 10.0, "hf_generate_batch": 2.5}
+
+
+def test_the_triton_cache_comes_back_as_metadata_and_cubins_only(tmp_path):
+    cache, key = tmp_path / "cache", tmp_path / "cache" / "KEY"
+    key.mkdir(parents=True)
+    children = {}
+    for name in ("k.json", "k.cubin", "k.ptx", "k.llir"):
+        (key / name).write_text(name)
+        children[name] = str(key / name)
+    (key / "__grp__k.json").write_text(json.dumps({"child_paths": children}))
+    gpu_check.pack_triton_cache(cache, tmp_path / "triton-cache.tgz")
+    with tarfile.open(tmp_path / "triton-cache.tgz") as tar:
+        assert sorted(tar.getnames()) == ["KEY/__grp__k.json", "KEY/k.cubin", "KEY/k.json"]
+        group = json.loads(tar.extractfile("KEY/__grp__k.json").read())
+    assert group == {"child_paths": {"k.json": str(key / "k.json"), "k.cubin": str(key / "k.cubin")}}
