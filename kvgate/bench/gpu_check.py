@@ -60,20 +60,20 @@ def plan(work: Path, rehearsal: bool = False) -> list[Step]:
     from kvgate.bench.gpu_checks import RANDOM_MODELS
 
     me = (PY, "-m", "kvgate.bench.gpu_check")
-    pytest = (PY, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-              "--durations=10")
+    pytest = (PY, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider", "--durations=10")
     workers = ("-n", "2" if rehearsal else "8") if has_xdist() else ()
 
     def w_gpu(name: str, models, contestants) -> tuple[str, ...]:
         return (*me, "--check", "w-gpu", "--work", str(work), "--models", ",".join(models), "--contestants",
                 ",".join(contestants), "--json", str(work / f"{name}.json"))
     qwen, others = RANDOM_MODELS[0], RANDOM_MODELS[1:]
+    # the rehearsal runs the whole kernel folder: with no GPU the kernels run in the image's Triton interpreter
+    kernel_tests = ("tests/kernels",) if rehearsal else ("-m", "gpu", *GPU_TEST_FILES["pytest-kernels"])
     return [
         Step("preflight", (*me, "--check", "preflight", "--work", str(work)), 40),
-        Step("pytest-kernels", (*pytest, *workers, f"--junitxml={work / 'pytest-kernels.xml'}",
-                                *GPU_TEST_FILES["pytest-kernels"]), 85),
-        Step("pytest-engine", (*pytest, f"--junitxml={work / 'pytest-engine.xml'}", *GPU_TEST_FILES["pytest-engine"]),
-             45),
+        Step("pytest-kernels", (*pytest, *workers, f"--junitxml={work / 'pytest-kernels.xml'}", *kernel_tests), 85),
+        Step("pytest-engine", (*pytest, f"--junitxml={work / 'pytest-engine.xml'}", "-m", "gpu",
+                               *GPU_TEST_FILES["pytest-engine"]), 45),
         Step("graphs", (*me, "--check", "graphs", "--work", str(work)), 60, "graphs.json"),
         Step("parity", (*me, "--check", "parity", "--work", str(work)), 60, "parity.json"),
         Step("w-gpu-qwen2.5", w_gpu("w-gpu-qwen2.5", [qwen], ["kvgate_continuous", "kvgate_static"]), 60,

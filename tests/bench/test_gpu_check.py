@@ -43,6 +43,7 @@ def test_gpu_tests_are_collected_from_the_files_that_hold_them_only(tmp_path):
     for step in gpu_check.plan(tmp_path):
         if step.name.startswith("pytest-"):
             assert "tests" not in step.command and set(step.command) & planned
+            assert ("-m", "gpu") in zip(step.command, step.command[1:])
 
 
 def test_w_gpu_steps_cover_every_model_and_contestant_and_parse(tmp_path):
