@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-pythons install bench gpu-check clean
+.PHONY: demo test test-pythons install bench gpu-kit gpu-check gpu-rehearsal clean
 
 install: $(STAMP)
 
@@ -47,11 +47,40 @@ bench: $(STAMP)
 	$(VENV)/bin/kvgate bench host --json bench-host.json
 	$(VENV)/bin/kvgate bench gateway --json bench-gateway.json
 
-# Every GPU check of the step issue in <= 9 minutes on one H100/H200: make gpu-check OUT=gpu-check-out
-# (on a GPU machine install a CUDA torch first: make install TORCH_SPEC=torch)
+# The offline GPU check (issue 28), for a bare GPU image (Python 3.12, torch, triton, transformers, numpy, numba,
+# pytest; no network; deploy/gpu-image.txt). Where PyPI is reachable: make gpu-kit (the wheels the image lacks,
+# resolved from pyproject into $(GPU_KIT), ignored by git); carry the checkout with that folder to the GPU machine
+# and there: make gpu-check OUT=dir (the image's python, the kit's wheels on PYTHONPATH: no venv, no build, no
+# network; at most 8 files in OUT within 480 s). make gpu-rehearsal runs the same on this CPU in a Python 3.12
+# stand-in of the image (KVGATE_DEVICE=cpu: 2-layer models, the same steps and limits).
+GPU_KIT ?= .gpu-kit
+GPU_PYTHON ?= python3
+KVGATE_DEVICE ?= cuda
 OUT ?= gpu-check-out
-gpu-check: $(STAMP)
-	KVGATE_DEVICE=cuda $(PY) -m kvgate.bench.gpu_check $(OUT)
+# a rerun of some steps on a warm machine: make gpu-check ONLY=graphs,parity
+ONLY ?=
+# a previous run's OUT/triton-cache.tgz, put in the kit under this name, is unpacked here so the run compiles less
+TRITON_CACHE_DIR ?= /tmp/kvgate-triton-cache
+REHEARSAL ?= .gpu-rehearsal
+# the rehearsal's limits x this (a shared CPU runs its small steps at a fraction of a core)
+REHEARSAL_LIMIT_SCALE ?= 2
+REHEARSAL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+
+gpu-kit: $(STAMP)
+	$(PY) -m kvgate.bench.gpu_kit kit $(GPU_KIT)
+
+gpu-check:
+	@ls $(GPU_KIT)/wheels/*.whl >/dev/null 2>&1 || { echo "gpu-check: no wheels in $(GPU_KIT)/wheels: run make gpu-kit where PyPI is reachable and carry $(GPU_KIT) along"; exit 2; }
+	@if [ ! -f $(GPU_KIT)/site/.installed ] || [ -n "$$(find $(GPU_KIT)/wheels -name '*.whl' -newer $(GPU_KIT)/site/.installed)" ]; then \
+		echo "installing $(GPU_KIT)/wheels into $(GPU_KIT)/site (no index, no network)"; \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target $(GPU_KIT)/site $(GPU_KIT)/wheels/*.whl && touch $(GPU_KIT)/site/.installed; fi
+	@if [ -f $(GPU_KIT)/triton-cache.tgz ]; then mkdir -p $(TRITON_CACHE_DIR) && tar xzf $(GPU_KIT)/triton-cache.tgz -C $(TRITON_CACHE_DIR); fi
+	PYTHONPATH=$(abspath $(GPU_KIT))/site KVGATE_DEVICE=$(KVGATE_DEVICE) TRITON_CACHE_DIR=$(TRITON_CACHE_DIR) $(GPU_PYTHON) -m kvgate.bench.gpu_check $(OUT) $(if $(ONLY),--only $(ONLY))
+
+gpu-rehearsal: gpu-kit
+	$(PY) -m kvgate.bench.gpu_kit image $(REHEARSAL)/image --python $(REHEARSAL_PYTHON)
+	rm -rf $(REHEARSAL)/out
+	KVGATE_GPU_CHECK_LIMIT_SCALE=$(REHEARSAL_LIMIT_SCALE) $(MAKE) gpu-check GPU_PYTHON=$(abspath $(REHEARSAL))/image/bin/python KVGATE_DEVICE=cpu OUT=$(REHEARSAL)/out TRITON_CACHE_DIR=$(abspath $(REHEARSAL))/triton-cache
 
 clean:
-	rm -rf $(VENV) .venv-pythons *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-pythons *.egg-info .pytest_cache $(GPU_KIT) $(REHEARSAL)

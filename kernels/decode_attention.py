@@ -19,7 +19,9 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 
 
-@triton.jit
+# Integer arguments that vary with the batch (its block-table width, the split count) are not specialised: Triton
+# would compile a variant for each value of 1 and each multiple of 16 (issue 28: ~150 compiles on a cold cache).
+@triton.jit(do_not_specialize=("stride_bt", "num_splits"))
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
                          out_ptr, part_out_ptr, part_lse_ptr, scale_log2,
                          stride_qn, stride_qh, stride_on, stride_oh,
@@ -72,7 +74,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_s
                  out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits",))
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_q_ptr,
                           stride_on, stride_oh, num_heads, head_dim, num_splits,
                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -139,6 +141,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             out, part_out, part_lse, cu_seqlens_q, out.stride(0), out.stride(1), num_heads, head_dim, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
+            # one BLOCK_S for every split count up to MAX_SPLITS: one variant, not one per power of two
+            BLOCK_S=triton.next_power_of_2(max(num_splits, MAX_SPLITS)), BLOCK_D=block_d,
+            num_warps=4 if block_d >= 128 else 2,
         )
     return out

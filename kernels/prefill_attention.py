@@ -17,6 +17,8 @@ import triton.language as tl
 from kvgate.kernels.config import AttentionConfig, launch_fitted, prefill_config
 from kvgate.kernels.paged_kv import LOG2E, dot_precision, kv_tile_offsets, online_softmax_step
 
+BATCH_BLOCK = 64  # sequences whose starts one prefill program scans at once (a masked load of 64 ints)
+
 
 @triton.jit
 def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_offset, q_pos, dims, dim_mask,
@@ -36,7 +38,9 @@ def _attend_range(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off
     return m_i, l_i, acc
 
 
-@triton.jit
+# The batch and its block-table width vary step by step: not specialised, and one BLOCK_B up to BATCH_BLOCK
+# sequences, so a cold cache compiles one variant where it compiled one per power of two (issue 28).
+@triton.jit(do_not_specialize=("stride_bt", "batch"))
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
                     out_ptr, scale_log2, stride_qn, stride_qh, stride_on, stride_oh,
                     stride_cb, stride_ct, stride_ch, stride_bt, batch, group, head_dim, PAGE_SIZE: tl.constexpr,
@@ -102,7 +106,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             batch, num_heads // num_kv_heads, head_dim, PAGE_SIZE=k_cache.shape[1],
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_B=max(2, triton.next_power_of_2(batch)), PRECISION=dot_precision(q.dtype),
+            BLOCK_B=max(BATCH_BLOCK, triton.next_power_of_2(batch)), PRECISION=dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -6,7 +6,16 @@
 
 `import kvgate` is the SDK (redis, msgspec, pydantic), never torch; the engine is `kvgate.engine`.
 """
+import os
 from importlib.metadata import PackageNotFoundError, version
+from importlib.util import find_spec
+
+# A checkout run without an install (the offline GPU check: `python -m kvgate.bench.gpu_check` from the repository
+# root, the image's python and no build): the layers live in the root's engine/, kernels/, producer/ and worker/,
+# which pyproject's package-dir installs as kvgate.<name>. With the root on this package's path they import under
+# the same names; an install (a wheel, or an editable one) finds them itself and leaves the path alone.
+if find_spec("kvgate.producer") is None:
+    __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvgate.producer import (AsyncClient, AsyncJobHandle, Backpressure, Client, ConnectionFailed, Delta, FieldError,
                              Final, IdempotencyConflict, InvalidRequest, JobHandle, JobLost, JobStatus, KvgateError,

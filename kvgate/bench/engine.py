@@ -150,11 +150,13 @@ def make_requests(workload: Workload, vocab_size: int, seed: int) -> list:
             for _ in range(workload.num_requests)]
 
 
-def run_model(model: str, workload: Workload, contestants: list[str], device, seed: int, repeats: int = 1) -> dict:
+def run_model(model, workload: Workload, contestants: list[str], device, seed: int, repeats: int = 1) -> dict:
+    """`model`: a name, or a ModelSource (the GPU check's, whose random weights the engine and HF share)."""
     from kvgate.bench.report import bandwidth_ceiling
     from kvgate.engine.loader import resolve_model
 
-    source = resolve_model(model, seed=seed)
+    source = resolve_model(model, seed=seed) if isinstance(model, str) else model
+    model = source.name
     m = ModelRun(source, make_requests(workload, source.config.vocab_size, seed), workload, device)
     rounds: dict[str, list[dict]] = {name: [] for name in contestants}
     for round_no in range(1, repeats + 1):
@@ -283,7 +285,8 @@ def hf_model(m: ModelRun):
 
     from kvgate.engine.loader import hf_reference_model
 
-    return hf_reference_model(m.source, getattr(torch, m.workload.dtype)).to(m.device)
+    with torch.device(m.device):  # HF's own (discarded) random init on the device, not on the host's CPU
+        return hf_reference_model(m.source, getattr(torch, m.workload.dtype)).to(m.device)
 
 
 def warm_up_hf(model, m: ModelRun, pad: int) -> None:

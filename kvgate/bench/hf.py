@@ -83,7 +83,7 @@ def hf_generate_batch(model, requests: list[BenchRequest], max_batch_requests: i
                                   pad_token_id=model.config.pad_token_id or 0)
     cb_config = ContinuousBatchingConfig(max_requests_per_batch=max_batch_requests)
     if cache_tokens is not None:
-        cb_config.num_blocks = -(-cache_tokens // cb_config.page_size)
+        cb_config.num_blocks = cache_blocks(cb_config, cache_tokens)
     results: dict[str, list[int]] = {}
     device = model.device
     with model.continuous_batching_context_manager(generation_config=gen_config, block=True, timeout=30,
@@ -111,3 +111,11 @@ def hf_generate_batch(model, requests: list[BenchRequest], max_batch_requests: i
     return RunResult([results[f"r{i}"] for i in range(len(requests))], elapsed,
                      notes="per-request max_new_tokens through the manager generate_batch wraps "
                            "(generate_batch itself takes one max_new_tokens for all requests)")
+
+
+def cache_blocks(cb_config, tokens: int) -> int:
+    """Blocks of transformers' continuous-batching cache that hold `tokens`: a block's tokens are `block_size` in
+    transformers 5.17 (the GPU image's) and `page_size` after it, where `block_size` is a deprecated alias that
+    stays None unless set."""
+    per_block = cb_config.page_size if hasattr(cb_config, "page_size") else cb_config.block_size
+    return -(-tokens // per_block)

@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if cuda else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if not cuda:
+        from kvgate.bench.triton_interpreter import squeeze_scalar_index
+
+        squeeze_scalar_index()  # Triton 3.6's interpreter with numpy >= 2.5: see there
         dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # the interpreter has no bf16 rounding
     measure = timer(cuda)
     machine = torch.cuda.get_device_name() if cuda else f"{platform.processor() or platform.machine()} (interpreter)"

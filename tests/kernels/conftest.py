@@ -13,6 +13,9 @@ HAS_CUDA = torch.cuda.is_available()
 INTERPRETER_READY = HAS_CUDA or "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kvgate.bench.triton_interpreter import squeeze_scalar_index
+
+    squeeze_scalar_index()  # Triton 3.6's interpreter with numpy >= 2.5 (the GPU image's pair): see there
 
 
 def pytest_collection_modifyitems(config, items):
