@@ -100,6 +100,9 @@ class LLMEngine:
         bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         max_tokens = self.output_budget(n, params.max_tokens)
         if max_tokens < 1:
             raise RequestRejected(f"prompt of {n} tokens leaves no room to generate within "

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .fields import Items, Range, Shape, specs
+from .fields import Entries, Items, Range, Shape, specs
 from .shards import check_shards, shard_of, shard_tags
 from .urls import split_url
 
@@ -27,6 +27,8 @@ from .urls import split_url
 # Job's `tenant` came the same way: a job without one encodes as before, so new workers serve old producers' jobs;
 # a worker from before it answers a job that carries one with an error result naming the field: upgrade workers
 # before the gateways and producers that set it.
+# Sampling's logit_bias, min_p, min_tokens, prompt_logprobs and skip_special_tokens, and Final's prompt_logprobs, came
+# the same way: an old worker answers a job that uses one with an error result naming it.
 # Job's `task` and `add_special_tokens` and Final's `max_model_len` came the same way: a generation job encodes as
 # before; a worker from before them answers a tokenizer job with an error result naming the field.
 PROTOCOL_VERSION = 2
@@ -41,6 +43,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_METADATA_BYTES = 16_384
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias: each costs every step of the request a scatter
 MAX_STRUCTURED_CHARS = 65_536  # a JSON schema, regex or grammar; OpenAI's strict schemas are far smaller
 MAX_CHOICES = 256
 MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with top-20 logprobs runs to megabytes
@@ -135,6 +138,23 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
                                                                        "top alternatives per token")] = None
     # None: free text; else the one constraint its output follows (JSON schema, any JSON, regex, choice, grammar)
     structured: Annotated[Structured | None, Shape(MAX_STRUCTURED_CHARS)] = None
+    # OpenAI's: token id -> a number in [-100, 100] added to its logit before penalties and temperature (vLLM's
+    # order); -100 bans a token in practice, 100 all but forces it. A token id past the model's vocabulary is an
+    # error result from the worker, which alone knows the vocabulary.
+    logit_bias: Annotated[dict[int, float], Entries(
+        MAX_LOGIT_BIAS, f"logit_bias has {{n}} entries; at most {MAX_LOGIT_BIAS} are allowed",
+        "logit_bias entry {item} must map a token id >= 0 to a bias in [-100, 100]",
+        key=Range(ge=0), value=Range(ge=-100.0, le=100.0))] = {}
+    # vLLM's: drop tokens whose probability is below min_p times the most likely one's (after temperature)
+    min_p: Annotated[float, Range(ge=0.0, le=1.0, says="be in [0, 1] (0 disables it)")] = 0.0
+    # vLLM's: EOS and stop_token_ids are masked until this many tokens are out (a stop string still ends the output)
+    min_tokens: Annotated[int, Range(ge=0, le=MAX_TOKENS_LIMIT, says=f"be between 0 and {MAX_TOKENS_LIMIT}")] = 0
+    # None: none; N: each prompt token's logprob given the tokens before it (the first has none) and the N most
+    # likely there (completions' echo with logprobs, vLLM's prompt_logprobs), on the Final's prompt_logprobs
+    prompt_logprobs: Annotated[int | None, Range(ge=0, le=MAX_LOGPROBS, says=f"be None (no prompt logprobs) or 0 to "
+                                                                             f"{MAX_LOGPROBS} top alternatives")] = None
+    # vLLM's: False keeps special tokens (<|im_end|>...) in the answer's text
+    skip_special_tokens: bool = True
 
 
 SAMPLING_FIELDS = specs(Sampling)
@@ -230,6 +250,8 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     model: str | None = None  # the canonical name of the model that served it (None: answered without a model)
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
     max_model_len: int | None = None  # tokenize: the serving worker's longest prompt plus output, in tokens
+    # sampling.prompt_logprobs: one per prompt token after the first (the first has no context to be scored in)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 Event = Delta | Final

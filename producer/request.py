@@ -21,11 +21,13 @@ from pydantic import (AfterValidator, model_validator, BaseModel, BeforeValidato
 
 from . import protocol as wire
 from .errors import FieldError, InvalidRequest
-from .fields import Items, Range, Shape, Spec
+from .fields import Entries, Items, Range, Shape, Spec
 
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 MAX_TOKEN_ID = 2**31 - 1
+# sampling fields added after idempotency digests were first stored: left out of a digest while at their default
+NEWER_THAN_DIGESTS = ("logit_bias", "min_p", "min_tokens", "prompt_logprobs", "skip_special_tokens")
 
 
 def _utf8(text: str) -> str:
@@ -164,6 +166,10 @@ def _sdk_field(spec: Spec) -> tuple[Any, Any]:
     b = spec.bounds
     if isinstance(b, Shape):
         return Structured, spec.default
+    if isinstance(b, Entries):  # a mapping that may be left out too (None, sent as the empty mapping)
+        key = Annotated[int, Field(ge=b.key.ge)]
+        value = Annotated[float, Field(ge=b.value.ge, le=b.value.le, allow_inf_nan=False)]
+        return Annotated[dict[key, value], Field(max_length=b.max_items)] | None, None
     if isinstance(b, Items):
         item = Annotated[Text, Field(min_length=b.chars[0], max_length=b.chars[1])] if b.chars else TokenId
         before = [BeforeValidator(_one_or_many)] if spec.name == "stop" else []
@@ -254,7 +260,8 @@ class SubmitRequest(_PromptAndSampling):
     def _defaults(self) -> set[str]:
         """Fields newer than digests that hold their default: left out, so a generation job's digest stays."""
         fields = type(self).model_fields
-        return {name for name in ("task", "add_special_tokens") if getattr(self, name) == fields[name].default}
+        return {name for name in ("task", "add_special_tokens", *NEWER_THAN_DIGESTS)
+                if getattr(self, name) in (fields[name].default, {})}
 
 
 def _submit_signature() -> inspect.Signature:

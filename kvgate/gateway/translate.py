@@ -33,7 +33,6 @@ NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tool_choice": (lambda v: v in (None, "none"), " (no tool calling)"),
     "function_call": (lambda v: v in (None, "none"), " (no tool calling)"),
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), ""),
-    "logit_bias": (lambda v: v in (None, {}), ""),
     "store": (lambda v: v in (None, False), " (completions are not stored)"),
     "service_tier": (lambda v: v in (None, "auto", "default"), ""),
     "modalities": (lambda v: v in (None, ["text"]), " (text output only)"),
@@ -44,7 +43,7 @@ COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metad
           *STRUCTURED_BODY_FIELDS}
 FIELDS: dict[Kind, set[str]] = {
     "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | (NO_OP.keys() - {"echo", "suffix"}),
-    "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix", "logit_bias"},
+    "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix"},
 }
 # SDK argument -> body field, to name the field a validation error is about
 NAMES = {v: k for k, v in DIRECT.items()} | {"messages": "messages", "prompt": "prompt",
@@ -163,6 +162,8 @@ def _streaming(body: dict) -> tuple[bool, bool]:
 def _sampling(kind: Kind, body: dict, settings: GatewaySettings) -> dict[str, Any]:
     args = {DIRECT[k]: v for k, v in body.items() if k in DIRECT and v is not None}
     args["max_tokens"] = _max_tokens(body, settings.default_max_tokens)
+    if "logit_bias" in args:
+        args["logit_bias"] = _token_map(args["logit_bias"])
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata", "metadata must be an object of string values")
@@ -174,6 +175,21 @@ def _sampling(kind: Kind, body: dict, settings: GatewaySettings) -> dict[str, An
     if metadata:
         args["metadata"] = metadata
     return args
+
+
+def _token_map(bias: Any) -> Any:
+    """logit_bias as JSON spells it (token ids are an object's keys, so strings) -> token id -> bias; the SDK then
+    checks the bounds and names the entry."""
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", f"logit_bias must be an object mapping token ids to numbers, got {bias!r:.80}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise invalid("logit_bias", f"logit_bias key {key!r:.40} is not a token id (an integer, as a string "
+                                        "in JSON)") from None
+    return out
 
 
 def _max_tokens(body: dict, default: int) -> int:
