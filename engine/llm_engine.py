@@ -118,6 +118,8 @@ class LLMEngine:
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * n
         if params.structured is not None:
             if self.tokenizer is None:
                 raise RequestRejected(f"structured output needs a tokenizer and model {self.model_name!r} has none")
@@ -289,7 +291,7 @@ class LLMEngine:
                 if self.tokenizer and seq.detokenize else ""
         return StepOutput(seq.request_id, new_ids, new_text, True, seq.finish_reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, seq.num_cached_tokens, token_ids=seq.output_token_ids, text=text,
-                          logprobs=lps)
+                          logprobs=lps, prompt_logprobs=seq.prompt_logprobs)
 
     # ---- admission and stats --------------------------------------------------------------------------------
 

@@ -250,7 +250,8 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     model: str | None = None  # the canonical name of the model that served it (None: answered without a model)
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
     max_model_len: int | None = None  # tokenize: the serving worker's longest prompt plus output, in tokens
-    # sampling.prompt_logprobs: one per prompt token after the first (the first has no context to be scored in)
+    # sampling.prompt_logprobs: one per prompt token; the first, which nothing comes before, has logprob NaN and no
+    # alternatives (OpenAI's echo shows null there)
     prompt_logprobs: list[TokenLogprob] | None = None
 
 

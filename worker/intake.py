@@ -118,7 +118,8 @@ class Intake:
             ticket.params = sampling_params(job.sampling)
             ticket.prompt_ids = prompt_ids(self.engine, job)
             self._clamp_budget(ticket)
-            ticket.shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # sizes later reads
+            if ticket.params.prompt_logprobs is None:  # one asking for them shares no cached prefix
+                ticket.shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # sizes reads
             if (lane := self.affinity.lane_of(e.stream)) is not None:
                 self.lane_prefixes.observe(lane, ticket.prompt_ids, ticket.tokens)
         except Exception as error:  # a tokenizer or chat template refusing this input is bad input, not a crash

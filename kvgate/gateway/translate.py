@@ -36,13 +36,13 @@ NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (lambda v: v in (None, False), " (completions are not stored)"),
     "service_tier": (lambda v: v in (None, "auto", "default"), ""),
     "modalities": (lambda v: v in (None, ["text"]), " (text output only)"),
-    "echo": (lambda v: v in (None, False), ""),
-    "suffix": (lambda v: v is None, ""),
+    # fill-in-the-middle: no bundled model has FIM tokens, and a template guessed for an unknown one would be wrong
+    "suffix": (lambda v: v is None, " (no fill-in-the-middle model: send the prompt alone)"),
 }
 COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", "logprobs", *DIRECT,
           *STRUCTURED_BODY_FIELDS}
 FIELDS: dict[Kind, set[str]] = {
-    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | (NO_OP.keys() - {"echo", "suffix"}),
+    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | (NO_OP.keys() - {"suffix"}),
     "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix"},
 }
 # SDK argument -> body field, to name the field a validation error is about
@@ -59,6 +59,23 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     names: dict[str, str] = field(default_factory=dict)
+    n: int = 1  # choices answered per prompt
+    best_of: int = 1  # choices generated per prompt; the n with the highest cumulative logprob are answered
+    show_logprobs: bool = False  # the body asked for logprobs (best_of asks for them itself, to score)
+    echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, with logprobs)
+    prompt_only: bool = False  # echo with max_tokens 0: one token is generated, and left out of the answer
+
+    def picked(self, results: list) -> list[tuple[int, Any]]:
+        """(submit index, result) of the choices to answer, in choice order: each prompt's n of its best_of with
+        the highest cumulative logprob (ties: the earlier), or every result where best_of is n."""
+        if self.best_of == self.n:
+            return list(enumerate(results))
+        out = []
+        for start in range(0, len(results), self.best_of):
+            group = list(enumerate(results[start:start + self.best_of], start))
+            group.sort(key=lambda item: -sum(t.logprob for t in item[1].logprobs or ()))
+            out += group[:self.n]
+        return out
 
 
 def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
@@ -69,14 +86,21 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
     if not isinstance(model, str) or not model:
         raise invalid("model", "model is required: a model name from GET /v1/models", code="missing_required_parameter")
     prompts = chat_prompts(body) if kind == "chat" else completion_prompts(body.get("prompt"))
-    n = _choices(body, settings.max_n, len(prompts))
-    _token_id_budget(prompts, n, settings.max_prompt_token_ids)
+    n, best_of = _choices(body, settings.max_n, len(prompts))
+    _token_id_budget(prompts, best_of, settings.max_prompt_token_ids)
     stream, include_usage = _streaming(body)
+    echo = _flag(body, "echo")
+    if stream and (echo or best_of > n):
+        name = "echo" if echo else "best_of"
+        raise unsupported(name, body[name], " with stream=true (whole answers only); send stream=false")
     try:
         logprobs = requested_logprobs(kind == "chat", body)
     except BadLogprobs as e:
         raise invalid(e.param, str(e)) from None
     common = _sampling(kind, body, settings) | {"stream": stream, "model": model}  # the model picks the streams
+    prompt_only = echo and common["max_tokens"] == 0
+    if prompt_only:  # lm-eval's loglikelihood shape: the prompt scored, nothing generated (one token is, unseen)
+        common["max_tokens"] = 1
     try:
         asked = structured_of_body(body)
     except BadStructured as e:
@@ -86,20 +110,25 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
         if "structured" in common:
             raise invalid(asked[0], f"give {asked[0]} or structured, not both")
         common["structured"], names = asked[1], NAMES | {"structured": asked[0]}
-    if logprobs is not None:
-        common["logprobs"] = logprobs
+    if logprobs is not None or best_of > n:  # best_of scores its choices by their tokens' logprobs
+        common["logprobs"] = logprobs or 0
+    if echo and logprobs is not None:
+        common["prompt_logprobs"] = logprobs
     names = names | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                      "logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
     submits, prompt_of = [], []
     for p, prompt in enumerate(prompts):
-        for i in range(n):
+        if echo and "prompt_token_ids" in prompt:  # the echoed text is the prompt tokens' own
+            prompt = prompt | {"prompt_logprobs": common.get("prompt_logprobs", 0)}
+        for i in range(best_of):
             args = common | prompt
-            if n > 1 and args.get("seed") is not None:
+            if best_of > 1 and args.get("seed") is not None:
                 args["seed"] += i  # distinct choices, still reproducible
             _validate(args, names, f"prompt[{p}]" if len(prompts) > 1 else None)
             submits.append(args)
             prompt_of.append(p)
-    return Plan(kind, model, submits, prompt_of, stream, include_usage, names)
+    return Plan(kind, model, submits, prompt_of, stream, include_usage, names, n, best_of, logprobs is not None, echo,
+                prompt_only)
 
 
 def chat_prompts(body: dict) -> list[dict[str, Any]]:
@@ -114,18 +143,28 @@ def _refuse_unknown(kind: Kind, body: dict) -> None:
             raise unsupported(name, value, NO_OP[name][1])
 
 
-def _choices(body: dict, max_n: int, prompts: int) -> int:
+def _choices(body: dict, max_n: int, prompts: int) -> tuple[int, int]:
+    """n, and best_of (the choices generated per prompt, n unless the body says more)."""
     n = body.get("n", 1)
     n = 1 if n is None else n
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise invalid("n", f"n={n!r} must be a positive integer")
-    if n * prompts > max_n:
-        raise invalid("n", f"n={n} for {prompts} prompt(s) asks for {n * prompts} choices, over this gateway's "
-                           f"limit of {max_n} per request; send fewer")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != n:
-        raise unsupported("best_of", best_of, " (only best_of equal to n)")
-    return n
+    best_of = n if best_of is None else best_of
+    if not isinstance(best_of, int) or isinstance(best_of, bool) or best_of < n:
+        raise invalid("best_of", f"best_of={best_of!r} must be an integer >= n ({n})")
+    if best_of * prompts > max_n:
+        name = "best_of" if best_of > n else "n"
+        raise invalid(name, f"{name}={best_of} for {prompts} prompt(s) asks for {best_of * prompts} choices, over "
+                            f"this gateway's limit of {max_n} per request; send fewer")
+    return n, best_of
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise invalid(name, f"{name}={value!r} must be true or false")
+    return bool(value)
 
 
 def _token_id_budget(prompts: list[dict[str, Any]], n: int, limit: int) -> None:
@@ -196,7 +235,12 @@ def _max_tokens(body: dict, default: int) -> int:
     given = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
     if len(set(map(repr, given.values()))) > 1:
         raise invalid("max_completion_tokens", f"max_tokens and max_completion_tokens disagree ({given}); give one")
-    return next(iter(given.values()), default)
+    value = next(iter(given.values()), default)
+    if value == 0 and not isinstance(value, bool) and body.get("echo") is not True:
+        name = next(iter(given))
+        raise invalid(name, f"{name}=0 generates nothing: it is allowed only with echo=true (the prompt scored); "
+                            "send 1 or more")
+    return value
 
 
 def _validate(args: dict[str, Any], names: dict[str, str], prompt_where: str | None) -> None:
