@@ -46,7 +46,9 @@ def test_too_many_choices_disagreeing_max_tokens_and_tool_messages_are_refused()
     assert _refused("chat", {"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}).param \
         == "messages[0].name"
     assert _refused("completion", {"model": "m", "prompt": ["ok", ""]}).param == "prompt[1]"
-    assert _refused("completion", {"model": "m", "prompt": "x", "best_of": 3}).param == "best_of"
+    assert _refused("completion", {"model": "m", "prompt": "x", "best_of": 1, "n": 2}).param == "best_of"
+    assert _refused("completion", {"model": "m", "prompt": ["a", "b"], "best_of": 3}).param == "best_of"  # 6 > 4
+    assert len(plan("completion", {"model": "m", "prompt": "x", "best_of": 3}, S).submits) == 3
 
 
 def test_prompt_cache_key_becomes_the_jobs_prefix_key_and_a_bad_one_is_named():
