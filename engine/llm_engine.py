@@ -287,7 +287,7 @@ class LLMEngine:
             new_text += seq.text[seq.emitted:]  # an abort flushes what was held back
             text = seq.text
         else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) \
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens) \
                 if self.tokenizer and seq.detokenize else ""
         return StepOutput(seq.request_id, new_ids, new_text, True, seq.finish_reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, seq.num_cached_tokens, token_ids=seq.output_token_ids, text=text,
@@ -361,7 +361,7 @@ class LLMEngine:
 def detokenize_increment(tokenizer: Any, seq: Sequence, final: bool = False) -> str:
     """New text since the last call. Decoding a short window of tokens keeps it cheap; a window ending in an
     incomplete UTF-8 character (U+FFFD) waits for the next token, unless this is the last one."""
-    ids = seq.token_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    ids, skip = seq.token_ids, seq.params.skip_special_tokens
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
     return take_increment(seq, prefix, full, final, len(ids))

@@ -92,7 +92,8 @@ class IdsOnly:
     def __init__(self) -> None:
         self.steps: list[StepText] = []
 
-    def add(self, request_id: str, stops: list[str] | None, incremental: bool) -> None:
+    def add(self, request_id: str, stops: list[str] | None, incremental: bool,
+            skip_special_tokens: bool = True) -> None:
         pass  # nothing to keep: the ids of an unknown job are ignored where they are collected
 
     def drop(self, request_ids) -> None:
@@ -148,7 +149,8 @@ class Flights:
         """Hand the job to the engine; an engine refusing it ends it with the reason."""
         try:
             self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params, detokenize=False)
-            self.detok.add(ticket.key, ticket.params.stop, incremental=ticket.job.stream)
+            self.detok.add(ticket.key, ticket.params.stop, incremental=ticket.job.stream,
+                           skip_special_tokens=ticket.params.skip_special_tokens)
         except (RequestRejected, ValueError) as e:
             return Ended(ticket, "error", error=f"rejected: {e}")
         now = time.time()

@@ -1,12 +1,15 @@
-"""Prompt logprobs (completions' echo with logprobs, lm-eval's loglikelihood): each prompt token's logprob given
-the tokens before it equals HF transformers' teacher-forced log-softmax on the bundled SmolLM2, also when the
-prompt is prefilled in chunks and when its prefix is in the cache (such a request takes no prefix hit)."""
+"""The knobs that need a real tokenizer and model, on the bundled SmolLM2. Prompt logprobs (completions' echo with
+logprobs, lm-eval's loglikelihood): each prompt token's logprob given the tokens before it equals HF transformers'
+teacher-forced log-softmax, also when the prompt is prefilled in chunks and when its prefix is in the cache (such a
+request takes no prefix hit). skip_special_tokens=False keeps special tokens in the text, in the engine's own
+detokenization and in the batched one the worker runs."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.detokenizer import Detokenizer
 
 SHARED = ("You are a meticulous assistant. Answer in one short paragraph, cite no sources, and keep a friendly, "
           "plain tone. ")
@@ -31,6 +34,11 @@ def teacher_forced():
     return out
 
 
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2-135m", max_num_seqs=3, max_num_batched_tokens=16, kv_cache_memory=32 << 20)
+
+
 def check(result, ids, logp) -> None:
     assert result.prompt_token_ids == ids
     lps = result.prompt_logprobs
@@ -44,8 +52,7 @@ def check(result, ids, logp) -> None:
             assert lps[p][t] == pytest.approx(expected[t].item(), abs=2e-3)
 
 
-def test_prompt_logprobs_equal_hf_teacher_forced_logprobs_in_chunks_and_with_a_cached_prefix(teacher_forced):
-    llm = LLM("smollm2-135m", max_num_seqs=3, max_num_batched_tokens=16, kv_cache_memory=32 << 20)
+def test_prompt_logprobs_equal_hf_teacher_forced_logprobs_in_chunks_and_with_a_cached_prefix(llm, teacher_forced):
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=TOP)
     warm = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert warm.prompt_logprobs is None  # not asked: none kept
@@ -57,11 +64,33 @@ def test_prompt_logprobs_equal_hf_teacher_forced_logprobs_in_chunks_and_with_a_c
         assert len(result.token_ids) == 2
 
 
-def test_prompt_logprobs_of_zero_give_only_each_prompt_tokens_own(teacher_forced):
-    llm = LLM("smollm2-135m", kv_cache_memory=16 << 20)
+def test_prompt_logprobs_of_zero_give_only_each_prompt_tokens_own(llm, teacher_forced):
     result = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
                           use_tqdm=False)[0]
     ids, logp = teacher_forced[1]
     assert [list(lp) for lp in result.prompt_logprobs[1:]] == [[t] for t in ids[1:]]
     assert [lp[t] for lp, t in zip(result.prompt_logprobs[1:], ids[1:])] == pytest.approx(
         [logp[p - 1, ids[p]].item() for p in range(1, len(ids))], abs=2e-3)
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(llm):
+    special = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    forced = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={special: 100.0})
+    kept, skipped = llm.generate(["Hi", "Hi"], [SamplingParams(**forced, skip_special_tokens=False),
+                                                SamplingParams(**forced)], use_tqdm=False)
+    assert kept.token_ids == skipped.token_ids == [special] * 3
+    assert kept.text == "<|im_start|>" * 3 and skipped.text == ""
+
+
+def test_the_batched_detokenizer_keeps_special_tokens_only_for_the_requests_that_ask(llm):
+    detok = Detokenizer(llm.tokenizer)
+    ids = llm.tokenizer.encode("Hello<|im_end|> there")
+    for rid, skip, incremental in (("keep", False, True), ("skip", True, True), ("keep-end", False, False)):
+        detok.add(rid, None, incremental, skip_special_tokens=skip)
+    deltas = []
+    for k, token in enumerate(ids):
+        deltas += detok.step([(rid, [token], k == len(ids) - 1) for rid in ("keep", "skip", "keep-end")])
+    final = {d.request_id: d.output_text for d in deltas if d.finished}
+    streamed = "".join(d.text for d in deltas if d.request_id == "keep")
+    assert final == {"keep": "Hello<|im_end|> there", "skip": "Hello there", "keep-end": "Hello<|im_end|> there"}
+    assert streamed == final["keep"] and detok.keeping == 0  # finished requests are forgotten
