@@ -29,6 +29,7 @@ from .urls import split_url
 # before the gateways and producers that set it.
 # Sampling's logit_bias, min_p, min_tokens, prompt_logprobs and skip_special_tokens, and Final's prompt_logprobs, came
 # the same way: an old worker answers a job that uses one with an error result naming it.
+# Job's chat_template_kwargs and add_generation_prompt came the same way.
 # Job's `task` and `add_special_tokens` and Final's `max_model_len` came the same way: a generation job encodes as
 # before; a worker from before them answers a tokenizer job with an error result naming the field.
 PROTOCOL_VERSION = 2
@@ -46,6 +47,15 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias: each costs every step of the request a scatter
 MAX_STRUCTURED_CHARS = 65_536  # a JSON schema, regex or grammar; OpenAI's strict schemas are far smaller
 MAX_CHOICES = 256
+MAX_TEMPLATE_KWARGS = 16  # chat_template_kwargs entries: a few switches (enable_thinking...), not a second prompt
+MAX_TEMPLATE_VALUE_CHARS = 4096
+TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# apply_chat_template's own parameters: a template variable of one of these names would change how it is called
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+TemplateValue = str | int | float | bool | None
 MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with top-20 logprobs runs to megabytes
 PRIORITIES = ("high", "normal", "low")  # read in this order
 DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
@@ -182,6 +192,10 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # tokenize: the tokenizer's special tokens (BOS...) around a prompt, as tokenizer.encode(prompt,
     # add_special_tokens=...); messages go through the chat template exactly as a generation job's do
     add_special_tokens: bool = True
+    # messages only (vLLM's): extra variables the chat template reads (Qwen3's enable_thinking...), and whether it
+    # ends with the assistant turn's header; the worker renders the template with them (engine.encode_chat)
+    chat_template_kwargs: dict[str, TemplateValue] | None = None
+    add_generation_prompt: bool = True
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -336,6 +350,25 @@ def check_tenant_name(name: object) -> str:
     return name
 
 
+def check_template_kwargs(kwargs: dict[str, TemplateValue]) -> dict[str, TemplateValue]:
+    """chat_template_kwargs a worker may render a template with: a few named scalars, none of apply_chat_template's
+    own parameters; a template that still fails on them is an error result (engine.encode_chat)."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ProtocolError(f"chat_template_kwargs has {len(kwargs)} entries; at most {MAX_TEMPLATE_KWARGS} are "
+                            "allowed")
+    for name, value in kwargs.items():
+        if not isinstance(name, str) or not TEMPLATE_KWARG_NAME.fullmatch(name) or name in RESERVED_TEMPLATE_KWARGS:
+            raise ProtocolError(f"chat_template_kwargs key {str(name)[:80]!r} must be a template variable name (a "
+                                "letter or '_', then up to 63 letters, digits or '_') other than apply_chat_template's "
+                                f"own parameters ({', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})")
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_VALUE_CHARS:
+            raise ProtocolError(f"chat_template_kwargs[{name!r}] has {len(value)} characters, over the limit of "
+                                f"{MAX_TEMPLATE_VALUE_CHARS}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProtocolError(f"chat_template_kwargs[{name!r}]={value} must be a finite number")
+    return kwargs
+
+
 def validate_job(job: Job) -> None:
     given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(job, name) is not None]
     if len(given) != 1:
@@ -366,6 +399,11 @@ def validate_job(job: Job) -> None:
         check_model_name(job.model)
     if job.tenant is not None:
         check_tenant_name(job.tenant)
+    if job.messages is None and (job.chat_template_kwargs is not None or not job.add_generation_prompt):
+        raise ProtocolError("chat_template_kwargs and add_generation_prompt apply to messages only (the chat "
+                            "template); a prompt or prompt_token_ids job takes neither")
+    if job.chat_template_kwargs is not None:
+        check_template_kwargs(job.chat_template_kwargs)
     validate_sampling(job.sampling)
 
 

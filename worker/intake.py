@@ -60,7 +60,8 @@ def prompt_ids(engine, job: Job) -> list[int]:
     if job.prompt_token_ids is not None:
         return list(job.prompt_token_ids)
     if job.messages is not None:
-        return list(engine.encode_chat([{"role": m.role, "content": m.content} for m in job.messages]))
+        return list(engine.encode_chat([{"role": m.role, "content": m.content} for m in job.messages],
+                                       job.add_generation_prompt, job.chat_template_kwargs))
     return list(engine.tokenizer.encode(job.prompt))
 
 

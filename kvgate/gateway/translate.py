@@ -39,15 +39,17 @@ NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     # fill-in-the-middle: no bundled model has FIM tokens, and a template guessed for an unknown one would be wrong
     "suffix": (lambda v: v is None, " (no fill-in-the-middle model: send the prompt alone)"),
 }
+# chat only (vLLM's extra_body): how the worker renders the chat template, taken as given (the SDK bounds them)
+TEMPLATE = ("chat_template_kwargs", "add_generation_prompt")
 COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", "logprobs", *DIRECT,
           *STRUCTURED_BODY_FIELDS}
 FIELDS: dict[Kind, set[str]] = {
-    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | (NO_OP.keys() - {"suffix"}),
+    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", *TEMPLATE} | (NO_OP.keys() - {"suffix"}),
     "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix"},
 }
 # SDK argument -> body field, to name the field a validation error is about
-NAMES = {v: k for k, v in DIRECT.items()} | {"messages": "messages", "prompt": "prompt",
-                                             "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
+NAMES = {v: k for k, v in DIRECT.items()} | {name: name for name in TEMPLATE} | {
+    "messages": "messages", "prompt": "prompt", "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
 
 
 @dataclass(slots=True)
@@ -132,7 +134,8 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
 
 
 def chat_prompts(body: dict) -> list[dict[str, Any]]:
-    return [{"messages": chat_messages(body.get("messages"))}]
+    template = {name: body[name] for name in TEMPLATE if body.get(name) is not None}
+    return [{"messages": chat_messages(body.get("messages"))} | template]
 
 
 def _refuse_unknown(kind: Kind, body: dict) -> None:

@@ -94,3 +94,27 @@ def test_the_batched_detokenizer_keeps_special_tokens_only_for_the_requests_that
     streamed = "".join(d.text for d in deltas if d.request_id == "keep")
     assert final == {"keep": "Hello<|im_end|> there", "skip": "Hello there", "keep-end": "Hello<|im_end|> there"}
     assert streamed == final["keep"] and detok.keeping == 0  # finished requests are forgotten
+
+
+def test_add_generation_prompt_false_leaves_the_assistant_header_off(llm):
+    chat = [{"role": "user", "content": "Hi"}]
+    opened = llm.tokenizer.decode(llm.engine.encode_chat(chat))
+    left = llm.tokenizer.decode(llm.engine.encode_chat(chat, add_generation_prompt=False))
+    assert opened.endswith("<|im_start|>assistant\n") and not left.endswith("<|im_start|>assistant\n")
+    assert opened.startswith(left)
+
+
+def test_chat_template_kwargs_reach_the_template_and_a_template_failing_on_them_is_rejected(llm):
+    from kvgate.engine.outputs import RequestRejected
+
+    tokenizer, saved = llm.tokenizer, llm.tokenizer.chat_template
+    tokenizer.chat_template = ("{% if shout %}LOUD {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if strict and not shout %}{{ raise_exception('strict needs shout') }}{% endif %}")
+    try:
+        chat = [{"role": "user", "content": "hello"}]
+        assert tokenizer.decode(llm.engine.encode_chat(chat, template_kwargs={"shout": True})) == "LOUD hello"
+        assert tokenizer.decode(llm.engine.encode_chat(chat)) == "hello"
+        with pytest.raises(RequestRejected, match="strict needs shout"):
+            llm.engine.encode_chat(chat, template_kwargs={"strict": True})
+    finally:
+        tokenizer.chat_template = saved

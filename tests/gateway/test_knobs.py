@@ -1,5 +1,5 @@
-"""Completions' echo (the prompt and its logprobs before the answer), max_tokens 0 with echo, and best_of > n,
-through `kvgate serve` with the official openai client in front of a simulated worker (its tokens read ' t<id>'
+"""Completions' echo (the prompt and its logprobs before the answer), max_tokens 0 with echo, best_of > n and chat's
+template arguments, through `kvgate serve` with the official openai client in front of a simulated worker (its tokens read ' t<id>'
 and are sure of themselves: logprob 0). The request lm-evaluation-harness's local-completions model sends for a
 loglikelihood task is built as its source builds it (lm_eval/models/openai_completions.py, 0.4.13)."""
 from __future__ import annotations
@@ -80,6 +80,10 @@ def test_best_of_answers_the_n_choices_of_highest_cumulative_logprob_without_log
     ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "no"}, "add_generation_prompt"),
+    ({"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
 ])
 def test_what_is_not_honoured_is_a_400_naming_the_field(gateway, body, param):
     path = "/chat/completions" if "messages" in body else "/completions"
@@ -101,3 +105,11 @@ def test_best_of_picks_each_prompts_n_results_of_highest_cumulative_logprob_in_o
                       logprobs=[TokenLogprob(1, "x", b"x", lp) for lp in logprobs])
     results = [result(-1, -1), result(-0.5), result(-3), result(-2), result(-0.1, -0.1), result(-0.3)]
     assert [at for at, _ in p.picked(results)] == [1, 0, 4, 5]
+
+
+def test_chat_template_arguments_reach_the_job(client):
+    out = client.chat.completions.create(model="simulated", messages=[{"role": "user", "content": "one two"}],
+                                         max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": False},
+                                                                   "add_generation_prompt": False})
+    # the simulated template: '<user> one two', without ' <assistant>'
+    assert out.usage.prompt_tokens == 3
