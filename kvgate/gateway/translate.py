@@ -206,6 +206,8 @@ def _sampling(kind: Kind, body: dict, settings: GatewaySettings) -> dict[str, An
     args["max_tokens"] = _max_tokens(body, settings.default_max_tokens)
     if "logit_bias" in args:
         args["logit_bias"] = _token_map(args["logit_bias"])
+    if "priority" in args:
+        args["priority"] = band(args["priority"])
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("metadata", "metadata must be an object of string values")
@@ -217,6 +219,14 @@ def _sampling(kind: Kind, body: dict, settings: GatewaySettings) -> dict[str, An
     if metadata:
         args["metadata"] = metadata
     return args
+
+
+def band(priority: Any) -> Any:
+    """vLLM's integer priority (lower is served first; 0 by default) as one of the queue's three bands: below 0 is
+    high, 0 normal, above 0 low. A band's name passes as it is; anything else is left to the SDK to name."""
+    if isinstance(priority, int) and not isinstance(priority, bool):
+        return "high" if priority < 0 else "low" if priority > 0 else "normal"
+    return priority
 
 
 def _token_map(bias: Any) -> Any:
