@@ -244,6 +244,7 @@ class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     token_ids: list[int]
     attempt: int = 1
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
+    prompt_tokens: int = 0  # on an attempt's first delta: the prompt's length in tokens (streamed usage); else 0
 
 
 class Final(msgspec.Struct, tag="final", omit_defaults=True):

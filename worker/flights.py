@@ -191,7 +191,8 @@ class Flights:
             flight.logprobs.extend(logprobs)
         if job.stream and (d.token_ids or d.text):
             delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, d.text, list(d.token_ids),
-                          attempt=flight.ticket.attempt, logprobs=logprobs or None)
+                          attempt=flight.ticket.attempt, logprobs=logprobs or None,
+                          prompt_tokens=0 if flight.deltas else len(flight.ticket.prompt_ids))
             got.deltas.append((job.client_id, delta, flight.ticket.key))
             flight.deltas += 1
         if not d.finished:

@@ -62,7 +62,10 @@ class Reply:
 
     # -- stream chunks ----------------------------------------------------------------------------
     def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None,
-              first: bool = False, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+              first: bool = False, logprobs: list[TokenLogprob] | None = None,
+              usage: tuple[int, int] | None = None) -> dict[str, Any]:
+        """One stream chunk of choice `index`; `usage`: its (prompt, completion) tokens so far, which the chunk
+        carries under continuous_usage_stats."""
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text is not None:
@@ -75,7 +78,11 @@ class Reply:
             choice = {"index": index, "text": text or "", "logprobs": completion_logprobs(logprobs, offset),
                       "finish_reason": finish_reason}
         out = self.head(chunk=True) | {"choices": [choice]}
-        if self.plan.include_usage:
+        if self.plan.continuous_usage:
+            prompt, completion = usage or (0, 0)
+            out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion}
+        elif self.plan.include_usage:
             out["usage"] = None
         return out
 

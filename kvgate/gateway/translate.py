@@ -66,6 +66,7 @@ class Plan:
     show_logprobs: bool = False  # the body asked for logprobs (best_of asks for them itself, to score)
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, with logprobs)
     prompt_only: bool = False  # echo with max_tokens 0: one token is generated, and left out of the answer
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: every chunk has its choice's usage
 
     def picked(self, results: list) -> list[tuple[int, Any]]:
         """(submit index, result) of the choices to answer, in choice order: each prompt's n of its best_of with
@@ -90,7 +91,7 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
     prompts = chat_prompts(body) if kind == "chat" else completion_prompts(body.get("prompt"))
     n, best_of = _choices(body, settings.max_n, len(prompts))
     _token_id_budget(prompts, best_of, settings.max_prompt_token_ids)
-    stream, include_usage = _streaming(body)
+    stream, include_usage, continuous_usage = _streaming(body)
     echo = _flag(body, "echo")
     if stream and (echo or best_of > n):
         name = "echo" if echo else "best_of"
@@ -130,7 +131,7 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
             submits.append(args)
             prompt_of.append(p)
     return Plan(kind, model, submits, prompt_of, stream, include_usage, names, n, best_of, logprobs is not None, echo,
-                prompt_only)
+                prompt_only, continuous_usage)
 
 
 def chat_prompts(body: dict) -> list[dict[str, Any]]:
@@ -180,25 +181,30 @@ def _token_id_budget(prompts: list[dict[str, Any]], n: int, limit: int) -> None:
                                                   "ask for fewer choices or send a shorter prompt")
 
 
-def _streaming(body: dict) -> tuple[bool, bool]:
+def _streaming(body: dict) -> tuple[bool, bool, bool]:
+    """stream, and stream_options' include_usage (a last chunk with the request's usage) and vLLM's
+    continuous_usage_stats (every chunk with its choice's usage so far)."""
     stream, options = body.get("stream", False), body.get("stream_options")
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise invalid("stream", f"stream={stream!r} must be true or false")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise invalid("stream_options", "stream_options is only allowed with stream=true")
     if not isinstance(options, dict):
         raise invalid("stream_options", "stream_options must be an object")
     for key, value in options.items():
-        if key != "include_usage":
+        if key not in ("include_usage", "continuous_usage_stats"):
             raise unsupported(f"stream_options.{key}", value)
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise invalid("stream_options.include_usage", f"stream_options.include_usage={include!r} must be a boolean")
-    return stream, include
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = options.get(key, False)
+        if not isinstance(value, bool):
+            raise invalid(f"stream_options.{key}", f"stream_options.{key}={value!r} must be a boolean")
+        flags.append(value)
+    return stream, *flags
 
 
 def _sampling(kind: Kind, body: dict, settings: GatewaySettings) -> dict[str, Any]:

@@ -113,3 +113,18 @@ def test_chat_template_arguments_reach_the_job(client):
                                                                    "add_generation_prompt": False})
     # the simulated template: '<user> one two', without ' <assistant>'
     assert out.usage.prompt_tokens == 3
+
+
+def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(client):
+    chunks = list(client.completions.create(model="simulated", prompt="one two three", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    token_chunks = [c for c in chunks if c.choices and c.choices[0].text]
+    assert len(token_chunks) == 5
+    assert [c.usage.completion_tokens for c in token_chunks] == [1, 2, 3, 4, 5]
+    assert all(c.usage.prompt_tokens == 3 and c.usage.total_tokens == 3 + c.usage.completion_tokens
+               for c in token_chunks)
+    last = chunks[-1]
+    assert not last.choices and (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 5)
+    plain = list(client.completions.create(model="simulated", prompt="one two", max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1])  # only the last chunk, as OpenAI sends it
