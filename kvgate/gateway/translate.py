@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from kvgate.producer import InvalidRequest
-from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, requested_logprobs,
-                                  structured_of_body)
+from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, logit_bias_of,
+                                  requested_logprobs, structured_of_body)
 from kvgate.producer.protocol import SAMPLING_FIELDS
 from kvgate.producer.request import validate_request
 
@@ -21,8 +21,10 @@ from .settings import GatewaySettings
 Kind = Literal["chat", "completion"]
 
 # body field -> SDK argument, taken as given: every sampling field of the wire (OpenAI's names, and vLLM-style
-# extensions through openai's extra_body) but max_tokens and logprobs, which have OpenAI spellings of their own
-DIRECT = {spec.name: spec.name for spec in SAMPLING_FIELDS if spec.name not in ("max_tokens", "logprobs")} | {
+# extensions through openai's extra_body) but max_tokens and logprobs, which have OpenAI spellings of their own, and
+# prompt_logprobs, which completions ask for as echo with logprobs (the answer's shape has no other place for them)
+DIRECT = {spec.name: spec.name for spec in SAMPLING_FIELDS
+          if spec.name not in ("max_tokens", "logprobs", "prompt_logprobs")} | {
     "priority": "priority",
     # OpenAI's prompt-cache routing hint: with affinity lanes, jobs sharing it go to one worker's prefix cache
     "prompt_cache_key": "prefix_key"}
@@ -211,7 +213,10 @@ def _sampling(kind: Kind, body: dict, settings: GatewaySettings) -> dict[str, An
     args = {DIRECT[k]: v for k, v in body.items() if k in DIRECT and v is not None}
     args["max_tokens"] = _max_tokens(body, settings.default_max_tokens)
     if "logit_bias" in args:
-        args["logit_bias"] = _token_map(args["logit_bias"])
+        try:
+            args["logit_bias"] = logit_bias_of(args["logit_bias"])
+        except ValueError as e:
+            raise invalid("logit_bias", str(e)) from None
     if "priority" in args:
         args["priority"] = band(args["priority"])
     metadata = body.get("metadata")
@@ -233,21 +238,6 @@ def band(priority: Any) -> Any:
     if isinstance(priority, int) and not isinstance(priority, bool):
         return "high" if priority < 0 else "low" if priority > 0 else "normal"
     return priority
-
-
-def _token_map(bias: Any) -> Any:
-    """logit_bias as JSON spells it (token ids are an object's keys, so strings) -> token id -> bias; the SDK then
-    checks the bounds and names the entry."""
-    if not isinstance(bias, dict):
-        raise invalid("logit_bias", f"logit_bias must be an object mapping token ids to numbers, got {bias!r:.80}")
-    out = {}
-    for key, value in bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise invalid("logit_bias", f"logit_bias key {key!r:.40} is not a token id (an integer, as a string "
-                                        "in JSON)") from None
-    return out
 
 
 def _max_tokens(body: dict, default: int) -> int:

@@ -46,6 +46,21 @@ def _count(name: str, value: Any) -> int:
     return value
 
 
+def logit_bias_of(bias: Any) -> dict[int, Any]:
+    """OpenAI's logit_bias as JSON spells it (token ids are an object's keys, so strings) -> token id -> bias; the
+    SDK then checks the bounds and names the entry. A ValueError says what is wrong with the shape."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {bias!r:.80}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias key {key!r:.40} is not a token id (an integer, as a string in JSON)") \
+                from None
+    return out
+
+
 def _finite(logprob: float) -> float:
     return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN to the floor
 

@@ -84,6 +84,7 @@ def test_best_of_answers_the_n_choices_of_highest_cumulative_logprob_without_log
      "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "no"}, "add_generation_prompt"),
     ({"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),  # completions ask with echo and logprobs
 ])
 def test_what_is_not_honoured_is_a_400_naming_the_field(gateway, body, param):
     path = "/chat/completions" if "messages" in body else "/completions"

@@ -125,7 +125,7 @@ def test_sdk_wire_and_engine_share_names_and_defaults():
 
 
 def test_the_gateway_takes_every_sampling_field_and_leaves_unnamed_ones_to_the_wire_default():
-    honoured = set(DIRECT) | {"max_tokens", "logprobs"}
+    honoured = set(DIRECT) | {"max_tokens", "logprobs", "prompt_logprobs"}  # the last: completions' echo
     assert set(NAMES) <= honoured
     args = plan("completion", {"model": "m", "prompt": "x"}, GatewaySettings(default_max_tokens=99)).submits[0]
     assert args["max_tokens"] == 99  # an operator's setting, --default-max-tokens (512 unless set)
