@@ -106,7 +106,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int])
 
 def apply_adjustments(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
     """In place on `logits` rows `rows`: each row's logit_bias added (OpenAI's), then, while its output is shorter
-    than its min_tokens, its stop tokens (EOS unless ignore_eos, and stop_token_ids) set to -inf (vLLM's)."""
+    than its min_tokens, its stop tokens (EOS unless ignore_eos, and stop_token_ids) set to -inf (vLLM's). A
+    structured row's grammar decides where it ends: masking the EOS a complete grammar allows alone would leave it
+    no allowed token."""
     bias_rows, bias_ids, bias = [], [], []
     ban_rows, ban_ids = [], []
     for i in rows:
@@ -116,7 +118,7 @@ def apply_adjustments(logits: torch.Tensor, seqs: list[Sequence], rows: list[int
             bias_rows += [i] * len(p.logit_bias)
             bias_ids += p.logit_bias.keys()
             bias += p.logit_bias.values()
-        if seq.num_output_tokens < p.min_tokens and seq.stop_ids:
+        if seq.num_output_tokens < p.min_tokens and seq.stop_ids and seq.matcher is None:
             ban_rows += [i] * len(seq.stop_ids)
             ban_ids += seq.stop_ids
     dev = logits.device

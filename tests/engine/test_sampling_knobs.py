@@ -7,7 +7,7 @@ import torch
 
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.outputs import RequestRejected
-from kvgate.engine.sampler import Sampler
+from kvgate.engine.sampler import Sampler, apply_adjustments
 from kvgate.engine.sequence import Sequence
 from tests.engine.helpers import random_prompts, tiny_source
 
@@ -44,6 +44,11 @@ def test_min_tokens_masks_stop_tokens_until_reached_and_then_lets_them_through()
     seqs = [seq_with(params, outputs=(), stop_ids={2}), seq_with(params, outputs=(1,), stop_ids={2}),
             seq_with(params, outputs=(1, 1), stop_ids={2})]
     assert Sampler()(logits, seqs)[0] == [1, 1, 2]
+    structured = seq_with(params, stop_ids={2})
+    structured.matcher = object()  # a grammar's row: apply_adjustments leaves its stop tokens to the grammar
+    logits = logits[:1].clone()
+    apply_adjustments(logits, [structured], [0])
+    assert logits[0].tolist() == [0.0, 1.0, 9.0]
 
 
 def test_min_p_keeps_only_tokens_at_least_min_p_times_as_likely_as_the_top():
