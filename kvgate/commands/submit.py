@@ -105,6 +105,10 @@ def print_json(result) -> None:
     body = msgspec.to_builtins(dataclasses.asdict(result))
     logprobs = chat_logprobs(result.logprobs)
     body["logprobs"] = None if logprobs is None else logprobs["content"]  # OpenAI's chat shape, not wire arrays
+    prompt = chat_logprobs(result.prompt_logprobs)
+    if prompt is not None:
+        prompt["content"][0]["logprob"] = None  # the first prompt token: nothing before it to score it (NaN)
+    body["prompt_logprobs"] = None if prompt is None else prompt["content"]
     print(json.dumps({**body, "latency_s": result.latency_s}, ensure_ascii=False))
 
 
