@@ -52,8 +52,9 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding this sequence's leading full blocks; at least one token is left to compute
-        so the step that admits it can sample."""
-        if not self.enable_prefix_caching:
+        so the step that admits it can sample. A sequence asking for prompt logprobs takes none: a cached block's
+        K/V are there but not the logits of its positions, which it needs."""
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return []
         bs, hits = self.block_size, []
         for i in range((seq.num_tokens - 1) // bs):

@@ -27,7 +27,7 @@ class SimulatedTokenizer:
         return "".join(f" t{i}" for i in ids)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str:
+                            tokenize: bool = False, **template_kwargs) -> str:
         turns = " ".join(f"<{m['role']}> {m['content']}" for m in messages)
         return f"{turns} <assistant>" if add_generation_prompt else turns
 
@@ -55,6 +55,11 @@ class CostModelRunner:
         self.busy_s += cost
         if self.sleep:
             time.sleep(cost)
+        for seq, n in batch:  # prompt logprobs: the same point mass on each prompt token
+            if seq.prompt_logprobs is not None:
+                start = seq.num_computed_tokens
+                for p in range(start + 1, min(start + n + 1, seq.num_prompt_tokens)):
+                    seq.prompt_logprobs[p] = {seq.token_ids[p]: 0.0}
         done = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
         tokens = [self.next_token(seq) for seq in done]
         # the model is a point mass on its token: logprob 0 for the chosen one, no alternatives

@@ -22,6 +22,7 @@ class TextState:
     emitted: int = 0  # characters of `text` already handed out
     stopped: bool = False  # a stop string ended it: later ids are not part of the output
     incremental: bool = True  # False: nobody reads the text before the end, so it is decoded once, at the end
+    skip_special: bool = True  # False (skip_special_tokens=False): special tokens stay in the text
 
 
 @dataclass(slots=True)
@@ -66,29 +67,47 @@ def held_back(text: str, stops: list[str]) -> int:
     return best
 
 
-def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
-    """Decode many id lists at once, exactly as `tokenizer.decode(ids, skip_special_tokens=True)` would.
+def batch_decoder(tokenizer: Any) -> Callable[..., list[str]]:
+    """Decode many id lists at once, exactly as `tokenizer.decode(ids, skip_special_tokens=skip)` would.
     The Rust backend's decode_batch is used where the Python wrapper adds nothing to its output."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if hasattr(backend, "decode_batch") and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return lambda windows: backend.decode_batch(windows, skip_special_tokens=True)
-    return lambda windows: [tokenizer.decode(w, skip_special_tokens=True) for w in windows]
+        return lambda windows, skip=True: backend.decode_batch(windows, skip_special_tokens=skip)
+    return lambda windows, skip=True: [tokenizer.decode(w, skip_special_tokens=skip) for w in windows]
 
 
 class Detokenizer:
     """Incremental text for many requests, one batched tokenizer call per step."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.decode = batch_decoder(tokenizer)
+        self.decoder = batch_decoder(tokenizer)
         self.states: dict[str, TextState] = {}
+        self.keeping = 0  # states that keep special tokens: while none do, one decode call serves every window
 
-    def add(self, request_id: str, stops: list[str] | None = None, incremental: bool = True) -> None:
+    def add(self, request_id: str, stops: list[str] | None = None, incremental: bool = True,
+            skip_special_tokens: bool = True) -> None:
         """`incremental=False` (no streaming, no stop strings): only the first ids (for timing) and the end are
         reported, and the text is decoded once, at the end."""
-        self.states[request_id] = TextState(list(stops or ()), incremental=incremental or bool(stops))
+        self.drop(request_id)
+        self.states[request_id] = TextState(list(stops or ()), incremental=incremental or bool(stops),
+                                            skip_special=skip_special_tokens)
+        self.keeping += not skip_special_tokens
 
     def drop(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        if (st := self.states.pop(request_id, None)) is not None:
+            self.keeping -= not st.skip_special
+
+    def decode(self, windows: list[list[int]], states: list[TextState]) -> list[str]:
+        """Each window's text, by its state's skip_special_tokens: one call for each setting in use."""
+        if not self.keeping:
+            return self.decoder(windows)
+        out: list[str] = [""] * len(windows)
+        for skip in (True, False):
+            index = [i for i, st in enumerate(states) if st.skip_special is skip]
+            if index:
+                for i, text in zip(index, self.decoder([windows[i] for i in index], skip)):
+                    out[i] = text
+        return out
 
     def step(self, updates: list[tuple[str, list[int], bool]]) -> list[TextDelta]:
         """`updates`: (request id, new ids, finished) from one engine step. Ids are taken one at a time per
@@ -118,19 +137,20 @@ class Detokenizer:
         return out
 
     def _end(self, ends: list[tuple[str, TextState, list[int]]]) -> list[TextDelta]:
-        texts = self.decode([st.ids for _, st, _ in ends])
+        texts = self.decode([st.ids for _, st, _ in ends], [st for _, st, _ in ends])
         for rid, _, _ in ends:
-            del self.states[rid]
+            self.drop(rid)
         return [TextDelta(rid, ids, text, True, output_ids=st.ids, output_text=text)
                 for (rid, st, ids), text in zip(ends, texts)]
 
     def _round(self, batch: list[tuple[str, TextState, list[int], bool]]) -> list[TextDelta]:
-        windows = []
+        windows, states = [], []
         for _, st, new, _ in batch:
             st.ids += new
             windows.append(st.ids[st.prefix_offset:st.read_offset])
             windows.append(st.ids[st.prefix_offset:])
-        texts = self.decode(windows)
+            states += (st, st)
+        texts = self.decode(windows, states)
         return [self._advance(rid, st, new, final, texts[2 * i], texts[2 * i + 1])
                 for i, (rid, st, new, final) in enumerate(batch)]
 
@@ -142,5 +162,5 @@ class Detokenizer:
         text, st.emitted = st.text[st.emitted:end], max(st.emitted, end)
         if not final:
             return TextDelta(rid, new, text, False)
-        del self.states[rid]
+        self.drop(rid)
         return TextDelta(rid, new, text, True, st.stopped, output_ids=st.ids, output_text=st.text)

@@ -33,8 +33,9 @@ class DetokenizerThread:
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
-    def add(self, request_id: str, stops: list[str] | None, incremental: bool) -> None:
-        self.inbox.put((self.detokenizer.add, (request_id, stops, incremental)))
+    def add(self, request_id: str, stops: list[str] | None, incremental: bool,
+            skip_special_tokens: bool = True) -> None:
+        self.inbox.put((self.detokenizer.add, (request_id, stops, incremental, skip_special_tokens)))
 
     def drop(self, request_ids) -> None:
         """Forget requests (aborted, handed back): their later ids, if any, are ignored."""

@@ -50,7 +50,7 @@ class LLM:
                     if out.finished:
                         result.token_ids, result.text = out.token_ids, out.text
                         result.finish_reason, result.cached_tokens = out.finish_reason, out.cached_tokens
-                        result.error = out.error
+                        result.error, result.prompt_logprobs = out.error, out.prompt_logprobs
                         bar.update(1)
         return [results[rid] for rid in order]
 

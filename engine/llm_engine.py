@@ -100,6 +100,9 @@ class LLMEngine:
         bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         max_tokens = self.output_budget(n, params.max_tokens)
         if max_tokens < 1:
             raise RequestRejected(f"prompt of {n} tokens leaves no room to generate within "
@@ -115,6 +118,8 @@ class LLMEngine:
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * n
         if params.structured is not None:
             if self.tokenizer is None:
                 raise RequestRejected(f"structured output needs a tokenizer and model {self.model_name!r} has none")
@@ -163,11 +168,15 @@ class LLMEngine:
             return list(prompt)
         raise RequestRejected(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The messages through the model's chat template; `template_kwargs`: more variables the template reads
+        (the wire bounds them and keeps apply_chat_template's own parameters out)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestRejected(f"model {self.model_name!r} has no chat template: send a plain prompt")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **(template_kwargs or {}))
         except Exception as e:  # template errors come in many types
             raise RequestRejected(f"chat messages do not fit the chat template: {e}") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -295,11 +304,11 @@ class LLMEngine:
             new_text += seq.text[seq.emitted:]  # an abort flushes what was held back
             text = seq.text
         else:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) \
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens) \
                 if self.tokenizer and seq.detokenize else ""
         return StepOutput(seq.request_id, new_ids, new_text, True, seq.finish_reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, seq.num_cached_tokens, token_ids=seq.output_token_ids, text=text,
-                          logprobs=lps)
+                          logprobs=lps, prompt_logprobs=seq.prompt_logprobs)
 
     # ---- admission and stats --------------------------------------------------------------------------------
 
@@ -369,7 +378,7 @@ class LLMEngine:
 def detokenize_increment(tokenizer: Any, seq: Sequence, final: bool = False) -> str:
     """New text since the last call. Decoding a short window of tokens keeps it cheap; a window ending in an
     incomplete UTF-8 character (U+FFFD) waits for the next token, unless this is the last one."""
-    ids = seq.token_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    ids, skip = seq.token_ids, seq.params.skip_special_tokens
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
     return take_increment(seq, prefix, full, final, len(ids))

@@ -21,6 +21,7 @@ from kvgate.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are computed at once ([256, vocab] float32)
 
 
 def kv_budget(total: int, free: int, activation_peak: int, utilization: float) -> int:
@@ -62,6 +63,18 @@ def decode_only(batch: ScheduledBatch) -> list[Sequence] | None:
             return None
         seqs.append(seq)
     return seqs
+
+
+def prompt_logprob_rows(batch: ScheduledBatch) -> list[tuple[Sequence, int, int]]:
+    """(sequence, row of the flat inputs, prompt position it predicts) for each computed position whose next token
+    is a prompt token, of the sequences that ask for prompt logprobs; in _prepare_mixed's row order."""
+    out, row = [], 0
+    for seq, n in batch:
+        if seq.prompt_logprobs is not None:
+            start = seq.num_computed_tokens
+            out += [(seq, row + p - start, p + 1) for p in range(start, min(start + n, seq.num_prompt_tokens - 1))]
+        row += n
+    return out
 
 
 class ModelRunner:
@@ -243,12 +256,32 @@ class ModelRunner:
             self.sampler.start_mask(seqs, sampling.constrained)
         hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None)
         if sample_rows is not None:
+            if rows := prompt_logprob_rows(batch):  # a prefill step: one pass over its sequences
+                self._prompt_logprobs(hidden, rows)
             if not seqs:
                 return [], [], []
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler(logits, seqs, sampling, consume=True)
         return seqs, tokens, logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Sequence, int, int]]) -> None:
+        """Each row's log-softmax at the prompt token that follows it, and its top alternatives, written on its
+        sequence; in slices, so a long prefill chunk never holds logits of every row at once."""
+        for at in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = rows[at:at + PROMPT_LOGPROB_ROWS]
+            index = torch.tensor([r for _, r, _ in part], device=hidden.device)
+            targets = torch.tensor([seq.token_ids[p] for seq, _, p in part], device=hidden.device)
+            logp = self.model.compute_logits(hidden[index]).float().log_softmax(-1)
+            chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+            k = max(seq.params.prompt_logprobs for seq, _, _ in part)
+            values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+            values, ids = values.tolist(), ids.tolist()
+            for j, (seq, _, p) in enumerate(part):
+                lp = {seq.token_ids[p]: chosen[j]}
+                for t, v in zip(ids[j][:seq.params.prompt_logprobs], values[j]):
+                    lp.setdefault(t, v)
+                seq.prompt_logprobs[p] = lp
 
     def _warn_foreign_thread(self) -> None:
         logger.warning("this CPU engine was loaded on one thread and is stepped on another: torch gives the second "

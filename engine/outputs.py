@@ -10,6 +10,7 @@ class RequestRejected(ValueError):
 
 
 Logprobs = list[dict[int, float]]  # one dict per output token: chosen token and top alternatives
+PromptLogprobs = list[dict[int, float] | None]  # one per prompt token, None for the first (nothing before it)
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class StepOutput:
     text: str | None = None  # full output text, only on finish
     logprobs: Logprobs | None = None  # for new_token_ids, only when asked
     error: str | None = None  # finish_reason "error": why the request could not run (its constraint did not compile)
+    prompt_logprobs: PromptLogprobs | None = None  # only on finish, when asked
 
 
 @dataclass(slots=True)
@@ -38,6 +40,7 @@ class RequestOutput:
     logprobs: Logprobs | None = None
     cached_tokens: int = 0
     error: str | None = None  # finish_reason "error": why it could not run
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)

@@ -2,8 +2,12 @@
 device-to-host transfer.
 
 A structured-output row's logits are first masked to what its grammar allows (engine/constraints.py: -inf
-elsewhere), so every later transform and greedy's argmax see only allowed tokens. Then penalties (repetition with
-HF's rule over prompt and output; OpenAI's frequency and presence over the output), then temperature, top-k and top-p, then inverse-CDF sampling with one uniform number per row (`inverse_cdf`).
+elsewhere), so every later transform and greedy's argmax see only allowed tokens. Then OpenAI's logit_bias and
+vLLM's min_tokens (stop tokens at -inf while the output is shorter), in vLLM's order: before penalties, so greedy
+rows take the argmax of the biased logits. Then penalties (repetition with HF's rule over prompt and output;
+OpenAI's frequency and presence over the output), then temperature, top-k and top-p, then min_p (on the tempered
+weights, as vLLM applies it), then inverse-CDF sampling with one uniform number per row (`inverse_cdf`).
+A batch using none of these pays one check of an empty list (or None) per transform per step.
 That number is a hash of the row's seed and its output position, so a seeded request draws the same tokens
 whatever else is in the batch, and no per-row torch.Generator (and no per-row host sync) is needed. Requests
 without a seed get one from the engine's seeded stream when first sampled. Logprobs are the model's own
@@ -100,6 +104,31 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int])
     logits[index] = sub
 
 
+def apply_adjustments(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """In place on `logits` rows `rows`: each row's logit_bias added (OpenAI's), then, while its output is shorter
+    than its min_tokens, its stop tokens (EOS unless ignore_eos, and stop_token_ids) set to -inf (vLLM's). A
+    structured row's grammar decides where it ends: masking the EOS a complete grammar allows alone would leave it
+    no allowed token."""
+    bias_rows, bias_ids, bias = [], [], []
+    ban_rows, ban_ids = [], []
+    for i in rows:
+        seq = seqs[i]
+        p = seq.params
+        if p.logit_bias:
+            bias_rows += [i] * len(p.logit_bias)
+            bias_ids += p.logit_bias.keys()
+            bias += p.logit_bias.values()
+        if seq.num_output_tokens < p.min_tokens and seq.stop_ids and seq.matcher is None:
+            ban_rows += [i] * len(seq.stop_ids)
+            ban_ids += seq.stop_ids
+    dev = logits.device
+    if bias_rows:
+        logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
+                          torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+    if ban_rows:
+        logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = float("-inf")
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """HF's TopK then TopP warpers over a batch [B, V]: per-row k (<= 0 or >= V: off) and p (1: off); masked
     logits are -inf and each row's most likely token always survives."""
@@ -175,6 +204,10 @@ class Sampler:
             if batch.logprob_rows or not consume:
                 logits = logits.clone()
             self.mask(logits, seqs, batch.constrained)
+        if batch.adjusted:
+            if logits is raw and (batch.logprob_rows or not consume):
+                logits = logits.clone()
+            apply_adjustments(logits, seqs, batch.adjusted)
         if batch.penalized:
             logits = logits.clone() if logits is raw else logits
             apply_penalties(logits, seqs, batch.penalized)
@@ -222,6 +255,8 @@ class Sampler:
         else:  # softmax(logits / T) up to each row's total, into a buffer kept between steps
             out = logits if spare else self._scratch(logits)
             weights = self._exponent(logits, self._per_row(batch.inv_temperature * LOG2_E, logits), out).exp2_()
+        if batch.min_p is not None:  # each row's largest weight is 1: drop those under min_p of it
+            weights.masked_fill_(weights < torch.from_numpy(batch.min_p).to(dev, weights.dtype)[:, None], 0.0)
         for i in batch.unseeded:
             batch.seeds[i] = self._seed_of(seqs[i])
         if dev.type == "cpu":

@@ -36,6 +36,11 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once if the token occurred in the output so far
     # the one constraint the output follows (engine/constraints.py): a StructuredOutput, its dict, or the wire's
     structured: Any = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one, after temperature
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    prompt_logprobs: int | None = None  # each prompt token's logprob (and this many top ones) in its context
+    skip_special_tokens: bool = True  # False: special tokens stay in the text
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -43,6 +48,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.structured = StructuredOutput.of(self.structured)
         self._validate()
 
@@ -67,8 +73,19 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} must be a non-negative integer or None")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs={self.logprobs!r} must be an integer in [0, 20] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 20):
+                raise ValueError(f"{name}={value!r} must be an integer in [0, 20] or None")
+        bad = next(((k, v) for k, v in self.logit_bias.items() if not isinstance(k, int) or k < 0
+                    or not isinstance(v, (int, float)) or not -100.0 <= v <= 100.0), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias entry {bad[0]!r}: {bad[1]!r} must map a token id >= 0 to a bias in "
+                             "[-100, 100]")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p={self.min_p!r} must be in [0, 1] (0 disables it)")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens={self.min_tokens!r} must be an integer >= 0")
 
     @property
     def greedy(self) -> bool:

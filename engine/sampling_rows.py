@@ -33,6 +33,8 @@ class SamplingBatch:
     logprob_rows: list[int]  # rows that asked for logprobs
     logprob_tops: list[int]  # how many alternatives each of them asked for
     constrained: list[int] = ()  # rows whose output follows a grammar (structured output): masked first
+    adjusted: list[int] = ()  # rows with a logit_bias or a min_tokens: the sampler checks which still apply
+    min_p: np.ndarray | None = None  # [B] float64 (0: off), when some sampled row uses it
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> SamplingBatch:
@@ -48,19 +50,27 @@ class SamplingBatch:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp_tops = [params[i].logprobs for i in lp_rows]
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        adjusted = [i for i, p in enumerate(params) if is_adjusted(p)]
         if all_greedy:
             return cls(True, None, 1.0, None, None, EMPTY_SEEDS, [], EMPTY_POSITIONS, penalized, lp_rows, lp_tops,
-                       constrained)
+                       constrained, adjusted)
         seeds = np.array([s.sample_seed or 0 for s in seqs], dtype=np.uint64)
         unseeded = [i for i, s in enumerate(seqs) if s.sample_seed is None]
         positions = np.array([len(s.token_ids) - s.num_prompt_tokens for s in seqs], dtype=np.int64)
         inv = 1.0 / np.where(greedy, 1.0, temps)
+        min_p = np.array([p.min_p for p in params], dtype=np.float64)
         return cls(False, greedy if greedy.any() else None, inv, top_k if uses_top else None,
-                   top_p if uses_top else None, seeds, unseeded, positions, penalized, lp_rows, lp_tops, constrained)
+                   top_p if uses_top else None, seeds, unseeded, positions, penalized, lp_rows, lp_tops, constrained,
+                   adjusted, min_p if min_p.any() else None)
 
 
 def is_penalized(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def is_adjusted(p: SamplingParams) -> bool:
+    """A logit_bias, or a min_tokens that masks stop tokens while the output is shorter (sampler.apply_adjustments)."""
+    return bool(p.logit_bias) or p.min_tokens > 0
 
 
 class SamplingRows:
@@ -80,8 +90,11 @@ class SamplingRows:
         self.seed = np.zeros(capacity, dtype=np.uint64)
         self.seeded = np.zeros(capacity, dtype=bool)  # False: drawn from the sampler's stream at first need
         self.constrained = np.zeros(capacity, dtype=bool)  # structured output: the row's tokens follow a grammar
+        self.adjusted = np.zeros(capacity, dtype=bool)  # logit_bias or min_tokens
+        self.min_p = np.zeros(capacity, dtype=np.float64)
         self.temperatures: Counter[float] = Counter()  # of the rows held; 0.0 stands for every greedy one
         self.num_top = self.num_penalized = self.num_logprobs = self.num_unseeded = self.num_constrained = 0
+        self.num_adjusted = self.num_min_p = 0
 
     def write(self, row: int, seq: Sequence) -> None:
         p = seq.params
@@ -95,6 +108,8 @@ class SamplingRows:
         self.seeded[row] = seq.sample_seed is not None
         self.seed[row] = seq.sample_seed or 0
         self.constrained[row] = seq.matcher is not None
+        self.adjusted[row] = is_adjusted(p)
+        self.min_p[row] = 0.0 if greedy else p.min_p
         self._count(row, 1)
 
     def clear(self, row: int) -> None:
@@ -110,6 +125,8 @@ class SamplingRows:
         self.num_logprobs += n * bool(self.logprobs[row] >= 0)
         self.num_unseeded += n * (not self.seeded[row])
         self.num_constrained += n * bool(self.constrained[row])
+        self.num_adjusted += n * bool(self.adjusted[row])
+        self.num_min_p += n * bool(self.min_p[row] > 0.0)
 
     def gather(self, rows: np.ndarray, positions: np.ndarray, seqs: list[Sequence]) -> SamplingBatch:
         """The batch of a decode-only step: `rows` its decode-input rows, `positions` each row's input position
@@ -121,6 +138,7 @@ class SamplingRows:
             lp_index = np.flatnonzero(asked >= 0)
             lp_rows, lp_tops = lp_index.tolist(), asked[lp_index].tolist()
         constrained = np.flatnonzero(self.constrained[rows]).tolist() if self.num_constrained else []
+        adjusted = np.flatnonzero(self.adjusted[rows]).tolist() if self.num_adjusted else []
         if len(self.temperatures) == 1:  # every row held, so every row of this batch, at one temperature
             inv_temperature, greedy = next(iter(self.temperatures)), None
             all_greedy = inv_temperature == 0.0
@@ -130,14 +148,16 @@ class SamplingRows:
             greedy = greedy if greedy.any() else None
         if all_greedy:
             return SamplingBatch(True, None, 1.0, None, None, EMPTY_SEEDS, [], EMPTY_POSITIONS, penalized, lp_rows,
-                                 lp_tops, constrained)
+                                 lp_tops, constrained, adjusted)
         top_k = top_p = None
         if self.num_top:
             top_k, top_p = self.top_k[rows], self.top_p[rows]
             if not ((top_k > 0) | (top_p < 1.0)).any():
                 top_k = top_p = None
+        min_p = self.min_p[rows] if self.num_min_p else None
         return SamplingBatch(False, greedy, inv_temperature, top_k, top_p, *self._seeds(rows, seqs),
-                             positions - self.first_output[rows], penalized, lp_rows, lp_tops, constrained)
+                             positions - self.first_output[rows], penalized, lp_rows, lp_tops, constrained, adjusted,
+                             min_p if min_p is not None and min_p.any() else None)
 
     def _seeds(self, rows: np.ndarray, seqs: list[Sequence]) -> tuple[np.ndarray, list[int]]:
         """The rows' seeds, and the rows still without one; a seed the sampler drew since is written down here."""

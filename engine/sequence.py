@@ -40,6 +40,9 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # set by the engine: stop_token_ids, and EOS unless ignore_eos
     sample_seed: int | None = None  # the sampler's seed for this request: its own, or one drawn at first sample
     logprobs: list[dict[int, float]] | None = None
+    # params.prompt_logprobs: one per prompt token (None for the first), written by the prefill; such a sequence
+    # takes no prefix-cache hit, so every prompt position is computed (block_manager.match_prefix)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     matcher: Any = None  # structured output: the grammar's matcher, advanced with each accepted token
     # incremental detokenization (see engine.llm_engine.detokenize_increment)
     stream_text: bool = True

@@ -59,6 +59,22 @@ class Items:
 
 
 @dataclass(frozen=True, slots=True)
+class Entries:
+    """A mapping's bounds: at most `max_items` entries, each key within `key` and each value within `value`
+    (logit_bias: token id -> bias). `too_many` and `bad_item` are the messages, formatted with n, max and item (the
+    first bad entry as `key: value`)."""
+
+    max_items: int
+    too_many: str
+    bad_item: str
+    key: Range
+    value: Range
+
+    def item_holds(self, key: Any, value: Any) -> bool:
+        return self.key.holds(key) and self.value.holds(value)
+
+
+@dataclass(frozen=True, slots=True)
 class Shape:
     """A structured value's bounds (a Struct with a `problem()` method that checks its parts and sizes):
     `max_chars` is its size limit, as messages and documentation state it."""
@@ -73,7 +89,7 @@ class Spec:
     name: str
     type: Any
     default: Any
-    bounds: Range | Items | Shape | None
+    bounds: Range | Items | Entries | Shape | None
 
     @property
     def optional(self) -> bool:
@@ -88,6 +104,11 @@ class Spec:
             return None if b.holds(value) else f"{self.name}={value} must {b.rule()}"
         if isinstance(b, Shape):
             return value.problem(b.max_chars)
+        if isinstance(b, Entries):
+            if len(value) > b.max_items:
+                return b.too_many.format(n=len(value), max=b.max_items, item=None)
+            bad = next((f"{k}: {v}" for k, v in value.items() if not b.item_holds(k, v)), None)
+            return None if bad is None else b.bad_item.format(n=len(value), max=b.max_items, item=bad)
         head = value[:8]
         if len(value) > b.max_items:
             return b.too_many.format(n=len(value), max=b.max_items, head=head, item=None)
@@ -109,7 +130,7 @@ def specs(struct: type[msgspec.Struct]) -> tuple[Spec, ...]:
         hint, bounds = hints[f.name], None
         if typing.get_origin(hint) is Annotated:
             hint, *meta = typing.get_args(hint)
-            bounds = next((m for m in meta if isinstance(m, (Range, Items, Shape))), None)
+            bounds = next((m for m in meta if isinstance(m, (Range, Items, Entries, Shape))), None)
         default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
         out.append(Spec(f.name, hint, default, bounds))
     return tuple(out)

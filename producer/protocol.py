@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .fields import Items, Range, Shape, specs
+from .fields import Entries, Items, Range, Shape, specs
 from .shards import check_shards, shard_of, shard_tags
 from .urls import split_url
 
@@ -27,6 +27,9 @@ from .urls import split_url
 # Job's `tenant` came the same way: a job without one encodes as before, so new workers serve old producers' jobs;
 # a worker from before it answers a job that carries one with an error result naming the field: upgrade workers
 # before the gateways and producers that set it.
+# Sampling's logit_bias, min_p, min_tokens, prompt_logprobs and skip_special_tokens, and Final's prompt_logprobs, came
+# the same way: an old worker answers a job that uses one with an error result naming it.
+# Job's chat_template_kwargs and add_generation_prompt came the same way.
 # Job's `task` and `add_special_tokens` and Final's `max_model_len` came the same way: a generation job encodes as
 # before; a worker from before them answers a tokenizer job with an error result naming the field.
 PROTOCOL_VERSION = 2
@@ -41,8 +44,18 @@ MAX_STOP_STRING_CHARS = 256
 MAX_METADATA_BYTES = 16_384
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias: each costs every step of the request a scatter
 MAX_STRUCTURED_CHARS = 65_536  # a JSON schema, regex or grammar; OpenAI's strict schemas are far smaller
 MAX_CHOICES = 256
+MAX_TEMPLATE_KWARGS = 16  # chat_template_kwargs entries: a few switches (enable_thinking...), not a second prompt
+MAX_TEMPLATE_VALUE_CHARS = 4096
+TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# apply_chat_template's own parameters: a template variable of one of these names would change how it is called
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+TemplateValue = str | int | float | bool | None
 MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with top-20 logprobs runs to megabytes
 PRIORITIES = ("high", "normal", "low")  # read in this order
 DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
@@ -135,6 +148,23 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
                                                                        "top alternatives per token")] = None
     # None: free text; else the one constraint its output follows (JSON schema, any JSON, regex, choice, grammar)
     structured: Annotated[Structured | None, Shape(MAX_STRUCTURED_CHARS)] = None
+    # OpenAI's: token id -> a number in [-100, 100] added to its logit before penalties and temperature (vLLM's
+    # order); -100 bans a token in practice, 100 all but forces it. A token id past the model's vocabulary is an
+    # error result from the worker, which alone knows the vocabulary.
+    logit_bias: Annotated[dict[int, float], Entries(
+        MAX_LOGIT_BIAS, f"logit_bias has {{n}} entries; at most {MAX_LOGIT_BIAS} are allowed",
+        "logit_bias entry {item} must map a token id >= 0 to a bias in [-100, 100]",
+        key=Range(ge=0), value=Range(ge=-100.0, le=100.0))] = {}
+    # vLLM's: drop tokens whose probability is below min_p times the most likely one's (after temperature)
+    min_p: Annotated[float, Range(ge=0.0, le=1.0, says="be in [0, 1] (0 disables it)")] = 0.0
+    # vLLM's: EOS and stop_token_ids are masked until this many tokens are out (a stop string still ends the output)
+    min_tokens: Annotated[int, Range(ge=0, le=MAX_TOKENS_LIMIT, says=f"be between 0 and {MAX_TOKENS_LIMIT}")] = 0
+    # None: none; N: each prompt token's logprob given the tokens before it (the first has none) and the N most
+    # likely there (completions' echo with logprobs, vLLM's prompt_logprobs), on the Final's prompt_logprobs
+    prompt_logprobs: Annotated[int | None, Range(ge=0, le=MAX_LOGPROBS, says=f"be None (no prompt logprobs) or 0 to "
+                                                                             f"{MAX_LOGPROBS} top alternatives")] = None
+    # vLLM's: False keeps special tokens (<|im_end|>...) in the answer's text
+    skip_special_tokens: bool = True
 
 
 SAMPLING_FIELDS = specs(Sampling)
@@ -162,6 +192,10 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # tokenize: the tokenizer's special tokens (BOS...) around a prompt, as tokenizer.encode(prompt,
     # add_special_tokens=...); messages go through the chat template exactly as a generation job's do
     add_special_tokens: bool = True
+    # messages only (vLLM's): extra variables the chat template reads (Qwen3's enable_thinking...), and whether it
+    # ends with the assistant turn's header; the worker renders the template with them (engine.encode_chat)
+    chat_template_kwargs: dict[str, TemplateValue] | None = None
+    add_generation_prompt: bool = True
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -210,6 +244,7 @@ class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     token_ids: list[int]
     attempt: int = 1
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
+    prompt_tokens: int = 0  # on an attempt's first delta: the prompt's length in tokens (streamed usage); else 0
 
 
 class Final(msgspec.Struct, tag="final", omit_defaults=True):
@@ -230,6 +265,9 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     model: str | None = None  # the canonical name of the model that served it (None: answered without a model)
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
     max_model_len: int | None = None  # tokenize: the serving worker's longest prompt plus output, in tokens
+    # sampling.prompt_logprobs: one per prompt token; the first, which nothing comes before, has logprob NaN and no
+    # alternatives (OpenAI's echo shows null there)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 Event = Delta | Final
@@ -313,6 +351,25 @@ def check_tenant_name(name: object) -> str:
     return name
 
 
+def check_template_kwargs(kwargs: dict[str, TemplateValue]) -> dict[str, TemplateValue]:
+    """chat_template_kwargs a worker may render a template with: a few named scalars, none of apply_chat_template's
+    own parameters; a template that still fails on them is an error result (engine.encode_chat)."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ProtocolError(f"chat_template_kwargs has {len(kwargs)} entries; at most {MAX_TEMPLATE_KWARGS} are "
+                            "allowed")
+    for name, value in kwargs.items():
+        if not isinstance(name, str) or not TEMPLATE_KWARG_NAME.fullmatch(name) or name in RESERVED_TEMPLATE_KWARGS:
+            raise ProtocolError(f"chat_template_kwargs key {str(name)[:80]!r} must be a template variable name (a "
+                                "letter or '_', then up to 63 letters, digits or '_') other than apply_chat_template's "
+                                f"own parameters ({', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})")
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_VALUE_CHARS:
+            raise ProtocolError(f"chat_template_kwargs[{name!r}] has {len(value)} characters, over the limit of "
+                                f"{MAX_TEMPLATE_VALUE_CHARS}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProtocolError(f"chat_template_kwargs[{name!r}]={value} must be a finite number")
+    return kwargs
+
+
 def validate_job(job: Job) -> None:
     given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(job, name) is not None]
     if len(given) != 1:
@@ -343,6 +400,11 @@ def validate_job(job: Job) -> None:
         check_model_name(job.model)
     if job.tenant is not None:
         check_tenant_name(job.tenant)
+    if job.messages is None and (job.chat_template_kwargs is not None or not job.add_generation_prompt):
+        raise ProtocolError("chat_template_kwargs and add_generation_prompt apply to messages only (the chat "
+                            "template); a prompt or prompt_token_ids job takes neither")
+    if job.chat_template_kwargs is not None:
+        check_template_kwargs(job.chat_template_kwargs)
     validate_sampling(job.sampling)
 
 

@@ -21,11 +21,14 @@ from pydantic import (AfterValidator, model_validator, BaseModel, BeforeValidato
 
 from . import protocol as wire
 from .errors import FieldError, InvalidRequest
-from .fields import Items, Range, Shape, Spec
+from .fields import Entries, Items, Range, Shape, Spec
 
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 MAX_TOKEN_ID = 2**31 - 1
+# fields added after idempotency digests were first stored: left out of a digest while at their default
+NEWER_THAN_DIGESTS = ("logit_bias", "min_p", "min_tokens", "prompt_logprobs", "skip_special_tokens",
+                      "chat_template_kwargs", "add_generation_prompt")
 
 
 def _utf8(text: str) -> str:
@@ -52,6 +55,13 @@ def _total_chars(messages: list) -> list:
     if total > wire.MAX_PROMPT_CHARS:
         raise ValueError(f"hold {total} characters together, over the limit of {wire.MAX_PROMPT_CHARS}")
     return messages
+
+
+def _template_kwargs(kwargs: dict) -> dict:
+    try:
+        return wire.check_template_kwargs(kwargs)
+    except wire.ProtocolError as e:
+        raise ValueError(str(e).removeprefix("chat_template_kwargs ")) from None
 
 
 def _one_or_many(stop: object) -> object:
@@ -164,6 +174,10 @@ def _sdk_field(spec: Spec) -> tuple[Any, Any]:
     b = spec.bounds
     if isinstance(b, Shape):
         return Structured, spec.default
+    if isinstance(b, Entries):  # a mapping that may be left out too (None, sent as the empty mapping)
+        key = Annotated[int, Field(ge=b.key.ge)]
+        value = Annotated[float, Field(ge=b.value.ge, le=b.value.le, allow_inf_nan=False)]
+        return Annotated[dict[key, value], Field(max_length=b.max_items)] | None, None
     if isinstance(b, Items):
         item = Annotated[Text, Field(min_length=b.chars[0], max_length=b.chars[1])] if b.chars else TokenId
         before = [BeforeValidator(_one_or_many)] if spec.name == "stop" else []
@@ -215,6 +229,10 @@ class SubmitRequest(_PromptAndSampling):
     tenant: Annotated[str, AfterValidator(_tenant_name)] | None = None  # None: the client's own, if it has one
     task: wire.Task = "generate"  # tokenize / detokenize: the serving worker's tokenizer answers (token_ids / text)
     add_special_tokens: bool = True  # tokenize: as tokenizer.encode(prompt, add_special_tokens=...)
+    # messages only: variables the chat template reads (enable_thinking...), and whether it ends with the
+    # assistant's turn header (False: the last message is continued as it is)
+    chat_template_kwargs: Annotated[dict[str, wire.TemplateValue], AfterValidator(_template_kwargs)] | None = None
+    add_generation_prompt: bool = True
     # the conveniences that make `structured` (structured_of); a pydantic model class also makes Result.parsed
     response_format: Annotated[Any, PlainSerializer(lambda v: v.model_json_schema() if _is_model_class(v) else v)] \
         = None
@@ -254,7 +272,8 @@ class SubmitRequest(_PromptAndSampling):
     def _defaults(self) -> set[str]:
         """Fields newer than digests that hold their default: left out, so a generation job's digest stays."""
         fields = type(self).model_fields
-        return {name for name in ("task", "add_special_tokens") if getattr(self, name) == fields[name].default}
+        return {name for name in ("task", "add_special_tokens", *NEWER_THAN_DIGESTS)
+                if getattr(self, name) in (fields[name].default, {})}
 
 
 def _submit_signature() -> inspect.Signature:
@@ -328,6 +347,10 @@ def _check_combination(req: SubmitRequest, where: str) -> None:
                                          "give exactly one of prompt, messages, prompt_token_ids")])
     if req.ttl_s is not None and req.deadline is not None:
         raise InvalidRequest([FieldError(f"{where}deadline", req.deadline, "give ttl_s or deadline, not both")])
+    if req.messages is None and (req.chat_template_kwargs is not None or not req.add_generation_prompt):
+        name = "chat_template_kwargs" if req.chat_template_kwargs is not None else "add_generation_prompt"
+        raise InvalidRequest([FieldError(f"{where}{name}", getattr(req, name), "applies to messages only (the chat "
+                                         "template); leave it out with a prompt or prompt_token_ids")])
     if req.task != "generate" and (req.task == "detokenize") != (req.prompt_token_ids is not None):
         raise InvalidRequest([FieldError(f"{where}task", req.task, "detokenize takes prompt_token_ids; tokenize "
                                          "takes a prompt or messages")])
@@ -364,7 +387,8 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
                    sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
                    idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model,
-                   tenant=req.tenant, task=req.task, add_special_tokens=req.add_special_tokens)
+                   tenant=req.tenant, task=req.task, add_special_tokens=req.add_special_tokens,
+                   chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt)
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

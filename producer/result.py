@@ -23,6 +23,8 @@ class Result:
     model: str | None = None  # the canonical name of the model that served it
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when submitted with logprobs=N
     max_model_len: int | None = None  # a tokenize job's: the serving worker's limit in tokens
+    # submitted with prompt_logprobs=N: one per prompt token, the first with logprob NaN (nothing comes before it)
+    prompt_logprobs: list[TokenLogprob] | None = None
     # submitted with response_format=<a pydantic model class>: the text validated into it (None: not done, or
     # cut off before the JSON closed: finish_reason "length"); `parse_error` says why it did not validate
     parsed: Any = None
@@ -40,7 +42,7 @@ class Result:
         return cls(final.job_id, final.status, final.text, list(final.token_ids), final.finish_reason, final.error,
                    final.usage, final.worker, final.timings, final.metadata, final.attempt,
                    model=final.model, logprobs=final.logprobs, max_model_len=final.max_model_len, parsed=parsed,
-                   parse_error=error)
+                   parse_error=error, prompt_logprobs=final.prompt_logprobs)
 
     @property
     def ok(self) -> bool:

@@ -31,6 +31,7 @@ class Flight:
     logprobs: list[TokenLogprob] | None = None  # every token's so far, when the job asked
     undecoded: list[TokenLogprob] = field(default_factory=list)  # rendered, their text not yet decoded
     ending: str | None = None  # cancelled in the engine; the status to answer once its last text is decoded
+    prompt_logprobs: list[TokenLogprob] | None = None  # rendered when it finishes, when the job asked
 
 
 @dataclass(slots=True)
@@ -67,6 +68,7 @@ def final_of(ended: Ended, *, worker: str, model: str, finished_at: float) -> Fi
         final.finish_reason = out.finish_reason
         final.usage = Usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
         final.logprobs = flight.logprobs if flight is not None else None
+        final.prompt_logprobs = flight.prompt_logprobs if flight is not None else None
     if (answer := ended.tokenized) is not None:
         final.token_ids, final.text, final.max_model_len = answer.token_ids, answer.text, answer.max_model_len
     return final
@@ -90,7 +92,8 @@ class IdsOnly:
     def __init__(self) -> None:
         self.steps: list[StepText] = []
 
-    def add(self, request_id: str, stops: list[str] | None, incremental: bool) -> None:
+    def add(self, request_id: str, stops: list[str] | None, incremental: bool,
+            skip_special_tokens: bool = True) -> None:
         pass  # nothing to keep: the ids of an unknown job are ignored where they are collected
 
     def drop(self, request_ids) -> None:
@@ -146,7 +149,8 @@ class Flights:
         """Hand the job to the engine; an engine refusing it ends it with the reason."""
         try:
             self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params, detokenize=False)
-            self.detok.add(ticket.key, ticket.params.stop, incremental=ticket.job.stream)
+            self.detok.add(ticket.key, ticket.params.stop, incremental=ticket.job.stream,
+                           skip_special_tokens=ticket.params.skip_special_tokens)
         except (RequestRejected, ValueError) as e:
             return Ended(ticket, "error", error=f"rejected: {e}")
         now = time.time()
@@ -187,7 +191,8 @@ class Flights:
             flight.logprobs.extend(logprobs)
         if job.stream and (d.token_ids or d.text):
             delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, d.text, list(d.token_ids),
-                          attempt=flight.ticket.attempt, logprobs=logprobs or None)
+                          attempt=flight.ticket.attempt, logprobs=logprobs or None,
+                          prompt_tokens=0 if flight.deltas else len(flight.ticket.prompt_ids))
             got.deltas.append((job.client_id, delta, flight.ticket.key))
             flight.deltas += 1
         if not d.finished:
@@ -207,6 +212,9 @@ class Flights:
         else:
             reason = out.finish_reason
             status = flight.ending or ("cancelled" if reason == "abort" else "done")
+        if out.prompt_logprobs is not None:
+            flight.prompt_logprobs = self.renderer.prompt(flight.ticket.prompt_ids, out.prompt_logprobs,
+                                                          flight.ticket.params.prompt_logprobs)
         final = StepOutput(d.request_id, [], "", True, reason, out.prompt_tokens, len(d.output_ids or ()),
                            out.cached_tokens, token_ids=d.output_ids, text=d.output_text)
         got.ended.append(Ended(flight.ticket, status, final, flight))

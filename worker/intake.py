@@ -60,7 +60,8 @@ def prompt_ids(engine, job: Job) -> list[int]:
     if job.prompt_token_ids is not None:
         return list(job.prompt_token_ids)
     if job.messages is not None:
-        return list(engine.encode_chat([{"role": m.role, "content": m.content} for m in job.messages]))
+        return list(engine.encode_chat([{"role": m.role, "content": m.content} for m in job.messages],
+                                       job.add_generation_prompt, job.chat_template_kwargs))
     return list(engine.tokenizer.encode(job.prompt))
 
 
@@ -118,7 +119,8 @@ class Intake:
             ticket.params = sampling_params(job.sampling)
             ticket.prompt_ids = prompt_ids(self.engine, job)
             self._clamp_budget(ticket)
-            ticket.shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # sizes later reads
+            if ticket.params.prompt_logprobs is None:  # one asking for them shares no cached prefix
+                ticket.shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # sizes reads
             if (lane := self.affinity.lane_of(e.stream)) is not None:
                 self.lane_prefixes.observe(lane, ticket.prompt_ids, ticket.tokens)
         except Exception as error:  # a tokenizer or chat template refusing this input is bad input, not a crash

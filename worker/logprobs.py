@@ -8,6 +8,7 @@ text (special tokens aside: the output text leaves them out, their text here is 
 from __future__ import annotations
 
 import re
+import math
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -90,3 +91,8 @@ class TokenRenderer:
 
     def tokens(self, token_ids: list[int], logprobs: list[dict[int, float]], top: int) -> list[TokenLogprob]:
         return [self.token(t, lp, top) for t, lp in zip(token_ids, logprobs)]
+
+    def prompt(self, token_ids: list[int], logprobs: list[dict[int, float] | None], top: int) -> list[TokenLogprob]:
+        """A prompt's tokens: the first, which nothing comes before, with logprob NaN and no alternatives."""
+        first = TokenLogprob(token_ids[0], *self.piece(token_ids[0]), math.nan)
+        return [first, *self.tokens(token_ids[1:], [lp or {} for lp in logprobs[1:]], top)]

@@ -30,7 +30,8 @@ def answer(engine: Engine, job: Job) -> Tokenized:
         ids = list(job.prompt_token_ids)
         return Tokenized([], engine.tokenizer.decode(ids), engine.max_model_len)
     if job.messages is not None:
-        ids = engine.encode_chat([{"role": m.role, "content": m.content} for m in job.messages])
+        ids = engine.encode_chat([{"role": m.role, "content": m.content} for m in job.messages],
+                                 job.add_generation_prompt, job.chat_template_kwargs)
     else:
         ids = engine.tokenizer.encode(job.prompt, add_special_tokens=job.add_special_tokens)
     return Tokenized(list(ids), "", engine.max_model_len)

@@ -243,7 +243,9 @@ class Worker:
                 self.answers.answer(refused)
 
     def _fits(self, ticket: Ticket) -> bool:
-        shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # held by running sequences
+        shared = 0  # a job asking for prompt logprobs computes its whole prompt: it takes no prefix hit
+        if ticket.params.prompt_logprobs is None:
+            shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # held by running sequences
         return self.engine.fits(len(ticket.prompt_ids), ticket.params.max_tokens, shared)
 
     def _step(self) -> None:

@@ -11,7 +11,7 @@ import msgspec
 
 from kvgate.producer.client import Client
 from kvgate.producer.errors import ResultTimeout
-from kvgate.producer.fields import Range, Shape
+from kvgate.producer.fields import Entries, Range, Shape
 from kvgate.producer.protocol import SAMPLING_FIELDS
 from kvgate.openai.shapes import chat_logprobs
 from kvgate.producer.stream import Restart
@@ -28,8 +28,11 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + spec.name.replace("_", "-")
         default = COMMAND_DEFAULTS.get(spec.name, spec.default)
         rule = f"must {spec.bounds.rule()}" if isinstance(spec.bounds, Range) else ""
-        if spec.type is bool:
-            parser.add_argument(flag, action="store_true", help=f"default {default}")
+        if spec.type is bool:  # --skip-special-tokens defaults to on: --no-skip-special-tokens turns it off
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true",
+                                default=default, help=f"default {default}")
+        elif isinstance(spec.bounds, Entries):  # logit_bias: JSON with token ids as keys, as OpenAI's body has it
+            parser.add_argument(flag, type=token_map, metavar="JSON", help='token id -> number: \'{"198": -100}\'')
         elif isinstance(spec.bounds, Shape):  # the output's constraint, as JSON
             parser.add_argument(flag, type=json.loads, default=default, metavar="JSON",
                                 help="the answer follows it: '{\"kind\": \"regex\", \"spec\": \"[0-9]+\"}' "
@@ -42,6 +45,14 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
             kind = next(t for t in (*typing.get_args(spec.type), spec.type) if t in (int, float))
             parser.add_argument(flag, type=kind, default=default,
                                 help="; ".join(part for part in (rule, f"default {default}") if part))
+
+
+def token_map(text: str) -> dict[int, float]:
+    """A JSON object of token ids (its keys, strings in JSON) to numbers, as the SDK takes it."""
+    try:
+        return {int(k): float(v) for k, v in json.loads(text).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of token ids to numbers ({e})") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +105,10 @@ def print_json(result) -> None:
     body = msgspec.to_builtins(dataclasses.asdict(result))
     logprobs = chat_logprobs(result.logprobs)
     body["logprobs"] = None if logprobs is None else logprobs["content"]  # OpenAI's chat shape, not wire arrays
+    prompt = chat_logprobs(result.prompt_logprobs)
+    if prompt is not None:
+        prompt["content"][0]["logprob"] = None  # the first prompt token: nothing before it to score it (NaN)
+    body["prompt_logprobs"] = None if prompt is None else prompt["content"]
     print(json.dumps({**body, "latency_s": result.latency_s}, ensure_ascii=False))
 
 

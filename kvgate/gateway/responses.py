@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.producer import Result, TokenLogprob
-from kvgate.openai.shapes import chat_logprobs, choice, completion_logprobs, text_length
+from kvgate.openai.shapes import chat_logprobs, choice, completion_logprobs, prompt_text, text_length
 
 from .errors import ApiError
 from .translate import Plan
@@ -34,11 +34,21 @@ class Reply:
     # -- whole answers ----------------------------------------------------------------------------
     def body(self, results: list[Result]) -> dict[str, Any]:
         self.served = next((r.model for r in results if r.model), self.served)
-        choices = [self.choice(i, r) for i, r in enumerate(results)]
+        choices = [self.choice(i, r, at) for i, (at, r) in enumerate(self.plan.picked(results))]
         return self.head() | {"choices": choices, "usage": self.usage(results)}
 
-    def choice(self, index: int, r: Result) -> dict[str, Any]:
-        return choice(self.plan.kind == "chat", index, r.text, finish(r), r.logprobs)
+    def choice(self, index: int, r: Result, at: int | None = None) -> dict[str, Any]:
+        """Choice `index`, answered by result `r` of submit `at` (its index unless best_of picked among more)."""
+        p = self.plan
+        text, logprobs, reason = r.text, r.logprobs if p.show_logprobs else None, finish(r)
+        if p.prompt_only:  # echo with max_tokens 0: the one token generated is not part of the answer
+            text, logprobs, reason = "", [] if logprobs is not None else None, "length"
+        if not p.echo:
+            return choice(p.kind == "chat", index, text, reason, logprobs)
+        prompt = p.submits[index if at is None else at].get("prompt")
+        text = (prompt if prompt is not None else prompt_text(r.prompt_logprobs or [])) + text
+        return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs, prompt=r.prompt_logprobs),
+                "finish_reason": reason}
 
     def usage(self, results: list[Result]) -> dict[str, Any]:
         prompts: dict[int, Result] = {}
@@ -46,13 +56,16 @@ class Reply:
             prompts.setdefault(self.plan.prompt_of[i], r)  # n choices of one prompt read it once, as OpenAI counts
         prompt = sum(r.usage.prompt_tokens for r in prompts.values())
         cached = sum(r.usage.cached_tokens for r in prompts.values())
-        completion = sum(r.usage.completion_tokens for r in results)
+        completion = 0 if self.plan.prompt_only else sum(r.usage.completion_tokens for r in results)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     # -- stream chunks ----------------------------------------------------------------------------
     def chunk(self, index: int, text: str | None = None, finish_reason: str | None = None,
-              first: bool = False, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+              first: bool = False, logprobs: list[TokenLogprob] | None = None,
+              usage: tuple[int, int] | None = None) -> dict[str, Any]:
+        """One stream chunk of choice `index`; `usage`: its (prompt, completion) tokens so far, which the chunk
+        carries under continuous_usage_stats."""
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text is not None:
@@ -65,7 +78,11 @@ class Reply:
             choice = {"index": index, "text": text or "", "logprobs": completion_logprobs(logprobs, offset),
                       "finish_reason": finish_reason}
         out = self.head(chunk=True) | {"choices": [choice]}
-        if self.plan.include_usage:
+        if self.plan.continuous_usage:
+            prompt, completion = usage or (0, 0)
+            out["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion}
+        elif self.plan.include_usage:
             out["usage"] = None
         return out
 

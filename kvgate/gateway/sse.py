@@ -52,7 +52,8 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
                     yield DONE
                     return
                 results[i] = item
-                yield frame(reply.chunk(i, finish_reason=finish(item)))
+                usage = (item.usage.prompt_tokens, item.usage.completion_tokens)
+                yield frame(reply.chunk(i, finish_reason=finish(item), usage=usage))
                 break
         if reply.plan.include_usage:
             yield frame(reply.usage_chunk(results))
@@ -66,7 +67,7 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
 
 
 async def _pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Queue) -> None:
-    replay = Replay()
+    replay, prompt_tokens = Replay(), 0
     items = handle.stream(None)
     try:
         while True:
@@ -80,8 +81,9 @@ async def _pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Q
                                     "retry later or raise --request-timeout", type="timeout_error",
                                code="timeout") from None
             # a token that ends mid-character has no text yet (the next delta carries it), but has its logprob
+            prompt_tokens = getattr(item, "prompt_tokens", 0) or prompt_tokens  # an attempt's first delta has it
             if (new := replay.take(item)) is not None:
-                inbox.put_nowait((i, (new[0], None, False, new[1])))
+                inbox.put_nowait((i, (new[0], None, False, new[1], (prompt_tokens, replay.sent_tokens))))
         inbox.put_nowait((i, await handle.result(0)))
     except (KvgateError, ApiError) as e:
         inbox.put_nowait((i, e))

@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 
 from kvgate.openai.json_body import BadJson, parse_json
-from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, choice, requested_logprobs,
-                                  structured_of_body)
+from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, choice, logit_bias_of,
+                                  requested_logprobs, structured_of_body)
 from kvgate.producer import protocol as wire
 from kvgate.producer.errors import InvalidRequest
 from kvgate.producer.protocol import Keys
@@ -24,8 +24,10 @@ from kvgate.producer.submission import prepare
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # Body fields we honour, by their submit name (the wire's sampling fields; logprobs are read by requested_logprobs,
-# stop_token_ids is not taken in batch files); others are refused rather than silently ignored.
-SAMPLING_FIELDS = {s.name: s.name for s in wire.SAMPLING_FIELDS if s.name not in ("logprobs", "stop_token_ids")} | {
+# stop_token_ids is not taken in batch files, nor prompt_logprobs, which an output line has no place for); others are
+# refused rather than silently ignored.
+SAMPLING_FIELDS = {s.name: s.name for s in wire.SAMPLING_FIELDS
+                   if s.name not in ("logprobs", "stop_token_ids", "prompt_logprobs")} | {
     "max_completion_tokens": "max_tokens", "metadata": "metadata"}
 IGNORED_FIELDS = {"user", "stream", "n"}  # `model` routes the line to that model's streams
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")  # read by requested_logprobs, as the gateway reads them
@@ -94,6 +96,11 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
             args[arg] = body[name]
     if logprobs is not None:
         args["logprobs"] = logprobs
+    if "logit_bias" in args:
+        try:
+            args["logit_bias"] = logit_bias_of(args["logit_bias"])
+        except ValueError as e:
+            raise BadLine("invalid_request", f"body.{e}") from None
     try:  # response_format, guided_*, structured_outputs: as the gateway reads them
         asked = structured_of_body(body)
     except BadStructured as e:

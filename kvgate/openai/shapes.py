@@ -46,6 +46,21 @@ def _count(name: str, value: Any) -> int:
     return value
 
 
+def logit_bias_of(bias: Any) -> dict[int, Any]:
+    """OpenAI's logit_bias as JSON spells it (token ids are an object's keys, so strings) -> token id -> bias; the
+    SDK then checks the bounds and names the entry. A ValueError says what is wrong with the shape."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {bias!r:.80}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias key {key!r:.40} is not a token id (an integer, as a string in JSON)") \
+                from None
+    return out
+
+
 def _finite(logprob: float) -> float:
     return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN to the floor
 
@@ -61,19 +76,30 @@ def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict[str, Any] | None:
             "refusal": None}
 
 
-def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0,
+                        prompt: list[TokenLogprob] | None = None) -> dict[str, Any] | None:
     """`offset`: where the first token's text starts in the completion (a stream chunk continues the text).
-    As OpenAI documents for the legacy API, each top_logprobs entry also holds the sampled token."""
+    As OpenAI documents for the legacy API, each top_logprobs entry also holds the sampled token. `prompt` (echo):
+    the prompt's tokens come first, the very first with null logprobs (nothing comes before it to score it)."""
     if tokens is None:
         return None
+    tokens = [*(prompt or ()), *tokens]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t.text)
-    return {"tokens": [t.text for t in tokens], "token_logprobs": [_finite(t.logprob) for t in tokens],
-            "top_logprobs": [{a.text: _finite(a.logprob) for a in t.top} | {t.text: _finite(t.logprob)}
-                             for t in tokens],
-            "text_offset": offsets}
+    out = {"tokens": [t.text for t in tokens], "token_logprobs": [_finite(t.logprob) for t in tokens],
+           "top_logprobs": [{a.text: _finite(a.logprob) for a in t.top} | {t.text: _finite(t.logprob)}
+                            for t in tokens],
+           "text_offset": offsets}
+    if prompt:
+        out["token_logprobs"][0] = out["top_logprobs"][0] = None
+    return out
+
+
+def prompt_text(prompt: list[TokenLogprob]) -> str:
+    """A prompt's text from its tokens' own bytes (an echoed prompt given as token ids)."""
+    return b"".join(t.utf8 for t in prompt).decode("utf-8", errors="replace")
 
 
 def text_length(tokens: list[TokenLogprob] | None) -> int:

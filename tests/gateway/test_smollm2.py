@@ -80,3 +80,28 @@ def test_smollm2_tokenize_and_detokenize_equal_hfs_tokenizer_of_the_serving_mode
         back = http.post("/detokenize", json={"model": model, "tokens": chat["tokens"]})
         assert back.status_code == 200
         assert back.json() == {"prompt": tok.decode(chat["tokens"])} == {"prompt": templated}
+
+
+def test_smollm2_knobs_through_the_openai_client(smol):
+    """Issue 29 end to end: logit_bias forces a token, min_tokens holds off the EOS it would force, echo scores the
+    prompt (lm-eval's loglikelihood request), skip_special_tokens=False keeps the special tokens in the text."""
+    from kvgate.engine.loader import resolve_model
+
+    model = smol.models.list().data[0].id
+    tokenizer = resolve_model("smollm2-135m").tokenizer
+    paris, eos = tokenizer.encode(" Paris")[0], tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = smol.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=3,
+                                  logit_bias={str(paris): 100})
+    assert out.choices[0].text == " Paris" * 3
+    out = smol.completions.create(model=model, prompt="Hi", temperature=0, max_tokens=8, logit_bias={str(eos): 100},
+                                  extra_body={"min_tokens": 4, "skip_special_tokens": False})
+    assert out.usage.completion_tokens == 5 and out.choices[0].text.endswith("<|im_end|>")
+    prompt = "The capital of France is Paris"
+    out = smol.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=0, logprobs=1, echo=True)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == prompt and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
+    assert lp.top_logprobs[-1][" Paris"] == max(lp.top_logprobs[-1].values())  # the model is sure of its capital
+    thinking = smol.chat.completions.create(model=model, temperature=0, max_tokens=2, messages=[
+        {"role": "user", "content": "Hi"}], extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert thinking.usage.completion_tokens == 2

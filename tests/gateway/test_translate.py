@@ -46,7 +46,9 @@ def test_too_many_choices_disagreeing_max_tokens_and_tool_messages_are_refused()
     assert _refused("chat", {"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}).param \
         == "messages[0].name"
     assert _refused("completion", {"model": "m", "prompt": ["ok", ""]}).param == "prompt[1]"
-    assert _refused("completion", {"model": "m", "prompt": "x", "best_of": 3}).param == "best_of"
+    assert _refused("completion", {"model": "m", "prompt": "x", "best_of": 1, "n": 2}).param == "best_of"
+    assert _refused("completion", {"model": "m", "prompt": ["a", "b"], "best_of": 3}).param == "best_of"  # 6 > 4
+    assert len(plan("completion", {"model": "m", "prompt": "x", "best_of": 3}, S).submits) == 3
 
 
 def test_prompt_cache_key_becomes_the_jobs_prefix_key_and_a_bad_one_is_named():
@@ -66,3 +68,11 @@ def test_penalties_and_logprobs_become_submit_arguments():
     assert "logprobs" not in plan("completion", {"model": "m", "prompt": "x"}, S).submits[0]
     assert plan("completion", {"model": "m", "prompt": "x", "logprobs": 0}, S).submits[0]["logprobs"] == 0
     assert _refused("completion", {"model": "m", "prompt": "x", "top_logprobs": 2}).param == "top_logprobs"
+
+
+def test_vllms_integer_priority_maps_onto_the_three_bands_lower_first():
+    bands = [plan("completion", {"model": "m", "prompt": "x", "priority": v}, S).submits[0]["priority"]
+             for v in (-5, -1, 0, 1, 10, "high", "low")]
+    assert bands == ["high", "high", "normal", "low", "low", "high", "low"]
+    assert _refused("completion", {"model": "m", "prompt": "x", "priority": 1.5}).param == "priority"
+    assert _refused("completion", {"model": "m", "prompt": "x", "priority": True}).param == "priority"

@@ -166,9 +166,22 @@ def test_every_body_field_batch_accepts_is_an_openai_parameter_or_a_named_extens
     from kvgate.openai.shapes import STRUCTURED_BODY_FIELDS
 
     # vLLM's sampling and structured-output parameters, and kvgate's own wire form of the latter
-    extensions = {"top_k", "repetition_penalty", "ignore_eos", "structured"} | (set(STRUCTURED_BODY_FIELDS) -
+    extensions = {"top_k", "repetition_penalty", "ignore_eos", "structured", "min_p", "min_tokens",
+                  "skip_special_tokens"} | (set(STRUCTURED_BODY_FIELDS) -
                                                                                  {"response_format"})
     openai_names = set(chat.CompletionCreateParamsBase.__annotations__) | set(
         completions.CompletionCreateParamsBase.__annotations__) | {"stream"}
     assert (set(SAMPLING_FIELDS) | IGNORED_FIELDS | set(LOGPROB_FIELDS) | set(STRUCTURED_BODY_FIELDS)) - extensions \
         <= openai_names
+
+
+def test_a_batch_lines_logit_bias_keys_become_token_ids_and_a_bad_key_is_named():
+    from kvgate.openai.batch import BadLine, parse_line
+
+    line = ('{"custom_id": "a", "url": "/v1/completions", "body": {"model": "m", "prompt": "x", '
+            '"logit_bias": {"42": -100}}}')
+    assert parse_line(1, line, "d").submit_args["logit_bias"] == {42: -100}
+    with pytest.raises(BadLine, match="logit_bias key 'x4'"):
+        parse_line(1, line.replace('"42"', '"x4"'), "d")
+    with pytest.raises(BadLine, match="prompt_logprobs"):  # an output line has no place for them
+        parse_line(1, line.replace('"logit_bias": {"42": -100}', '"prompt_logprobs": 1'), "d")

@@ -93,6 +93,30 @@ def test_submit_command_sends_penalties_and_logprobs_and_prints_them(redis_url, 
     assert "logprobs=21" in capsys.readouterr().err
 
 
+def test_submit_json_prints_prompt_logprobs_with_a_null_first_as_valid_json(redis_url, namespace, worker, capsys):
+    import math
+
+    from kvgate.producer.protocol import TokenLogprob
+
+    prompt = [TokenLogprob(5, "hi", b"hi", math.nan), TokenLogprob(6, " there", b" there", -1.5)]
+
+    def serve():
+        (job,) = worker.take(block_ms=5000)
+        sent.append(job.sampling)
+        worker.final(job, text="ok", token_ids=[1], prompt_logprobs=prompt)
+
+    worker.ensure_groups()
+    sent: list = []
+    thread = threading.Thread(target=serve)
+    thread.start()
+    assert _cli(redis_url, namespace, "submit", "hi there", "--raw", "--prompt-logprobs", "0", "--timeout", "10",
+                "--json") == 0
+    thread.join(10)
+    assert sent[0].prompt_logprobs == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])  # NaN would not parse as strict JSON
+    assert [(t["token"], t["logprob"]) for t in row["prompt_logprobs"]] == [("hi", None), (" there", -1.5)]
+
+
 def test_submit_and_batch_record_the_tenant_given_and_refuse_a_bad_one(redis_url, namespace, worker, tmp_path,
                                                                        capsys, monkeypatch):
     """Before: neither command had --tenant, so jobs from the command line were nobody's."""

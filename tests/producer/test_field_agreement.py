@@ -15,7 +15,7 @@ from kvgate.gateway.errors import ApiError
 from kvgate.gateway.settings import GatewaySettings
 from kvgate.gateway.translate import DIRECT, plan
 from kvgate.producer import AsyncClient, Client, InvalidRequest
-from kvgate.producer.fields import Items, Range
+from kvgate.producer.fields import Entries, Items, Range
 from kvgate.producer.protocol import SAMPLING_FIELDS, ProtocolError, Sampling, validate_sampling
 from kvgate.producer.request import SubmitRequest, validate_request
 
@@ -23,7 +23,8 @@ NAMES = [spec.name for spec in SAMPLING_FIELDS]
 # The engine is vLLM's API on its own: its max_tokens default is vLLM's 16, and the wire's upper bounds (which keep
 # one queued job from costing a worker) do not bind a local caller. engine/sampling_params.py says why.
 ENGINE_DEFAULTS = {"max_tokens": 16}
-ENGINE_HAS_NO_UPPER_BOUND = {"max_tokens", "temperature", "seed", "stop", "stop_token_ids"}
+ENGINE_HAS_NO_UPPER_BOUND = {"max_tokens", "temperature", "seed", "stop", "stop_token_ids", "min_tokens",
+                            "logit_bias"}
 
 
 def probes(spec) -> list[tuple[object, bool, bool]]:
@@ -34,6 +35,11 @@ def probes(spec) -> list[tuple[object, bool, bool]]:
         good, bad = ("x", "") if b.chars else (0, -1)
         return [([], True, False), ([good] * b.max_items, True, False), ([good] * (b.max_items + 1), False, True),
                 ([bad], False, False)]
+    if isinstance(b, Entries):  # each bound of a key and of a value, and one entry too many
+        full = {k: b.value.le for k in range(b.max_items)}
+        return [({}, True, False), ({0: b.value.ge, 7: b.value.le}, True, False), (full, True, False),
+                ({**full, b.max_items: 0.0}, False, True), ({0: b.value.le + 0.5}, False, False),
+                ({0: b.value.ge - 0.5}, False, False), ({b.key.ge - 1: 0.0}, False, False)]
     if not isinstance(b, Range):
         return [(spec.default, True, False)]
     step = 1 if spec.type in (int, int | None) else 1e-3
@@ -115,11 +121,11 @@ def test_sdk_wire_and_engine_share_names_and_defaults():
     for client in (Client, AsyncClient):
         signature = inspect.signature(client.submit).parameters
         for spec in SAMPLING_FIELDS:  # a list the SDK takes as None, meaning the wire's empty list
-            assert signature[spec.name].default == (None if isinstance(spec.bounds, Items) else spec.default)
+            assert signature[spec.name].default == (None if isinstance(spec.bounds, (Items, Entries)) else spec.default)
 
 
 def test_the_gateway_takes_every_sampling_field_and_leaves_unnamed_ones_to_the_wire_default():
-    honoured = set(DIRECT) | {"max_tokens", "logprobs"}
+    honoured = set(DIRECT) | {"max_tokens", "logprobs", "prompt_logprobs"}  # the last: completions' echo
     assert set(NAMES) <= honoured
     args = plan("completion", {"model": "m", "prompt": "x"}, GatewaySettings(default_max_tokens=99)).submits[0]
     assert args["max_tokens"] == 99  # an operator's setting, --default-max-tokens (512 unless set)
@@ -135,10 +141,12 @@ def test_kvgate_submit_has_a_flag_for_every_sampling_field_with_the_wire_default
     add_arguments(parser)
     args = parser.parse_args(["hi"])
     for spec in SAMPLING_FIELDS:
-        expected = COMMAND_DEFAULTS.get(spec.name, None if isinstance(spec.default, list) else spec.default)
+        expected = COMMAND_DEFAULTS.get(spec.name, None if isinstance(spec.default, (list, dict)) else spec.default)
         assert getattr(args, spec.name) == expected, spec.name
     request = request_from(parser.parse_args(["hi", "--stop", "a", "--stop", "b", "--stop-token-ids", "7",
-                                              "--ignore-eos", "--seed", "3", "--top-k", "5"]))
+                                              "--ignore-eos", "--seed", "3", "--top-k", "5", "--logit-bias",
+                                              '{"198": -100}', "--no-skip-special-tokens"]))
     assert (request["stop"], request["stop_token_ids"], request["ignore_eos"]) == (["a", "b"], [7], True)
+    assert (request["logit_bias"], request["skip_special_tokens"]) == ({198: -100.0}, False)
     assert (request["seed"], request["top_k"], request["temperature"]) == (3, 5, 0.7)
     SubmitRequest(**request)  # what the command sends is a valid request as the SDK checks it

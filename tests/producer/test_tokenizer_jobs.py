@@ -8,7 +8,7 @@ import pytest
 
 from kvgate.producer import InvalidRequest
 from kvgate.producer import protocol as wire
-from kvgate.producer.request import build_job, validate_request
+from kvgate.producer.request import NEWER_THAN_DIGESTS, build_job, validate_request
 
 
 @pytest.mark.parametrize("args", [{"prompt_token_ids": [1, 2], "task": "tokenize"},
@@ -30,6 +30,50 @@ def test_a_generation_jobs_payload_and_digest_are_what_they_were_before_tasks():
     req = validate_request({"prompt": "hi", "max_tokens": 3})
     assert b"task" not in wire.encode(build_job(req, "c"))  # omit_defaults: old workers read it as before
     before = req.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant", "task",
-                                     "add_special_tokens"}, mode="json")
+                                     "add_special_tokens", *NEWER_THAN_DIGESTS}, mode="json")
     assert req.digest() == hashlib.sha256(msgspec.json.encode(before, order="sorted")).hexdigest()[:32]
     assert validate_request({"prompt": "hi", "max_tokens": 3, "task": "tokenize"}).digest() != req.digest()
+
+
+def test_a_generation_jobs_digest_is_unchanged_by_the_sampling_fields_added_after_it_unless_one_is_used():
+    req = validate_request({"prompt": "hi", "max_tokens": 3})
+    before = req.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant", "task",
+                                     "add_special_tokens", *NEWER_THAN_DIGESTS}, mode="json")
+    assert set(NEWER_THAN_DIGESTS) <= set(req.model_dump())  # each is a field, left out only at its default
+    assert req.digest() == hashlib.sha256(msgspec.json.encode(before, order="sorted")).hexdigest()[:32]
+    for used in ({"min_p": 0.1}, {"logit_bias": {5: 1.0}}, {"skip_special_tokens": False}, {"prompt_logprobs": 0}):
+        assert validate_request({"prompt": "hi", "max_tokens": 3, **used}).digest() != req.digest()
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"tokenize": True}, "apply_chat_template's own parameters"),
+    ({"bad-name": 1}, "template variable name"),
+    ({f"k{i}": i for i in range(17)}, "at most 16"),
+    ({"text": "x" * 5000}, "over the limit of 4096"),
+    ({"x": float("nan")}, "finite"),
+])
+def test_a_hostile_chat_template_kwargs_on_the_wire_is_a_protocol_error_naming_it(kwargs, says):
+    job = wire.Job(v=1, job_id="j", client_id="c", enqueued_at=1.0, messages=[wire.Message("user", "hi")],
+                   chat_template_kwargs=kwargs)
+    with pytest.raises(wire.ProtocolError, match="chat_template_kwargs") as e:
+        wire.decode_job(wire.encode(job))
+    assert says in str(e.value)
+    with pytest.raises(InvalidRequest) as sdk:
+        validate_request({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs})
+    assert sdk.value.errors[0].field.startswith("chat_template_kwargs")
+
+
+def test_template_arguments_apply_to_messages_only_and_travel_on_the_job():
+    for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {"add_generation_prompt": False}):
+        with pytest.raises(InvalidRequest) as e:
+            validate_request({"prompt": "hi", **extra})
+        assert e.value.errors[0].field == next(iter(extra))
+    req = validate_request({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False,
+                            "chat_template_kwargs": {"enable_thinking": False, "effort": "low"}})
+    job = wire.decode_job(wire.encode(build_job(req, "c")))
+    assert (job.add_generation_prompt, job.chat_template_kwargs) == (False, {"enable_thinking": False, "effort": "low"})
+    nested = msgspec.msgpack.encode({"v": 1, "job_id": "j", "client_id": "c", "enqueued_at": 1.0,
+                                     "messages": [{"role": "user", "content": "hi"}],
+                                     "chat_template_kwargs": {"a": [1, 2]}})
+    with pytest.raises(wire.ProtocolError, match="chat_template_kwargs"):
+        wire.decode_job(nested)
