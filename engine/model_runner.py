@@ -14,6 +14,7 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.cuda_graphs import DecodeGraphs
 from kvgate.engine.decode_inputs import DecodeInputs
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
+from kvgate.engine.pooler import accumulate
 from kvgate.engine.sampler import Sampler
 from kvgate.engine.sampling_rows import SamplingBatch
 from kvgate.engine.scheduler import AllDecode, ScheduledBatch
@@ -74,6 +75,7 @@ class ModelRunner:
         self.model_name, self.tokenizer, self.vocab_size, self.max_model_len = "unknown", None, 0, 0
         self.eos_token_ids: set[int] = set()
         self.num_blocks = 0
+        self.embedding_size, self.pooling = model.config.hidden_size, "last"
         if device.type == "cpu":  # a decode step has a row per running sequence
             logger.info("%d CPU GEMMs prepacked for oneDNN", model.pack_linears(rows_hint=max_num_seqs))
         self.block_size = block_size
@@ -92,7 +94,7 @@ class ModelRunner:
     def load(cls, model: Any, config: EngineConfig) -> ModelRunner:
         """Resolve `model` (a name, path or ModelSource), build it on the configured device and dtype, and size
         and allocate its KV cache."""
-        from kvgate.engine.loader import resolve_model  # heavy: transformers, gguf
+        from kvgate.engine.loader import model_pooling, resolve_model  # heavy: transformers, gguf
 
         source = resolve_model(model, seed=config.seed) if isinstance(model, str) else model
         hf_config = source.config
@@ -121,6 +123,7 @@ class ModelRunner:
         runner.model_name, runner.tokenizer, runner.vocab_size = source.name, source.tokenizer, hf_config.vocab_size
         runner.max_model_len, runner.eos_token_ids = max_model_len, eos_ids(hf_config, source.tokenizer)
         runner.num_blocks = num_blocks
+        runner.pooling = model_pooling(source.path) if source.path is not None else "last"
         runner.sampler.vocab_size = hf_config.vocab_size
         if device.type == "cuda" and not config.enforce_eager:
             runner.capture_graphs()
@@ -184,9 +187,9 @@ class ModelRunner:
                     "KV cache", num_tokens, activations / GiB, (total - free) / GiB, budget / GiB)
         return budget
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
+    def prepare(self, batch: ScheduledBatch, pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
         """Flat inputs of the batch and the rows to sample (None: every row, a decode-only batch)."""
-        seqs = batch.seqs if isinstance(batch, AllDecode) else decode_only(batch)
+        seqs = batch.seqs if isinstance(batch, AllDecode) else None if pooling else decode_only(batch)
         if seqs is not None:
             return self._prepare_decode(seqs)
         return self._prepare_mixed(batch)
@@ -208,7 +211,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             ctx.append(end)
             tables.append(table + [-1] * (max_blocks - len(table)))
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and seq.pooling is None:
                 sample_rows.append(cu[-1] - 1)
         dev = self.device
         meta = AttentionMetadata(
@@ -232,16 +235,20 @@ class ModelRunner:
         """Compute the batch's new tokens; sample for the sequences whose whole context is now computed."""
         if self.home_thread not in (None, threading.get_ident()):
             self._warn_foreign_thread()
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
+        # an embedding request's chunk is never part of a decode step: its hidden states are pooled, not sampled
+        pooling = not isinstance(batch, AllDecode) and any(seq.pooling is not None for seq, _ in batch)
+        input_ids, positions, meta, sample_rows = self.prepare(batch, pooling)
         if sample_rows is None:  # a decode step: its sampling parameters are kept per row with its inputs
             seqs = batch.seqs if isinstance(batch, AllDecode) else [seq for seq, _ in batch]
             sampling = self.decode_inputs.sampling_batch(seqs)
         else:
-            seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+            seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens and seq.pooling is None]
             sampling = SamplingBatch.of(seqs) if seqs else None
         if sampling is not None and sampling.constrained:  # structured output: its mask fills during the forward
             self.sampler.start_mask(seqs, sampling.constrained)
         hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None)
+        if pooling:
+            self._pool(batch, hidden)
         if sample_rows is not None:
             if not seqs:
                 return [], [], []
@@ -249,6 +256,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler(logits, seqs, sampling, consume=True)
         return seqs, tokens, logprobs
+
+    @staticmethod
+    def _pool(batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Each embedding request's chunk of hidden states into its pooled value (engine/pooler.py)."""
+        row = 0
+        for seq, n in batch:
+            if seq.pooling is not None:
+                accumulate(seq, hidden[row:row + n], seq.num_computed_tokens)
+            row += n
 
     def _warn_foreign_thread(self) -> None:
         logger.warning("this CPU engine was loaded on one thread and is stepped on another: torch gives the second "

@@ -26,6 +26,7 @@ class StepOutput:
     text: str | None = None  # full output text, only on finish
     logprobs: Logprobs | None = None  # for new_token_ids, only when asked
     error: str | None = None  # finish_reason "error": why the request could not run (its constraint did not compile)
+    embedding: bytes | None = None  # an embedding request's vector, float32 little-endian (engine/pooler.py)
 
 
 @dataclass(slots=True)
@@ -38,6 +39,15 @@ class RequestOutput:
     logprobs: Logprobs | None = None
     cached_tokens: int = 0
     error: str | None = None  # finish_reason "error": why it could not run
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """`LLM.embed`'s result for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
 
 
 @dataclass(slots=True)
