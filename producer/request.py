@@ -26,6 +26,7 @@ from .fields import Items, Range, Shape, Spec
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 MAX_TOKEN_ID = 2**31 - 1
+EMBEDDING_DEFAULTS = {spec.name: spec.default for spec in wire.EMBEDDING_FIELDS}
 
 
 def _utf8(text: str) -> str:
@@ -164,6 +165,8 @@ def _sdk_field(spec: Spec) -> tuple[Any, Any]:
     b = spec.bounds
     if isinstance(b, Shape):
         return Structured, spec.default
+    if typing.get_origin(spec.type) is Literal:
+        return spec.type, spec.default
     if isinstance(b, Items):
         item = Annotated[Text, Field(min_length=b.chars[0], max_length=b.chars[1])] if b.chars else TokenId
         before = [BeforeValidator(_one_or_many)] if spec.name == "stop" else []
@@ -194,9 +197,10 @@ class _Prompt(BaseModel):
     prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
 
 
-# The sampling arguments are wire.Sampling's fields, made once from its declaration.
+# The sampling arguments are wire.Sampling's fields, and an embedding's are wire.Embedding's, made once from them.
 _PromptAndSampling = create_model("_PromptAndSampling", __base__=_Prompt, __module__=__name__,
-                                  **{spec.name: _sdk_field(spec) for spec in wire.SAMPLING_FIELDS})
+                                  **{spec.name: _sdk_field(spec)
+                                     for spec in wire.SAMPLING_FIELDS + wire.EMBEDDING_FIELDS})
 
 
 class SubmitRequest(_PromptAndSampling):
@@ -239,6 +243,11 @@ class SubmitRequest(_PromptAndSampling):
         """The pydantic model class the answer is validated into (Result.parsed), when response_format is one."""
         return self.response_format if _is_model_class(self.response_format) else None
 
+    def embedding(self) -> wire.Embedding | None:
+        """An embedding job's settings (None: the defaults, or not an embedding job)."""
+        given = {s.name: getattr(self, s.name) for s in wire.EMBEDDING_FIELDS}
+        return None if self.task != "embed" or given == EMBEDDING_DEFAULTS else wire.Embedding(**given)
+
     def sampling(self) -> wire.Sampling:
         given = {s.name: getattr(self, s.name) for s in wire.SAMPLING_FIELDS}
         return wire.Sampling(**{name: value for name, value in given.items() if value is not None})  # None: default
@@ -254,7 +263,8 @@ class SubmitRequest(_PromptAndSampling):
     def _defaults(self) -> set[str]:
         """Fields newer than digests that hold their default: left out, so a generation job's digest stays."""
         fields = type(self).model_fields
-        return {name for name in ("task", "add_special_tokens") if getattr(self, name) == fields[name].default}
+        return {name for name in ("task", "add_special_tokens", *EMBEDDING_DEFAULTS)
+                if getattr(self, name) == fields[name].default}
 
 
 def _submit_signature() -> inspect.Signature:
@@ -326,9 +336,13 @@ def _check_combination(req: SubmitRequest, where: str) -> None:
     if len(given) != 1:
         raise InvalidRequest([FieldError(f"{where}{'/'.join(given) or 'prompt'}", len(given),
                                          "give exactly one of prompt, messages, prompt_token_ids")])
+    if req.task != "embed" and (changed := next((n for n, d in EMBEDDING_DEFAULTS.items() if getattr(req, n) != d),
+                                                None)):
+        raise InvalidRequest([FieldError(f"{where}{changed}", getattr(req, changed), "is for embedding jobs only "
+                                         "(task='embed', or Client.embed)")])
     if req.ttl_s is not None and req.deadline is not None:
         raise InvalidRequest([FieldError(f"{where}deadline", req.deadline, "give ttl_s or deadline, not both")])
-    if req.task != "generate" and (req.task == "detokenize") != (req.prompt_token_ids is not None):
+    if req.task in ("tokenize", "detokenize") and (req.task == "detokenize") != (req.prompt_token_ids is not None):
         raise InvalidRequest([FieldError(f"{where}task", req.task, "detokenize takes prompt_token_ids; tokenize "
                                          "takes a prompt or messages")])
     if req.deadline is not None and req.deadline <= time.time():
@@ -364,7 +378,8 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
                    sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
                    idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model,
-                   tenant=req.tenant, task=req.task, add_special_tokens=req.add_special_tokens)
+                   tenant=req.tenant, task=req.task, add_special_tokens=req.add_special_tokens,
+                   embedding=req.embedding())
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

@@ -141,9 +141,9 @@ class Intake:
     def _refusal(self, task: str) -> str | None:
         """Why this worker does not run a job of this task, or None."""
         if task == "embed" and self.embeddings == "off":
-            return f"model {self.engine.model_name!r} is not served for embeddings here (worker --embeddings off)"
+            return f"rejected: model {self.engine.model_name!r} is not served for embeddings (worker --embeddings off)"
         if task == "generate" and self.embeddings == "only":
-            return (f"model {self.engine.model_name!r} is served for embeddings only (worker --embeddings only): "
+            return (f"rejected: model {self.engine.model_name!r} is served for embeddings only (worker --embeddings only): "
                     "send embedding jobs, or generation jobs to a model served for them")
         return None
 
