@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "prefix": ("kvgate.bench.prefix", "W-PREFIX: prefix-affinity lanes vs one shared stream vs an ideal single cache"),
     "structured": ("kvgate.bench.structured", "W-STRUCT: JSON-schema-constrained vs free generation, mask, compile"),
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),
+    "embed": ("kvgate.bench.embed", "W-EMBED: embedding jobs through the queue vs in process, and mixed with generation"),
 }
 NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "models", "top", "exporter"}
 SUBMITS = {"submit", "batch"}  # commands that enqueue jobs, so take --tenant
