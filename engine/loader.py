@@ -48,7 +48,8 @@ class ModelSource:
         return safetensors_weights(self.path, dtype)
 
 
-ST_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
+ST_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                    "pooling_mode_lasttoken": "last"}
 
 
 def model_pooling(folder: Path) -> str:

@@ -187,8 +187,10 @@ class ModelRunner:
                     "KV cache", num_tokens, activations / GiB, (total - free) / GiB, budget / GiB)
         return budget
 
-    def prepare(self, batch: ScheduledBatch, pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
-        """Flat inputs of the batch and the rows to sample (None: every row, a decode-only batch)."""
+    def prepare(self, batch: ScheduledBatch,
+                pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
+        """Flat inputs of the batch and the rows to sample (None: every row, a decode-only batch). `pooling`: the
+        batch holds an embedding request's chunk, so it is never a decode step."""
         seqs = batch.seqs if isinstance(batch, AllDecode) else None if pooling else decode_only(batch)
         if seqs is not None:
             return self._prepare_decode(seqs)

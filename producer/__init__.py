@@ -9,7 +9,8 @@ Importing this package never imports torch: the SDK is redis, msgspec, pydantic 
 from .async_client import AsyncClient, AsyncJobHandle
 from .client import Client
 from .errors import (Backpressure, ConnectionFailed, FieldError, IdempotencyConflict, InvalidRequest, JobFailed,
-                     JobLost, KvgateError, NotReplicatedError, PartiallySubmitted, QuotaExceeded, ResultTimeout, ServerRefused)
+                     JobLost, KvgateError, NotReplicatedError, PartiallySubmitted, QuotaExceeded, ResultTimeout,
+                     ServerRefused)
 from .handle import JobHandle
 from .job_status import JobStatus
 from .protocol import Delta, Final, Timings, TokenLogprob, TopLogprob, Usage

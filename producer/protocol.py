@@ -152,8 +152,8 @@ class Embedding(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
     pooling: Pooling = "model"
     normalize: bool = True
-    dimensions: Annotated[int | None, Range(ge=1, le=MAX_EMBEDDING_DIMENSIONS,
-                                            says=f"be None (every dimension) or 1 to {MAX_EMBEDDING_DIMENSIONS}")] = None
+    dimensions: Annotated[int | None, Range(
+        ge=1, le=MAX_EMBEDDING_DIMENSIONS, says=f"be None (every dimension) or 1 to {MAX_EMBEDDING_DIMENSIONS}")] = None
 
 
 EMBEDDING_FIELDS = specs(Embedding)

@@ -143,8 +143,8 @@ class Intake:
         if task == "embed" and self.embeddings == "off":
             return f"rejected: model {self.engine.model_name!r} is not served for embeddings (worker --embeddings off)"
         if task == "generate" and self.embeddings == "only":
-            return (f"rejected: model {self.engine.model_name!r} is served for embeddings only (worker --embeddings only): "
-                    "send embedding jobs, or generation jobs to a model served for them")
+            return (f"rejected: model {self.engine.model_name!r} is served for embeddings only (worker --embeddings "
+                    "only): send embedding jobs, or generation jobs to a model served for them")
         return None
 
     def _tokenizer_answer(self, e: Entry, ticket: Ticket) -> Rejection:

@@ -244,7 +244,9 @@ class Worker:
                 self.answers.answer(refused)
 
     def _fits(self, ticket: Ticket) -> bool:
-        shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # held by running sequences
+        shared = 0 if ticket.pooling is not None else \
+            self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # held by running sequences; an
+        # embedding shares none (it never reads the prefix cache)
         return self.engine.fits(len(ticket.prompt_ids), ticket.budget, shared)
 
     def _step(self) -> None:

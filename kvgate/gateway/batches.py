@@ -46,7 +46,8 @@ class BatchesApi:
             raise invalid("body", "the request body must be a JSON object")
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:
-            raise invalid("endpoint", f"endpoint={endpoint!r} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}",
+            raise invalid("endpoint",
+                          f"endpoint={endpoint!r} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}",
                           code="invalid_endpoint")
         if window != "24h":
             raise invalid("completion_window", f"completion_window={window!r} is not supported; use '24h'")

@@ -1,6 +1,7 @@
 """The OpenAI Batch file format: request lines in, response lines out.
 
-In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings", "body": {...}}
+In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings",
+      "body": {...}}
      (an /v1/embeddings line embeds one input: one line is one job, so a list of several inputs is refused)
 Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}
   or {"id", "custom_id", "response": null, "error": {"code", "message"}} for a line that failed.
