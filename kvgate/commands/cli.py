@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("kvgate.commands.stats", "backlog, pending and live workers per queue"),
     "models": ("kvgate.commands.models", "list the models the fleet knows; add or remove some (scale from zero)"),
     "top": ("kvgate.commands.top", "live terminal view of the fleet"),
-    "serve": ("kvgate.commands.serve", "OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models"),
+    "serve": ("kvgate.commands.serve", "OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models"),
     "exporter": ("kvgate.commands.exporter", "Prometheus exporter for queue lag, backlog and live workers"),
 }
 BENCHES: dict[str, tuple[str, str]] = {

@@ -53,3 +53,11 @@ def test_an_embedding_job_takes_a_prompt_messages_or_token_ids_and_its_settings_
     stray = wire.Job(v=1, job_id="j", client_id="c", enqueued_at=1.0, prompt="hi", embedding=wire.Embedding())
     with pytest.raises(wire.ProtocolError, match="embedding settings are for task 'embed'"):
         wire.decode_job(wire.encode(stray))
+
+
+def test_a_quota_charges_an_embedding_job_its_prompt_alone():
+    from kvgate.producer.quotas import estimate_tokens
+
+    embed = build_job(validate_request({"prompt_token_ids": [1, 2, 3], "task": "embed"}), "c" * 16)
+    generate = build_job(validate_request({"prompt_token_ids": [1, 2, 3], "max_tokens": 50}), "c" * 16)
+    assert (estimate_tokens(embed), estimate_tokens(generate)) == (3, 53)
