@@ -27,6 +27,8 @@ MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 MAX_TOKEN_ID = 2**31 - 1
 EMBEDDING_DEFAULTS = {spec.name: spec.default for spec in wire.EMBEDDING_FIELDS}
+# what an embedding job refuses to be given other than at its default: every sampling field, and streaming
+GENERATION_FIELDS = (*(spec.name for spec in wire.SAMPLING_FIELDS), "stream")
 
 
 def _utf8(text: str) -> str:
@@ -340,6 +342,11 @@ def _check_combination(req: SubmitRequest, where: str) -> None:
                                                 None)):
         raise InvalidRequest([FieldError(f"{where}{changed}", getattr(req, changed), "is for embedding jobs only "
                                          "(task='embed', or Client.embed)")])
+    fields = type(req).model_fields
+    if req.task == "embed" and (changed := next((n for n in GENERATION_FIELDS if getattr(req, n) != fields[n].default),
+                                                None)):
+        raise InvalidRequest([FieldError(f"{where}{changed}", getattr(req, changed), "is a generation setting; an "
+                                         "embedding job generates nothing (it takes pooling, normalize, dimensions)")])
     if req.ttl_s is not None and req.deadline is not None:
         raise InvalidRequest([FieldError(f"{where}deadline", req.deadline, "give ttl_s or deadline, not both")])
     if req.task in ("tokenize", "detokenize") and (req.task == "detokenize") != (req.prompt_token_ids is not None):

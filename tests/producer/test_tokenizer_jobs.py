@@ -61,3 +61,9 @@ def test_a_quota_charges_an_embedding_job_its_prompt_alone():
     embed = build_job(validate_request({"prompt_token_ids": [1, 2, 3], "task": "embed"}), "c" * 16)
     generate = build_job(validate_request({"prompt_token_ids": [1, 2, 3], "max_tokens": 50}), "c" * 16)
     assert (estimate_tokens(embed), estimate_tokens(generate)) == (3, 53)
+
+
+@pytest.mark.parametrize("setting", [{"max_tokens": 5}, {"temperature": 0.0}, {"stream": True}, {"regex": "a+"}])
+def test_an_embedding_job_refuses_generation_settings_by_name(setting):
+    with pytest.raises(InvalidRequest, match="is a generation setting; an embedding job generates nothing"):
+        validate_request({"prompt": "hi", "task": "embed", **setting})
