@@ -106,3 +106,58 @@ def test_a_sentence_transformers_folder_names_the_model_pooling(tmp_path, config
         (tmp_path / "1_Pooling").mkdir()
         (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 576, **config}))
     assert model_pooling(tmp_path) == pooling
+
+
+def test_embeddings_preempted_or_aborted_mid_prompt_leave_no_blocks_and_no_count_behind():
+    """On a cache too small for everything at once, the newest running sequence, a chunked embedding, is preempted
+    again and again by generation's growth and still finishes; aborted or finished, every one gives its blocks back
+    and the all-decode shortcut is open again."""
+    from kvgate.engine.cost_model_runner import CostModelRunner
+    from kvgate.engine.llm_engine import LLMEngine
+    from kvgate.engine.scheduler import AllDecode
+
+    engine = LLMEngine(runner=CostModelRunner(8, sleep=False, step_overhead_s=0, per_token_s=0),
+                       max_num_batched_tokens=20, block_size=16, max_num_seqs=8)
+    preempted = []
+    preempt = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))
+    for i in range(2):
+        engine.add_request(f"gen{i}", list(range(1, 16)), SamplingParams(max_tokens=60, ignore_eos=True))
+    engine.add_embedding_request("emb", list(range(5, 100)), PoolingParams("mean"))
+    engine.add_embedding_request("aborted", list(range(3, 40)), PoolingParams())
+    ended, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id not in ended
+            if out.finished:
+                ended[out.request_id] = out
+        steps += 1
+        if steps == 2:
+            assert engine.abort("aborted") is not None
+    assert "emb" in preempted
+    assert sorted(ended) == ["emb", "gen0", "gen1"] and ended["emb"].embedding
+    assert all(len(ended[f"gen{i}"].token_ids) == 60 for i in range(2))
+    assert engine.scheduler.pooling == 0 and engine.block_manager.num_free == engine.block_manager.num_blocks
+    engine.add_request("after", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert isinstance(engine.scheduler.schedule(), AllDecode)  # decode steps take the shortcut again
+
+
+def test_a_mean_pooled_embedding_preempted_mid_prompt_starts_over_and_still_equals_hf(hf_states):
+    from kvgate.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine("smollm2-135m", max_num_batched_tokens=20, kv_cache_memory=6 * 737_280, max_num_seqs=4)
+    assert engine.block_manager.num_blocks == 6
+    preempted = []
+    preempt = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))
+    for i in range(2):
+        engine.add_request(f"gen{i}", list(range(100, 115)), SamplingParams(temperature=0, max_tokens=40,
+                                                                             ignore_eos=True), stream_text=False)
+    engine.add_embedding_request("emb", PROMPTS[2], PoolingParams("mean", normalize=False))
+    ended = {}
+    while engine.has_unfinished():
+        ended |= {out.request_id: out for out in engine.step() if out.finished}
+    assert "emb" in preempted
+    got = torch.frombuffer(bytearray(ended["emb"].embedding), dtype=torch.float32)
+    torch.testing.assert_close(got, hf_states[2].mean(0), rtol=1e-3, atol=1e-4)
