@@ -56,10 +56,11 @@ def eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
 
 
 def decode_only(batch: ScheduledBatch) -> list[Sequence] | None:
-    """The batch's sequences when each computes exactly its last token (a pure decode step), else None."""
+    """The batch's sequences when each computes exactly its last token (a pure decode step), else None. An embedding
+    request's last prompt token is pooled, not sampled: a batch with one is never a decode step."""
     seqs = []
     for seq, n in batch:
-        if n != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids):
+        if n != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids) or seq.pooling is not None:
             return None
         seqs.append(seq)
     return seqs
@@ -187,11 +188,9 @@ class ModelRunner:
                     "KV cache", num_tokens, activations / GiB, (total - free) / GiB, budget / GiB)
         return budget
 
-    def prepare(self, batch: ScheduledBatch,
-                pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
-        """Flat inputs of the batch and the rows to sample (None: every row, a decode-only batch). `pooling`: the
-        batch holds an embedding request's chunk, so it is never a decode step."""
-        seqs = batch.seqs if isinstance(batch, AllDecode) else None if pooling else decode_only(batch)
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
+        """Flat inputs of the batch and the rows to sample (None: every row, a decode-only batch)."""
+        seqs = batch.seqs if isinstance(batch, AllDecode) else decode_only(batch)
         if seqs is not None:
             return self._prepare_decode(seqs)
         return self._prepare_mixed(batch)
@@ -239,7 +238,7 @@ class ModelRunner:
             self._warn_foreign_thread()
         # an embedding request's chunk is never part of a decode step: its hidden states are pooled, not sampled
         pooling = not isinstance(batch, AllDecode) and any(seq.pooling is not None for seq, _ in batch)
-        input_ids, positions, meta, sample_rows = self.prepare(batch, pooling)
+        input_ids, positions, meta, sample_rows = self.prepare(batch)
         if sample_rows is None:  # a decode step: its sampling parameters are kept per row with its inputs
             seqs = batch.seqs if isinstance(batch, AllDecode) else [seq for seq, _ in batch]
             sampling = self.decode_inputs.sampling_batch(seqs)

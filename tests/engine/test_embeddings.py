@@ -161,3 +161,17 @@ def test_a_mean_pooled_embedding_preempted_mid_prompt_starts_over_and_still_equa
     assert "emb" in preempted
     got = torch.frombuffer(bytearray(ended["emb"].embedding), dtype=torch.float32)
     torch.testing.assert_close(got, hf_states[2].mean(0), rtol=1e-3, atol=1e-4)
+
+
+def test_a_one_token_embedding_beside_decoding_sequences_is_pooled_not_sampled(llm, hf_states):
+    engine = llm.engine
+    first = engine.tokenizer.encode(PROMPTS[0])[:1]
+    engine.add_request("decoding", PROMPTS[1], SamplingParams(temperature=0, max_tokens=6), stream_text=False)
+    engine.step()  # its prompt; from now on each step computes one token of it, as the embedding's one token
+    engine.add_embedding_request("one", first, PoolingParams("last", normalize=False))
+    ended = {}
+    while engine.has_unfinished():
+        ended |= {out.request_id: out for out in engine.step() if out.finished}
+    assert ended["one"].output_tokens == 0 and len(ended["decoding"].token_ids) == 6
+    got = torch.frombuffer(bytearray(ended["one"].embedding), dtype=torch.float32)
+    torch.testing.assert_close(got, hf_states[0][0], rtol=1e-3, atol=1e-4)  # causal: the first token alone
