@@ -67,3 +67,15 @@ def test_a_quota_charges_an_embedding_job_its_prompt_alone():
 def test_an_embedding_job_refuses_generation_settings_by_name(setting):
     with pytest.raises(InvalidRequest, match="is a generation setting; an embedding job generates nothing"):
         validate_request({"prompt": "hi", "task": "embed", **setting})
+
+
+def test_embed_makes_one_job_per_input_and_refuses_no_inputs():
+    from kvgate.producer.client_base import ClientBase
+
+    jobs = ClientBase._embed_requests(["a", [1, 2]], {"model": "m", "pooling": "mean"})
+    assert jobs == [{"model": "m", "pooling": "mean", "task": "embed", "prompt": "a"},
+                    {"model": "m", "pooling": "mean", "task": "embed", "prompt_token_ids": [1, 2]}]
+    assert ClientBase._embed_requests([5, 6], {}) == [{"task": "embed", "prompt_token_ids": [5, 6]}]
+    for nothing in ([], None, 3):
+        with pytest.raises(InvalidRequest, match="inputs"):
+            ClientBase._embed_requests(nothing, {})
