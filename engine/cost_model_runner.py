@@ -5,6 +5,8 @@ Tokens served from the prefix cache are never in the batch (the scheduler starts
 after its cache hits), so they cost nothing here, as on a GPU. Torch-free."""
 from __future__ import annotations
 
+import math
+import struct
 import time
 import zlib
 
@@ -45,6 +47,7 @@ class CostModelRunner:
         self.step_overhead_s, self.per_token_s = step_overhead_s, per_token_s
         self.tokenizer = SimulatedTokenizer(vocab_size)
         self.eos_token_ids: set[int] = set()  # as ignore_eos: a simulated request ends by length or stop ids
+        self.embedding_size, self.pooling = 8, "last"
         self.tokens_computed = 0  # over all steps: what the cost model charged for
         self.busy_s = 0.0  # modelled compute time over all steps, slept or not
 
@@ -60,11 +63,24 @@ class CostModelRunner:
                 start = seq.num_computed_tokens
                 for p in range(start + 1, min(start + n + 1, seq.num_prompt_tokens)):
                     seq.prompt_logprobs[p] = {seq.token_ids[p]: 0.0}
-        done = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+        done = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens and seq.pooling is None]
+        for seq, n in batch:
+            if seq.pooling is not None and seq.num_computed_tokens + n == seq.num_tokens:
+                seq.embedding = self.embedding(seq)
         tokens = [self.next_token(seq) for seq in done]
         # the model is a point mass on its token: logprob 0 for the chosen one, no alternatives
         logprobs = [None if seq.params.logprobs is None else {t: 0.0} for seq, t in zip(done, tokens)]
         return done, tokens, logprobs
+
+    def embedding(self, seq: Sequence) -> bytes:
+        """A deterministic vector of the prompt, cut and normalized as asked: float32 little-endian."""
+        key = f"{self.seed}:".encode() + str(seq.prompt_token_ids).encode()
+        vector = [(zlib.crc32(key + bytes([i])) % 2001 - 1000) / 1000 for i in range(self.embedding_size)]
+        vector = vector[:seq.pooling.dimensions or len(vector)]
+        if seq.pooling.normalize:
+            norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+            vector = [v / norm for v in vector]
+        return struct.pack(f"<{len(vector)}f", *vector)
 
     def next_token(self, seq: Sequence) -> int:
         who = seq.request_id if seq.params.seed is None else seq.params.seed

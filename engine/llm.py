@@ -1,13 +1,16 @@
 """The offline, vLLM-style entry point: `LLM(model).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import array
 import itertools
+import sys
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from kvgate.engine.llm_engine import LLMEngine
-from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.outputs import EmbeddingOutput, RequestOutput
+from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
 
 
@@ -54,6 +57,32 @@ class LLM:
                         bar.update(1)
         return [results[rid] for rid in order]
 
+    def embed(self, prompts: list[str] | list[list[int]] | str, pooling: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """Each prompt's embedding (engine/pooling_params.py: the model's own pooling, unit length, unless `pooling`
+        says otherwise); outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = pooling if pooling is not None else PoolingParams()
+        order: list[str] = []
+        try:
+            for prompt in prompts:
+                rid = str(next(self._ids))
+                self.engine.add_embedding_request(rid, prompt, pooling)
+                order.append(rid)
+        except Exception:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        results = {rid: EmbeddingOutput(rid, self.engine.seqs[rid].prompt_token_ids, []) for rid in order}
+        with tqdm(total=len(order), desc="embed", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in results:
+                        results[out.request_id].embedding = floats(out.embedding)
+                        bar.update(1)
+        return [results[rid] for rid in order]
+
     def _add_all(self, prompts, params) -> list[str]:
         order: list[str] = []
         self._prompt_ids: dict[str, list[int]] = {}
@@ -77,3 +106,11 @@ class LLM:
             conversations = [conversations]
         prompts = [self.engine.encode_chat(list(c)) for c in conversations]
         return self.generate(prompts, params, use_tqdm)
+
+
+def floats(data: bytes | None) -> list[float]:
+    """A vector as the engine hands it out (float32 little-endian bytes) as Python floats."""
+    values = array.array("f", data or b"")
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()

@@ -16,10 +16,12 @@ from kvgate.engine.constraints import GrammarError, Grammars, forced_tokens
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import find_stop, held_back, take_increment
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
+from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import AllDecode, ScheduledBatch, Scheduler
 from kvgate.engine.sequence import Sequence, SequenceStatus
 
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1)  # what an embedding request's sequence carries: it samples nothing
 RESERVE_RATIO_START, RESERVE_RATIO_FLOOR, RESERVE_RATIO_BUMP, RESERVE_RATIO_DECAY = 0.5, 0.25, 0.25, 0.995
 GC_GEN0_THRESHOLD = 100_000  # allocations between young collections; CPython's default is 700
 
@@ -40,6 +42,8 @@ class Runner(Protocol):
     max_model_len: int
     eos_token_ids: set[int]
     num_blocks: int  # KV cache blocks of the engine's block_size
+    embedding_size: int  # the length of an embedding request's vector before `dimensions` cuts it
+    pooling: str  # the model's own pooling (last, mean, cls): what an embedding request's `model` pooling means
 
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
         """Compute each (sequence, n) chunk; a next token (and logprobs) for each sequence now fully computed."""
@@ -64,6 +68,7 @@ class LLMEngine:
         self.eos_token_ids = runner.eos_token_ids
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
+        self.embedding_size: int = runner.embedding_size
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling)
@@ -92,14 +97,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise RequestRejected(f"stop strings {params.stop!r} need a tokenizer and model {self.model_name!r} "
                                   "has none: use stop_token_ids")
-        token_ids = self._tokenize(prompt)
+        token_ids = self._prompt_ids(prompt)
         n = len(token_ids)
-        if n > self.max_model_len:
-            raise RequestRejected(f"prompt of {n} tokens is longer than max_model_len={self.max_model_len}: "
-                                  "shorten it or raise max_model_len")
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -135,6 +134,42 @@ class LLMEngine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return n
+
+    def add_embedding_request(self, request_id: str, prompt: str | list[int], pooling: PoolingParams, *,
+                              arrival_time: float | None = None) -> int:
+        """Queue an embedding request (engine/pooling_params.py); returns its prompt length. Its one output, in the
+        step that computes its last prompt token, carries the vector in `embedding`."""
+        if request_id in self.seqs:
+            raise RequestRejected(f"request_id {request_id!r} is already in the engine: use a unique id")
+        if not isinstance(pooling, PoolingParams):
+            raise RequestRejected(f"pooling must be a PoolingParams, got {type(pooling).__name__}")
+        if pooling.dimensions is not None and pooling.dimensions > self.embedding_size:
+            raise RequestRejected(f"dimensions={pooling.dimensions} is more than model {self.model_name!r} has: its "
+                                  f"embeddings have {self.embedding_size}")
+        token_ids = self._prompt_ids(prompt)
+        needed = self.block_manager.blocks_for(len(token_ids))
+        if needed > self.block_manager.num_blocks:
+            raise RequestRejected(f"prompt of {len(token_ids)} tokens needs {needed} KV blocks but the whole cache has "
+                                  f"{self.block_manager.num_blocks}: shorten it or enlarge the cache")
+        seq = Sequence(request_id, token_ids, EMBEDDING_PARAMS, 0,
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time, stream_text=False,
+                       detokenize=False)
+        seq.pooling = pooling.resolved(self.runner.pooling)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return len(token_ids)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's ids, checked against the vocabulary and max_model_len."""
+        token_ids = self._tokenize(prompt)
+        n = len(token_ids)
+        if n > self.max_model_len:
+            raise RequestRejected(f"prompt of {n} tokens is longer than max_model_len={self.max_model_len}: "
+                                  "shorten it or raise max_model_len")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        return list(token_ids)
 
     def _compiled(self) -> list[StepOutput]:
         """Requests whose grammar is now compiled join the scheduler's queue; one that failed is answered with
@@ -209,15 +244,17 @@ class LLMEngine:
         seqs, tokens, logprobs = self.runner.run(batch)
         if isinstance(batch, AllDecode) and len(seqs) == len(batch.seqs):
             return failed + self._step_decode(batch.seqs, tokens, logprobs)
-        bs, commit = self.block_size, self.block_manager.commit
+        bs, commit, outputs = self.block_size, self.block_manager.commit, []
         for seq, n in batch:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self._count_prefill(seq, n)
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens // bs > seq.num_committed_blocks:  # a block just filled up
+            if seq.pooling is not None:  # an embedding: its blocks never enter the prefix cache
+                if seq.num_computed_tokens == seq.num_prompt_tokens:
+                    outputs.append(self._embedded(seq))
+            elif seq.num_computed_tokens // bs > seq.num_committed_blocks:  # a block just filled up
                 commit(seq)
         now = time.monotonic()
-        outputs = []
         for seq, token, lp in zip(seqs, tokens, logprobs):
             seq.first_token_time = seq.first_token_time or now
             outputs.append(self._append_token(seq, token, lp))
@@ -247,6 +284,13 @@ class LLMEngine:
                                       seq.num_cached_tokens))
         self.generation_tokens += len(tokens)
         return outputs
+
+    def _embedded(self, seq: Sequence) -> StepOutput:
+        """An embedding request whose prompt is computed: its blocks go back at once, its vector goes out."""
+        self.scheduler.finish(seq, "stop")
+        self.seqs.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, [], "", True, "stop", seq.num_prompt_tokens, 0, 0, token_ids=[], text="",
+                          embedding=seq.embedding)
 
     def _count_prefill(self, seq: Sequence, n: int) -> None:
         """Each prompt token once: prefix-cache hits are never computed, and recomputation after a preemption
@@ -325,7 +369,8 @@ class LLMEngine:
         growth times the adaptive ratio."""
         bs, bm, reserve = self.block_size, self.block_manager, 0.0
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            held = 0 if seq.block_table else bm.held_prefix(seq.token_ids, seq.block_hashes)  # shared, not claimed
+            held = 0 if seq.block_table or seq.pooling is not None else \
+                bm.held_prefix(seq.token_ids, seq.block_hashes)  # shared, not claimed (an embedding shares none)
             reserve += max(0, seq.num_tokens - (len(seq.block_table) + held) * bs)
             reserve += self.reserve_ratio * seq.remaining_tokens
         return math.ceil(reserve)
@@ -353,7 +398,7 @@ class LLMEngine:
         """Could this candidate be admitted now without expecting a preemption? `max_tokens`: its budget as
         output_budget gives it. `shared`: its leading prompt tokens already held (shared_prefix_tokens), which cost
         no free block. An idle engine takes anything that fits the whole cache, so a big job is never starved."""
-        if not 0 < prompt_len < self.max_model_len:
+        if not 0 < prompt_len < self.max_model_len + (max_tokens == 0):  # 0: an embedding, which generates nothing
             return False
         if self.block_manager.blocks_for(prompt_len + max_tokens) > self.block_manager.num_blocks:
             return False

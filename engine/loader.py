@@ -48,6 +48,23 @@ class ModelSource:
         return safetensors_weights(self.path, dtype)
 
 
+ST_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                    "pooling_mode_lasttoken": "last"}
+
+
+def model_pooling(folder: Path) -> str:
+    """A model's own pooling for embeddings: what its sentence-transformers files say (modules.json naming a Pooling
+    module whose config picks cls, mean or last token), else `last`: a causal model's last token is the only one that
+    has seen the whole prompt."""
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        pooling = next(m for m in modules if str(m.get("type", "")).endswith(".Pooling"))
+        config = json.loads((folder / pooling.get("path", "") / "config.json").read_text())
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        return "last"
+    return next((mode for key, mode in ST_POOLING_MODES.items() if config.get(key) is True), "last")
+
+
 def resolve_model(name: str, *, seed: int = 0) -> ModelSource:
     """`random:<name>`, an alias such as `smollm2-135m`, a .gguf file, or an HF folder."""
     if name.startswith("random:"):

@@ -14,6 +14,7 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.cuda_graphs import DecodeGraphs
 from kvgate.engine.decode_inputs import DecodeInputs
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
+from kvgate.engine.pooler import accumulate
 from kvgate.engine.sampler import Sampler
 from kvgate.engine.sampling_rows import SamplingBatch
 from kvgate.engine.scheduler import AllDecode, ScheduledBatch
@@ -56,10 +57,11 @@ def eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
 
 
 def decode_only(batch: ScheduledBatch) -> list[Sequence] | None:
-    """The batch's sequences when each computes exactly its last token (a pure decode step), else None."""
+    """The batch's sequences when each computes exactly its last token (a pure decode step), else None. An embedding
+    request's last prompt token is pooled, not sampled: a batch with one is never a decode step."""
     seqs = []
     for seq, n in batch:
-        if n != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids):
+        if n != 1 or seq.num_computed_tokens + 1 != len(seq.token_ids) or seq.pooling is not None:
             return None
         seqs.append(seq)
     return seqs
@@ -87,6 +89,7 @@ class ModelRunner:
         self.model_name, self.tokenizer, self.vocab_size, self.max_model_len = "unknown", None, 0, 0
         self.eos_token_ids: set[int] = set()
         self.num_blocks = 0
+        self.embedding_size, self.pooling = model.config.hidden_size, "last"
         if device.type == "cpu":  # a decode step has a row per running sequence
             logger.info("%d CPU GEMMs prepacked for oneDNN", model.pack_linears(rows_hint=max_num_seqs))
         self.block_size = block_size
@@ -105,7 +108,7 @@ class ModelRunner:
     def load(cls, model: Any, config: EngineConfig) -> ModelRunner:
         """Resolve `model` (a name, path or ModelSource), build it on the configured device and dtype, and size
         and allocate its KV cache."""
-        from kvgate.engine.loader import resolve_model  # heavy: transformers, gguf
+        from kvgate.engine.loader import model_pooling, resolve_model  # heavy: transformers, gguf
 
         source = resolve_model(model, seed=config.seed) if isinstance(model, str) else model
         hf_config = source.config
@@ -134,6 +137,7 @@ class ModelRunner:
         runner.model_name, runner.tokenizer, runner.vocab_size = source.name, source.tokenizer, hf_config.vocab_size
         runner.max_model_len, runner.eos_token_ids = max_model_len, eos_ids(hf_config, source.tokenizer)
         runner.num_blocks = num_blocks
+        runner.pooling = model_pooling(source.path) if source.path is not None else "last"
         runner.sampler.vocab_size = hf_config.vocab_size
         if device.type == "cuda" and not config.enforce_eager:
             runner.capture_graphs()
@@ -221,7 +225,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             ctx.append(end)
             tables.append(table + [-1] * (max_blocks - len(table)))
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and seq.pooling is None:
                 sample_rows.append(cu[-1] - 1)
         dev = self.device
         meta = AttentionMetadata(
@@ -245,16 +249,20 @@ class ModelRunner:
         """Compute the batch's new tokens; sample for the sequences whose whole context is now computed."""
         if self.home_thread not in (None, threading.get_ident()):
             self._warn_foreign_thread()
+        # an embedding request's chunk is never part of a decode step: its hidden states are pooled, not sampled
+        pooling = not isinstance(batch, AllDecode) and any(seq.pooling is not None for seq, _ in batch)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
         if sample_rows is None:  # a decode step: its sampling parameters are kept per row with its inputs
             seqs = batch.seqs if isinstance(batch, AllDecode) else [seq for seq, _ in batch]
             sampling = self.decode_inputs.sampling_batch(seqs)
         else:
-            seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
+            seqs = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens and seq.pooling is None]
             sampling = SamplingBatch.of(seqs) if seqs else None
         if sampling is not None and sampling.constrained:  # structured output: its mask fills during the forward
             self.sampler.start_mask(seqs, sampling.constrained)
         hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None)
+        if pooling:
+            self._pool(batch, hidden)
         if sample_rows is not None:
             if rows := prompt_logprob_rows(batch):  # a prefill step: one pass over its sequences
                 self._prompt_logprobs(hidden, rows)
@@ -282,6 +290,15 @@ class ModelRunner:
                 for t, v in zip(ids[j][:seq.params.prompt_logprobs], values[j]):
                     lp.setdefault(t, v)
                 seq.prompt_logprobs[p] = lp
+
+    @staticmethod
+    def _pool(batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Each embedding request's chunk of hidden states into its pooled value (engine/pooler.py)."""
+        row = 0
+        for seq, n in batch:
+            if seq.pooling is not None:
+                accumulate(seq, hidden[row:row + n], seq.num_computed_tokens)
+            row += n
 
     def _warn_foreign_thread(self) -> None:
         logger.warning("this CPU engine was loaded on one thread and is stepped on another: torch gives the second "

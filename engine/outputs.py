@@ -28,6 +28,7 @@ class StepOutput:
     logprobs: Logprobs | None = None  # for new_token_ids, only when asked
     error: str | None = None  # finish_reason "error": why the request could not run (its constraint did not compile)
     prompt_logprobs: PromptLogprobs | None = None  # only on finish, when asked
+    embedding: bytes | None = None  # an embedding request's vector, float32 little-endian (engine/pooler.py)
 
 
 @dataclass(slots=True)
@@ -41,6 +42,15 @@ class RequestOutput:
     cached_tokens: int = 0
     error: str | None = None  # finish_reason "error": why it could not run
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """`LLM.embed`'s result for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
 
 
 @dataclass(slots=True)

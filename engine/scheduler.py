@@ -32,6 +32,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self.pooling = 0  # embedding requests running: while any is, no step takes the all-decode path
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -59,7 +60,7 @@ class Scheduler:
         """The common step, without the general path's per-sequence bookkeeping: every running sequence decodes
         one token and the free blocks cover those that need a new one. None when that is not the case."""
         running, bm = self.running, self.block_manager
-        if len(running) > self.max_num_batched_tokens:
+        if len(running) > self.max_num_batched_tokens or self.pooling:
             return None
         bs, need = bm.block_size, []
         for seq in running:
@@ -113,12 +114,13 @@ class Scheduler:
     def _start(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self.pooling += seq.pooling is not None
 
     def _grow(self, seq: Sequence, budget: int) -> int | None:
         """Reserve blocks for this sequence's next chunk; the chunk size, or None when blocks are short."""
         bm = self.block_manager
         if not seq.block_table:
-            hits = bm.match_prefix(seq)
+            hits = bm.match_prefix(seq) if seq.pooling is None else []  # an embedding needs every token computed
             start = len(hits) * bm.block_size
             n = min(seq.num_tokens - start, budget)
             if not bm.can_allocate(hits, start + n):
@@ -138,6 +140,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.pooling -= seq.pooling is not None
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -147,6 +150,7 @@ class Scheduler:
         """Retire a sequence (finished or aborted) wherever it is and free its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.pooling -= seq.pooling is not None
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

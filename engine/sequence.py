@@ -44,6 +44,10 @@ class Sequence:
     # takes no prefix-cache hit, so every prompt position is computed (block_manager.match_prefix)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     matcher: Any = None  # structured output: the grammar's matcher, advanced with each accepted token
+    # an embedding request (engine/pooling_params.py): no output; finished once its prompt is computed
+    pooling: Any = None  # its PoolingParams, resolved against the model's own pooling
+    pooled: Any = None  # the pooled value so far, while its prompt is computed in chunks (engine/pooler.py)
+    embedding: bytes | None = None  # the finished vector, float32 little-endian
     # incremental detokenization (see engine.llm_engine.detokenize_increment)
     stream_text: bool = True
     detokenize: bool = True  # False: the caller turns the ids into text (engine.detokenizer)

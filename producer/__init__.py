@@ -8,8 +8,9 @@ Importing this package never imports torch: the SDK is redis, msgspec, pydantic 
 """
 from .async_client import AsyncClient, AsyncJobHandle
 from .client import Client
-from .errors import (Backpressure, ConnectionFailed, FieldError, IdempotencyConflict, InvalidRequest, JobLost,
-                     KvgateError, NotReplicatedError, PartiallySubmitted, QuotaExceeded, ResultTimeout, ServerRefused)
+from .errors import (Backpressure, ConnectionFailed, FieldError, IdempotencyConflict, InvalidRequest, JobFailed,
+                     JobLost, KvgateError, NotReplicatedError, PartiallySubmitted, QuotaExceeded, ResultTimeout,
+                     ServerRefused)
 from .handle import JobHandle
 from .job_status import JobStatus
 from .protocol import Delta, Final, Timings, TokenLogprob, TopLogprob, Usage
@@ -21,7 +22,7 @@ from .stream import Restart
 __all__ = [
     "Client", "AsyncClient", "JobHandle", "AsyncJobHandle", "Result", "Delta", "Restart", "Final", "Usage", "Timings",
     "TokenLogprob", "TopLogprob",
-    "JobStatus", "JobLost", "ServerRefused", "PartiallySubmitted",
+    "JobStatus", "JobLost", "JobFailed", "ServerRefused", "PartiallySubmitted",
     "QueueStats", "PriorityStats", "WorkerStats",
     "KvgateError", "InvalidRequest", "FieldError", "Backpressure", "IdempotencyConflict", "ResultTimeout",
     "ConnectionFailed", "NotReplicatedError", "QuotaExceeded", "Quota", "Quotas",

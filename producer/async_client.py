@@ -98,6 +98,16 @@ class AsyncClient(ClientBase):
         """As Client.submit_many."""
         return await self._run(self._submit_many(requests, progress, chunk_size, quota))
 
+    async def embed(self, inputs: str | list[int] | list[str] | list[list[int]], *, model: str | None = None,
+                    pooling: str = "model", normalize: bool = True, dimensions: int | None = None,
+                    timeout: float | None = None, **arguments) -> list[list[float]]:
+        """As Client.embed."""
+        requests = self._embed_requests(inputs, {**arguments, "model": model, "pooling": pooling,
+                                                 "normalize": normalize, "dimensions": dimensions})
+        handles = await self.submit_many(requests)
+        deadline = self._deadline(timeout)
+        return self._vectors([await h.result(self._remaining(deadline)) for h in handles])
+
     # -- results ----------------------------------------------------------------------------------
     async def status(self, job_id: str) -> JobStatus:
         """As Client.status: queued / running (on which worker) / finished / lost / unknown."""

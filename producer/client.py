@@ -70,6 +70,19 @@ class Client(ClientBase):
         quotas (a caller that bounds its jobs otherwise, as the gateway's managed batches do with their window)."""
         return self._run(self._submit_many(requests, progress, chunk_size, quota))
 
+    def embed(self, inputs: str | list[int] | list[str] | list[list[int]], *, model: str | None = None,
+              pooling: str = "model", normalize: bool = True, dimensions: int | None = None,
+              timeout: float | None = None, **arguments) -> list[list[float]]:
+        """The embedding of each input (a string, or a prompt's token ids), in order: one job each (task embed),
+        run as a prefill by a worker of `model`. pooling: model (the model's own), last, mean or cls; normalize: unit
+        length; dimensions: keep the first N values. Other keywords are submit's (priority, ttl_s, tenant...).
+        JobFailed names the first job that did not finish done; ResultTimeout after `timeout` seconds."""
+        requests = self._embed_requests(inputs, {**arguments, "model": model, "pooling": pooling,
+                                                 "normalize": normalize, "dimensions": dimensions})
+        handles = self.submit_many(requests)
+        deadline = self._deadline(timeout)
+        return self._vectors([h.result(self._remaining(deadline)) for h in handles])
+
     # -- results ----------------------------------------------------------------------------------
     def get(self, job_id: str) -> Result | None:
         """The stored result of a finished job, or None while it runs (or after its result expired); see

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .connection import refusal_of, resolve_url
 from .durable import DurableSubmitter, with_claim
-from .errors import KvgateError, PartiallySubmitted
+from .errors import FieldError, InvalidRequest, JobFailed, KvgateError, PartiallySubmitted
 from .idempotency import owner_tag
 from .job_status import job_status
 from .lane_count import LaneCount
@@ -201,6 +201,27 @@ class ClientBase:
             yield Sleep(delay)
             delay = min(delay * 2, 1.0)
             self._gate.force()
+
+    # -- embeddings -------------------------------------------------------------------------------
+    @staticmethod
+    def _embed_requests(inputs: Any, arguments: dict[str, Any]) -> list[dict[str, Any]]:
+        """One embedding job per input: a string is a prompt, a list of ints a prompt's token ids; `inputs` may be
+        one of those or a list of them. `arguments` are submit's (model, pooling, normalize, dimensions, ...)."""
+        if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        if not isinstance(inputs, (list, tuple)) or not inputs:
+            raise InvalidRequest([FieldError("inputs", inputs, "must be a string, a list of token ids, or a non-empty "
+                                             "list of either")])
+        return [{**arguments, "task": "embed", ("prompt" if isinstance(x, str) else "prompt_token_ids"): x}
+                for x in inputs]
+
+    @staticmethod
+    def _vectors(results: list[Result]) -> list[list[float]]:
+        """The vectors of finished embedding jobs, in order; JobFailed for the first that is not done."""
+        for result in results:
+            if not result.ok:
+                raise JobFailed(result)
+        return [result.embedding for result in results]
 
     # -- results ----------------------------------------------------------------------------------
     def attach(self, job_id: str):

@@ -112,6 +112,15 @@ class PartiallySubmitted(KvgateError):
                          ".not_enqueued; resubmitting all would run the first ones twice")
 
 
+class JobFailed(KvgateError):
+    """A call that returns a job's answer rather than its Result (Client.embed) found the job not done: its result
+    (status error, expired or cancelled, with the worker's reason) is in .result."""
+
+    def __init__(self, result):
+        self.result = result
+        super().__init__(f"job {result.job_id} ended {result.status}: {result.error or 'no reason given'}")
+
+
 class JobLost(KvgateError):
     """The job is in no job stream, pending on no worker and has no result: it will never finish."""
 

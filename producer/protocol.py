@@ -32,6 +32,8 @@ from .urls import split_url
 # Job's chat_template_kwargs and add_generation_prompt came the same way.
 # Job's `task` and `add_special_tokens` and Final's `max_model_len` came the same way: a generation job encodes as
 # before; a worker from before them answers a tokenizer job with an error result naming the field.
+# Task `embed`, Job's `embedding` and Final's `embedding` came the same way: a worker from before them answers an
+# embedding job with an error result naming the task.
 PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 JOB_VERSION = 1
@@ -56,6 +58,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 TemplateValue = str | int | float | bool | None
+MAX_EMBEDDING_DIMENSIONS = 65_536  # far above any model's hidden size; the worker refuses more than its model has
 MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with top-20 logprobs runs to megabytes
 PRIORITIES = ("high", "normal", "low")  # read in this order
 DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
@@ -69,9 +72,11 @@ Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
 Role = Literal["system", "user", "assistant", "tool"]  # the SDK's roles; a raw job with another is bad input
 FinishReason = Literal["stop", "length", "abort"]
-# What a job asks of a worker: generate (the engine runs it), or tokenize / detokenize (the worker answers from its
+# What a job asks of a worker: generate (the engine runs it), embed (the engine computes its prompt and pools the
+# final hidden states into one vector, generating nothing), or tokenize / detokenize (the worker answers from its
 # own tokenizer at once, without the engine or its KV cache: worker/tokenizer_jobs.py)
-Task = Literal["generate", "tokenize", "detokenize"]
+Task = Literal["generate", "tokenize", "detokenize", "embed"]
+Pooling = Literal["model", "last", "mean", "cls"]  # model: the model's own (sentence-transformers config), else last
 
 
 class ProtocolError(ValueError):
@@ -170,6 +175,20 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 SAMPLING_FIELDS = specs(Sampling)
 
 
+class Embedding(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """How an embedding job (task `embed`) makes its vector: the one declaration of these fields, as Sampling is of
+    the generation fields. `dimensions` keeps the first N values (then scales to unit length again when normalizing),
+    for any model: a Matryoshka-trained model keeps its quality there, for others it is the caller's choice."""
+
+    pooling: Pooling = "model"
+    normalize: bool = True
+    dimensions: Annotated[int | None, Range(
+        ge=1, le=MAX_EMBEDDING_DIMENSIONS, says=f"be None (every dimension) or 1 to {MAX_EMBEDDING_DIMENSIONS}")] = None
+
+
+EMBEDDING_FIELDS = specs(Embedding)
+
+
 class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """One generation job as it sits in `{ns}:jobs:<model>:<priority>`."""
 
@@ -196,6 +215,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # ends with the assistant turn's header; the worker renders the template with them (engine.encode_chat)
     chat_template_kwargs: dict[str, TemplateValue] | None = None
     add_generation_prompt: bool = True
+    embedding: Embedding | None = None  # task embed: how to pool (None: the defaults); no other task takes it
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -268,6 +288,8 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     # sampling.prompt_logprobs: one per prompt token; the first, which nothing comes before, has logprob NaN and no
     # alternatives (OpenAI's echo shows null there)
     prompt_logprobs: list[TokenLogprob] | None = None
+    # embed: the vector, float32 little-endian (4 bytes a dimension: 4 KiB for 1,024; msgpack bin, no float list)
+    embedding: bytes | None = None
 
 
 Event = Delta | Final
@@ -387,6 +409,8 @@ def validate_job(job: Job) -> None:
         raise ProtocolError("a tokenize job takes a prompt or messages, not prompt_token_ids")
     if job.task == "detokenize" and job.prompt_token_ids is None:
         raise ProtocolError("a detokenize job takes prompt_token_ids, not a prompt or messages")
+    if job.embedding is not None and job.task != "embed":
+        raise ProtocolError(f"embedding settings are for task 'embed', not {job.task!r}")
     if job.prompt_token_ids is not None:
         if not 0 < len(job.prompt_token_ids) <= MAX_PROMPT_CHARS or min(job.prompt_token_ids) < 0:
             raise ProtocolError("prompt_token_ids must be a non-empty list of non-negative token ids")
@@ -406,6 +430,10 @@ def validate_job(job: Job) -> None:
     if job.chat_template_kwargs is not None:
         check_template_kwargs(job.chat_template_kwargs)
     validate_sampling(job.sampling)
+    if job.embedding is not None:
+        for spec in EMBEDDING_FIELDS:
+            if (problem := spec.problem(getattr(job.embedding, spec.name))) is not None:
+                raise ProtocolError(problem)
 
 
 def encode_metadata(metadata: dict[str, str]) -> bytes:

@@ -181,13 +181,14 @@ class Quotas(BaseModel):
 
 
 def estimate_tokens(job: Job) -> int:
-    """What a job may cost before it runs: its prompt (token ids, else characters / 4) plus max_tokens."""
+    """What a job may cost before it runs: its prompt (token ids, else characters / 4) plus max_tokens (none for an
+    embedding, which generates nothing)."""
     if job.prompt_token_ids is not None:
         prompt = len(job.prompt_token_ids)
     else:
         chars = len(job.prompt or "") + sum(len(m.content) for m in job.messages or [])
         prompt = math.ceil(chars / 4)
-    return prompt + job.sampling.max_tokens
+    return prompt + (0 if job.task == "embed" else job.sampling.max_tokens)
 
 
 @dataclass(frozen=True, slots=True)

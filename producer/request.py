@@ -29,6 +29,9 @@ MAX_TOKEN_ID = 2**31 - 1
 # fields added after idempotency digests were first stored: left out of a digest while at their default
 NEWER_THAN_DIGESTS = ("logit_bias", "min_p", "min_tokens", "prompt_logprobs", "skip_special_tokens",
                       "chat_template_kwargs", "add_generation_prompt")
+EMBEDDING_DEFAULTS = {spec.name: spec.default for spec in wire.EMBEDDING_FIELDS}
+# what an embedding job refuses to be given other than at its default: every sampling field, and streaming
+GENERATION_FIELDS = (*(spec.name for spec in wire.SAMPLING_FIELDS), "stream")
 
 
 def _utf8(text: str) -> str:
@@ -178,6 +181,8 @@ def _sdk_field(spec: Spec) -> tuple[Any, Any]:
         key = Annotated[int, Field(ge=b.key.ge)]
         value = Annotated[float, Field(ge=b.value.ge, le=b.value.le, allow_inf_nan=False)]
         return Annotated[dict[key, value], Field(max_length=b.max_items)] | None, None
+    if typing.get_origin(spec.type) is Literal:
+        return spec.type, spec.default
     if isinstance(b, Items):
         item = Annotated[Text, Field(min_length=b.chars[0], max_length=b.chars[1])] if b.chars else TokenId
         before = [BeforeValidator(_one_or_many)] if spec.name == "stop" else []
@@ -208,9 +213,10 @@ class _Prompt(BaseModel):
     prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
 
 
-# The sampling arguments are wire.Sampling's fields, made once from its declaration.
+# The sampling arguments are wire.Sampling's fields, and an embedding's are wire.Embedding's, made once from them.
 _PromptAndSampling = create_model("_PromptAndSampling", __base__=_Prompt, __module__=__name__,
-                                  **{spec.name: _sdk_field(spec) for spec in wire.SAMPLING_FIELDS})
+                                  **{spec.name: _sdk_field(spec)
+                                     for spec in wire.SAMPLING_FIELDS + wire.EMBEDDING_FIELDS})
 
 
 class SubmitRequest(_PromptAndSampling):
@@ -257,6 +263,11 @@ class SubmitRequest(_PromptAndSampling):
         """The pydantic model class the answer is validated into (Result.parsed), when response_format is one."""
         return self.response_format if _is_model_class(self.response_format) else None
 
+    def embedding(self) -> wire.Embedding | None:
+        """An embedding job's settings (None: the defaults, or not an embedding job)."""
+        given = {s.name: getattr(self, s.name) for s in wire.EMBEDDING_FIELDS}
+        return None if self.task != "embed" or given == EMBEDDING_DEFAULTS else wire.Embedding(**given)
+
     def sampling(self) -> wire.Sampling:
         given = {s.name: getattr(self, s.name) for s in wire.SAMPLING_FIELDS}
         return wire.Sampling(**{name: value for name, value in given.items() if value is not None})  # None: default
@@ -272,7 +283,7 @@ class SubmitRequest(_PromptAndSampling):
     def _defaults(self) -> set[str]:
         """Fields newer than digests that hold their default: left out, so a generation job's digest stays."""
         fields = type(self).model_fields
-        return {name for name in ("task", "add_special_tokens", *NEWER_THAN_DIGESTS)
+        return {name for name in ("task", "add_special_tokens", *NEWER_THAN_DIGESTS, *EMBEDDING_DEFAULTS)
                 if getattr(self, name) in (fields[name].default, {})}
 
 
@@ -345,13 +356,22 @@ def _check_combination(req: SubmitRequest, where: str) -> None:
     if len(given) != 1:
         raise InvalidRequest([FieldError(f"{where}{'/'.join(given) or 'prompt'}", len(given),
                                          "give exactly one of prompt, messages, prompt_token_ids")])
+    if req.task != "embed" and (changed := next((n for n, d in EMBEDDING_DEFAULTS.items() if getattr(req, n) != d),
+                                                None)):
+        raise InvalidRequest([FieldError(f"{where}{changed}", getattr(req, changed), "is for embedding jobs only "
+                                         "(task='embed', or Client.embed)")])
+    fields = type(req).model_fields
+    if req.task == "embed" and (changed := next((n for n in GENERATION_FIELDS if getattr(req, n) != fields[n].default),
+                                                None)):
+        raise InvalidRequest([FieldError(f"{where}{changed}", getattr(req, changed), "is a generation setting; an "
+                                         "embedding job generates nothing (it takes pooling, normalize, dimensions)")])
     if req.ttl_s is not None and req.deadline is not None:
         raise InvalidRequest([FieldError(f"{where}deadline", req.deadline, "give ttl_s or deadline, not both")])
     if req.messages is None and (req.chat_template_kwargs is not None or not req.add_generation_prompt):
         name = "chat_template_kwargs" if req.chat_template_kwargs is not None else "add_generation_prompt"
         raise InvalidRequest([FieldError(f"{where}{name}", getattr(req, name), "applies to messages only (the chat "
                                          "template); leave it out with a prompt or prompt_token_ids")])
-    if req.task != "generate" and (req.task == "detokenize") != (req.prompt_token_ids is not None):
+    if req.task in ("tokenize", "detokenize") and (req.task == "detokenize") != (req.prompt_token_ids is not None):
         raise InvalidRequest([FieldError(f"{where}task", req.task, "detokenize takes prompt_token_ids; tokenize "
                                          "takes a prompt or messages")])
     if req.deadline is not None and req.deadline <= time.time():
@@ -388,7 +408,8 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
                    sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
                    idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model,
                    tenant=req.tenant, task=req.task, add_special_tokens=req.add_special_tokens,
-                   chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt)
+                   chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
+                   embedding=req.embedding())
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

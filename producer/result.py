@@ -1,6 +1,8 @@
 """What a finished job looks like to the user."""
 from __future__ import annotations
 
+import array
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ class Result:
     # cut off before the JSON closed: finish_reason "length"); `parse_error` says why it did not validate
     parsed: Any = None
     parse_error: str | None = None
+    embedding: list[float] | None = None  # an embedding job's vector (task embed)
 
     @classmethod
     def from_final(cls, final: Final, parse_as: Any = None) -> "Result":
@@ -42,7 +45,8 @@ class Result:
         return cls(final.job_id, final.status, final.text, list(final.token_ids), final.finish_reason, final.error,
                    final.usage, final.worker, final.timings, final.metadata, final.attempt,
                    model=final.model, logprobs=final.logprobs, max_model_len=final.max_model_len, parsed=parsed,
-                   parse_error=error, prompt_logprobs=final.prompt_logprobs)
+                   parse_error=error, prompt_logprobs=final.prompt_logprobs,
+                   embedding=None if final.embedding is None else floats(final.embedding))
 
     @property
     def ok(self) -> bool:
@@ -65,3 +69,11 @@ class Result:
     def time_to_first_token_s(self) -> float | None:
         t = self.timings
         return None if t.first_token is None or not t.queued else max(0.0, t.first_token - t.queued)
+
+
+def floats(data: bytes) -> list[float]:
+    """A vector as the wire carries it (Final.embedding: float32 little-endian) as Python floats."""
+    values = array.array("f", data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.producer.protocol import Job
@@ -26,15 +27,21 @@ class Ticket:
     attempt: int = 1  # the entry's delivery count: tags this run's deltas so a client never splices two runs
     shared: int = 0  # leading prompt tokens the engine held in its prefix cache when the job was read
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, kept for each fit check
+    pooling: Any = None  # an embedding job's PoolingParams: it generates nothing, so its budget is 0
 
     @property
     def key(self) -> str:
         return f"{self.stream}|{self.entry_id}"
 
     @property
+    def budget(self) -> int:
+        """Output tokens it may generate: none for an embedding."""
+        return 0 if self.pooling is not None else self.params.max_tokens
+
+    @property
     def tokens(self) -> int:
         """Prompt plus output budget; the worker clamps the budget to what the engine will run."""
-        return len(self.prompt_ids) + self.params.max_tokens
+        return len(self.prompt_ids) + self.budget
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvgate.engine.outputs import Admission, EngineStats, StepOutput
+from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
 
 
@@ -14,12 +15,16 @@ class Engine(Protocol):
     block_size: int
     max_model_len: int
     max_num_seqs: int
+    embedding_size: int  # an embedding's length before `dimensions` cuts it
 
     @property
     def stats(self) -> EngineStats: ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, stream_text: bool = True, detokenize: bool = True) -> int: ...
+
+    def add_embedding_request(self, request_id: str, prompt: str | list[int], pooling: PoolingParams, *,
+                              arrival_time: float | None = None) -> int: ...
 
     def abort(self, request_id: str) -> StepOutput | None: ...
 

@@ -69,6 +69,7 @@ def final_of(ended: Ended, *, worker: str, model: str, finished_at: float) -> Fi
         final.usage = Usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
         final.logprobs = flight.logprobs if flight is not None else None
         final.prompt_logprobs = flight.prompt_logprobs if flight is not None else None
+        final.embedding = out.embedding
     if (answer := ended.tokenized) is not None:
         final.token_ids, final.text, final.max_model_len = answer.token_ids, answer.text, answer.max_model_len
     return final
@@ -148,9 +149,13 @@ class Flights:
     def start(self, ticket: Ticket) -> Ended | None:
         """Hand the job to the engine; an engine refusing it ends it with the reason."""
         try:
-            self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params, detokenize=False)
-            self.detok.add(ticket.key, ticket.params.stop, incremental=ticket.job.stream,
-                           skip_special_tokens=ticket.params.skip_special_tokens)
+            if ticket.pooling is not None:
+                self.engine.add_embedding_request(ticket.key, ticket.prompt_ids, ticket.pooling)
+                self.detok.add(ticket.key, None, incremental=False)
+            else:
+                self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params, detokenize=False)
+                self.detok.add(ticket.key, ticket.params.stop, incremental=ticket.job.stream,
+                               skip_special_tokens=ticket.params.skip_special_tokens)
         except (RequestRejected, ValueError) as e:
             return Ended(ticket, "error", error=f"rejected: {e}")
         now = time.time()
@@ -216,7 +221,7 @@ class Flights:
             flight.prompt_logprobs = self.renderer.prompt(flight.ticket.prompt_ids, out.prompt_logprobs,
                                                           flight.ticket.params.prompt_logprobs)
         final = StepOutput(d.request_id, [], "", True, reason, out.prompt_tokens, len(d.output_ids or ()),
-                           out.cached_tokens, token_ids=d.output_ids, text=d.output_text)
+                           out.cached_tokens, token_ids=d.output_ids, text=d.output_text, embedding=out.embedding)
         got.ended.append(Ended(flight.ticket, status, final, flight))
 
     def cancel(self, key: str) -> Collected | None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.producer.protocol import FIELD, SAMPLING_FIELDS, Job, ProtocolError, Sampling, decode_job
 from kvgate.worker.admission import Ticket
@@ -65,6 +66,12 @@ def prompt_ids(engine, job: Job) -> list[int]:
     return list(engine.tokenizer.encode(job.prompt))
 
 
+def pooling_params(job: Job) -> PoolingParams:
+    """The engine's settings for an embedding job's (decoded, validated) wire settings."""
+    e = job.embedding
+    return PoolingParams() if e is None else PoolingParams(e.pooling, e.normalize, e.dimensions)
+
+
 @dataclass(slots=True)
 class Rejection:
     """An entry answered at once instead of run: the status and the error to answer with, or (status done) a
@@ -90,6 +97,7 @@ class Intake:
     lane_prefixes: LanePrefixes
     max_deliveries: int
     metrics: Any
+    embeddings: str = "on"  # on | off | only (worker settings)
 
     def tickets(self, entries: list[Entry]) -> tuple[list[Ticket], list[Rejection]]:
         tickets, rejections = [], []
@@ -113,11 +121,16 @@ class Intake:
             return Rejection(e.stream, e.entry_id, "error", reason, ticket, dead_reason=reason)
         if self.clock.expired(job, e.entry_id):
             return Rejection(e.stream, e.entry_id, "expired", "deadline passed before the job started", ticket)
-        if job.task != "generate":
+        if job.task in ("tokenize", "detokenize"):
             return self._tokenizer_answer(e, ticket)
+        if (refusal := self._refusal(job.task)) is not None:
+            return Rejection(e.stream, e.entry_id, "error", refusal, ticket)
         try:
             ticket.params = sampling_params(job.sampling)
             ticket.prompt_ids = prompt_ids(self.engine, job)
+            if job.task == "embed":
+                ticket.pooling = pooling_params(job)
+                return ticket  # an embedding neither reads nor fills the prefix cache: nothing shared, no lane prefix
             self._clamp_budget(ticket)
             if ticket.params.prompt_logprobs is None:  # one asking for them shares no cached prefix
                 ticket.shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # sizes reads
@@ -126,6 +139,15 @@ class Intake:
         except Exception as error:  # a tokenizer or chat template refusing this input is bad input, not a crash
             return Rejection(e.stream, e.entry_id, "error", f"invalid job: {error}", ticket)
         return ticket
+
+    def _refusal(self, task: str) -> str | None:
+        """Why this worker does not run a job of this task, or None."""
+        if task == "embed" and self.embeddings == "off":
+            return f"rejected: model {self.engine.model_name!r} is not served for embeddings (worker --embeddings off)"
+        if task == "generate" and self.embeddings == "only":
+            return (f"rejected: model {self.engine.model_name!r} is served for embeddings only (worker --embeddings "
+                    "only): send embedding jobs, or generation jobs to a model served for them")
+        return None
 
     def _tokenizer_answer(self, e: Entry, ticket: Ticket) -> Rejection:
         try:

@@ -42,6 +42,9 @@ class WorkerSettings(BaseSettings, EngineConfig):
     model_aliases: Annotated[list[str], NoDecode, BeforeValidator(_names)] = _s(
         [], "more model names this worker serves (repeat the flag, or comma-separate)", "--model-alias")
     serve_default: bool = _s(True, "also serve jobs that name no model (the 'default' model)")
+    embeddings: Literal["on", "off", "only"] = _s(
+        "on", "embedding jobs (task embed): on: served beside generation; only: this worker's model names serve "
+        "embeddings alone (a generation job gets an error result saying so); off: refused with an error result")
 
     # simulated engine (no model; the W-FLEET cost model)
     simulated: bool = _s(False, "run the cost-model engine instead of a model (fleet tests and benchmarks)")

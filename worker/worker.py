@@ -92,7 +92,8 @@ class Worker:
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
                              len(self.served.names))
-        self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics)
+        self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics,
+                             s.embeddings)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
         self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
@@ -243,10 +244,11 @@ class Worker:
                 self.answers.answer(refused)
 
     def _fits(self, ticket: Ticket) -> bool:
-        shared = 0  # a job asking for prompt logprobs computes its whole prompt: it takes no prefix hit
-        if ticket.params.prompt_logprobs is None:
+        shared = 0  # an embedding never reads the prefix cache, and a job asking for prompt logprobs computes its
+        # whole prompt: neither takes a prefix hit
+        if ticket.pooling is None and ticket.params.prompt_logprobs is None:
             shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # held by running sequences
-        return self.engine.fits(len(ticket.prompt_ids), ticket.params.max_tokens, shared)
+        return self.engine.fits(len(ticket.prompt_ids), ticket.budget, shared)
 
     def _step(self) -> None:
         started = time.perf_counter()

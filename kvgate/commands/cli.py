@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("kvgate.commands.stats", "backlog, pending and live workers per queue"),
     "models": ("kvgate.commands.models", "list the models the fleet knows; add or remove some (scale from zero)"),
     "top": ("kvgate.commands.top", "live terminal view of the fleet"),
-    "serve": ("kvgate.commands.serve", "OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models"),
+    "serve": ("kvgate.commands.serve", "OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models"),
     "exporter": ("kvgate.commands.exporter", "Prometheus exporter for queue lag, backlog and live workers"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "prefix": ("kvgate.bench.prefix", "W-PREFIX: prefix-affinity lanes vs one shared stream vs an ideal single cache"),
     "structured": ("kvgate.bench.structured", "W-STRUCT: JSON-schema-constrained vs free generation, mask, compile"),
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),
+    "embed": ("kvgate.bench.embed", "W-EMBED: embedding jobs through the queue vs in process, and mixed with generation"),
 }
 NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "models", "top", "exporter"}
 SUBMITS = {"submit", "batch"}  # commands that enqueue jobs, so take --tenant

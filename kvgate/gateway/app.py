@@ -23,6 +23,7 @@ from .auth import Caller
 from .batch_runner import BatchRunner
 from .batch_store import BatchStore
 from .batches import BatchesApi
+from .embeddings import EmbeddingsApi
 from .errors import ApiError, api_error_handler, from_sdk, http_error_handler, unexpected_error_handler
 from .file_store import LocalFileStore, default_files_dir, namespace_dir
 from .files import FilesApi
@@ -67,6 +68,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.tokenizer = TokenizerApi(self)
         self.responses = ResponsesApi(self)
+        self.embeddings = EmbeddingsApi(self)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
@@ -202,6 +204,7 @@ def create_app(settings: GatewaySettings | None = None) -> Starlette:
         *gw.batches.routes(),
         *gw.tokenizer.routes(),
         *gw.responses.routes(),
+        *gw.embeddings.routes(),
     ]
     handlers = {ApiError: api_error_handler, HTTPException: http_error_handler, Exception: unexpected_error_handler}
     counted = Middleware(MetricsMiddleware, metrics=gw.metrics, routes=routes)  # outermost: counts every answer

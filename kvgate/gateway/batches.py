@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvgate.openai.batch import CHAT, COMPLETIONS
+from kvgate.openai.embeddings import EMBEDDINGS
 
 from .auth import Caller
 from .batch_runner import BatchRunner
@@ -20,7 +21,7 @@ from .paging import json_ok, limit_of, page_body
 from .request_body import read_json
 from .settings import GatewaySettings
 
-ENDPOINTS = (CHAT, COMPLETIONS)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 CANCELLABLE = ("validating", "in_progress")
 MAX_METADATA = 16
 
@@ -45,7 +46,8 @@ class BatchesApi:
             raise invalid("body", "the request body must be a JSON object")
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:
-            raise invalid("endpoint", f"endpoint={endpoint!r} is not supported; use {CHAT} or {COMPLETIONS}",
+            raise invalid("endpoint",
+                          f"endpoint={endpoint!r} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}",
                           code="invalid_endpoint")
         if window != "24h":
             raise invalid("completion_window", f"completion_window={window!r} is not supported; use '24h'")

@@ -1,6 +1,8 @@
 """The OpenAI Batch file format: request lines in, response lines out.
 
-In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
+In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings",
+      "body": {...}}
+     (an /v1/embeddings line embeds one input: one line is one job, so a list of several inputs is refused)
 Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}
   or {"id", "custom_id", "response": null, "error": {"code", "message"}} for a line that failed.
 """
@@ -13,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from kvgate.openai.embeddings import EMBEDDINGS, BadEmbeddings, EmbeddingsBody, parse_body, response_body, submit_args
 from kvgate.openai.json_body import BadJson, parse_json
 from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, choice, logit_bias_of,
                                   requested_logprobs, structured_of_body)
@@ -46,6 +49,7 @@ class BatchRequest:
     url: str
     model: str
     submit_args: dict[str, Any]
+    embeddings: EmbeddingsBody | None = None  # an /v1/embeddings line's body: its answer's encoding_format
 
 
 def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
@@ -62,13 +66,26 @@ def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
     if data.get("method", "POST") != "POST":
         raise BadLine("invalid_request", f"method {data.get('method')!r} is not supported; use POST")
     url, body = data.get("url"), data.get("body")
-    if url not in (CHAT, COMPLETIONS):
-        raise BadLine("invalid_url", f"url {url!r} is not supported; use {CHAT} or {COMPLETIONS}")
+    if url not in (CHAT, COMPLETIONS, EMBEDDINGS):
+        raise BadLine("invalid_url", f"url {url!r} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}")
     if not isinstance(body, dict):
         raise BadLine("invalid_request", "body must be a JSON object")
-    args = _submit_args(url, body)
+    embeddings = _embeddings_body(line_no, body) if url == EMBEDDINGS else None
+    args = submit_args(embeddings)[0] if embeddings is not None else _submit_args(url, body)
     args["idempotency_key"] = idempotency_key(file_digest, custom_id)
-    return BatchRequest(line_no, custom_id, url, str(body.get("model", "")), args)
+    return BatchRequest(line_no, custom_id, url, str(body.get("model", "")), args, embeddings)
+
+
+def _embeddings_body(line_no: int, body: dict[str, Any]) -> EmbeddingsBody:
+    try:
+        parsed = parse_body(body)
+    except BadEmbeddings as e:
+        code = "unsupported_parameter" if e.code == "unsupported_parameter" else "invalid_request"
+        raise BadLine(code, f"body.{e.param}: {e}") from None
+    if len(parsed.inputs) > 1:
+        raise BadLine("unsupported_parameter", f"line {line_no}: body.input holds {len(parsed.inputs)} inputs; a batch "
+                      f"line embeds one (a string or one list of token ids): give each input a line of its own")
+    return parsed
 
 
 def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -198,6 +215,10 @@ def line_id(file_digest: str, line_no: int) -> str:
 
 def success_line(req: BatchRequest, result: Result, model: str | None = None) -> dict[str, Any]:
     """model: the model the serving worker reports; the requested one when that is unknown."""
+    if req.embeddings is not None:
+        return {"id": f"batch_req_{result.job_id}", "custom_id": req.custom_id,
+                "response": {"status_code": 200, "request_id": result.job_id,
+                             "body": response_body(req.embeddings, [result], model or req.model)}, "error": None}
     created = int(result.timings.finished or time.time())
     kind, prefix = ("chat.completion", "chatcmpl") if req.url == CHAT else ("text_completion", "cmpl")
     u = result.usage

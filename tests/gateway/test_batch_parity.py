@@ -46,3 +46,35 @@ def test_the_cli_and_the_gateway_write_the_same_lines(batch_gateway, sim_fleet, 
     by_gateway = {r["custom_id"]: comparable(r) for r in lines}
     assert by_gateway == by_cli and len(by_cli) == len(rows)
     assert batch.request_counts.failed == sum(r["error"] is not None for r in by_cli.values()) == 3
+
+
+def test_embedding_lines_run_one_input_each_alike_in_the_cli_and_the_gateway(batch_gateway, sim_fleet, tmp_path):
+    import base64
+    import struct
+
+    url = "/v1/embeddings"
+    bodies = [{"model": "simulated", "input": f"text {i}"} for i in range(6)]
+    bodies[1] = {"model": "simulated", "input": [5, 6, 7], "encoding_format": "base64", "dimensions": 4}
+    bodies[2]["input"] = ["one", "two"]  # two inputs: an error line, one line is one job
+    bodies[3]["pooling_type"] = "mean"  # not honoured: an error line naming it
+    rows = [{"custom_id": f"e-{i}", "method": "POST", "url": url, "body": b} for i, b in enumerate(bodies)]
+    data = jsonl(rows)
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_bytes(data)
+    redis_url, ns = sim_fleet
+    assert kvgate(["batch", str(path), "-o", str(out), "--redis-url", redis_url, "--namespace", ns,
+                   "--no-progress"]) == 0
+    by_cli = {r["custom_id"]: comparable(r) for r in rows_of(out.read_bytes())}
+    with openai.OpenAI(base_url=batch_gateway.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        f = c.files.create(file=("in.jsonl", data), purpose="batch")
+        batch = wait_final(c.batches.retrieve, c.batches.create(input_file_id=f.id, endpoint=url,
+                                                                completion_window="24h").id)
+        lines = rows_of(c.files.content(batch.output_file_id).content)
+        lines += rows_of(c.files.content(batch.error_file_id).content)
+    by_gateway = {r["custom_id"]: comparable(r) for r in lines}
+    assert by_gateway == by_cli and len(by_cli) == len(rows)
+    assert "holds 2 inputs" in by_cli["e-2"]["error"]["message"] and "pooling_type" in by_cli["e-3"]["error"]["message"]
+    body = by_cli["e-0"]["response"]["body"]
+    assert body["object"] == "list" and len(body["data"][0]["embedding"]) == 8 and body["usage"]["prompt_tokens"] == 2
+    packed = base64.b64decode(by_cli["e-1"]["response"]["body"]["data"][0]["embedding"])
+    assert abs(sum(v * v for v in struct.unpack("<4f", packed)) - 1) < 1e-5

@@ -130,7 +130,7 @@ def test_openai_errors_for_bad_purpose_endpoint_file_and_ids(client):
     assert e.value.body["param"] == "file" and "line 2" in e.value.message
     f = upload(client, [request(0)])
     with pytest.raises(openai.BadRequestError) as e:
-        client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")
     assert e.value.body["param"] == "endpoint"
     with pytest.raises(openai.BadRequestError) as e:
         client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")

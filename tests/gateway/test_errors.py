@@ -73,7 +73,7 @@ def test_a_model_no_live_worker_serves_is_a_404_and_a_missing_model_a_400(gatewa
 
 
 def test_unknown_routes_are_404_in_the_same_shape(gateway):
-    assert _error(httpx.get(f"{gateway.base_url}/embeddings"), 404)["code"] == "not_found"
+    assert _error(httpx.get(f"{gateway.base_url}/moderations"), 404)["code"] == "not_found"
     assert _error(httpx.get(f"{gateway.base_url}/chat/completions"), 405)["code"] == "method_not_allowed"
 
 

@@ -56,7 +56,7 @@ def _rows(out):
 MIXED = [
     _chat("ok-1", "hello"),
     {"custom_id": "no-body", "method": "POST", "url": "/v1/completions"},
-    {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+    {"custom_id": "mod", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}},
     _chat("hot", "x", temperature=-3),
     {"custom_id": "ok-2", "method": "POST", "url": "/v1/completions",
      "body": {"model": "gpt-4o-mini", "prompt": "once upon", "max_tokens": 4}},
@@ -72,7 +72,7 @@ def test_every_output_line_has_its_own_id_and_failed_lines_have_a_null_response(
     assert len({r["id"] for r in rows}) == len(rows), [r["id"] for r in rows]
     assert all(r["id"].startswith("batch_req_") and r["id"] != "batch_req_none" for r in rows)
     by_id = {r["custom_id"]: r for r in rows}
-    for failed in ("no-body", "emb", "hot", "get"):
+    for failed in ("no-body", "mod", "hot", "get"):
         assert by_id[failed]["response"] is None
         assert set(by_id[failed]["error"]) == {"code", "message"} and by_id[failed]["error"]["message"]
     for ok in ("ok-1", "ok-2"):

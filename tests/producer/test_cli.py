@@ -157,7 +157,7 @@ def test_batch_round_trip_in_openai_format_with_bad_lines_as_error_lines(redis_u
         {"custom_id": "no-body", "method": "POST", "url": "/v1/completions"},
         _chat("c", "hot", temperature=-3),
         _chat("d", "x", response_format={"type": "json"}),
-        {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "e", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}},
         _chat("f", "FAIL please"),
     ])
     out = tmp_path / "out.jsonl"

@@ -13,7 +13,7 @@ from kvgate.producer.request import NEWER_THAN_DIGESTS, build_job, validate_requ
 
 @pytest.mark.parametrize("args", [{"prompt_token_ids": [1, 2], "task": "tokenize"},
                                   {"prompt": "hi", "task": "detokenize"},
-                                  {"prompt": "hi", "task": "embed"}])
+                                  {"prompt": "hi", "task": "summarize"}])
 def test_a_tokenizer_job_takes_only_the_input_its_task_reads(args):
     with pytest.raises(InvalidRequest) as e:
         validate_request(args)
@@ -30,7 +30,8 @@ def test_a_generation_jobs_payload_and_digest_are_what_they_were_before_tasks():
     req = validate_request({"prompt": "hi", "max_tokens": 3})
     assert b"task" not in wire.encode(build_job(req, "c"))  # omit_defaults: old workers read it as before
     before = req.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant", "task",
-                                     "add_special_tokens", *NEWER_THAN_DIGESTS}, mode="json")
+                                     "add_special_tokens", *NEWER_THAN_DIGESTS, "pooling", "normalize",
+                                     "dimensions"}, mode="json")
     assert req.digest() == hashlib.sha256(msgspec.json.encode(before, order="sorted")).hexdigest()[:32]
     assert validate_request({"prompt": "hi", "max_tokens": 3, "task": "tokenize"}).digest() != req.digest()
 
@@ -77,3 +78,49 @@ def test_template_arguments_apply_to_messages_only_and_travel_on_the_job():
                                      "chat_template_kwargs": {"a": [1, 2]}})
     with pytest.raises(wire.ProtocolError, match="chat_template_kwargs"):
         wire.decode_job(nested)
+
+
+def test_an_embedding_job_takes_a_prompt_messages_or_token_ids_and_its_settings_ride_only_on_it():
+    for given in ({"prompt": "hi"}, {"prompt_token_ids": [1, 2]}, {"messages": [{"role": "user", "content": "hi"}]}):
+        job = build_job(validate_request({**given, "task": "embed", "pooling": "mean", "dimensions": 8}), "c" * 16)
+        assert wire.decode_job(wire.encode(job)).embedding == wire.Embedding("mean", True, 8)
+    assert b"embedding" not in wire.encode(build_job(validate_request({"prompt": "hi", "task": "embed"}), "c" * 16))
+    with pytest.raises(InvalidRequest) as e:
+        validate_request({"prompt": "hi", "dimensions": 8})
+    assert e.value.errors[0].field == "dimensions" and "embedding jobs only" in e.value.errors[0].reason
+    with pytest.raises(InvalidRequest) as e:
+        validate_request({"prompt": "hi", "task": "embed", "dimensions": 0})
+    assert e.value.errors[0].field == "dimensions"
+    hostile = wire.Job(v=1, job_id="j", client_id="c", enqueued_at=1.0, prompt="hi", task="embed",
+                       embedding=wire.Embedding(dimensions=10**9))
+    with pytest.raises(wire.ProtocolError, match="dimensions=1000000000 must be None"):
+        wire.decode_job(wire.encode(hostile))
+    stray = wire.Job(v=1, job_id="j", client_id="c", enqueued_at=1.0, prompt="hi", embedding=wire.Embedding())
+    with pytest.raises(wire.ProtocolError, match="embedding settings are for task 'embed'"):
+        wire.decode_job(wire.encode(stray))
+
+
+def test_a_quota_charges_an_embedding_job_its_prompt_alone():
+    from kvgate.producer.quotas import estimate_tokens
+
+    embed = build_job(validate_request({"prompt_token_ids": [1, 2, 3], "task": "embed"}), "c" * 16)
+    generate = build_job(validate_request({"prompt_token_ids": [1, 2, 3], "max_tokens": 50}), "c" * 16)
+    assert (estimate_tokens(embed), estimate_tokens(generate)) == (3, 53)
+
+
+@pytest.mark.parametrize("setting", [{"max_tokens": 5}, {"temperature": 0.0}, {"stream": True}, {"regex": "a+"}])
+def test_an_embedding_job_refuses_generation_settings_by_name(setting):
+    with pytest.raises(InvalidRequest, match="is a generation setting; an embedding job generates nothing"):
+        validate_request({"prompt": "hi", "task": "embed", **setting})
+
+
+def test_embed_makes_one_job_per_input_and_refuses_no_inputs():
+    from kvgate.producer.client_base import ClientBase
+
+    jobs = ClientBase._embed_requests(["a", [1, 2]], {"model": "m", "pooling": "mean"})
+    assert jobs == [{"model": "m", "pooling": "mean", "task": "embed", "prompt": "a"},
+                    {"model": "m", "pooling": "mean", "task": "embed", "prompt_token_ids": [1, 2]}]
+    assert ClientBase._embed_requests([5, 6], {}) == [{"task": "embed", "prompt_token_ids": [5, 6]}]
+    for nothing in ([], None, 3):
+        with pytest.raises(InvalidRequest, match="inputs"):
+            ClientBase._embed_requests(nothing, {})

@@ -1,0 +1,54 @@
+"""OpenAI's POST /v1/embeddings: one embedding job (task embed) per input, through the queue like any job, answered by
+a worker of the model that runs it as a prefill (engine/pooling_params.py); kvgate/openai/embeddings.py holds the
+dialect, shared with batch files."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvgate.openai.embeddings import BadEmbeddings, EmbeddingsBody, parse_body, response_body, submit_args
+from kvgate.producer import KvgateError
+
+from .errors import ApiError, from_sdk
+from .request_body import read_json, sized
+from .responses import failure
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+
+def checked_body(body: object) -> EmbeddingsBody:
+    try:
+        return parse_body(body)
+    except BadEmbeddings as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code) from None
+
+
+class EmbeddingsApi:
+    def __init__(self, gateway: "Gateway"):
+        self.gw = gateway
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/embeddings", self.embeddings, methods=["POST"])]
+
+    async def embeddings(self, request: Request) -> Response:
+        from .app import json_response
+
+        gw = self.gw
+        tenant = gw.keys.caller(request).tenant
+        body = await sized(request, checked_body, await read_json(request))
+        await gw.models.check(body.model)
+        jobs = [{**args, "tenant": tenant, "ttl_s": gw.settings.request_timeout_s} for args in submit_args(body)]
+        try:
+            handles = await gw.client.submit_many(jobs, progress=False)
+        except KvgateError as e:
+            raise from_sdk(e, {"prompt": "input", "prompt_token_ids": "input"}, gw.settings.retry_after_s) from None
+        results = await gw.wait(request, handles)
+        for result in results:
+            if (error := failure(result)) is not None:
+                raise error
+        return json_response(response_body(body, results, results[0].model),
+                             headers={"x-request-id": handles[0].job_id})
