@@ -19,6 +19,7 @@ from kvgate.worker.admission import AdmissionQueue
 from kvgate.worker.affinity import Affinity, Lane
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.engine import Engine
+from kvgate.worker.fair import FAIR_BLOCK_MS, Fair
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases
 from kvgate.worker.reader import Entry, Reader, ReadPlan, ReadSlot
@@ -85,10 +86,11 @@ class QueuedReads:
 class Refill:
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, streams: list[str], settings: WorkerSettings,
                  engine: Engine, queue: AdmissionQueue, affinity: Affinity, lane_prefixes: LanePrefixes,
-                 leases: Leases, clock: ServerClock, metrics: Any, per_priority: int) -> None:
+                 leases: Leases, clock: ServerClock, metrics: Any, per_priority: int, fair: Fair | None = None) -> None:
         self.client, self.keys, self.worker_id, self.settings = client, keys, worker_id, settings
         self.engine, self.queue, self.affinity, self.lane_prefixes = engine, queue, affinity, lane_prefixes
         self.leases, self.clock, self.metrics = leases, clock, metrics
+        self.fair = fair if fair is not None else Fair(client, keys, "keep")
         self.reader = Reader(client, worker_id, ReadPlan(list(streams)), per_priority,
                              steal_age_ms=settings.affinity_steal_age_ms, keys=keys)
         self.cursors: dict[str, str | None] = {st: "0" for st in streams}  # own pending first, then ">"
@@ -174,6 +176,8 @@ class Refill:
         block_ms = self.settings.block_ms
         if len(self.keys.parts) > 1:  # a wait covers one shard: come back soon to look at the others
             block_ms = min(block_ms, CLUSTER_BLOCK_MS)
+        if self.fair.active:
+            block_ms = min(block_ms, FAIR_BLOCK_MS)
         if self.affinity.enabled and self.affinity.lanes and self.settings.affinity_steal_age_ms:
             return max(1, min(block_ms, self.settings.affinity_steal_age_ms))
         return block_ms
@@ -247,6 +251,8 @@ class Refill:
         # A stolen job should start now, not wait in our local queue behind a wrong size estimate: one at a time,
         # and none while jobs wait here already.
         plan.steal_max = 0 if self.queue.tickets else 1
+        if self.fair.active:  # tenants' streams after each band's shared stream, by virtual token counters
+            plan.fair, plan.charge, plan.weights = self.fair.bands, self.queue.tokens_per_job, self.fair.weights
         return plan
 
     def _reclaim_ms(self) -> int:

@@ -27,6 +27,7 @@ from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
+from kvgate.worker.fair import Fair
 from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
@@ -89,9 +90,10 @@ class Worker:
                                  s.heartbeat_ttl_s * 1000, weight=kv_weight(engine.stats.total_blocks),
                                  models=self.served.names)
         self.lane_prefixes = LanePrefixes(engine.block_size)
+        self.fair = Fair(self.client, self.keys, s.fair_share, set(self.streams))  # the bands: before lanes join
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
-                             len(self.served.names))
+                             len(self.served.names), self.fair)
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
         self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model)
@@ -176,7 +178,9 @@ class Worker:
         self.consumers.create_groups(self.streams)
 
     def _sync_lanes(self) -> None:
-        """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded)."""
+        """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded). And
+        whether it has fair share, with the tenants' weights."""
+        self.fair.sync()
         if self.affinity.sync():
             new = [st for st in self.affinity.streams() if st not in self.streams]
             self.consumers.create_groups(new)
