@@ -38,7 +38,7 @@ if held then
   if alive then return {0, held} end
 end
 local id = redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4])
-if KEYS[3] then redis.call('ZADD', KEYS[3], 'NX', 0, ARGV[8]) end  -- fair share: the tenant joins its band's backlog
+if KEYS[3] then redis.call('ZADD', KEYS[3], 'NX', '-inf', ARGV[8]) end  -- fair share: the tenant joins its band's backlog
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. id, 'EX', ARGV[2])
 if held then return {2, id} end
 return {1, id}

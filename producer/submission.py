@@ -92,11 +92,11 @@ def add_to_pipeline(pipe, script, prepared: Prepared):
 
 # KEYS[1] a tenant's job stream, KEYS[2] its band's backlog; ARGV field, payload, tenant. The job and its tenant's
 # place in the backlog in one step: a worker that finds the stream empty drops the tenant, so a job added apart
-# from its ZADD could be stranded. A tenant new to the backlog enters at 0: the worker lifts it to the band's
-# virtual time when it is next served.
+# from its ZADD could be stranded. A tenant new to the backlog enters at -inf: the worker places it at the
+# band's virtual time when it next serves it.
 FAIR_ENQUEUE = """
 local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[2], 'NX', 0, ARGV[3])
+redis.call('ZADD', KEYS[2], 'NX', '-inf', ARGV[3])
 return id
 """
 

@@ -23,7 +23,9 @@ import redis
 from kvgate.producer.protocol import Keys, as_text
 
 log = logging.getLogger("kvgate.worker")
-MAX_WEIGHTS = 1000  # tenants with a weight passed to each read; the rest weigh 1
+MAX_WEIGHTS = 1000
+MAX_CHARGED = 100_000
+FAIR_FLUSH_S = 0.2  # counters' corrections go out this often (one pipeline; none when there are none)  # tenants with a weight passed to each read; the rest weigh 1
 FAIR_BLOCK_MS = 50  # an idle worker's blocking wait cannot see tenants' streams: it looks again this often
 
 
@@ -36,6 +38,43 @@ class Fair:
     on: bool = False  # the namespace has fair share now
     active: bool = False  # we read tenants' streams: fair share is on, or a band still has backlogged tenants
     weights: dict[str, float] = field(default_factory=dict)
+    charged: dict[str, float] = field(default_factory=dict)  # `stream|entry id` -> tokens its read charged
+    corrections: dict[tuple[str, str], float] = field(default_factory=dict)  # (backlog, tenant) -> tokens to add
+
+    def read(self, entries, charge: float) -> None:
+        """Remember what each job read from a tenant's stream was charged (a takeover is not charged again)."""
+        for e in entries:
+            if e.deliveries == 1 and self.band_of(e.stream) is not None:
+                self.charged[f"{e.stream}|{e.entry_id}"] = charge
+        if len(self.charged) > MAX_CHARGED:  # jobs lost to a takeover never finish here: forget the oldest
+            for key in list(self.charged)[:len(self.charged) - MAX_CHARGED]:
+                del self.charged[key]
+
+    def finished(self, stream: str, entry_id: str, tenant: str | None, tokens: int) -> None:
+        """A job ended: its tenant's counter moves by what it really took (prompt plus generated tokens) minus what
+        its read charged, over its weight, as VTC counts. Sent with the next `flush`."""
+        charge = self.charged.pop(f"{stream}|{entry_id}", None)
+        band = self.band_of(stream)
+        if charge is None or band is None:
+            return
+        tenant = stream[len(band) + 3:]
+        key = (Keys.fair_backlog(band), tenant)
+        self.corrections[key] = self.corrections.get(key, 0.0) + (tokens - charge) / self.weights.get(tenant, 1.0)
+
+    def flush(self) -> None:
+        """The counters' corrections, each only while its tenant is backlogged (XX): one that left comes back at
+        the band's virtual time anyway."""
+        if not self.corrections:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for (backlog, tenant), delta in self.corrections.items():
+            pipe.zadd(backlog, {tenant: delta}, xx=True, incr=True)
+        self.corrections = {}
+        pipe.execute(raise_on_error=False)
+
+    def band_of(self, stream: str) -> str | None:
+        band, sep, _ = stream.rpartition(":t:")  # tenant names hold no ':'
+        return band if sep and band in self.bands else None
 
     def sync(self) -> None:
         """Set the namespace's switch as our setting says, then read it, the weights and whether any band still

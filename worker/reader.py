@@ -109,8 +109,8 @@ if min_idle > 0 then  -- every stream's orphans before any new entry: our own la
   end
 end
 -- Fair share (worker/fair.py): the band's backlogged tenants, lowest virtual token counter first. A tenant is
--- charged `charge` tokens per job over its weight when read; one newly backlogged (counter below the band's
--- virtual time) is lifted to it first: no credit for the time it was idle. Taken from the lowest up to the point
+-- charged `charge` tokens per job over its weight when read; one newly backlogged (producers add it at -inf) is
+-- placed at the band's virtual time, the counter last served: no credit for the time it was idle. Taken from the lowest up to the point
 -- where it would pass the next one. Each turn takes a job or drops a tenant, at most 64 turns: a read costs the
 -- same with 3 tenants or 100,000.
 local function fair_take(band, backlog, pending)
@@ -121,10 +121,15 @@ local function fair_take(band, backlog, pending)
     turns = turns + 1
     local low = redis.call('ZRANGE', backlog, 0, 1, 'WITHSCORES')
     if #low == 0 then break end
-    local tenant, score = low[1], math.max(tonumber(low[2]), vt)
+    local tenant, score = low[1], vt  -- a score of -inf: newly backlogged, placed at the band's virtual time
+    if low[2] ~= '-inf' then score = tonumber(low[2]) end
     local w = weights[tenant] or 1
     local n = want
-    if #low >= 4 then n = math.min(want, math.max(1, math.floor((tonumber(low[4]) - score) * w / charge) + 1)) end
+    if #low >= 4 then
+      local next_score = vt
+      if low[4] ~= '-inf' then next_score = tonumber(low[4]) end
+      n = math.min(want, math.max(1, math.floor((next_score - score) * w / charge) + 1))
+    end
     local key = band .. ':t:' .. tenant
     local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
     if type(reply) == 'table' and reply.err and string.find(reply.err, 'NOGROUP') then
@@ -137,7 +142,7 @@ local function fair_take(band, backlog, pending)
       want = want - #entries
       table.insert(out, {key, entries, {}})
       redis.call('ZADD', pending, 'NX', now, tenant)
-      if score > vt then vt, moved = score, true end
+      if score ~= vt then vt, moved = score, true end  -- the lowest counter served: where newcomers start
     end
     if #entries < n then  -- no more new entries (or not a stream we can read): not backlogged now
       redis.call('ZREM', backlog, tenant)

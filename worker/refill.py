@@ -262,6 +262,8 @@ class Refill:
         """Learn from what a read took (lanes' waits, steals, reclaims, an empty backlog); the entries to accept."""
         if self.affinity.lanes:
             self._observe_lanes(got, drained)
+        if self.fair.active:
+            self.fair.read(got, self.queue.tokens_per_job)
         if reclaim_ms:
             claimed = sum(1 for e in got if e.deliveries > 1 or e.fields is None)
             self.reclaim_due = claimed >= count  # a full take may have left more behind

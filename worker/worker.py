@@ -27,7 +27,7 @@ from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
-from kvgate.worker.fair import Fair
+from kvgate.worker.fair import FAIR_FLUSH_S, Fair
 from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
@@ -96,7 +96,7 @@ class Worker:
                              len(self.served.names), self.fair)
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
-        self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model)
+        self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model, self.fair)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
                                    engine_capacity(engine), s.heartbeat_ttl_s)
         self.due: dict[str, float] = {}
@@ -322,6 +322,8 @@ class Worker:
             self.refill.reclaim_soon()
         if self._every("heartbeat", s.heartbeat_interval_s):
             self._beat()
+        if self._every("fair", FAIR_FLUSH_S):
+            self.fair.flush()  # tenants' counters corrected by what their finished jobs really took
         if self._every("trim", s.trim_interval_s):
             self.trims += 1
             # Only streams with entries we acknowledged can have more to trim; all of them now and then, for

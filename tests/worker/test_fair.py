@@ -27,7 +27,7 @@ def enqueue(queue, tenant: str, n: int, priority: str = "normal", **sampling) ->
     for _ in range(n):
         job = queue.job("same prompt", tenant=tenant, priority=priority, **sampling)
         pipe.xadd(Keys.tenant_jobs(band(queue, priority), tenant), {FIELD: encode(job)})
-        pipe.zadd(Keys.fair_backlog(band(queue, priority)), {tenant: 0}, nx=True)
+        pipe.zadd(Keys.fair_backlog(band(queue, priority)), {tenant: float("-inf")}, nx=True)
         ids.append(job.job_id)
     pipe.execute()
     return ids
@@ -86,9 +86,10 @@ def test_priority_bands_stay_strict_under_fair_share(queue, thread_worker):
     low = enqueue(queue, "a", 100, priority="low", max_tokens=8, ignore_eos=True)
     high = enqueue(queue, "b", 20, priority="high", max_tokens=8, ignore_eos=True)
     with thread_worker(max_num_seqs=2):
-        wait_for(lambda: done(queue, high) == 20, 60, "the high band served")
-        assert done(queue, low) <= 4  # at most what was read before the high jobs existed... none: read after
-        wait_for(lambda: done(queue, low) == 100, 60, "the low band served after")
+        wait_for(lambda: done(queue, low) == 100, 60, "both bands served")
+    order = [f.job_id for f in queue.finals()]
+    first_low = min(order.index(i) for i in low)
+    assert first_low >= 16, order[:20]  # low jobs start only as the last high ones run (2 slots, 4 queued)
 
 
 def test_a_worker_sigkilled_under_fair_share_loses_nothing_and_answers_nothing_twice(queue, spawn):
@@ -155,6 +156,27 @@ def test_an_idempotent_submit_under_fair_share_joins_its_tenants_backlog_once(qu
         again = client.submit("hi", max_tokens=4, idempotency_key="order-1")
         assert again.job_id == first.job_id
         assert queue.r.xlen(Keys.tenant_jobs(band(queue), "acme")) == 1
-        assert queue.r.zscore(Keys.fair_backlog(band(queue)), "acme") == 0
+        assert queue.r.zscore(Keys.fair_backlog(band(queue)), "acme") == float("-inf")  # placed when first read
         with thread_worker():
             assert first.result(timeout=30).status == "done"
+
+
+def test_tenants_share_tokens_not_jobs_when_their_jobs_differ_in_length(queue, thread_worker):
+    """Counters are corrected by what a job really took: a tenant of long jobs gets as many tokens as one of short
+    jobs, so fewer jobs (alternating jobs would give it 8 times the tokens)."""
+    queue.r.set(queue.keys.fair(), 1)
+    short = enqueue(queue, "short", 800, max_tokens=4, ignore_eos=True)
+    long_ = enqueue(queue, "long", 100, max_tokens=60, ignore_eos=True)
+    def served() -> dict[str, int]:
+        finals = {f.job_id: f for f in queue.finals()}
+        return {name: sum(finals[i].usage.prompt_tokens + finals[i].usage.completion_tokens
+                          for i in ids if i in finals) for name, ids in (("short", short), ("long", long_))}
+
+    with thread_worker(max_num_seqs=4):
+        wait_for(lambda: done(queue, long_) >= 10, 60, "10 long jobs served")
+        before = served()  # from here on: the first reads charged the initial estimate
+        wait_for(lambda: done(queue, long_) >= 60, 60, "60 long jobs served")
+        after = served()
+    assert done(queue, short) < 800  # still backlogged
+    tokens = {name: after[name] - before[name] for name in after}
+    assert abs(tokens["short"] - tokens["long"]) <= 0.3 * max(tokens.values()), tokens
