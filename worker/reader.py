@@ -110,9 +110,10 @@ if min_idle > 0 then  -- every stream's orphans before any new entry: our own la
 end
 -- Fair share (worker/fair.py): the band's backlogged tenants, lowest virtual token counter first. A tenant is
 -- charged `charge` tokens per job over its weight when read; one newly backlogged (producers add it at -inf) is
--- placed at the band's virtual time, the counter last served: no credit for the time it was idle. Taken from the lowest up to the point
--- where it would pass the next one. Each turn takes a job or drops a tenant, at most 64 turns: a read costs the
--- same with 3 tenants or 100,000.
+-- placed at the band's virtual time, the counter last served: no credit for the time it was idle. Taken from the
+-- lowest up to the point where it would pass the next one (QUANTUM jobs at least). Each turn takes a job or drops a
+-- tenant, at most 64 turns: a read costs the same with 3 tenants or 100,000.
+local QUANTUM = 4  -- jobs a turn may take past the next counter: fewer turns per job, shares off by 4 jobs at most
 local function fair_take(band, backlog, pending)
   local vt_key = backlog .. ':vt'
   local vt = tonumber(redis.call('GET', vt_key) or 0) or 0
@@ -128,7 +129,7 @@ local function fair_take(band, backlog, pending)
     if #low >= 4 then
       local next_score = vt
       if low[4] ~= '-inf' then next_score = tonumber(low[4]) end
-      n = math.min(want, math.max(1, math.floor((next_score - score) * w / charge) + 1))
+      n = math.min(want, math.max(QUANTUM, math.floor((next_score - score) * w / charge) + 1))
     end
     local key = band .. ':t:' .. tenant
     local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
