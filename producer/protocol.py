@@ -445,6 +445,12 @@ class Keys:
     def fair_pending(band: str) -> str:
         return f"{band}:fair:pending"
 
+    @staticmethod
+    def fair_queued(band: str) -> str:
+        """Jobs in the band's tenants' streams not yet read (producers add, reads subtract): the band's backlog
+        for stats and the backlog gate, without a look at every tenant's stream."""
+        return f"{band}:fair:queued"
+
     def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
         """One model's streams, highest priority first, each priority's shared stream before its lanes."""
         return [st for p in PRIORITIES for st in self.job_streams(model, p, lanes)]

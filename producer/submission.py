@@ -79,7 +79,7 @@ def stream_for(job: Job, model: str, keys: Keys, lanes: int, prefix_key: str | N
 def add_to_pipeline(pipe, script, prepared: Prepared):
     """Add one job's enqueue command to a pipeline. On an asyncio pipeline a script call is a coroutine that
     queues nothing until awaited: the caller must await what this returns when it is awaitable."""
-    fair = [prepared.backlog] if prepared.backlog else []
+    fair = [prepared.backlog, prepared.backlog + ":queued"] if prepared.backlog else []
     tenant = prepared.job.tenant or DEFAULT_TENANT
     if prepared.claim is None:
         if not fair:
@@ -90,13 +90,15 @@ def add_to_pipeline(pipe, script, prepared: Prepared):
                        prepared.result_prefix, prepared.claim.digest, tenant], pipe)
 
 
-# KEYS[1] a tenant's job stream, KEYS[2] its band's backlog; ARGV field, payload, tenant. The job and its tenant's
+# KEYS[1] a tenant's job stream, KEYS[2] its band's backlog, KEYS[3] the band's count of queued jobs; ARGV field,
+# payload, tenant. The job and its tenant's
 # place in the backlog in one step: a worker that finds the stream empty drops the tenant, so a job added apart
 # from its ZADD could be stranded. A tenant new to the backlog enters at -inf: the worker places it at the
 # band's virtual time when it next serves it.
 FAIR_ENQUEUE = """
 local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[2], 'NX', '-inf', ARGV[3])
+redis.call('INCR', KEYS[3])
 return id
 """
 

@@ -142,6 +142,7 @@ local function fair_take(band, backlog, pending)
     if #entries > 0 then
       want = want - #entries
       table.insert(out, {key, entries, {}})
+      if redis.call('DECRBY', backlog .. ':queued', #entries) < 0 then redis.call('SET', backlog .. ':queued', 0) end
       redis.call('ZADD', pending, 'NX', now, tenant)
       if score ~= vt then vt, moved = score, true end  -- the lowest counter served: where newcomers start
     end

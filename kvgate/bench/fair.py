@@ -56,6 +56,7 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list, fair: bool, rate: float
             if fair:
                 pipe.xadd(Keys.tenant_jobs(band, job.tenant), {FIELD: encode(job)})
                 pipe.zadd(Keys.fair_backlog(band), {job.tenant: float("-inf")}, nx=True)
+                pipe.incr(Keys.fair_queued(band))
             else:
                 pipe.xadd(band, {FIELD: encode(job)})
         pipe.execute()

@@ -28,6 +28,7 @@ def enqueue(queue, tenant: str, n: int, priority: str = "normal", **sampling) ->
         job = queue.job("same prompt", tenant=tenant, priority=priority, **sampling)
         pipe.xadd(Keys.tenant_jobs(band(queue, priority), tenant), {FIELD: encode(job)})
         pipe.zadd(Keys.fair_backlog(band(queue, priority)), {tenant: float("-inf")}, nx=True)
+        pipe.incr(Keys.fair_queued(band(queue, priority)))
         ids.append(job.job_id)
     pipe.execute()
     return ids
@@ -180,3 +181,18 @@ def test_tenants_share_tokens_not_jobs_when_their_jobs_differ_in_length(queue, t
     assert done(queue, short) < 800  # still backlogged
     tokens = {name: after[name] - before[name] for name in after}
     assert abs(tokens["short"] - tokens["long"]) <= 0.3 * max(tokens.values()), tokens
+
+
+def test_stats_count_the_jobs_waiting_in_tenants_streams(queue, thread_worker):
+    """The backlog stays visible (kvgate stats, the exporter, the backlog gate) without a look at every tenant."""
+    queue.r.set(queue.keys.fair(), 1)
+    queue.r.sadd(queue.keys.models(), "default")
+    with Client(queue.server.url, queue.ns, tenant="a") as client:
+        handles = client.submit_many([{"prompt": "x", "max_tokens": 4}] * 7)
+        handles.append(client.submit("y", max_tokens=4, idempotency_key="k1"))
+        stats = client.stats()
+        assert stats.backlog == 8 and stats.priorities["normal"].backlog == 8
+        with thread_worker():
+            for h in handles:
+                assert h.result(timeout=30).status == "done"
+        assert client.stats().backlog == 0
