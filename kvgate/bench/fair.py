@@ -96,10 +96,11 @@ def tokens(final) -> int:
 
 
 def window_shares(finals: dict, by_tenant: dict[str, list], window_s: float) -> list[dict[str, float]]:
-    """Each tenant's share of the tokens finished in every full window while all of them were backlogged (up to
-    the first tenant's last finish)."""
-    done = {t: sorted((f[0].timings.finished, tokens(f[0])) for j in jobs if (f := finals.get(j.job_id)))
-            for t, jobs in by_tenant.items()}
+    """Each tenant's share of the tokens of the jobs the fleet admitted in every full window while all of them were
+    backlogged (up to the first tenant's last admission). By admission, the scheduler's decision: a job's finish
+    trails it by its run time, seconds here, which would smear windows of a few seconds."""
+    done = {t: sorted((f[0].timings.admitted, tokens(f[0])) for j in jobs if (f := finals.get(j.job_id))
+                      and f[0].timings.admitted) for t, jobs in by_tenant.items()}
     start = min(d[0][0] for d in done.values())
     end = min(d[-1][0] for d in done.values())
     shares = []
