@@ -196,3 +196,10 @@ def test_stats_count_the_jobs_waiting_in_tenants_streams(queue, thread_worker):
             for h in handles:
                 assert h.result(timeout=30).status == "done"
         assert client.stats().backlog == 0
+
+
+def test_weights_that_are_no_positive_number_count_as_one():
+    from kvgate.worker.fair import parse_weights
+
+    raw = {b"a": b"2", b"b": b"zero", b"c": b"-1", b"d": b"nan", b"e": b"1", b"f": b"0.5", b"g": b"inf"}
+    assert parse_weights(raw) == {"a": 2.0, "f": 0.5}
