@@ -203,3 +203,11 @@ def test_weights_that_are_no_positive_number_count_as_one():
 
     raw = {b"a": b"2", b"b": b"zero", b"c": b"-1", b"d": b"nan", b"e": b"1", b"f": b"0.5", b"g": b"inf"}
     assert parse_weights(raw) == {"a": 2.0, "f": 0.5}
+
+
+def test_tenants_streams_are_served_by_a_worker_with_affinity_lanes(queue, thread_worker):
+    """Fair share and lanes in one namespace: the read plan with lanes still reads the bands' tenants."""
+    queue.r.set(queue.keys.fair(), 1)
+    ids = enqueue(queue, "a", 5, max_tokens=4) + enqueue(queue, "b", 5, max_tokens=4)
+    with thread_worker(affinity="on", affinity_lanes=4):
+        wait_for(lambda: done(queue, ids) == 10, 30, "both tenants served")
