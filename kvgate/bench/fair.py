@@ -2,11 +2,11 @@
 
 Two contestants in the same run, each on its own namespace and fleet: today's FIFO per priority, and the fair
 reader (`{ns}:fair` set: each tenant's stream, weighted virtual token counters; worker/fair.py). Phases, in turn:
-- alone: tenants B and C each send `--bc-jobs` open-loop at 20% of the fleet's estimated capacity; their queue wait.
+- A alone: A's backlog with nobody else; jobs/s from its first admission to its last finish (the fair reader's
+  over FIFO's: work-conserving, target >= 0.95x), and the fleet's capacity the next phases' rate is 20% of.
+- alone: tenants B and C each send `--bc-jobs` open-loop at 20% of the fleet's capacity; their queue wait.
 - flood: tenant A enqueues `--a-jobs` at once, then B and C as above; B's and C's p99 queue wait over their wait
   alone (target <= 2x).
-- A alone: A's backlog with nobody else; jobs/s from its first admission to its last finish (the fair reader's
-  over FIFO's: work-conserving, target >= 0.95x).
 - shares: A, B and C each enqueue a backlog at once; tokens served per tenant over every `--window-s` window while
   all three are backlogged, at equal weights (target: each within +-15% of their mean) and at 2:1:1 (A's share
   within +-15% of half).
@@ -142,6 +142,17 @@ def run_contestant(url: str, fair: bool, args) -> dict:
                 th.join()
             return b, c
 
+        a = jobs_of("a", "solo", n_a, args.seed + 3)
+        enqueue(client, keys, a, fair)
+        wait_answered(client, keys, a, 900)
+        finals = finals_of(client, keys, a)
+        firsts = [finals[j.job_id][0] for j in a]
+        span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
+        out["a_alone_jobs_per_s"] = round(len(a) / span, 1)
+        every.append(a)
+        if args.rate_from == "measured":  # 20% of what this fleet does on this machine, not of the cost model's
+            rate = out["bc_rate_jobs_per_s"] = round(0.2 * out["a_alone_jobs_per_s"], 1)
+
         b, c = open_loop("alone")
         wait_answered(client, keys, b + c, 300)
         finals = finals_of(client, keys, b + c)
@@ -158,15 +169,6 @@ def run_contestant(url: str, fair: bool, args) -> dict:
                                    for t in ("b", "c")}
         wait_answered(client, keys, a, 900)
         every += [a, b, c]
-
-        a = jobs_of("a", "solo", n_a, args.seed + 3)
-        enqueue(client, keys, a, fair)
-        wait_answered(client, keys, a, 900)
-        finals = finals_of(client, keys, a)
-        firsts = [finals[j.job_id][0] for j in a]
-        span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
-        out["a_alone_jobs_per_s"] = round(len(a) / span, 1)
-        every.append(a)
 
         for label, weights in (("equal", {}), ("weighted_2_1_1", {"a": 2})):
             if weights:
@@ -271,6 +273,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-s", type=float, default=10.0, help="window of the share measure (default 10 s)")
     parser.add_argument("--step-ms", type=float, default=20.0, help="simulated step overhead (default 20 ms)")
     parser.add_argument("--per-token-ms", type=float, default=0.05, help="simulated cost per token (default 0.05)")
+    parser.add_argument("--rate-from", choices=("measured", "model"), default="measured",
+                        help="B's and C's rate: 20%% of the fleet's jobs/s with A alone, measured first in the run "
+                             "(default), or of the cost model's estimate (a loaded machine runs below it)")
     parser.add_argument("--contestants", default="fifo,fair", help="comma-separated: fifo, fair (default both)")
     parser.add_argument("--seed", type=int, default=0)
 
