@@ -27,6 +27,7 @@ from kvgate.worker.slots import FullOwners, Ignored
 from kvgate.worker.settings import WorkerSettings
 
 log = logging.getLogger("kvgate.worker")
+TENANT_STREAMS = 256  # tenants' streams a rewind looks at again: what a lost reply may have delivered is in the last few
 CLUSTER_BLOCK_MS = 100  # a blocking read waits on one shard of a cluster; then the next look covers them all
 
 
@@ -99,6 +100,7 @@ class Refill:
         self.last_read_empty_at = 0.0
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
         self.block_turn = 0  # on a cluster: the shard the next blocking read waits on
+        self.tenant_streams: dict[str, None] = {}  # fair share: tenants' streams we read lately, oldest first
 
     def use_queue(self, queue: AdmissionQueue) -> None:
         self.queue = queue  # the local queue whose room and estimates size our reads
@@ -114,8 +116,9 @@ class Refill:
         return any(c is not None for c in self.cursors.values())
 
     def rewind(self, streams: list[str]) -> None:
-        """Read our own pending entries again first: a lost reply (or a refused pipeline) may have delivered some."""
-        self.cursors = {st: "0" for st in streams}
+        """Read our own pending entries again first: a lost reply (or a refused pipeline) may have delivered some,
+        also in the tenants' streams we read lately (fair share)."""
+        self.cursors = {st: "0" for st in [*streams, *self.tenant_streams]}
 
     def add_streams(self, streams: list[str]) -> None:
         self.cursors.update({st: "0" for st in streams})  # a restarted worker of the same id may hold entries there
@@ -264,6 +267,12 @@ class Refill:
             self._observe_lanes(got, drained)
         if self.fair.active:
             self.fair.read(got, self.queue.tokens_per_job)
+            for e in got:
+                if self.fair.band_of(e.stream) is not None:
+                    self.tenant_streams.pop(e.stream, None)
+                    self.tenant_streams[e.stream] = None
+            while len(self.tenant_streams) > TENANT_STREAMS:
+                del self.tenant_streams[next(iter(self.tenant_streams))]
         if reclaim_ms:
             claimed = sum(1 for e in got if e.deliveries > 1 or e.fields is None)
             self.reclaim_due = claimed >= count  # a full take may have left more behind

@@ -211,3 +211,20 @@ def test_tenants_streams_are_served_by_a_worker_with_affinity_lanes(queue, threa
     ids = enqueue(queue, "a", 5, max_tokens=4) + enqueue(queue, "b", 5, max_tokens=4)
     with thread_worker(affinity="on", affinity_lanes=4):
         wait_for(lambda: done(queue, ids) == 10, 30, "both tenants served")
+
+
+def test_entries_a_lost_reply_delivered_from_tenants_streams_are_read_again_at_once(queue):
+    """After a Redis error the worker reads what is pending to it first; under fair share that covers the tenants'
+    streams it read lately, not only the shared ones (else they would wait for the reclaim timeout)."""
+    from tests.worker.conftest import ThreadWorker
+
+    queue.r.set(queue.keys.fair(), 1)
+    ids = enqueue(queue, "a", 2, max_tokens=4)
+    worker = ThreadWorker(queue, reclaim_idle_ms=60_000).worker  # not started: driven by hand
+    worker._ensure_groups()
+    got = worker.refill.read_idle(2)  # delivered to us, then "lost" with the reply
+    assert len(got) == 2 and all(":t:a" in e.stream for e in got)
+    worker.refill.rewind(worker.streams)
+    again = [e for batch in worker.refill.read_own_pending(10, lambda stream, entry: False) for e in batch]
+    assert sorted(e.entry_id for e in again) == sorted(e.entry_id for e in got)
+    assert len(ids) == 2
