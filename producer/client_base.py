@@ -92,8 +92,9 @@ class ClientBase:
         """Validate every request (InvalidRequest names requests[i].field), then enqueue them in chunks, each one
         MULTI/EXEC; PartiallySubmitted when a later chunk is refused."""
         lanes = yield from self._lanes()
+        fair = self._lane_count.fair
         prepared = [prepare(self._own(plain_messages(r)), self.keys, self.client_id, where=f"requests[{i}].",
-                            lanes=lanes) for i, r in enumerate(requests)]
+                            lanes=lanes, fair=fair) for i, r in enumerate(requests)]
         handles: list = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
             for start in range(0, len(prepared), chunk_size):
@@ -107,7 +108,8 @@ class ClientBase:
         return handles
 
     def _submit(self, args: dict[str, Any]) -> Steps:
-        prepared = prepare(self._own(args), self.keys, self.client_id, lanes=(yield from self._lanes()))
+        lanes = yield from self._lanes()
+        prepared = prepare(self._own(args), self.keys, self.client_id, lanes=lanes, fair=self._lane_count.fair)
         return (yield from self._enqueue([prepared]))[0]
 
     def _own(self, args: Any) -> Any:
@@ -177,7 +179,7 @@ class ClientBase:
     def _lanes(self) -> Steps:
         if self._lane_count.stale():
             try:
-                self._lane_count.record((yield call(self.redis.get, self.keys.lanes())))
+                self._lane_count.record(*(yield call(self.redis.mget, [self.keys.lanes(), self.keys.fair()])))
             except redis.RedisError:  # the shared stream is always read: submit goes on without affinity
                 self._lane_count.record(None)
         return self._lane_count.lanes

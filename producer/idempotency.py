@@ -20,7 +20,8 @@ from .job_status import ENTRY_STATE_LUA
 
 IDEMPOTENCY_TTL_S = 24 * 3600
 
-# KEYS[1] claim, KEYS[2] job stream; ARGV: claim ("job_id digest owner"), ttl, field, payload, group, result key
+# KEYS[1] claim, KEYS[2] job stream (KEYS[3], KEYS[4] with fair share: the band's backlog and
+# its count of queued jobs, ARGV[8] the tenant); ARGV: claim ("job_id digest owner"), ttl, field, payload, group, result key
 # prefix, digest. Returns {0, held claim} when an earlier job holds the key and is alive (or the bodies differ:
 # a conflict), {1, entry id} when this call enqueued the job, {2, entry id} when it did so because the earlier
 # job's result is gone (expired) or the job was lost. The result key is built here from the held job id, so
@@ -38,6 +39,10 @@ if held then
   if alive then return {0, held} end
 end
 local id = redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4])
+if KEYS[3] then  -- fair share: the tenant joins its band's backlog, which counts one more job
+  redis.call('ZADD', KEYS[3], 'NX', '-inf', ARGV[8])
+  redis.call('INCR', KEYS[4])
+end
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. id, 'EX', ARGV[2])
 if held then return {2, id} end
 return {1, id}

@@ -517,6 +517,30 @@ class Keys:
                 for st in [self.jobs(model, priority, shard=k)] +
                 [self.jobs(model, priority, lane, k) for lane in range(lanes)]]
 
+    # -- fair share (worker/fair.py): a band is one model's shared stream of one priority in one shard ---------
+    @staticmethod
+    def tenant_jobs(band: str, tenant: str) -> str:
+        """A tenant's job stream in a band (fair share on): `<band>:t:<tenant>`, under the band's hash tag, so a
+        read script touches one slot."""
+        return f"{band}:t:{tenant}"
+
+    @staticmethod
+    def fair_backlog(band: str) -> str:
+        """Sorted set of the band's backlogged tenants, scored by their virtual token counters (weighted tokens
+        served); `<band>:fair:vt` holds the band's virtual time (the counter last served) and
+        `<band>:fair:pending` the tenant streams that may hold entries a worker has not acknowledged."""
+        return f"{band}:fair"
+
+    @staticmethod
+    def fair_pending(band: str) -> str:
+        return f"{band}:fair:pending"
+
+    @staticmethod
+    def fair_queued(band: str) -> str:
+        """Jobs in the band's tenants' streams not yet read (producers add, reads subtract): the band's backlog
+        for stats and the backlog gate, without a look at every tenant's stream."""
+        return f"{band}:fair:queued"
+
     def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
         """One model's streams, highest priority first, each priority's shared stream before its lanes."""
         return [st for p in PRIORITIES for st in self.job_streams(model, p, lanes)]
@@ -547,6 +571,15 @@ class Keys:
         """Sorted set of the ring's workers that cannot take a job of `model`'s lanes now (no KV room): others
         take their lanes' jobs without waiting the steal age. In shard 0, with the ring."""
         return f"{self.prefix}:lanes:full:{model or DEFAULT_MODEL}"
+
+    def fair(self) -> str:
+        """The namespace's fair-share switch (set by `kvgate worker --fair-share on`): while it exists producers
+        send each job to its tenant's stream and workers serve the band's tenants by virtual token counters."""
+        return f"{self.prefix}:fair"
+
+    def tenants(self) -> str:
+        """Hash tenant -> weight for fair share (absent: 1); read by workers every few seconds."""
+        return f"{self.prefix}:tenants"
 
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"

@@ -184,11 +184,23 @@ def backlog(r, keys: Keys) -> Steps:
     """Across all known models and their lanes: Client(max_backlog=...) bounds what the whole fleet has waiting. One
     script call per shard, whatever the number of streams."""
     lanes = yield from lanes_of(r, keys)
-    streams = [st for m in (yield from known_models(r, keys)) for st in keys.all_jobs(m, lanes)]
-    total = 0
+    models = yield from known_models(r, keys)
+    streams = [st for m in models for st in keys.all_jobs(m, lanes)]
+    total = sum((yield from fair_queued(r, keys, models)).values())
     for stream, row in (yield from read_rows(r, keys, streams)).items():
         total += yield from lag_of(r, stream, row)
     return total
+
+
+def fair_queued(r, keys: Keys, models: list[str]) -> Steps:
+    """Jobs waiting in tenants' streams (fair share), per band: one counter each, whatever the tenants."""
+    bands = [keys.jobs(m, p, shard=k) for m in models for p in PRIORITIES for k in range(len(keys.parts))]
+    pipe = r.pipeline(transaction=False)
+    for band in bands:
+        pipe.get(Keys.fair_queued(band))
+    replies = yield call(pipe.execute, raise_on_error=False)
+    return {band: max(0, int(reply)) for band, reply in zip(bands, replies)
+            if reply is not None and not isinstance(reply, Exception) and as_text(reply).lstrip("-").isdigit()}
 
 
 def total_backlog(r: redis.Redis, keys: Keys) -> int:
@@ -197,10 +209,14 @@ def total_backlog(r: redis.Redis, keys: Keys) -> int:
 
 
 def read_priority(r, keys: Keys, model: str, priority: str, now_ms: int, lanes: int,
-                  rows: dict[str, StreamRow]) -> Steps:
-    """One model's priority over its shared stream and every lane: sums, and the oldest job of them all."""
+                  rows: dict[str, StreamRow], queued: dict[str, int] | None = None) -> Steps:
+    """One model's priority over its shared stream and every lane: sums, and the oldest job of them all; with fair
+    share, the jobs its tenants' streams hold (`queued`: per band) count in its length and backlog."""
     stats = PriorityStats(priority)
     for stream in keys.job_streams(model, priority, lanes):
+        waiting = (queued or {}).get(stream, 0)
+        stats.length += waiting
+        stats.backlog += waiting
         part = yield from read_stream(r, stream, priority, now_ms, rows[stream])
         stats.length += part.length
         stats.backlog += part.backlog
@@ -250,10 +266,10 @@ def read_workers(r, keys: Keys, now_ms: int) -> Steps:
 
 
 def read_model(r, keys: Keys, model: str, workers: list[WorkerStats], now_ms: int, lanes: int,
-               rows: dict[str, StreamRow]) -> Steps:
+               rows: dict[str, StreamRow], queued: dict[str, int] | None = None) -> Steps:
     priorities = {}
     for p in PRIORITIES:
-        priorities[p] = yield from read_priority(r, keys, model, p, now_ms, lanes, rows)
+        priorities[p] = yield from read_priority(r, keys, model, p, now_ms, lanes, rows, queued)
     return ModelStats(model, priorities, [w.worker_id for w in workers if model in w.models])
 
 
@@ -263,9 +279,10 @@ def queue_stats(r, keys: Keys) -> Steps:
     workers = yield from read_workers(r, keys, now_ms)
     names = sorted(set((yield from known_models(r, keys))) | {m for w in workers for m in w.models})
     rows = yield from read_rows(r, keys, [st for m in names for st in keys.all_jobs(m, lanes)], oldest=True)
+    queued = yield from fair_queued(r, keys, names)
     models = {}
     for m in names:
-        models[m] = yield from read_model(r, keys, m, workers, now_ms, lanes, rows)
+        models[m] = yield from read_model(r, keys, m, workers, now_ms, lanes, rows, queued)
     dead = 0
     for stream in keys.deads():
         dead += yield call(r.xlen, stream)

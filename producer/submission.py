@@ -12,7 +12,7 @@ from .errors import Backpressure
 from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .lanes import lane_of, routing_key
 from .redis_url import FAILOVER_BUDGET_S, FAILOVER_ERRORS
-from .protocol import DEFAULT_MODEL, FIELD, Job, Keys, as_text
+from .protocol import DEFAULT_MODEL, DEFAULT_TENANT, FIELD, Job, Keys, as_text
 from .request import build_job, encode_job, new_job_id, validate_request
 from .steps import Sleep, Steps
 
@@ -29,17 +29,24 @@ class Prepared:
     model: str  # the name its stream is keyed by (`default` for a job that names none)
     claim: Claim | None = None
     claim_key: str | None = None
+    backlog: str | None = None  # fair share: the band's backlog its tenant joins (worker/fair.py)
     result_prefix: str = ""
     claim_ttl_s: int = IDEMPOTENCY_TTL_S
     parse_as: Any = None  # a pydantic model class the answer's text is validated into (Result.parsed)
 
 
-def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "", lanes: int = 0) -> Prepared:
+def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "", lanes: int = 0,
+            fair: bool = False) -> Prepared:
     req = validate_request(kwargs, where)
     job = build_job(req, client_id, job_id=job_id_for(keys, req.idempotency_key), where=where)
     model = req.model or DEFAULT_MODEL
-    prepared = Prepared(job, encode_job(job, where), stream_for(job, model, keys, lanes, req.prefix_key), model,
-                        parse_as=req.parse_as)
+    if fair:  # the tenant's stream in the band, which joins the band's backlog in the same script
+        band = keys.jobs(model, job.priority, shard=keys.shard_of(job.job_id))
+        prepared = Prepared(job, encode_job(job, where), Keys.tenant_jobs(band, job.tenant or DEFAULT_TENANT), model,
+                            parse_as=req.parse_as, backlog=Keys.fair_backlog(band))
+    else:
+        prepared = Prepared(job, encode_job(job, where), stream_for(job, model, keys, lanes, req.prefix_key), model,
+                            parse_as=req.parse_as)
     if req.idempotency_key is not None:
         prepared.claim = Claim(job.job_id, req.digest(), owner_tag(client_id))
         prepared.claim_key = keys.idempotency(req.idempotency_key)
@@ -72,11 +79,36 @@ def stream_for(job: Job, model: str, keys: Keys, lanes: int, prefix_key: str | N
 def add_to_pipeline(pipe, script, prepared: Prepared):
     """Add one job's enqueue command to a pipeline. On an asyncio pipeline a script call is a coroutine that
     queues nothing until awaited: the caller must await what this returns when it is awaitable."""
+    fair = [prepared.backlog, prepared.backlog + ":queued"] if prepared.backlog else []
+    tenant = prepared.job.tenant or DEFAULT_TENANT
     if prepared.claim is None:
-        return pipe.xadd(prepared.stream, {FIELD: prepared.payload})
-    return run_script(script, [prepared.claim_key, prepared.stream],
+        if not fair:
+            return pipe.xadd(prepared.stream, {FIELD: prepared.payload})
+        return run_script(fair_script(script), [prepared.stream, *fair], [FIELD, prepared.payload, tenant], pipe)
+    return run_script(script, [prepared.claim_key, prepared.stream, *fair],
                       [prepared.claim.encode(), prepared.claim_ttl_s, FIELD, prepared.payload, Keys.GROUP,
-                       prepared.result_prefix, prepared.claim.digest], pipe)
+                       prepared.result_prefix, prepared.claim.digest, tenant], pipe)
+
+
+# KEYS[1] a tenant's job stream, KEYS[2] its band's backlog, KEYS[3] the band's count of queued jobs; ARGV field,
+# payload, tenant. The job and its tenant's
+# place in the backlog in one step: a worker that finds the stream empty drops the tenant, so a job added apart
+# from its ZADD could be stranded. A tenant new to the backlog enters at -inf: the worker places it at the
+# band's virtual time when it next serves it.
+FAIR_ENQUEUE = """
+local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], 'NX', '-inf', ARGV[3])
+redis.call('INCR', KEYS[3])
+return id
+"""
+
+
+def fair_script(claim):
+    """The fair enqueue, registered once on the client that registered the claim script."""
+    script = getattr(claim, "_kvgate_fair", None)
+    if script is None:
+        script = claim._kvgate_fair = claim.registered_client.register_script(FAIR_ENQUEUE)
+    return script
 
 
 def enqueue_commands(pipe, script, prepared: list[Prepared]) -> Steps:

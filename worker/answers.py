@@ -6,14 +6,16 @@ import time
 from typing import Any
 
 from kvgate.producer.protocol import PROTOCOL_VERSION, Final, Timings
+from kvgate.worker.fair import Fair
 from kvgate.worker.flights import Collected, Ended, final_of, observe_finished
 from kvgate.worker.intake import Rejection, identify
 from kvgate.worker.publisher import Finish, Publisher, Settled
 
 
 class Answers:
-    def __init__(self, publisher: Publisher, metrics: Any, worker_id: str, model: str) -> None:
+    def __init__(self, publisher: Publisher, metrics: Any, worker_id: str, model: str, fair: Fair | None = None) -> None:
         self.publisher, self.metrics, self.worker_id, self.model = publisher, metrics, worker_id, model
+        self.fair = fair
         self.jobs_done = 0
         self.acked: set[str] = set()  # streams we acknowledged entries of since the last trim
 
@@ -55,6 +57,10 @@ class Answers:
             self.acked.add(finish.stream)
             if fresh:
                 observe_finished(self.metrics, finish.final, finish.tenant)
+                if self.fair is not None:
+                    usage = finish.final.usage
+                    self.fair.finished(finish.stream, finish.entry_id, finish.tenant,
+                                       usage.prompt_tokens + usage.completion_tokens)
         for finish, reason in settled.failed_finishes:
             if self.publisher.dead_letter_finish(finish, reason):
                 self.metrics.on_dead_letter("publish")

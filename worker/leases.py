@@ -81,5 +81,5 @@ def entries_of(tickets: list[Ticket], streams: list[str]) -> dict[str, list[str]
     """The tickets' entry ids by stream, every stream we read listed."""
     entries: dict[str, list[str]] = {st: [] for st in streams}
     for ticket in tickets:
-        entries[ticket.stream].append(ticket.entry_id)
+        entries.setdefault(ticket.stream, []).append(ticket.entry_id)  # a tenant's stream (fair share) is not listed
     return entries

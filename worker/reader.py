@@ -34,9 +34,14 @@ local home, steal_age = tonumber(ARGV[5] or #KEYS), tonumber(ARGV[6] or 0)
 local overdue_age, overdue_lanes = tonumber(ARGV[7] or 0), tonumber(ARGV[8] or 0)
 local steal_max = tonumber(ARGV[9] or want)
 local urgent = home + tonumber(ARGV[10] or 0)
-local last_key = #KEYS - overdue_lanes
+local nfair, charge = tonumber(ARGV[11] or 0), math.max(tonumber(ARGV[12] or 1), 1)
+local fair_at, weights = {}, {}  -- band stream's index in KEYS -> its fair keys' position; tenant -> weight
+for j = 1, nfair do fair_at[tonumber(ARGV[12 + j])] = j end
+for i = 13 + nfair, #ARGV - 1, 2 do weights[ARGV[i]] = math.max(tonumber(ARGV[i + 1]) or 1, 0.001) end
+local total = #KEYS - 2 * nfair  -- the fair bands' backlog and pending index close KEYS
+local last_key = total - overdue_lanes
 local now = nil
-if home < last_key and (steal_age > 0 or overdue_age > 0) then
+if (home < last_key and (steal_age > 0 or overdue_age > 0)) or nfair > 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
@@ -56,7 +61,6 @@ local function ripe(key, n, cutoff)  -- how many of the next n new entries are a
   end
   return k
 end
-local out = {}
 local function take(key, n)
   if n <= 0 then return {} end
   local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
@@ -64,29 +68,94 @@ local function take(key, n)
   want = want - #reply[1][2]
   return reply[1][2]
 end
+local out = {}
+local function orphans(key)  -- entries idle past min_idle (their worker is dead), taken over
+  local mine = {}
+  local reply = redis.call('XAUTOCLAIM', key, group, consumer, min_idle, '0-0', 'COUNT', want, 'JUSTID')
+  for _, id in ipairs(reply[2]) do
+    local row = redis.call('XPENDING', key, group, id, id, 1)[1]
+    local n = (row and row[4] or 0) + 1
+    redis.call('XCLAIM', key, group, consumer, 0, id, 'RETRYCOUNT', n, 'JUSTID')
+    local found = redis.call('XRANGE', key, id, id)[1]
+    mine[#mine + 1] = {id, found and found[2] or false, n}
+  end
+  for _, id in ipairs(reply[3] or {}) do  -- Redis 7: deleted while pending, already dropped from the PEL
+    mine[#mine + 1] = {id, false, 1}
+  end
+  want = want - #mine
+  return mine
+end
 local claimed = {}
 if min_idle > 0 then  -- every stream's orphans before any new entry: our own lanes must not crowd out a dead owner's
   for index = 1, last_key do
     if want <= 0 then break end
-    local key = KEYS[index]
-    local mine = {}
-    local reply = redis.call('XAUTOCLAIM', key, group, consumer, min_idle, '0-0', 'COUNT', want, 'JUSTID')
-    for _, id in ipairs(reply[2]) do
-      local row = redis.call('XPENDING', key, group, id, id, 1)[1]
-      local n = (row and row[4] or 0) + 1
-      redis.call('XCLAIM', key, group, consumer, 0, id, 'RETRYCOUNT', n, 'JUSTID')
-      local found = redis.call('XRANGE', key, id, id)[1]
-      mine[#mine + 1] = {id, found and found[2] or false, n}
-    end
-    for _, id in ipairs(reply[3] or {}) do  -- Redis 7: deleted while pending, already dropped from the PEL
-      mine[#mine + 1] = {id, false, 1}
-    end
-    want = want - #mine
+    local mine = orphans(KEYS[index])
     if #mine > 0 then claimed[index] = mine end
   end
+  for index, j in pairs(fair_at) do  -- tenants' streams read more than min_idle ago that may hold orphans
+    local pending = KEYS[total + 2 * j]
+    for _, tenant in ipairs(redis.call('ZRANGEBYSCORE', pending, '-inf', now - min_idle, 'LIMIT', 0, 64)) do
+      if want <= 0 then break end
+      local key = KEYS[index] .. ':t:' .. tenant
+      local left = redis.pcall('XPENDING', key, group)
+      if type(left) ~= 'table' or left.err or left[1] == 0 then
+        redis.call('ZREM', pending, tenant)
+      else
+        local mine = orphans(key)
+        if #mine > 0 then table.insert(out, {key, {}, mine}) end
+        redis.call('ZADD', pending, now, tenant)  -- looked at: again once min_idle has passed
+      end
+    end
+  end
+end
+-- Fair share (worker/fair.py): the band's backlogged tenants, lowest virtual token counter first. A tenant is
+-- charged `charge` tokens per job over its weight when read; one newly backlogged (producers add it at -inf) is
+-- placed at the band's virtual time, the counter last served: no credit for the time it was idle. Taken from the
+-- lowest up to the point where it would pass the next one (QUANTUM jobs at least). Each turn takes a job or drops a
+-- tenant, at most 64 turns: a read costs the same with 3 tenants or 100,000.
+local QUANTUM = 4  -- jobs a turn may take past the next counter: fewer turns per job, shares off by 4 jobs at most
+local function fair_take(band, backlog, pending)
+  local vt_key = backlog .. ':vt'
+  local vt = tonumber(redis.call('GET', vt_key) or 0) or 0
+  local moved, turns = false, 0
+  while want > 0 and turns < 64 do
+    turns = turns + 1
+    local low = redis.call('ZRANGE', backlog, 0, 1, 'WITHSCORES')
+    if #low == 0 then break end
+    local tenant, score = low[1], vt  -- a score of -inf: newly backlogged, placed at the band's virtual time
+    if low[2] ~= '-inf' then score = tonumber(low[2]) end
+    local w = weights[tenant] or 1
+    local n = want
+    if #low >= 4 then
+      local next_score = vt
+      if low[4] ~= '-inf' then next_score = tonumber(low[4]) end
+      n = math.min(want, math.max(QUANTUM, math.floor((next_score - score) * w / charge) + 1))
+    end
+    local key = band .. ':t:' .. tenant
+    local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
+    if type(reply) == 'table' and reply.err and string.find(reply.err, 'NOGROUP') then
+      redis.pcall('XGROUP', 'CREATE', key, group, '0')  -- producers leave groups to the first reader (none: no stream)
+      reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
+    end
+    local entries = {}
+    if type(reply) == 'table' and not reply.err and reply[1] then entries = reply[1][2] end
+    if #entries > 0 then
+      want = want - #entries
+      table.insert(out, {key, entries, {}})
+      if redis.call('DECRBY', backlog .. ':queued', #entries) < 0 then redis.call('SET', backlog .. ':queued', 0) end
+      redis.call('ZADD', pending, 'NX', now, tenant)
+      if score ~= vt then vt, moved = score, true end  -- the lowest counter served: where newcomers start
+    end
+    if #entries < n then  -- no more new entries (or not a stream we can read): not backlogged now
+      redis.call('ZREM', backlog, tenant)
+    else
+      redis.call('ZADD', backlog, score + #entries * charge / w, tenant)
+    end
+  end
+  if moved then redis.call('SET', vt_key, tostring(vt)) end
 end
 if overdue_age > 0 and now then
-  for index = last_key + 1, #KEYS do
+  for index = last_key + 1, total do
     if want <= 0 then break end
     local key = KEYS[index]
     local entries = take(key, ripe(key, math.min(want, steal_max), now - overdue_age))
@@ -106,6 +175,8 @@ for index = 1, last_key do
     if index > home then steal_max = steal_max - #entries end
   end
   if #entries > 0 or #taken > 0 then table.insert(out, {key, entries, taken}) end  -- lanes: most are empty
+  local j = fair_at[index]
+  if j and want > 0 then fair_take(key, KEYS[total + 2 * j - 1], KEYS[total + 2 * j]) end
 end
 return out
 """
@@ -129,6 +200,9 @@ class ReadPlan:
     overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries on this read
     overdue_ms: int = 0  # 0: never take others' entries before our own
     steal_max: int = 1  # entries one read may take from others' lanes
+    fair: set[str] = field(default_factory=set)  # fair share: band streams whose tenants' streams are read after them
+    charge: float = 1.0  # fair share: tokens a job read is charged (corrected when it ends)
+    weights: dict[str, float] = field(default_factory=dict)  # fair share: tenant -> weight, where not 1
 
     def urgent_streams(self) -> list[str]:
         return self.streams[self.home:self.home + self.urgent] if self.home is not None else []
@@ -206,8 +280,15 @@ class Reader:
         for i in range(len(groups)):
             keys, home, urgent, others = groups[(self.shard_turn + i) % len(groups)]
             args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
+            bands = [i + 1 for i, st in enumerate(keys) if st in plan.fair]
             if plan.home is not None:
                 args += [home, self.steal_age_ms, plan.overdue_ms, len(others), plan.steal_max, urgent]
+            elif bands:
+                args += [len(keys), 0, 0, 0, count, 0]
+            if bands:
+                args += [len(bands), plan.charge, *bands, *(x for t, w in plan.weights.items() for x in (t, w))]
+                others = others + [k for i in bands for k in (Keys.fair_backlog(keys[i - 1]),
+                                                                   Keys.fair_pending(keys[i - 1]))]
             calls.append((keys + others, args))
         return calls
 

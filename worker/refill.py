@@ -19,6 +19,7 @@ from kvgate.worker.admission import AdmissionQueue
 from kvgate.worker.affinity import Affinity, Lane
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.engine import Engine
+from kvgate.worker.fair import FAIR_BLOCK_MS, Fair
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases
 from kvgate.worker.reader import Entry, Reader, ReadPlan, ReadSlot
@@ -26,6 +27,7 @@ from kvgate.worker.slots import FullOwners, Ignored
 from kvgate.worker.settings import WorkerSettings
 
 log = logging.getLogger("kvgate.worker")
+TENANT_STREAMS = 256  # tenants' streams a rewind looks at again: what a lost reply may have delivered is in the last few
 CLUSTER_BLOCK_MS = 100  # a blocking read waits on one shard of a cluster; then the next look covers them all
 
 
@@ -85,10 +87,11 @@ class QueuedReads:
 class Refill:
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, streams: list[str], settings: WorkerSettings,
                  engine: Engine, queue: AdmissionQueue, affinity: Affinity, lane_prefixes: LanePrefixes,
-                 leases: Leases, clock: ServerClock, metrics: Any, per_priority: int) -> None:
+                 leases: Leases, clock: ServerClock, metrics: Any, per_priority: int, fair: Fair | None = None) -> None:
         self.client, self.keys, self.worker_id, self.settings = client, keys, worker_id, settings
         self.engine, self.queue, self.affinity, self.lane_prefixes = engine, queue, affinity, lane_prefixes
         self.leases, self.clock, self.metrics = leases, clock, metrics
+        self.fair = fair if fair is not None else Fair(client, keys, "keep")
         self.reader = Reader(client, worker_id, ReadPlan(list(streams)), per_priority,
                              steal_age_ms=settings.affinity_steal_age_ms, keys=keys)
         self.cursors: dict[str, str | None] = {st: "0" for st in streams}  # own pending first, then ">"
@@ -97,6 +100,7 @@ class Refill:
         self.last_read_empty_at = 0.0
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
         self.block_turn = 0  # on a cluster: the shard the next blocking read waits on
+        self.tenant_streams: dict[str, None] = {}  # fair share: tenants' streams we read lately, oldest first
 
     def use_queue(self, queue: AdmissionQueue) -> None:
         self.queue = queue  # the local queue whose room and estimates size our reads
@@ -112,8 +116,9 @@ class Refill:
         return any(c is not None for c in self.cursors.values())
 
     def rewind(self, streams: list[str]) -> None:
-        """Read our own pending entries again first: a lost reply (or a refused pipeline) may have delivered some."""
-        self.cursors = {st: "0" for st in streams}
+        """Read our own pending entries again first: a lost reply (or a refused pipeline) may have delivered some,
+        also in the tenants' streams we read lately (fair share)."""
+        self.cursors = {st: "0" for st in [*streams, *self.tenant_streams]}
 
     def add_streams(self, streams: list[str]) -> None:
         self.cursors.update({st: "0" for st in streams})  # a restarted worker of the same id may hold entries there
@@ -174,6 +179,8 @@ class Refill:
         block_ms = self.settings.block_ms
         if len(self.keys.parts) > 1:  # a wait covers one shard: come back soon to look at the others
             block_ms = min(block_ms, CLUSTER_BLOCK_MS)
+        if self.fair.active:
+            block_ms = min(block_ms, FAIR_BLOCK_MS)
         if self.affinity.enabled and self.affinity.lanes and self.settings.affinity_steal_age_ms:
             return max(1, min(block_ms, self.settings.affinity_steal_age_ms))
         return block_ms
@@ -247,6 +254,8 @@ class Refill:
         # A stolen job should start now, not wait in our local queue behind a wrong size estimate: one at a time,
         # and none while jobs wait here already.
         plan.steal_max = 0 if self.queue.tickets else 1
+        if self.fair.active:  # tenants' streams after each band's shared stream, by virtual token counters
+            plan.fair, plan.charge, plan.weights = self.fair.bands, self.queue.tokens_per_job, self.fair.weights
         return plan
 
     def _reclaim_ms(self) -> int:
@@ -256,6 +265,14 @@ class Refill:
         """Learn from what a read took (lanes' waits, steals, reclaims, an empty backlog); the entries to accept."""
         if self.affinity.lanes:
             self._observe_lanes(got, drained)
+        if self.fair.active:
+            self.fair.read(got, self.queue.tokens_per_job)
+            for e in got:
+                if self.fair.band_of(e.stream) is not None:
+                    self.tenant_streams.pop(e.stream, None)
+                    self.tenant_streams[e.stream] = None
+            while len(self.tenant_streams) > TENANT_STREAMS:
+                del self.tenant_streams[next(iter(self.tenant_streams))]
         if reclaim_ms:
             claimed = sum(1 for e in got if e.deliveries > 1 or e.fields is None)
             self.reclaim_due = claimed >= count  # a full take may have left more behind

@@ -69,6 +69,12 @@ class WorkerSettings(BaseSettings, EngineConfig):
                                   "much longer than ours (its owner is not keeping up); 0: only when ours are empty",
                                   ge=0)
 
+    # fair share across tenants (worker/fair.py)
+    fair_share: Literal["on", "off", "keep"] = _s(
+        "keep", "on: give the namespace fair share (each tenant its own stream, served by weighted virtual token "
+        "counters within a priority; producers follow within 5 s); off: end it (producers go back to one FIFO "
+        "stream per priority; tenants' streams still drain); keep: whatever the namespace has")
+
     # leases, reclaim, dead letters
     reclaim_idle_ms: int = _s(30_000, "pending jobs idle this long are taken over from dead workers", ge=100)
     max_deliveries: int = _s(5, "deliveries after which a job goes to the dead stream", ge=1)

@@ -27,6 +27,7 @@ from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
+from kvgate.worker.fair import FAIR_FLUSH_S, Fair
 from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
@@ -89,13 +90,14 @@ class Worker:
                                  s.heartbeat_ttl_s * 1000, weight=kv_weight(engine.stats.total_blocks),
                                  models=self.served.names)
         self.lane_prefixes = LanePrefixes(engine.block_size)
+        self.fair = Fair(self.client, self.keys, s.fair_share, set(self.streams))  # the bands: before lanes join
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
-                             len(self.served.names))
+                             len(self.served.names), self.fair)
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics,
                              s.embeddings)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
-        self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model)
+        self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model, self.fair)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
                                    engine_capacity(engine), s.heartbeat_ttl_s)
         self.due: dict[str, float] = {}
@@ -177,7 +179,9 @@ class Worker:
         self.consumers.create_groups(self.streams)
 
     def _sync_lanes(self) -> None:
-        """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded)."""
+        """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded). And
+        whether it has fair share, with the tenants' weights."""
+        self.fair.sync()
         if self.affinity.sync():
             new = [st for st in self.affinity.streams() if st not in self.streams]
             self.consumers.create_groups(new)
@@ -322,6 +326,8 @@ class Worker:
             self.refill.reclaim_soon()
         if self._every("heartbeat", s.heartbeat_interval_s):
             self._beat()
+        if self._every("fair", FAIR_FLUSH_S):
+            self.fair.flush()  # tenants' counters corrected by what their finished jobs really took
         if self._every("trim", s.trim_interval_s):
             self.trims += 1
             # Only streams with entries we acknowledged can have more to trim; all of them now and then, for

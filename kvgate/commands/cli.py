@@ -33,6 +33,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "host": ("kvgate.bench.host", "W-HOST: host CPU time per engine step by part, beside a baseline commit's engine"),
     "gateway": ("kvgate.bench.gateway", "W-GATEWAY: latency and req/s the HTTP gateway adds over the SDK; --burst N: W-BURST, N requests at once"),
     "fleet": ("kvgate.bench.fleet", "W-FLEET: simulated fleet, capacity admission vs fixed prefetch"),
+    "fair": ("kvgate.bench.fair", "W-FAIR: one tenant's flood beside two small tenants, FIFO vs the fair reader"),
     "prefix": ("kvgate.bench.prefix", "W-PREFIX: prefix-affinity lanes vs one shared stream vs an ideal single cache"),
     "structured": ("kvgate.bench.structured", "W-STRUCT: JSON-schema-constrained vs free generation, mask, compile"),
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),

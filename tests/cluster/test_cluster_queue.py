@@ -187,3 +187,25 @@ def test_affinity_lanes_work_in_every_shard(cluster, namespace, tmp_path):
         assert len({client.keys.of_stream(st).shard for st in streams}) == 6
     finally:
         stop_all(procs)
+
+
+def test_fair_share_serves_several_tenants_in_every_shard(cluster, namespace, tmp_path):
+    """With fair share on, each tenant's stream sits under its band's hash tag (one slot per read script); jobs of
+    several tenants in every shard are each answered once."""
+    procs = workers(cluster, namespace, 2, "--fair-share", "on", tmp_path=tmp_path)
+    try:
+        r = connect(cluster.url)
+        keys = keys_for(cluster.url, r, namespace)
+        wait_for(lambda: r.exists(keys.fair()), 30, "the namespace's fair-share switch")
+        handles = []
+        for tenant in ("a", "b", "c"):
+            with Client(cluster.url, namespace, tenant=tenant) as client:
+                handles += client.submit_many([dict(prompt=f"{tenant} {i}", max_tokens=4) for i in range(40)])
+                results = [h.result(timeout=60) for h in handles[-40:]]
+                assert [res.status for res in results] == ["done"] * 40
+        shards = {keys.shard_of(h.job_id) for h in handles}
+        assert shards == set(range(len(keys.parts)))
+        band = keys.at(0).jobs(None, "normal")
+        assert r.exists(Keys.tenant_jobs(band, "a"))  # they went to the tenants' streams
+    finally:
+        stop_all(procs)

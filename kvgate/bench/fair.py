@@ -1,0 +1,314 @@
+"""W-FAIR: fair share across tenants on the simulated fleet of W-FLEET (16 mixed workers, one real Redis).
+
+Two contestants in the same run, each on its own namespace and fleet: today's FIFO per priority, and the fair
+reader (`{ns}:fair` set: each tenant's stream, weighted virtual token counters; worker/fair.py). Phases, in turn:
+- A alone: A's backlog with nobody else; jobs/s from its first admission to its last finish (the fair reader's
+  over FIFO's: work-conserving, target >= 0.95x), and the fleet's capacity the next phases' rate is 20% of.
+- alone: tenants B and C each send `--bc-jobs` open-loop at 20% of the fleet's capacity; their queue wait.
+- flood: tenant A enqueues `--a-jobs` at once, then B and C as above; B's and C's p99 queue wait over their wait
+  alone (target <= 2x).
+- shares: A, B and C each enqueue a backlog at once; tokens served per tenant over every `--window-s` window while
+  all three are backlogged, at equal weights (target: each within +-15% of their mean) and at 2:1:1 (A's share
+  within +-15% of half).
+Every job must get exactly one final event, or the run fails. `--scale` shrinks every job count for a quick run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import redis
+
+from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, Keys, encode
+
+TARGET_WAIT_RATIO = 2.0
+TARGET_ALONE_RATIO = 0.95
+TARGET_SHARE_TOLERANCE = 0.15
+CLIENT_JOBS = 2000  # jobs per reply client: reply streams keep 10,000 entries
+
+
+def jobs_of(tenant: str, phase: str, n: int, seed: int) -> list:
+    from kvgate.bench import fleet_sim
+
+    jobs = fleet_sim.make_jobs(n, fleet_sim.JobMix(), seed=seed, clients=1)
+    for i, job in enumerate(jobs):
+        job.job_id, job.tenant, job.client_id = f"{phase}-{tenant}-{i}", tenant, f"{phase}-{tenant}-{i // CLIENT_JOBS}"
+    return jobs
+
+
+def enqueue(client: redis.Redis, keys: Keys, jobs: list, fair: bool, rate: float | None = None,
+            batch: int = 500) -> None:
+    """Where the SDK puts them: with fair share the tenant's stream and the tenant in the band's backlog (one
+    MULTI per batch, as the SDK's enqueue script does per job); else the shared stream. Paced at `rate` jobs/s."""
+    started = time.time()
+    for lo in range(0, len(jobs), batch):
+        if rate:
+            time.sleep(max(0.0, started + lo / rate - time.time()))
+        pipe = client.pipeline(transaction=fair)
+        now = time.time()
+        for job in jobs[lo:lo + batch]:
+            job.enqueued_at = now
+            band = keys.jobs(job.model or DEFAULT_MODEL, job.priority)
+            if fair:
+                pipe.xadd(Keys.tenant_jobs(band, job.tenant), {FIELD: encode(job)})
+                pipe.zadd(Keys.fair_backlog(band), {job.tenant: float("-inf")}, nx=True)
+                pipe.incr(Keys.fair_queued(band))
+            else:
+                pipe.xadd(band, {FIELD: encode(job)})
+        pipe.execute()
+
+
+def finals_of(client: redis.Redis, keys: Keys, jobs: list) -> dict[str, list]:
+    from kvgate.producer.protocol import decode_event
+
+    finals: dict[str, list] = {}
+    for reply in sorted({keys.reply(job.client_id) for job in jobs}):
+        for _, fields in client.xrange(reply):
+            event = decode_event(fields[FIELD.encode()])
+            finals.setdefault(event.job_id, []).append(event)
+    return finals
+
+
+def wait_answered(client, keys: Keys, jobs: list, timeout: float) -> None:
+    from kvgate.bench.fleet_sim import count_results
+
+    deadline = time.monotonic() + timeout
+    while count_results(client, keys, jobs) < len(jobs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {count_results(client, keys, jobs)} of {len(jobs)} jobs answered")
+        time.sleep(0.2)
+
+
+def p99_wait(finals: dict, jobs: list) -> float:
+    from kvgate.bench.fleet import percentile
+
+    waits = [f[0].timings.admitted - f[0].timings.queued for j in jobs if (f := finals.get(j.job_id))
+             and f[0].timings.admitted]
+    return round(percentile(waits, 0.99), 3)
+
+
+def tokens(final) -> int:
+    return final.usage.prompt_tokens + final.usage.completion_tokens
+
+
+def window_shares(finals: dict, by_tenant: dict[str, list], window_s: float) -> list[dict[str, float]]:
+    """Each tenant's share of the tokens of the jobs the fleet admitted in every full window while all of them were
+    backlogged (up to the first tenant's last admission). By admission, the scheduler's decision: a job's finish
+    trails it by its run time, seconds here, which would smear windows of a few seconds."""
+    done = {t: sorted((f[0].timings.admitted, tokens(f[0])) for j in jobs if (f := finals.get(j.job_id))
+                      and f[0].timings.admitted) for t, jobs in by_tenant.items()}
+    start = min(d[0][0] for d in done.values())
+    end = min(d[-1][0] for d in done.values())
+    shares = []
+    t = start + window_s  # the first window: the fleet filling up
+    while t + window_s <= end:
+        served = {tenant: sum(n for at, n in d if t <= at < t + window_s) for tenant, d in done.items()}
+        total = sum(served.values())
+        if total:
+            shares.append({tenant: round(n / total, 4) for tenant, n in served.items()})
+        t += window_s
+    return shares
+
+
+def run_contestant(url: str, fair: bool, args) -> dict:
+    from kvgate.bench import fleet_sim
+    from kvgate.bench.fleet import fleet_capacity
+
+    name = "fair" if fair else "fifo"
+    keys, client = Keys(f"wfair-{name}-{time.time_ns()}"), redis.Redis.from_url(url)
+    if fair:
+        client.set(keys.fair(), 1)
+    specs, mix = fleet_sim.mixed_fleet(args.workers), fleet_sim.JobMix()
+    capacity = fleet_capacity(specs, mix, args.step_ms / 1000, args.per_token_ms / 1000)
+    fleet = fleet_sim.start_fleet(url, keys.ns, specs, "capacity", step_overhead_s=args.step_ms / 1000,
+                                  per_token_s=args.per_token_ms / 1000, seed=args.seed)
+    n_a, n_bc = max(50, int(args.a_jobs * args.scale)), max(50, int(args.bc_jobs * args.scale))
+    n_share = max(100, int(args.share_jobs * args.scale))
+    rate = 0.2 * capacity
+    every: list = []
+    out: dict = {"contestant": name, "capacity_jobs_per_s": round(capacity, 1), "bc_rate_jobs_per_s": round(rate, 1)}
+    try:
+        def open_loop(phase: str) -> tuple[list, list]:
+            b, c = jobs_of("b", phase, n_bc, args.seed + 1), jobs_of("c", phase, n_bc, args.seed + 2)
+            threads = [threading.Thread(target=enqueue, args=(redis.Redis.from_url(url), keys, js, fair, rate, 1))
+                       for js in (b, c)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            return b, c
+
+        a = jobs_of("a", "solo", n_a, args.seed + 3)
+        enqueue(client, keys, a, fair)
+        wait_answered(client, keys, a, 900)
+        finals = finals_of(client, keys, a)
+        firsts = [finals[j.job_id][0] for j in a]
+        span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
+        out["a_alone_jobs_per_s"] = round(len(a) / span, 1)
+        every.append(a)
+        if args.rate_from == "measured":  # 20% of what this fleet does on this machine, not of the cost model's
+            rate = out["bc_rate_jobs_per_s"] = round(0.2 * out["a_alone_jobs_per_s"], 1)
+
+        b, c = open_loop("alone")
+        wait_answered(client, keys, b + c, 300)
+        finals = finals_of(client, keys, b + c)
+        out["alone_p99_wait_s"] = {"b": p99_wait(finals, b), "c": p99_wait(finals, c)}
+        every += [b, c]
+
+        a = jobs_of("a", "flood", n_a, args.seed)
+        enqueue(client, keys, a, fair)
+        b, c = open_loop("flood")
+        wait_answered(client, keys, b + c, 600)
+        finals = finals_of(client, keys, b + c)
+        out["flood_p99_wait_s"] = {"b": p99_wait(finals, b), "c": p99_wait(finals, c)}
+        out["flood_wait_ratio"] = {t: round(out["flood_p99_wait_s"][t] / max(out["alone_p99_wait_s"][t], 1e-3), 2)
+                                   for t in ("b", "c")}
+        wait_answered(client, keys, a, 900)
+        every += [a, b, c]
+
+        for label, weights in (("equal", {}), ("weighted_2_1_1", {"a": 2})):
+            if weights:
+                client.hset(keys.tenants(), mapping=weights)
+                time.sleep(2.5)  # workers read weights with their heartbeat
+            by = {t: jobs_of(t, label, n_share * (2 if t == "a" and weights else 1), args.seed + 4 + i)
+                  for i, t in enumerate("abc")}
+            for t in "abc":  # one tenant after another, as three producers' bulk submits land
+                enqueue(client, keys, by[t], fair)
+            all_jobs = [j for js in by.values() for j in js]
+            wait_answered(client, keys, all_jobs, 900)
+            shares = window_shares(finals_of(client, keys, all_jobs), by, args.window_s)
+            if weights:
+                worst = max((abs(s["a"] - 0.5) / 0.5 for s in shares), default=None)
+            else:
+                worst = max((abs(v * 3 - 1) for s in shares for v in s.values()), default=None)
+            out[label] = {"windows": len(shares), "worst_deviation": round(worst, 3) if worst is not None else None,
+                          "shares": shares}
+            every += list(by.values())
+    finally:
+        fleet.stop()
+    jobs = [j for js in every for j in js]
+    finals = finals_of(client, keys, jobs)
+    out["answered_once"] = len(finals) == len(jobs) and all(len(f) == 1 for f in finals.values())
+    print(json.dumps({k: v for k, v in out.items() if k not in ("equal", "weighted_2_1_1")}), file=sys.stderr,
+          flush=True)
+    return out
+
+
+def _drain_child(url: str, namespace: str, first: int, ready, stop) -> None:
+    from kvgate.bench import fleet_sim
+
+    specs = [fleet_sim.WorkerSpec(f"tp-{first + i}", 8192, 256) for i in range(4)]
+    fleet = fleet_sim.start_fleet(url, namespace, specs, "capacity", step_overhead_s=0.0005, per_token_s=0.0)
+    ready.set()
+    stop.wait()
+    fleet.stop()
+
+
+def run_cost(server, fair: bool, args) -> dict:
+    """A backlog of one-token jobs of `--cost-tenants` tenants drained by `--procs` processes of 4 workers: jobs/s
+    and Redis CPU per job (enqueue, reads, results, acks), the queue path's cost with and without fair share."""
+    import multiprocessing as mp
+
+    from kvgate.bench import fleet_sim
+    from kvgate.bench.fleet import backlog
+
+    keys, client = Keys(f"wfair-cost-{'fair' if fair else 'fifo'}-{time.time_ns()}"), redis.Redis.from_url(server.url)
+    if fair:
+        client.set(keys.fair(), 1)
+    jobs, clients = backlog(max(1000, int(args.cost_jobs * args.scale)), args.seed)
+    for i, job in enumerate(jobs):
+        job.tenant = f"t{i % args.cost_tenants}"
+    cpu0 = server.cpu_seconds()
+    enqueue(client, keys, jobs, fair, batch=1000)
+    band = keys.jobs(DEFAULT_MODEL, "normal")
+    streams = sorted({Keys.tenant_jobs(band, j.tenant) for j in jobs}) if fair else [band]
+    ctx = mp.get_context("fork")
+    stop, readies, children = ctx.Event(), [], []
+    for p in range(args.procs):
+        ready = ctx.Event()
+        children.append(ctx.Process(target=_drain_child, args=(server.url, keys.ns, p * 4, ready, stop), daemon=True))
+        readies.append(ready)
+    for child in children:
+        child.start()
+    try:
+        for ready in readies:
+            ready.wait(60)
+        deadline = time.monotonic() + 600
+        while not fleet_sim.drained(client, streams):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(jobs)} jobs not drained")
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for child in children:
+            child.join(30)
+    redis_cpu = server.cpu_seconds() - cpu0
+    finals = fleet_sim.collect_finals(client, keys, clients)
+    firsts = [f[0] for f in finals.values()]
+    span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
+    out = {"contestant": "fair" if fair else "fifo", "jobs": len(jobs), "tenants": args.cost_tenants,
+           "jobs_per_s": round(len(jobs) / span, 1), "redis_cpu_s": round(redis_cpu, 2),
+           "jobs_per_redis_cpu_s": round(len(jobs) / max(redis_cpu, 1e-9), 1),
+           "answered_once": len(finals) == len(jobs) and all(len(f) == 1 for f in finals.values())}
+    print(json.dumps({"cost": out}), file=sys.stderr, flush=True)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cost-jobs", type=int, default=30000,
+                        help="one-token jobs of the Redis cost run, per contestant (default 30000; 0 = skip)")
+    parser.add_argument("--cost-tenants", type=int, default=3, help="tenants of the cost run (default 3)")
+    parser.add_argument("--procs", type=int, default=2, help="worker processes of the cost run (4 workers each)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--workers", type=int, default=16, help="simulated workers (default 16, W-FLEET's mix)")
+    parser.add_argument("--a-jobs", type=int, default=20000, help="tenant A's flood (default 20000)")
+    parser.add_argument("--bc-jobs", type=int, default=300, help="jobs B and C each send open-loop (default 300)")
+    parser.add_argument("--share-jobs", type=int, default=3000,
+                        help="backlog per tenant in the share phases (default 3000; A's doubled at 2:1:1)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every job count (a quick run: 0.1)")
+    parser.add_argument("--window-s", type=float, default=10.0, help="window of the share measure (default 10 s)")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="simulated step overhead (default 20 ms)")
+    parser.add_argument("--per-token-ms", type=float, default=0.05, help="simulated cost per token (default 0.05)")
+    parser.add_argument("--rate-from", choices=("measured", "model"), default="measured",
+                        help="B's and C's rate: 20%% of the fleet's jobs/s with A alone, measured first in the run "
+                             "(default), or of the cost model's estimate (a loaded machine runs below it)")
+    parser.add_argument("--contestants", default="fifo,fair", help="comma-separated: fifo, fair (default both)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgate.bench.fleet_sim import RedisProcess
+    from kvgate.bench.queue import server_version
+
+    with RedisProcess() as server:
+        names = [name for name in args.contestants.split(",") if name.strip()]
+        cost = {name: run_cost(server, name == "fair", args) for name in names} if args.cost_jobs else {}
+        runs = {name: run_contestant(server.url, name == "fair", args) for name in names}
+        redis_version = server_version(server.url)
+    fair, fifo = runs.get("fair"), runs.get("fifo")
+    headline = {}
+    if fair:
+        headline = {"flood_wait_ratio": fair["flood_wait_ratio"],
+                    "equal_worst_deviation": fair["equal"]["worst_deviation"],
+                    "weighted_worst_deviation": fair["weighted_2_1_1"]["worst_deviation"]}
+        if fifo:
+            headline["a_alone_ratio_to_fifo"] = round(fair["a_alone_jobs_per_s"] / fifo["a_alone_jobs_per_s"], 3)
+        if len(cost) == 2:
+            headline["redis_cpu_per_job_ratio_to_fifo"] = round(
+                cost["fifo"]["jobs_per_redis_cpu_s"] / cost["fair"]["jobs_per_redis_cpu_s"], 3)
+    result = {"workload": "W-FAIR", **headline, "answered_once": all(r["answered_once"] for r in
+                                                                        [*runs.values(), *cost.values()]),
+              "cost": cost, "runs": runs, "config": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
+              "redis_version": redis_version, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+              "targets": {"flood_wait_ratio_at_most": TARGET_WAIT_RATIO, "a_alone_ratio_at_least": TARGET_ALONE_RATIO,
+                          "share_deviation_at_most": TARGET_SHARE_TOLERANCE}}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0 if result["answered_once"] else 1

@@ -1,0 +1,230 @@
+"""Fair share across tenants through the queue (worker/fair.py): a flood does not starve a second tenant, weights
+hold, a SIGKILLed worker's jobs are answered once, and tenant ids a producer controls neither stop a worker nor make
+a read cost O(tenants)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvgate import Client
+from kvgate.producer.protocol import FIELD, Keys, encode
+from kvgate.worker.reader import Reader, ReadPlan
+from tests.support import wait_for
+
+SIM = ("--simulated", "--sim-num-blocks", "1024", "--sim-per-token-ms", "0.01", "--heartbeat-interval-s", "0.2")
+
+
+def band(queue, priority: str = "normal") -> str:
+    return queue.keys.jobs(None, priority)
+
+
+def enqueue(queue, tenant: str, n: int, priority: str = "normal", **sampling) -> list[str]:
+    """Jobs as the SDK enqueues them with fair share on: the tenant's stream, and the tenant in the backlog."""
+    ids, pipe = [], queue.r.pipeline(transaction=True)
+    for _ in range(n):
+        job = queue.job("same prompt", tenant=tenant, priority=priority, **sampling)
+        pipe.xadd(Keys.tenant_jobs(band(queue, priority), tenant), {FIELD: encode(job)})
+        pipe.zadd(Keys.fair_backlog(band(queue, priority)), {tenant: float("-inf")}, nx=True)
+        pipe.incr(Keys.fair_queued(band(queue, priority)))
+        ids.append(job.job_id)
+    pipe.execute()
+    return ids
+
+
+def done(queue, ids: list[str]) -> int:
+    pipe = queue.r.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.exists(queue.keys.result(job_id))
+    return sum(pipe.execute())
+
+
+def test_a_flood_from_one_tenant_does_not_starve_another(queue, thread_worker):
+    queue.r.set(queue.keys.fair(), 1)  # the namespace's switch, as `--fair-share on` sets it
+    with Client(queue.server.url, queue.ns, tenant="flood") as a, Client(queue.server.url, queue.ns, tenant="b") as b:
+        flood = a.submit_many([{"prompt": "x", "max_tokens": 8, "ignore_eos": True}] * 400)
+        small = [b.submit("y", max_tokens=8, ignore_eos=True) for _ in range(5)]
+        assert queue.r.zscore(Keys.fair_backlog(band(queue)), "b") is not None  # the SDK routed by tenant
+        with thread_worker(max_num_seqs=2):
+            for h in small:
+                assert h.result(timeout=60).status == "done"
+            served = done(queue, [h.job_id for h in flood])
+            assert served < 100, f"b waited behind {served} of the flood's 400 jobs"
+            for h in flood[-3:]:
+                assert h.result(timeout=60).status == "done"  # work-conserving: the flood is served too
+
+
+def test_weights_two_to_one_hold_while_both_are_backlogged(queue, thread_worker):
+    queue.r.set(queue.keys.fair(), 1)
+    queue.r.hset(queue.keys.tenants(), mapping={"heavy": 2})
+    heavy = enqueue(queue, "heavy", 300, max_tokens=8, ignore_eos=True)
+    light = enqueue(queue, "light", 300, max_tokens=8, ignore_eos=True)
+    with thread_worker(max_num_seqs=4):
+        wait_for(lambda: done(queue, heavy) + done(queue, light) >= 150, 60, "150 jobs served")
+        h, l = done(queue, heavy), done(queue, light)
+    assert h < 300 and l < 300  # both still backlogged
+    assert abs(h / (h + l) - 2 / 3) <= 0.15 * 2 / 3, (h, l)
+
+
+def test_a_new_tenant_is_not_owed_credit_for_its_idle_time(queue, thread_worker):
+    """A tenant that arrives after another has been served a long while gets an equal share from then on, not the
+    fleet to itself until its counter catches up."""
+    queue.r.set(queue.keys.fair(), 1)
+    old = enqueue(queue, "old", 400, max_tokens=8, ignore_eos=True)
+    with thread_worker(max_num_seqs=4):
+        wait_for(lambda: done(queue, old) >= 100, 60, "100 of the old tenant's jobs served")
+        before = done(queue, old)
+        new = enqueue(queue, "new", 200, max_tokens=8, ignore_eos=True)
+        wait_for(lambda: done(queue, new) >= 60, 60, "60 of the new tenant's jobs served")
+        gained = done(queue, old) - before
+    assert gained >= 30, f"the old tenant got {gained} jobs while the new one got 60"
+
+
+def test_priority_bands_stay_strict_under_fair_share(queue, thread_worker):
+    queue.r.set(queue.keys.fair(), 1)
+    low = enqueue(queue, "a", 100, priority="low", max_tokens=8, ignore_eos=True)
+    high = enqueue(queue, "b", 20, priority="high", max_tokens=8, ignore_eos=True)
+    with thread_worker(max_num_seqs=2):
+        wait_for(lambda: done(queue, low) == 100, 60, "both bands served")
+    order = [f.job_id for f in queue.finals()]
+    first_low = min(order.index(i) for i in low)
+    assert first_low >= 16, order[:20]  # low jobs start only as the last high ones run (2 slots, 4 queued)
+
+
+def test_a_worker_sigkilled_under_fair_share_loses_nothing_and_answers_nothing_twice(queue, spawn):
+    queue.r.set(queue.keys.fair(), 1)
+    ids = [i for t in ("a", "b", "c") for i in enqueue(queue, t, 20, max_tokens=30, ignore_eos=True)]
+    reclaim = ("--reclaim-idle-ms", "800", "--fair-share", "on")
+    victim = spawn(queue.server.url, queue.ns, *SIM, "--sim-step-ms", "20", *reclaim, worker_id="victim")
+    wait_for(lambda: queue.r.zcard(Keys.fair_pending(band(queue))) > 0, 30, "the victim reading tenants' streams")
+    time.sleep(0.3)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    spawn(queue.server.url, queue.ns, *SIM, "--sim-step-ms", "2", *reclaim, worker_id="survivor")
+    finals = queue.wait_finals(len(ids), timeout=60)
+    time.sleep(0.5)  # nothing more comes
+    finals = queue.finals()
+    assert sorted(f.job_id for f in finals) == sorted(ids)  # every job once
+    assert any(f.worker == "survivor" for f in finals)
+
+
+def test_a_hostile_backlog_member_does_not_stop_a_worker(queue, thread_worker):
+    """A member whose stream is not a stream (a producer with raw Redis access) is dropped; others are served."""
+    queue.r.set(queue.keys.fair(), 1)
+    queue.r.set(Keys.tenant_jobs(band(queue), "evil"), "not a stream")
+    queue.r.zadd(Keys.fair_backlog(band(queue)), {"evil": 0, "ghost": 0})  # and one with no stream at all
+    ids = enqueue(queue, "good", 5, max_tokens=4)
+    with thread_worker():
+        wait_for(lambda: done(queue, ids) == 5, 30, "the good tenant served")
+    assert queue.r.zscore(Keys.fair_backlog(band(queue)), "evil") is None
+
+
+def test_a_read_and_a_reclaim_cost_the_same_with_100000_tenants(queue):
+    """One read takes from the lowest counters and a reclaim looks at a bounded slice of the pending index: the
+    commands a read runs do not grow with the tenants backlogged."""
+    r, stream = queue.r, band(queue)
+    r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+
+    def commands() -> int:
+        return sum(v["calls"] for k, v in r.info("commandstats").items() if k != "cmdstat_info")
+
+    def read_cost(reclaim_ms: int) -> tuple[int, int]:
+        reader = Reader(r, "w1", ReadPlan([stream], fair={stream}, charge=16))
+        before = commands()
+        got = reader.read(8, reclaim_idle_ms=reclaim_ms)
+        return len(got), commands() - before
+
+    enqueue(queue, "t0", 1)
+    small = read_cost(0)
+    for start in range(0, 100_000, 20_000):
+        tenants = {f"t{i}": 0 for i in range(start, start + 20_000)}
+        r.zadd(Keys.fair_backlog(stream), tenants)
+        r.zadd(Keys.fair_pending(stream), tenants)
+    enqueue(queue, "t1", 1)
+    large = read_cost(0)
+    assert large[0] <= 8 and large[1] <= 8 * 64  # each turn takes a job or drops a tenant; at most 64 turns
+    reclaim = read_cost(100)
+    assert reclaim[1] <= 8 * 64 + 8 * 64, (small, large, reclaim)
+    assert r.zcard(Keys.fair_backlog(stream)) >= 100_000 - 2 * 64  # looked at a slice, not all
+
+
+def test_an_idempotent_submit_under_fair_share_joins_its_tenants_backlog_once(queue, thread_worker):
+    queue.r.set(queue.keys.fair(), 1)
+    with Client(queue.server.url, queue.ns, tenant="acme") as client:
+        first = client.submit("hi", max_tokens=4, idempotency_key="order-1")
+        again = client.submit("hi", max_tokens=4, idempotency_key="order-1")
+        assert again.job_id == first.job_id
+        assert queue.r.xlen(Keys.tenant_jobs(band(queue), "acme")) == 1
+        assert queue.r.zscore(Keys.fair_backlog(band(queue)), "acme") == float("-inf")  # placed when first read
+        with thread_worker():
+            assert first.result(timeout=30).status == "done"
+
+
+def test_tenants_share_tokens_not_jobs_when_their_jobs_differ_in_length(queue, thread_worker):
+    """Counters are corrected by what a job really took: a tenant of long jobs gets as many tokens as one of short
+    jobs, so fewer jobs (alternating jobs would give it 8 times the tokens)."""
+    queue.r.set(queue.keys.fair(), 1)
+    short = enqueue(queue, "short", 800, max_tokens=4, ignore_eos=True)
+    long_ = enqueue(queue, "long", 100, max_tokens=60, ignore_eos=True)
+    def served() -> dict[str, int]:
+        finals = {f.job_id: f for f in queue.finals()}
+        return {name: sum(finals[i].usage.prompt_tokens + finals[i].usage.completion_tokens
+                          for i in ids if i in finals) for name, ids in (("short", short), ("long", long_))}
+
+    with thread_worker(max_num_seqs=4):
+        wait_for(lambda: done(queue, long_) >= 10, 60, "10 long jobs served")
+        before = served()  # from here on: the first reads charged the initial estimate
+        wait_for(lambda: done(queue, long_) >= 60, 60, "60 long jobs served")
+        after = served()
+    assert done(queue, short) < 800  # still backlogged
+    tokens = {name: after[name] - before[name] for name in after}
+    assert abs(tokens["short"] - tokens["long"]) <= 0.3 * max(tokens.values()), tokens
+
+
+def test_stats_count_the_jobs_waiting_in_tenants_streams(queue, thread_worker):
+    """The backlog stays visible (kvgate stats, the exporter, the backlog gate) without a look at every tenant."""
+    queue.r.set(queue.keys.fair(), 1)
+    queue.r.sadd(queue.keys.models(), "default")
+    with Client(queue.server.url, queue.ns, tenant="a") as client:
+        handles = client.submit_many([{"prompt": "x", "max_tokens": 4}] * 7)
+        handles.append(client.submit("y", max_tokens=4, idempotency_key="k1"))
+        stats = client.stats()
+        assert stats.backlog == 8 and stats.priorities["normal"].backlog == 8
+        with thread_worker():
+            for h in handles:
+                assert h.result(timeout=30).status == "done"
+        assert client.stats().backlog == 0
+
+
+def test_weights_that_are_no_positive_number_count_as_one():
+    from kvgate.worker.fair import parse_weights
+
+    raw = {b"a": b"2", b"b": b"zero", b"c": b"-1", b"d": b"nan", b"e": b"1", b"f": b"0.5", b"g": b"inf"}
+    assert parse_weights(raw) == {"a": 2.0, "f": 0.5}
+
+
+def test_tenants_streams_are_served_by_a_worker_with_affinity_lanes(queue, thread_worker):
+    """Fair share and lanes in one namespace: the read plan with lanes still reads the bands' tenants."""
+    queue.r.set(queue.keys.fair(), 1)
+    ids = enqueue(queue, "a", 5, max_tokens=4) + enqueue(queue, "b", 5, max_tokens=4)
+    with thread_worker(affinity="on", affinity_lanes=4):
+        wait_for(lambda: done(queue, ids) == 10, 30, "both tenants served")
+
+
+def test_entries_a_lost_reply_delivered_from_tenants_streams_are_read_again_at_once(queue):
+    """After a Redis error the worker reads what is pending to it first; under fair share that covers the tenants'
+    streams it read lately, not only the shared ones (else they would wait for the reclaim timeout)."""
+    from tests.worker.conftest import ThreadWorker
+
+    queue.r.set(queue.keys.fair(), 1)
+    ids = enqueue(queue, "a", 2, max_tokens=4)
+    worker = ThreadWorker(queue, reclaim_idle_ms=60_000).worker  # not started: driven by hand
+    worker._ensure_groups()
+    got = worker.refill.read_idle(2)  # delivered to us, then "lost" with the reply
+    assert len(got) == 2 and all(":t:a" in e.stream for e in got)
+    worker.refill.rewind(worker.streams)
+    again = [e for batch in worker.refill.read_own_pending(10, lambda stream, entry: False) for e in batch]
+    assert sorted(e.entry_id for e in again) == sorted(e.entry_id for e in got)
+    assert len(ids) == 2
