@@ -26,6 +26,7 @@ class Ticket:
     attempt: int = 1  # the entry's delivery count: tags this run's deltas so a client never splices two runs
     shared: int = 0  # leading prompt tokens the engine held in its prefix cache when the job was read
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, kept for each fit check
+    tool_parser: str | None = None  # a job with tools of choice auto: the format its calls are read in
 
     @property
     def key(self) -> str:

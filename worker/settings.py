@@ -42,6 +42,10 @@ class WorkerSettings(BaseSettings, EngineConfig):
     model_aliases: Annotated[list[str], NoDecode, BeforeValidator(_names)] = _s(
         [], "more model names this worker serves (repeat the flag, or comma-separate)", "--model-alias")
     serve_default: bool = _s(True, "also serve jobs that name no model (the 'default' model)")
+    tool_call_parser: Literal["auto", "hermes", "llama3"] = _s(
+        "auto", "the format tool calls of tool_choice auto are read in: hermes (<tool_call> JSON blocks: Hermes, "
+                "Qwen2.5/3, and models whose chat template renders no tools, which get kvgate's hermes prompt), "
+                "llama3 (bare {\"name\", \"parameters\"} JSON); auto: from the chat template")
 
     # simulated engine (no model; the W-FLEET cost model)
     simulated: bool = _s(False, "run the cost-model engine instead of a model (fleet tests and benchmarks)")

@@ -92,7 +92,8 @@ class Worker:
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
                              len(self.served.names))
-        self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics)
+        self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics,
+                             s.tool_call_parser)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
         self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
