@@ -168,7 +168,8 @@ class LLMEngine:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestRejected(f"model {self.model_name!r} has no chat template: send a plain prompt")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            with_tools = {"tools": tools} if tools else {}  # the call without tools is what it always was
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **with_tools)
         except Exception as e:  # template errors come in many types
             raise RequestRejected(f"chat messages do not fit the chat template: {e}") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))

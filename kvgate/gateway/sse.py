@@ -19,7 +19,7 @@ from kvgate.producer import AsyncJobHandle, KvgateError, Result
 
 from .errors import ApiError, from_sdk
 from .replay import Replay
-from .responses import Reply, failure, finish
+from .responses import Reply, ToolReader, failure, finish
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must pass each event at once
@@ -39,12 +39,18 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
     inbox: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(i, h, timeout, inbox)) for i, h in enumerate(handles)]
     results: list[Result | None] = [None] * len(handles)
+    tools = [None if reply.plan.tools is None else ToolReader(reply.plan.tools, h.job_id) for h in handles]
     try:
         for _ in range(len(handles)):
             while True:
                 i, item = await inbox.get()
                 if isinstance(item, tuple):
-                    yield frame(reply.chunk(i, *item))
+                    text, logprobs, parser = item
+                    if tools[i] is None:
+                        yield frame(reply.chunk(i, text, None, False, logprobs))
+                    else:
+                        for chunk in tools[i].chunks(reply, i, text, logprobs, parser):
+                            yield frame(chunk)
                     continue
                 error = _error_of(item, timeout)
                 if error is not None:
@@ -52,7 +58,12 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
                     yield DONE
                     return
                 results[i] = item
-                yield frame(reply.chunk(i, finish_reason=finish(item)))
+                reason = finish(item)
+                if tools[i] is not None:
+                    for chunk in tools[i].close(reply, i):
+                        yield frame(chunk)
+                    reason = "tool_calls" if tools[i].called and reason == "stop" else reason
+                yield frame(reply.chunk(i, finish_reason=reason))
                 break
         if reply.plan.include_usage:
             yield frame(reply.usage_chunk(results))
@@ -81,7 +92,7 @@ async def _pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Q
                                code="timeout") from None
             # a token that ends mid-character has no text yet (the next delta carries it), but has its logprob
             if (new := replay.take(item)) is not None:
-                inbox.put_nowait((i, (new[0], None, False, new[1])))
+                inbox.put_nowait((i, (*new, item.tool_parser)))  # new text comes of a Delta only
         inbox.put_nowait((i, await handle.result(0)))
     except (KvgateError, ApiError) as e:
         inbox.put_nowait((i, e))

@@ -1,6 +1,6 @@
 """An OpenAI request body as SDK submits: one per choice (n per prompt), validated before anything is enqueued.
 
-Every body field is either honoured, accepted only at the value that changes nothing (tools=[],
+Every body field is either honoured, accepted only at the value that changes nothing (functions=[],
 response_format text, ...), or refused with a 400 naming it: a parameter is never silently ignored.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Callable, Literal
 from kvgate.producer import InvalidRequest
 from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, requested_logprobs,
                                   structured_of_body)
-from kvgate.producer.protocol import SAMPLING_FIELDS
-from kvgate.producer.request import validate_request
+from kvgate.producer.protocol import SAMPLING_FIELDS, Tools
+from kvgate.producer.request import SubmitRequest, validate_request
 
 from .errors import from_sdk, invalid, unsupported
 from .prompts import chat_messages, completion_prompts
@@ -28,11 +28,10 @@ DIRECT = {spec.name: spec.name for spec in SAMPLING_FIELDS if spec.name not in (
     "prompt_cache_key": "prefix_key"}
 # body fields accepted only at a value that asks for nothing the engine lacks, with why the rest is refused
 NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: v in (None, []), " (no tool calling)"),
-    "functions": (lambda v: v in (None, []), " (no tool calling)"),
-    "tool_choice": (lambda v: v in (None, "none"), " (no tool calling)"),
-    "function_call": (lambda v: v in (None, "none"), " (no tool calling)"),
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), ""),
+    # the deprecated spelling of tools: refused, naming the one to use
+    "functions": (lambda v: v in (None, []), " (deprecated: send tools=[{\"type\": \"function\", \"function\": "
+                                             "{...}}])"),
+    "function_call": (lambda v: v in (None, "none"), " (deprecated: send tool_choice)"),
     "logit_bias": (lambda v: v in (None, {}), ""),
     "store": (lambda v: v in (None, False), " (completions are not stored)"),
     "service_tier": (lambda v: v in (None, "auto", "default"), ""),
@@ -42,12 +41,15 @@ NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", "logprobs", *DIRECT,
           *STRUCTURED_BODY_FIELDS}
+# chat's tool calling, taken as the SDK takes it (tool_calls.py reads the answers)
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 FIELDS: dict[Kind, set[str]] = {
-    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | (NO_OP.keys() - {"echo", "suffix"}),
+    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", *TOOL_FIELDS} |
+            (NO_OP.keys() - {"echo", "suffix"}),
     "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix", "logit_bias"},
 }
 # SDK argument -> body field, to name the field a validation error is about
-NAMES = {v: k for k, v in DIRECT.items()} | {"messages": "messages", "prompt": "prompt",
+NAMES = {v: k for k, v in DIRECT.items()} | {name: name for name in TOOL_FIELDS} | {"messages": "messages", "prompt": "prompt",
                                              "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
 
 
@@ -60,6 +62,7 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     names: dict[str, str] = field(default_factory=dict)
+    tools: Tools | None = None  # the functions a chat request may call and how: its answers are read for calls
 
 
 def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
@@ -89,18 +92,19 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
         common["structured"], names = asked[1], NAMES | {"structured": asked[0]}
     if logprobs is not None:
         common["logprobs"] = logprobs
+    common |= {name: body[name] for name in TOOL_FIELDS if body.get(name) not in (None, [])}  # tools=[]: none
     names = names | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                      "logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
-    submits, prompt_of = [], []
+    submits, prompt_of, tools = [], [], None
     for p, prompt in enumerate(prompts):
         for i in range(n):
             args = common | prompt
             if n > 1 and args.get("seed") is not None:
                 args["seed"] += i  # distinct choices, still reproducible
-            _validate(args, names, f"prompt[{p}]" if len(prompts) > 1 else None)
+            tools = _validate(args, names, f"prompt[{p}]" if len(prompts) > 1 else None).wire_tools()
             submits.append(args)
             prompt_of.append(p)
-    return Plan(kind, model, submits, prompt_of, stream, include_usage, names)
+    return Plan(kind, model, submits, prompt_of, stream, include_usage, names, tools)
 
 
 def chat_prompts(body: dict) -> list[dict[str, Any]]:
@@ -183,9 +187,9 @@ def _max_tokens(body: dict, default: int) -> int:
     return next(iter(given.values()), default)
 
 
-def _validate(args: dict[str, Any], names: dict[str, str], prompt_where: str | None) -> None:
+def _validate(args: dict[str, Any], names: dict[str, str], prompt_where: str | None) -> SubmitRequest:
     try:
-        validate_request(args)
+        return validate_request(args)
     except InvalidRequest as e:
         error = from_sdk(e, names, 0)
         if prompt_where and error.param == "prompt":
