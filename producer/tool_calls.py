@@ -79,6 +79,15 @@ def call_schema(functions: list[tuple[str, str]], parallel: bool) -> dict[str, A
     return schema | ({} if parallel else {"maxItems": 1})
 
 
+def _decoded(text: str) -> Any:
+    """JSON text as a value, or None where it is not JSON (a model's text: arrays nested past the interpreter's limit
+    are not JSON either, not a crash)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _call(value: Any, names: set[str], keys: tuple[str, ...]) -> tuple[str, str] | None:
     """(name, arguments JSON) of a decoded call object, or None when it is not a call of a declared function."""
     if not isinstance(value, dict) or value.get("name") not in names:
@@ -134,10 +143,7 @@ class Hermes:
         return [Content(block)] if block else []
 
     def _block(self, raw: str, body: str) -> list[Piece]:
-        try:
-            call = _call(json.loads(body), self.names, ("arguments", "parameters"))
-        except ValueError:
-            call = None
+        call = _call(_decoded(body), self.names, ("arguments", "parameters"))
         if call is None:
             return [Content(raw)]
         self.calls += 1
@@ -186,7 +192,7 @@ class Llama3:
                 if not rest.startswith(";"):
                     return [Content(raw)]
                 at = len(text) - len(rest) + 1
-        except ValueError:
+        except (ValueError, RecursionError):
             return [Content(raw)]
         return [CallDelta(i, name, args) for i, (name, args) in enumerate(calls)]
 
@@ -205,10 +211,7 @@ class Required:
 
     def close(self) -> list[Piece]:
         raw, self.buf = self.buf, ""
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            value = None
+        value = _decoded(raw)
         calls = [_call(v, self.names, ("arguments",)) for v in value] if isinstance(value, list) and value else [None]
         if None in calls:
             return [Content(raw)] if raw else []

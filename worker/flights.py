@@ -78,7 +78,10 @@ def final_of(ended: Ended, *, worker: str, model: str, finished_at: float) -> Fi
 def tool_calls_of(job: Job, parser: str | None, text: str) -> tuple[list[ToolCall] | None, str | None]:
     """The calls an answer of a job with tools makes, read as its tool choice says, and its text outside them."""
     tools = job.tools
-    got = parse(parser_for(tools.choice, tools.function, [f.name for f in tools.functions], parser or ""), text)
+    try:
+        got = parse(parser_for(tools.choice, tools.function, [f.name for f in tools.functions], parser or ""), text)
+    except (ValueError, RecursionError):  # a model's text never stops the worker: unreadable calls stay content
+        return None, None
     if not got.calls:
         return None, None
     return [ToolCall(call_id(job.job_id, i), name, args) for i, (name, args) in enumerate(got.calls)], got.content

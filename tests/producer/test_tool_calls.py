@@ -51,6 +51,9 @@ def test_an_undeclared_name_or_invalid_json_stays_content_and_an_unclosed_call_i
     assert parse(Hermes(NAMES), text).calls == [] and parse(Hermes(NAMES), text).content == text
     assert parse(Hermes(NAMES), '<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}').calls == [
         ("get_time", '{"timezone": "UTC"}')]
+    deep = "[" * 100_000 + "]" * 100_000  # past the interpreter's recursion limit: not JSON, not a crash
+    assert parse(Hermes(NAMES), f"<tool_call>{deep}</tool_call>").calls == [] and parse(Required(NAMES), deep).calls == []
+    assert parse(Llama3(NAMES), "{" + deep).calls == []
 
 
 @pytest.mark.parametrize("cut", [1, 3, 10_000])
@@ -135,6 +138,19 @@ def test_the_worker_check_refuses_tools_a_producer_could_forge():
     job.sampling = wire.Sampling(structured=wire.Structured("regex", "a"))
     with pytest.raises(wire.ProtocolError, match="not both"):
         wire.decode_job(wire.encode(job))
+
+
+def test_a_result_with_calls_answers_as_openai_does_in_a_batch_line():
+    from kvgate.openai.batch import BatchRequest, answer_line
+    from kvgate.producer import Result
+
+    final = wire.Final(v=2, job_id="j", status="done", text='[{"name": "get_weather", "arguments": {}}]',
+                       finish_reason="stop", tool_calls=[wire.ToolCall("call_x", "get_weather", "{}")])
+    line = answer_line(BatchRequest(1, "c1", "/v1/chat/completions", "m", {}), Result.from_final(final))
+    choice = line["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"] == [{"id": "call_x", "type": "function",
+                                                "function": {"name": "get_weather", "arguments": "{}"}}]
 
 
 def test_a_batch_line_carries_tools():
