@@ -110,6 +110,7 @@ class Hermes:
     call of a declared function is content; an unclosed block at the end is read as if it were closed."""
 
     names: set[str]
+    most: int | None = None  # parallel_tool_calls false: 1, and a later block is content
     buf: str = ""
     inside: bool = False
     calls: int = 0
@@ -144,7 +145,7 @@ class Hermes:
 
     def _block(self, raw: str, body: str) -> list[Piece]:
         call = _call(_decoded(body), self.names, ("arguments", "parameters"))
-        if call is None:
+        if call is None or (self.most is not None and self.calls >= self.most):
             return [Content(raw)]
         self.calls += 1
         return [CallDelta(self.calls - 1, *call)]
@@ -156,6 +157,7 @@ class Llama3:
     <|python_tag|>) is calls; any other answer is content, streamed as soon as its first character says so."""
 
     names: set[str]
+    most: int | None = None  # parallel_tool_calls false: 1, and the text after the first call is content
     buf: str = ""
     mode: str = ""  # "" undecided, "content", "calls"
 
@@ -189,6 +191,8 @@ class Llama3:
                 rest = text[at:].lstrip()
                 if not rest:
                     break
+                if self.most is not None and len(calls) >= self.most:
+                    return [*(CallDelta(i, name, args) for i, (name, args) in enumerate(calls)), Content(text[at:])]
                 if not rest.startswith(";"):
                     return [Content(raw)]
                 at = len(text) - len(rest) + 1
@@ -242,16 +246,18 @@ class Named:
         return [CallDelta(0, self.name, "{}")]
 
 
-def parser_for(choice: str, function: str, names: list[str], auto: str) -> Parser:
+def parser_for(choice: str, function: str, names: list[str], auto: str, parallel: bool = True) -> Parser:
     """The parser of one answer: by the tool choice (`auto`, `required`, `function` with its name), `auto` in the
-    serving worker's format (`auto`: hermes or llama3)."""
+    serving worker's format (`auto`: hermes or llama3); not `parallel`: an `auto` answer's first call only is a call
+    (`required` is held to one by its schema)."""
     if choice == "function":
         return Named(function)
     if choice == "required":
         return Required(set(names))
+    most = None if parallel else 1
     if auto == "llama3":
-        return Llama3(set(names))
-    return Hermes(set(names))
+        return Llama3(set(names), most)
+    return Hermes(set(names), most)
 
 
 @dataclass(slots=True)

@@ -79,7 +79,8 @@ def tool_calls_of(job: Job, parser: str | None, text: str) -> tuple[list[ToolCal
     """The calls an answer of a job with tools makes, read as its tool choice says, and its text outside them."""
     tools = job.tools
     try:
-        got = parse(parser_for(tools.choice, tools.function, [f.name for f in tools.functions], parser or ""), text)
+        got = parse(parser_for(tools.choice, tools.function, [f.name for f in tools.functions], parser or "",
+                               tools.parallel), text)
     except (ValueError, RecursionError):  # a model's text never stops the worker: unreadable calls stay content
         return None, None
     if not got.calls:

@@ -72,6 +72,11 @@ def test_required_and_named_answers_become_calls_and_a_cut_off_array_stays_conte
     named = Named("get_weather")
     assert named.feed('{"city"') == [CallDelta(0, "get_weather", '{"city"')]
     assert named.feed(': "Rome"}') == [CallDelta(0, None, ': "Rome"}')] and named.close() == []
+    one = parse(parser_for("auto", "", list(NAMES), "hermes", parallel=False), HERMES)  # parallel_tool_calls false
+    assert one.calls == [("get_weather", '{"city": "Paris"}')] and one.content.endswith("</tool_call>")
+    two = '{"name": "get_time", "parameters": {}}; {"name": "get_time", "parameters": {}}'
+    assert parse(Llama3(NAMES, most=1), two).calls == [("get_time", "{}")]
+    assert parse(Llama3(NAMES, most=1), two).content == '; {"name": "get_time", "parameters": {}}'
     assert isinstance(parser_for("auto", "", ["f"], "llama3"), Llama3)
     assert isinstance(parser_for("auto", "", ["f"], "hermes"), Hermes)
 
