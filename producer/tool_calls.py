@@ -201,25 +201,65 @@ class Llama3:
         return [CallDelta(i, name, args) for i, (name, args) in enumerate(calls)]
 
 
+_STRUCTURE = re.compile(r'[{}\[\]"\\]')  # the characters that open or close a JSON value or a string
+
+
 @dataclass(slots=True)
 class Required:
-    """The answer of `required`, constrained to `call_schema`: a JSON array of calls, read when it ends. An answer cut
-    off before the array closed (finish_reason length) is content."""
+    """The answer of `required`, constrained to `call_schema`: a JSON array of calls, each going out once its object
+    closes (one scan of the text, whatever its cut). What follows the last call and is not the array's end (a call cut
+    off by max_tokens) is content; an answer with no call is content."""
 
     names: set[str]
     buf: str = ""
+    scanned: int = 0  # how far the scan has read buf
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False  # the last character scanned was a backslash in a string
+    start: int = -1  # where the call being scanned starts
+    done_at: int = 0  # where the last call ended
+    calls: int = 0
+    broken: bool = False  # an element that is not a call of a declared function: the rest is content
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
-        return []
+        out: list[Piece] = []
+        buf, pos = self.buf, self.scanned
+        while not self.broken:
+            if self.escaped:
+                if pos >= len(buf):
+                    break
+                self.escaped, pos = False, pos + 1
+                continue
+            m = _STRUCTURE.search(buf, pos)
+            if m is None:
+                pos = len(buf)
+                break
+            c, pos = m.group(), m.end()
+            if self.in_string:
+                self.escaped, self.in_string = c == "\\", c != '"'
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+                if self.depth == 2 and c == "{":
+                    self.start = m.start()
+            else:
+                self.depth -= 1
+                if self.depth == 1 and c == "}" and self.start >= 0:
+                    call = _call(_decoded(buf[self.start:pos]), self.names, ("arguments",))
+                    if call is None:
+                        self.broken = True
+                        break
+                    out.append(CallDelta(self.calls, *call))
+                    self.calls, self.start, self.done_at = self.calls + 1, -1, pos
+        self.scanned = pos
+        return out
 
     def close(self) -> list[Piece]:
-        raw, self.buf = self.buf, ""
-        value = _decoded(raw)
-        calls = [_call(v, self.names, ("arguments",)) for v in value] if isinstance(value, list) and value else [None]
-        if None in calls:
-            return [Content(raw)] if raw else []
-        return [CallDelta(i, *call) for i, call in enumerate(calls)]
+        rest = self.buf[self.done_at:] if self.calls else self.buf
+        self.buf, self.scanned = "", 0
+        return [] if self.calls and rest.strip() == "]" else [Content(rest)] if rest else []
 
 
 @dataclass(slots=True)

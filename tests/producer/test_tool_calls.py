@@ -65,6 +65,17 @@ def test_llama3_reads_semicolon_separated_calls_and_streams_other_answers_as_con
     assert parse(Llama3(NAMES), '{"name": "nope", "parameters": {}}').calls == []
 
 
+@pytest.mark.parametrize("cut", [1, 2, 3, 7, 10_000])
+def test_required_sends_each_call_once_its_object_closes_in_any_cut(cut):
+    text = ('[{"name": "get_time", "arguments": {"timezone": "U\\"}{TC"}}, '
+            '{"name": "get_weather", "arguments": {"city": "[x]"}}]')
+    assert collect(fed(Required(NAMES), text, cut)).calls == [("get_time", '{"timezone": "U\\"}{TC"}'),
+                                                              ("get_weather", '{"city": "[x]"}')]
+    p = Required(NAMES)
+    assert p.feed('[{"name": "get_time", "arguments": {}}') == [CallDelta(0, "get_time", "{}")]  # before the "]"
+    assert p.feed(', {"name": "get_ti') == [] and p.close() == [Content(', {"name": "get_ti')]  # cut off: content
+
+
 def test_required_and_named_answers_become_calls_and_a_cut_off_array_stays_content():
     assert parse(Required(NAMES), '[{"name": "get_time", "arguments": {"timezone": "UTC"}}]').calls == [
         ("get_time", '{"timezone": "UTC"}')]
