@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -107,41 +107,54 @@ def _held(text: str, marker: str) -> int:
 @dataclass(slots=True)
 class Hermes:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among content. A block whose JSON is not a
-    call of a declared function is content; an unclosed block at the end is read as if it were closed."""
+    call of a declared function is content; an unclosed block at the end is read as if it were closed. Each piece of
+    text is looked at once (a block's pieces are kept as a list, joined when it closes), whatever the cut."""
 
     names: set[str]
     most: int | None = None  # parallel_tool_calls false: 1, and a later block is content
-    buf: str = ""
+    held: str = ""  # content that may begin <tool_call>, held until the next text decides
     inside: bool = False
+    block: list[str] = field(default_factory=list)  # the open block's text so far
+    tail: str = ""  # its last characters, where a </tool_call> cut in two begins
     calls: int = 0
 
     def feed(self, text: str) -> list[Piece]:
-        self.buf += text
         out: list[Piece] = []
-        while True:
+        while text:
             if not self.inside:
-                at = self.buf.find(OPEN)
+                buf, text = self.held + text, ""
+                at = buf.find(OPEN)
                 if at < 0:
-                    cut = len(self.buf) - _held(self.buf, OPEN)
+                    cut = len(buf) - _held(buf, OPEN)
                     if cut:
-                        out.append(Content(self.buf[:cut]))
-                        self.buf = self.buf[cut:]
+                        out.append(Content(buf[:cut]))
+                    self.held = buf[cut:]
                     return out
                 if at:
-                    out.append(Content(self.buf[:at]))
-                self.buf, self.inside = self.buf[at:], True
-            end = self.buf.find(CLOSE, len(OPEN))
+                    out.append(Content(buf[:at]))
+                self.held, self.inside, self.block, self.tail = "", True, [OPEN], ""
+                text = buf[at + len(OPEN):]
+                continue
+            window = self.tail + text
+            end = window.find(CLOSE)
             if end < 0:
+                self.block.append(text)
+                self.tail = window[-(len(CLOSE) - 1):]
                 return out
-            block, self.buf, self.inside = self.buf[:end + len(CLOSE)], self.buf[end + len(CLOSE):], False
-            out += self._block(block, block[len(OPEN):-len(CLOSE)])
+            upto = end + len(CLOSE) - len(self.tail)  # just past </tool_call> in text (it cannot lie in tail alone)
+            self.block.append(text[:upto])
+            text, raw = text[upto:], "".join(self.block)
+            self.inside, self.block, self.tail = False, [], ""
+            out += self._block(raw, raw[len(OPEN):-len(CLOSE)])
+        return out
 
     def close(self) -> list[Piece]:
-        block, self.buf = self.buf, ""
         if self.inside:
-            self.inside = False
-            return self._block(block, block[len(OPEN):])
-        return [Content(block)] if block else []
+            raw = "".join(self.block)
+            self.inside, self.block, self.tail = False, [], ""
+            return self._block(raw, raw[len(OPEN):])
+        held, self.held = self.held, ""
+        return [Content(held)] if held else []
 
     def _block(self, raw: str, body: str) -> list[Piece]:
         call = _call(_decoded(body), self.names, ("arguments", "parameters"))
@@ -158,12 +171,16 @@ class Llama3:
 
     names: set[str]
     most: int | None = None  # parallel_tool_calls false: 1, and the text after the first call is content
-    buf: str = ""
+    buf: str = ""  # undecided: the text so far (whitespace and a python tag at most, and one more piece)
+    parts: list[str] = field(default_factory=list)  # calls: their text, joined at the end
     mode: str = ""  # "" undecided, "content", "calls"
 
     def feed(self, text: str) -> list[Piece]:
         if self.mode == "content":
             return [Content(text)] if text else []
+        if self.mode == "calls":
+            self.parts.append(text)
+            return []
         self.buf += text
         if self.mode == "":
             head = self.buf.lstrip().removeprefix(PYTHON_TAG).lstrip()
@@ -173,10 +190,11 @@ class Llama3:
             if self.mode == "content":
                 out, self.buf = [Content(self.buf)], ""
                 return out
+            self.parts, self.buf = [self.buf], ""
         return []
 
     def close(self) -> list[Piece]:
-        raw, self.buf = self.buf, ""
+        raw, self.buf, self.parts = self.buf + "".join(self.parts), "", []
         if self.mode != "calls":
             return [Content(raw)] if raw else []
         calls, decoder = [], json.JSONDecoder()
@@ -207,33 +225,31 @@ _STRUCTURE = re.compile(r'[{}\[\]"\\]')  # the characters that open or close a J
 @dataclass(slots=True)
 class Required:
     """The answer of `required`, constrained to `call_schema`: a JSON array of calls, each going out once its object
-    closes (one scan of the text, whatever its cut). What follows the last call and is not the array's end (a call cut
-    off by max_tokens) is content; an answer with no call is content."""
+    closes. Each piece of text is scanned once (its structure characters only) and kept until its call closes, so the
+    cost grows with the text, whatever its cut. What follows the last call and is not the array's end (a call cut off
+    by max_tokens) is content; an answer with no call is content."""
 
     names: set[str]
-    buf: str = ""
-    scanned: int = 0  # how far the scan has read buf
+    pending: list[str] = field(default_factory=list)  # the text since the last call ended
+    pending_len: int = 0
     depth: int = 0
     in_string: bool = False
     escaped: bool = False  # the last character scanned was a backslash in a string
-    start: int = -1  # where the call being scanned starts
-    done_at: int = 0  # where the last call ended
+    start: int = -1  # where the call being scanned starts in the pending text
     calls: int = 0
     broken: bool = False  # an element that is not a call of a declared function: the rest is content
 
     def feed(self, text: str) -> list[Piece]:
-        self.buf += text
         out: list[Piece] = []
-        buf, pos = self.buf, self.scanned
+        pos = kept = 0  # text[kept:] is not in pending yet
         while not self.broken:
             if self.escaped:
-                if pos >= len(buf):
+                if pos >= len(text):
                     break
                 self.escaped, pos = False, pos + 1
                 continue
-            m = _STRUCTURE.search(buf, pos)
+            m = _STRUCTURE.search(text, pos)
             if m is None:
-                pos = len(buf)
                 break
             c, pos = m.group(), m.end()
             if self.in_string:
@@ -243,22 +259,23 @@ class Required:
             elif c in "{[":
                 self.depth += 1
                 if self.depth == 2 and c == "{":
-                    self.start = m.start()
+                    self.start = self.pending_len + m.start() - kept
             else:
                 self.depth -= 1
                 if self.depth == 1 and c == "}" and self.start >= 0:
-                    call = _call(_decoded(buf[self.start:pos]), self.names, ("arguments",))
+                    element = ("".join(self.pending) + text[kept:pos])[self.start:]
+                    call = _call(_decoded(element), self.names, ("arguments",))
                     if call is None:
                         self.broken = True
                         break
                     out.append(CallDelta(self.calls, *call))
-                    self.calls, self.start, self.done_at = self.calls + 1, -1, pos
-        self.scanned = pos
+                    self.calls, self.start, self.pending, self.pending_len, kept = self.calls + 1, -1, [], 0, pos
+        self.pending.append(text[kept:])
+        self.pending_len += len(text) - kept
         return out
 
     def close(self) -> list[Piece]:
-        rest = self.buf[self.done_at:] if self.calls else self.buf
-        self.buf, self.scanned = "", 0
+        rest, self.pending, self.pending_len = "".join(self.pending), [], 0
         return [] if self.calls and rest.strip() == "]" else [Content(rest)] if rest else []
 
 

@@ -61,7 +61,7 @@ def test_llama3_reads_semicolon_separated_calls_and_streams_other_answers_as_con
     text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
     assert collect(fed(Llama3(NAMES), text, cut)).calls == [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
     p = Llama3(NAMES)
-    assert p.feed("  It is") == [Content("  It is")] and p.feed(" sunny") == [Content(" sunny")]
+    assert p.feed("  It is") == [Content("  It is")] and p.feed(" sunny") == [Content(" sunny")] and p.close() == []
     assert parse(Llama3(NAMES), '{"name": "nope", "parameters": {}}').calls == []
 
 
