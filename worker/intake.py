@@ -150,7 +150,8 @@ class Intake:
 
     def _tokenizer_answer(self, e: Entry, ticket: Ticket) -> Rejection:
         try:
-            return Rejection(e.stream, e.entry_id, "done", "", ticket, tokenized=answer(self.engine, ticket.job))
+            return Rejection(e.stream, e.entry_id, "done", "", ticket,
+                             tokenized=answer(self.engine, ticket.job, self.tool_prompts.prompt_ids))
         except Exception as error:  # as for a generation job: bad input, not a crash
             return Rejection(e.stream, e.entry_id, "error", f"invalid job: {ticket.job.task}: {error}", ticket)
 

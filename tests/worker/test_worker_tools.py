@@ -3,7 +3,7 @@
 whose tools are bad is an error result naming them while the worker serves the next job (invariants 3 and 8)."""
 from __future__ import annotations
 
-from kvgate.producer.protocol import Delta, Function, Message, Tools, encode
+from kvgate.producer.protocol import Delta, Function, Message, ToolCall, Tools, encode
 
 TOOLS = Tools([Function("get_weather", "The weather", '{"type":"object","properties":{"city":{"type":"string"}}}')])
 ASK = [Message("user", "Weather in Paris?")]
@@ -32,3 +32,19 @@ def test_a_forged_job_with_bad_tools_is_an_error_result_and_the_worker_serves_th
         finals = {f.job_id: f for f in queue.wait_finals(2)}
     assert finals[bad.job_id].status == "error" and "tool name 'rm -rf /'" in finals[bad.job_id].error
     assert finals[good].status == "done"
+
+
+def test_a_tokenize_job_counts_a_tool_conversation_as_its_generation_job_is_given_it(queue, thread_worker):
+    history = [*ASK, Message("assistant", "", [ToolCall("call_1", "get_weather", '{"city": "Paris"}')]),
+               Message("tool", "sunny", tool_call_id="call_1")]
+    with thread_worker():
+        counted = queue.submit(messages=history, task="tokenize")
+        generated = queue.submit(messages=history, max_tokens=1, ignore_eos=True)
+        finals = {f.job_id: f for f in queue.wait_finals(2)}
+    # the call and the tool's answer are in both, as hermes text (this template renders no tools)
+    assert len(finals[counted].token_ids) == finals[generated].usage.prompt_tokens
+    plain = [m for m in history if m.role == "user"]
+    with thread_worker():
+        bare = queue.submit(messages=plain, task="tokenize")
+        (final,) = [f for f in queue.wait_finals(3) if f.job_id == bare]
+    assert len(final.token_ids) < len(finals[counted].token_ids)
