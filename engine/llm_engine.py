@@ -164,12 +164,13 @@ class LLMEngine:
         raise RequestRejected(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """`tools`: OpenAI's function tools, as the chat template renders them (one that knows no tools ignores them)."""
+        """`tools`: OpenAI's function tools, as the chat template renders them (one that knows none ignores them)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestRejected(f"model {self.model_name!r} has no chat template: send a plain prompt")
         try:
             with_tools = {"tools": tools} if tools else {}  # the call without tools is what it always was
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **with_tools)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **with_tools)
         except Exception as e:  # template errors come in many types
             raise RequestRejected(f"chat messages do not fit the chat template: {e}") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))

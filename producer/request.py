@@ -199,7 +199,7 @@ def _function(tool: Any) -> wire.Function:
     if isinstance(tool, wire.Function):
         return tool
     if not isinstance(tool, dict):
-        raise ValueError(f"must be OpenAI's {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}, "
+        raise ValueError("must be OpenAI's {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, "
                          f"got {type(tool).__name__}")
     if "function" in tool or "type" in tool:
         if tool.get("type") != "function" or not isinstance(tool.get("function"), dict) or set(tool) - {"type",

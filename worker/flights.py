@@ -203,7 +203,8 @@ class Flights:
             flight.logprobs.extend(logprobs)
         if job.stream and (d.token_ids or d.text):
             delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, d.text, list(d.token_ids),
-                          attempt=flight.ticket.attempt, logprobs=logprobs or None, tool_parser=flight.ticket.tool_parser)
+                          attempt=flight.ticket.attempt, logprobs=logprobs or None,
+                          tool_parser=flight.ticket.tool_parser)
             got.deltas.append((job.client_id, delta, flight.ticket.key))
             flight.deltas += 1
         if not d.finished:

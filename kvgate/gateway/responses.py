@@ -102,7 +102,8 @@ class ToolReader:
                parser: str | None) -> list[dict[str, Any]]:
         if self.parser is None:
             t = self.tools
-            self.parser = parser_for(t.choice, t.function, [f.name for f in t.functions], parser or "hermes", t.parallel)
+            self.parser = parser_for(t.choice, t.function, [f.name for f in t.functions], parser or "hermes",
+                                     t.parallel)
         out = self._chunks(reply, index, self.parser.feed(text))
         if logprobs:  # the tokens' logprobs go with the first chunk their text made, or one of their own
             out = out or [reply.chunk(index)]

@@ -49,8 +49,8 @@ FIELDS: dict[Kind, set[str]] = {
     "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix", "logit_bias"},
 }
 # SDK argument -> body field, to name the field a validation error is about
-NAMES = {v: k for k, v in DIRECT.items()} | {name: name for name in TOOL_FIELDS} | {"messages": "messages", "prompt": "prompt",
-                                             "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
+NAMES = {v: k for k, v in DIRECT.items()} | {name: name for name in TOOL_FIELDS} | {
+    "messages": "messages", "prompt": "prompt", "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
 
 
 @dataclass(slots=True)

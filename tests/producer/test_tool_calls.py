@@ -52,13 +52,15 @@ def test_an_undeclared_name_or_invalid_json_stays_content_and_an_unclosed_call_i
     assert parse(Hermes(NAMES), '<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}').calls == [
         ("get_time", '{"timezone": "UTC"}')]
     deep = "[" * 100_000 + "]" * 100_000  # past the interpreter's recursion limit: not JSON, not a crash
-    assert parse(Hermes(NAMES), f"<tool_call>{deep}</tool_call>").calls == [] and parse(Required(NAMES), deep).calls == []
+    assert parse(Hermes(NAMES), f"<tool_call>{deep}</tool_call>").calls == []
+    assert parse(Required(NAMES), deep).calls == []
     assert parse(Llama3(NAMES), "{" + deep).calls == []
 
 
 @pytest.mark.parametrize("cut", [1, 3, 10_000])
 def test_llama3_reads_semicolon_separated_calls_and_streams_other_answers_as_content(cut):
-    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
+    text = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+            '{"name": "get_time", "parameters": {}}')
     assert collect(fed(Llama3(NAMES), text, cut)).calls == [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
     p = Llama3(NAMES)
     assert p.feed("  It is") == [Content("  It is")] and p.feed(" sunny") == [Content(" sunny")] and p.close() == []
