@@ -29,7 +29,8 @@ class SimulatedTokenizer:
         return "".join(f" t{i}" for i in ids)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **template_kwargs) -> str:
+                            tokenize: bool = False, tools: list | None = None,
+                            **template_kwargs) -> str:  # renders no tools
         turns = " ".join(f"<{m['role']}> {m['content']}" for m in messages)
         return f"{turns} <assistant>" if add_generation_prompt else turns
 

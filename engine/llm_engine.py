@@ -203,15 +203,18 @@ class LLMEngine:
             return list(prompt)
         raise RequestRejected(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None
+                    ) -> list[int]:
         """The messages through the model's chat template; `template_kwargs`: more variables the template reads
-        (the wire bounds them and keeps apply_chat_template's own parameters out)."""
+        (the wire bounds them and keeps apply_chat_template's own parameters out); `tools`: OpenAI's function tools,
+        as the chat template renders them (one that knows none ignores them)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestRejected(f"model {self.model_name!r} has no chat template: send a plain prompt")
         try:
+            with_tools = {"tools": tools} if tools else {}  # the call without tools is what it always was
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False, **(template_kwargs or {}))
+                                                      tokenize=False, **(template_kwargs or {}), **with_tools)
         except Exception as e:  # template errors come in many types
             raise RequestRejected(f"chat messages do not fit the chat template: {e}") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))

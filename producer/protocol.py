@@ -34,6 +34,9 @@ from .urls import split_url
 # before; a worker from before them answers a tokenizer job with an error result naming the field.
 # Task `embed`, Job's `embedding` and Final's `embedding` came the same way: a worker from before them answers an
 # embedding job with an error result naming the task.
+# Tool calling came the same way: Job's `tools`, Message's `tool_calls`, `tool_call_id` and `name`, Final's
+# `tool_calls` and `content`, Delta's `tool_parser`; a job without them encodes as before, and a worker from before
+# them answers one that carries them with an error result naming the field.
 PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 JOB_VERSION = 1
@@ -59,6 +62,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 TemplateValue = str | int | float | bool | None
 MAX_EMBEDDING_DIMENSIONS = 65_536  # far above any model's hidden size; the worker refuses more than its model has
+MAX_TOOLS = 128  # OpenAI's limit of functions a request declares
+MAX_TOOL_CALLS = 128  # calls one assistant message of a conversation's history holds
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with top-20 logprobs runs to megabytes
 PRIORITIES = ("high", "normal", "low")  # read in this order
 DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
@@ -71,7 +77,7 @@ DEFAULT_TENANT = "default"  # the tenant of a bare API key and of an open gatewa
 Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
 Role = Literal["system", "user", "assistant", "tool"]  # the SDK's roles; a raw job with another is bad input
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]  # tool_calls: the SDK's reading of a stop
 # What a job asks of a worker: generate (the engine runs it), embed (the engine computes its prompt and pools the
 # final hidden states into one vector, generating nothing), or tokenize / detokenize (the worker answers from its
 # own tokenizer at once, without the engine or its KV cache: worker/tokenizer_jobs.py)
@@ -83,9 +89,71 @@ class ProtocolError(ValueError):
     """A payload that is not a valid message of this protocol."""
 
 
-class Message(msgspec.Struct, forbid_unknown_fields=True):
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One call of a function: in an assistant message of the history, and in a final answer (Final.tool_calls)."""
+
+    id: str
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI's (a model may write invalid JSON: the caller validates it)
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     role: Role
     content: str
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
+    name: str | None = None  # OpenAI's participant name (a tool's answer: the function's)
+
+    def size(self) -> int:
+        return len(self.content) + sum(len(c.arguments) + len(c.name) for c in self.tool_calls or ())
+
+
+class Function(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    description: str = ""
+    parameters: str = ""  # the JSON schema of its arguments as text; "": it takes none
+
+
+TOOL_CHOICES = ("auto", "required", "function")
+
+
+class Tools(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """The functions a chat job may call, rendered by the worker's chat template, and how it may call them: `auto`
+    (the model decides; the worker's parser reads its calls), `required` (at least one call: the worker constrains the
+    answer to a JSON array of calls), `function` (a call of `function`: the answer is constrained to its arguments).
+    Not calling (OpenAI's tool_choice none) is a job without tools."""
+
+    functions: list[Function]
+    choice: Literal["auto", "required", "function"] = "auto"
+    function: str = ""  # choice "function": the one to call
+    parallel: bool = True  # more than one call in an answer (OpenAI's parallel_tool_calls)
+
+    def problem(self) -> str | None:
+        if not 0 < len(self.functions) <= MAX_TOOLS:
+            return f"tools has {len(self.functions)} functions; it must have 1 to {MAX_TOOLS}"
+        size = sum(len(f.name) + len(f.description) + len(f.parameters) for f in self.functions)
+        if size > MAX_STRUCTURED_CHARS:
+            return f"tools hold {size} characters, over the limit of {MAX_STRUCTURED_CHARS}"
+        names = [f.name for f in self.functions]
+        for f in self.functions:
+            if not TOOL_NAME.fullmatch(f.name):
+                return (f"tool name {f.name[:80]!r} must be 1 to 64 letters, digits, '_' or '-' (for example "
+                        "'get_weather')")
+            if names.count(f.name) > 1:
+                return f"tool name {f.name!r} is declared twice; every function needs its own name"
+            if f.parameters:
+                try:
+                    schema = msgspec.json.decode(f.parameters)
+                except msgspec.DecodeError as e:
+                    return f"tool {f.name!r} parameters is not valid JSON: {e}"
+                if not isinstance(schema, dict):
+                    return f"tool {f.name!r} parameters must be a JSON schema object, got {type(schema).__name__}"
+        if (self.choice == "function") != bool(self.function):
+            return "tools choice 'function' names its function in `function`, and only it does"
+        if self.function and self.function not in names:
+            return f"tool choice names function {self.function!r}, which tools does not declare (declared: " \
+                   f"{', '.join(names)[:200]})"
+        return None
 
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -216,6 +284,7 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     chat_template_kwargs: dict[str, TemplateValue] | None = None
     add_generation_prompt: bool = True
     embedding: Embedding | None = None  # task embed: how to pool (None: the defaults); no other task takes it
+    tools: Tools | None = None  # functions a chat job may call (messages only), rendered by the chat template
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -265,6 +334,9 @@ class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     attempt: int = 1
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the job asked
     prompt_tokens: int = 0  # on an attempt's first delta: the prompt's length in tokens (streamed usage); else 0
+    # a job with tools of choice auto: the format the serving worker reads calls in (tool_calls.PARSERS), so a stream
+    # reader parses the text as the worker parses the final
+    tool_parser: str | None = None
 
 
 class Final(msgspec.Struct, tag="final", omit_defaults=True):
@@ -290,6 +362,10 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     prompt_logprobs: list[TokenLogprob] | None = None
     # embed: the vector, float32 little-endian (4 bytes a dimension: 4 KiB for 1,024; msgpack bin, no float list)
     embedding: bytes | None = None
+    # a job with tools: the calls its text makes, read by the worker (tool_calls.py), and the text outside them
+    # (None: only calls). `text` stays the whole answer, as its stream reconstructs it.
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
 
 Event = Delta | Final
@@ -403,8 +479,19 @@ def validate_job(job: Job) -> None:
     if job.messages is not None:
         if not 0 < len(job.messages) <= MAX_MESSAGES:
             raise ProtocolError(f"messages has {len(job.messages)} entries; it must have 1 to {MAX_MESSAGES}")
-        if sum(len(m.content) for m in job.messages) > MAX_PROMPT_CHARS:
+        if sum(m.size() for m in job.messages) > MAX_PROMPT_CHARS:
             raise ProtocolError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
+        for i, m in enumerate(job.messages):
+            if (problem := message_problem(m)) is not None:
+                raise ProtocolError(f"messages[{i}] {problem}")
+    if job.tools is not None:
+        if job.messages is None or job.task != "generate":
+            raise ProtocolError("tools go with chat messages of a generation job, not a prompt or token ids")
+        if (problem := job.tools.problem()) is not None:
+            raise ProtocolError(problem)
+        if job.tools.choice != "auto" and job.sampling.structured is not None:
+            raise ProtocolError(f"tool choice {job.tools.choice} constrains the answer to a call; give it or "
+                                "structured, not both")
     if job.task == "tokenize" and job.prompt_token_ids is not None:
         raise ProtocolError("a tokenize job takes a prompt or messages, not prompt_token_ids")
     if job.task == "detokenize" and job.prompt_token_ids is None:
@@ -434,6 +521,22 @@ def validate_job(job: Job) -> None:
         for spec in EMBEDDING_FIELDS:
             if (problem := spec.problem(getattr(job.embedding, spec.name))) is not None:
                 raise ProtocolError(problem)
+
+
+def message_problem(m: Message) -> str | None:
+    """What makes a message's tool fields unusable, or None."""
+    if m.tool_calls is not None:
+        if m.role != "assistant" or len(m.tool_calls) > MAX_TOOL_CALLS:
+            return f"tool_calls go on an assistant message, at most {MAX_TOOL_CALLS}; got role {m.role}"
+        for c in m.tool_calls:
+            if not TOOL_NAME.fullmatch(c.name) or not 0 < len(c.id) <= 128:
+                return (f"tool call {c.name[:80]!r} needs a function name of 1 to 64 letters, digits, '_' or '-' and "
+                        "an id of 1 to 128 characters")
+    if m.tool_call_id is not None and (m.role != "tool" or not 0 < len(m.tool_call_id) <= 128):
+        return "tool_call_id goes on a tool message and has 1 to 128 characters"
+    if m.name is not None and not 0 < len(m.name) <= 64:
+        return "name must have 1 to 64 characters"
+    return None
 
 
 def encode_metadata(metadata: dict[str, str]) -> bytes:

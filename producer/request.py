@@ -54,7 +54,7 @@ def _metadata_size(metadata: dict[str, str]) -> dict[str, str]:
 
 
 def _total_chars(messages: list) -> list:
-    total = sum(len(m.content) for m in messages)
+    total = sum(m.to_wire().size() for m in messages)
     if total > wire.MAX_PROMPT_CHARS:
         raise ValueError(f"hold {total} characters together, over the limit of {wire.MAX_PROMPT_CHARS}")
     return messages
@@ -91,10 +91,45 @@ def _idempotency_key(key: str) -> str:
     return key
 
 
+def _arguments(value: Any) -> Any:
+    """A call's arguments as OpenAI sends them (JSON text), or as a dict, which is sent as its JSON text."""
+    return msgspec.json.encode(value).decode() if isinstance(value, dict) else value
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    name: Annotated[str, Field(pattern=wire.TOOL_NAME.pattern)]
+    arguments: Annotated[Text, BeforeValidator(_arguments), Field(max_length=wire.MAX_PROMPT_CHARS)] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """An assistant message's call in OpenAI's shape: {"id", "type": "function", "function": {"name", "arguments"}}."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _no_content(value: Any) -> Any:
+    return "" if value is None else value  # an assistant message of tool calls alone has content None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
     role: Literal["system", "user", "assistant", "tool"]
-    content: Annotated[Text, Field(max_length=wire.MAX_PROMPT_CHARS)]
+    content: Annotated[Text, BeforeValidator(_no_content), Field(max_length=wire.MAX_PROMPT_CHARS)]
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=wire.MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    name: Annotated[Text, Field(min_length=1, max_length=64)] | None = None
+
+    def to_wire(self) -> wire.Message:
+        calls = None if self.tool_calls is None else [wire.ToolCall(c.id, c.function.name, c.function.arguments)
+                                                     for c in self.tool_calls]
+        message = wire.Message(self.role, self.content, calls, self.tool_call_id, self.name)
+        if (problem := wire.message_problem(message)) is not None:
+            raise ValueError(problem)
+        return message
 
 
 def _structured(value: Any) -> wire.Structured | None:
@@ -169,6 +204,55 @@ def structured_of(response_format: Any = None, regex: str | None = None, choice:
             raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
         return wire.Structured("json_schema", msgspec.json.encode(schema).decode())
     return wire.Structured("json_schema", msgspec.json.encode(response_format).decode())  # a JSON schema itself
+
+
+def _function(tool: Any) -> wire.Function:
+    """One of `tools`: OpenAI's {"type": "function", "function": {"name", "description", "parameters", "strict"}}, or
+    the function dict alone."""
+    if isinstance(tool, wire.Function):
+        return tool
+    if not isinstance(tool, dict):
+        raise ValueError("must be OpenAI's {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, "
+                         f"got {type(tool).__name__}")
+    if "function" in tool or "type" in tool:
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict) or set(tool) - {"type",
+                                                                                                       "function"}:
+            raise ValueError("must be {'type': 'function', 'function': {...}}: function tools only")
+        tool = tool["function"]
+    unknown = set(tool) - {"name", "description", "parameters", "strict"}
+    if unknown:
+        raise ValueError(f"function has unknown field(s) {sorted(unknown)}; it takes name, description, parameters, "
+                         "strict")
+    name, description, params = tool.get("name"), tool.get("description", ""), tool.get("parameters")
+    if not isinstance(name, str) or not isinstance(description, str) or (params is not None and
+                                                                         not isinstance(params, dict)):
+        raise ValueError("function needs a string name, a string description and parameters as a JSON schema object")
+    if tool.get("strict") not in (None, True, False):
+        raise ValueError("function strict must be true or false")
+    _utf8(description)
+    return wire.Function(name, description, "" if params is None else msgspec.json.encode(params).decode())
+
+
+def _tools(value: Any) -> Any:
+    if value is None or not isinstance(value, (list, tuple)):
+        return value
+    return [_function(t) for t in value]
+
+
+def _tool_choice(value: Any) -> Any:
+    """"none" | "auto" | "required" | {"type": "function", "function": {"name": ...}} (or the name alone)."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"} and \
+            isinstance(value["function"], dict) and set(value["function"]) == {"name"}:
+        value = value["function"]["name"]
+    if isinstance(value, str) and wire.TOOL_NAME.fullmatch(value):
+        return {"type": "function", "function": {"name": value}}
+    raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+
+
+Tools = Annotated[list[Any], BeforeValidator(_tools), Field(min_length=1, max_length=wire.MAX_TOOLS),
+                  PlainSerializer(lambda v: None if v is None else msgspec.to_builtins(v))]
 
 
 def _sdk_field(spec: Spec) -> tuple[Any, Any]:
@@ -246,6 +330,29 @@ class SubmitRequest(_PromptAndSampling):
     choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=wire.MAX_CHOICES)] \
         | None = None
     grammar: Annotated[Text, Field(min_length=1, max_length=wire.MAX_STRUCTURED_CHARS)] | None = None
+    # functions the model may call (chat messages only): OpenAI's tools, tool_choice and parallel_tool_calls
+    tools: Tools | None = None
+    tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None  # None: auto with tools
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_use(self) -> "SubmitRequest":
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError(f"tool_choice={self.tool_choice!r} needs tools")
+        if (tools := self.wire_tools()) is not None:
+            if self.messages is None:
+                raise ValueError("tools go with chat messages, not a prompt or token ids")
+            if problem := tools.problem():
+                raise ValueError(problem)
+        return self
+
+    def wire_tools(self) -> wire.Tools | None:
+        """The job's tools; None where none are given or tool_choice is 'none' (the model is not shown them)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        named = self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else ""
+        choice = "function" if named else self.tool_choice or "auto"
+        return wire.Tools(list(self.tools), choice, named, self.parallel_tool_calls)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "SubmitRequest":
@@ -283,7 +390,8 @@ class SubmitRequest(_PromptAndSampling):
     def _defaults(self) -> set[str]:
         """Fields newer than digests that hold their default: left out, so a generation job's digest stays."""
         fields = type(self).model_fields
-        return {name for name in ("task", "add_special_tokens", *NEWER_THAN_DIGESTS, *EMBEDDING_DEFAULTS)
+        return {name for name in ("task", "add_special_tokens", *NEWER_THAN_DIGESTS, *EMBEDDING_DEFAULTS, "tools",
+                                  "tool_choice", "parallel_tool_calls")
                 if getattr(self, name) in (fields[name].default, {})}
 
 
@@ -333,8 +441,17 @@ def plain_messages(request: Any) -> Any:
     messages = request.get("messages") if isinstance(request, dict) else None
     if not isinstance(messages, (list, tuple)):  # None, or a wrong type that validation names as a whole
         return request
-    return {**request, "messages": [{"role": m.role, "content": m.content} if isinstance(m, wire.Message) else m
-                                    for m in messages]}
+    return {**request, "messages": [message_dict(m) if isinstance(m, wire.Message) else m for m in messages]}
+
+
+def message_dict(m: wire.Message) -> dict[str, Any]:
+    """A wire message as the dict submit takes (OpenAI's shape)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls is not None:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+    out |= {k: getattr(m, k) for k in ("tool_call_id", "name") if getattr(m, k) is not None}
+    return out
 
 
 def validate_request(kwargs: dict[str, Any], where: str = "") -> SubmitRequest:
@@ -402,14 +519,14 @@ def new_job_id() -> str:
 def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, where: str = "") -> wire.Job:
     now = time.time()
     deadline = now + req.ttl_s if req.ttl_s is not None else req.deadline
-    messages = [wire.Message(m.role, m.content) for m in req.messages] if req.messages else None
+    messages = [m.to_wire() for m in req.messages] if req.messages else None
     job = wire.Job(v=wire.JOB_VERSION, job_id=job_id or new_job_id(), client_id=client_id, enqueued_at=now,
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
                    sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
                    idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model,
                    tenant=req.tenant, task=req.task, add_special_tokens=req.add_special_tokens,
                    chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
-                   embedding=req.embedding())
+                   embedding=req.embedding(), tools=req.wire_tools())
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol import Final, FinishReason, Status, Timings, TokenLogprob, Usage
+from .protocol import Final, FinishReason, Status, Timings, TokenLogprob, ToolCall, Usage
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,6 +32,10 @@ class Result:
     parsed: Any = None
     parse_error: str | None = None
     embedding: list[float] | None = None  # an embedding job's vector (task embed)
+    # submitted with tools: the calls the answer makes (finish_reason "tool_calls" when it ended by itself), and its
+    # text outside them (None: calls alone); `text` stays the whole answer
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
     @classmethod
     def from_final(cls, final: Final, parse_as: Any = None) -> "Result":
@@ -42,11 +46,13 @@ class Result:
             except ValueError as e:  # pydantic's ValidationError is a ValueError
                 error = (f"the answer does not validate as {parse_as.__name__} (finish_reason "
                          f"{final.finish_reason}): {e}")
-        return cls(final.job_id, final.status, final.text, list(final.token_ids), final.finish_reason, final.error,
+        finish = "tool_calls" if final.tool_calls and final.finish_reason == "stop" else final.finish_reason
+        return cls(final.job_id, final.status, final.text, list(final.token_ids), finish, final.error,
                    final.usage, final.worker, final.timings, final.metadata, final.attempt,
                    model=final.model, logprobs=final.logprobs, max_model_len=final.max_model_len, parsed=parsed,
                    parse_error=error, prompt_logprobs=final.prompt_logprobs,
-                   embedding=None if final.embedding is None else floats(final.embedding))
+                   embedding=None if final.embedding is None else floats(final.embedding),
+                   tool_calls=final.tool_calls, content=final.content)
 
     @property
     def ok(self) -> bool:

@@ -37,7 +37,7 @@ class Layer:
 # hashes to (lanes). They import only one another, never the rest of the SDK (client, handles, errors, queue
 # statistics), which the worker never reaches.
 SHARED_WITH_WORKERS = ("kvgate.producer.protocol", "kvgate.producer.redis_url", "kvgate.producer.cluster",
-                       "kvgate.producer.shards", "kvgate.producer.lanes")
+                       "kvgate.producer.shards", "kvgate.producer.lanes", "kvgate.producer.tool_calls")
 
 # First match wins. Everything else under kvgate/ (commands, gateway, bench) sits above every layer.
 LAYERS = (
@@ -51,6 +51,7 @@ LAYERS = (
     Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards",
                                       "kvgate.producer.steps", "kvgate.producer.urls"), HEAVY),
     Layer("kvgate.producer.lanes", ("kvgate.producer.protocol",), HEAVY),
+    Layer("kvgate.producer.tool_calls", (), HEAVY),  # the parsers of tool calls, no I/O: worker, SDK and gateway
     Layer("kvgate.producer.protocol", ("kvgate.producer.shards", "kvgate.producer.fields", "kvgate.producer.urls"),
           HEAVY),
     # Redis URLs split without urllib's netloc checks (several hosts, bracketed IPv6): the standard library only

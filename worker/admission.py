@@ -28,6 +28,7 @@ class Ticket:
     shared: int = 0  # leading prompt tokens the engine held in its prefix cache when the job was read
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, kept for each fit check
     pooling: Any = None  # an embedding job's PoolingParams: it generates nothing, so its budget is 0
+    tool_parser: str | None = None  # a job with tools of choice auto: the format its calls are read in
 
     @property
     def key(self) -> str:

@@ -13,7 +13,8 @@ from typing import Any
 from kvgate.engine.detokenizer import TextDelta
 from kvgate.engine.detokenizer_thread import DetokenizerThread, StepText
 from kvgate.engine.outputs import RequestRejected, StepOutput
-from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Final, Timings, TokenLogprob, Usage
+from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Final, Job, Timings, TokenLogprob, ToolCall, Usage
+from kvgate.producer.tool_calls import call_id, parse, parser_for
 from kvgate.worker.admission import Ticket
 from kvgate.worker.engine import Engine
 from kvgate.worker.logprobs import TokenRenderer
@@ -70,9 +71,24 @@ def final_of(ended: Ended, *, worker: str, model: str, finished_at: float) -> Fi
         final.logprobs = flight.logprobs if flight is not None else None
         final.prompt_logprobs = flight.prompt_logprobs if flight is not None else None
         final.embedding = out.embedding
+        if job.tools is not None and ended.status == "done":
+            final.tool_calls, final.content = tool_calls_of(job, ended.ticket.tool_parser, final.text)
     if (answer := ended.tokenized) is not None:
         final.token_ids, final.text, final.max_model_len = answer.token_ids, answer.text, answer.max_model_len
     return final
+
+
+def tool_calls_of(job: Job, parser: str | None, text: str) -> tuple[list[ToolCall] | None, str | None]:
+    """The calls an answer of a job with tools makes, read as its tool choice says, and its text outside them."""
+    tools = job.tools
+    try:
+        got = parse(parser_for(tools.choice, tools.function, [f.name for f in tools.functions], parser or "",
+                               tools.parallel), text)
+    except (ValueError, RecursionError):  # a model's text never stops the worker: unreadable calls stay content
+        return None, None
+    if not got.calls:
+        return None, None
+    return [ToolCall(call_id(job.job_id, i), name, args) for i, (name, args) in enumerate(got.calls)], got.content
 
 
 def observe_finished(metrics: Any, final: Final, tenant: str | None = None) -> None:
@@ -197,7 +213,8 @@ class Flights:
         if job.stream and (d.token_ids or d.text):
             delta = Delta(PROTOCOL_VERSION, job.job_id, flight.deltas, d.text, list(d.token_ids),
                           attempt=flight.ticket.attempt, logprobs=logprobs or None,
-                          prompt_tokens=0 if flight.deltas else len(flight.ticket.prompt_ids))
+                          prompt_tokens=0 if flight.deltas else len(flight.ticket.prompt_ids),
+                          tool_parser=flight.ticket.tool_parser)
             got.deltas.append((job.client_id, delta, flight.ticket.key))
             flight.deltas += 1
         if not d.finished:

@@ -4,14 +4,16 @@ Every defect becomes a rejection whose text names the problem, so the client get
 the worker keeps serving (invariant 3)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from kvgate.engine.pooling_params import PoolingParams
+from kvgate.engine.constraints import StructuredOutput
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.producer.protocol import FIELD, SAMPLING_FIELDS, Job, ProtocolError, Sampling, decode_job
+from kvgate.producer.protocol import (FIELD, MAX_STRUCTURED_CHARS, SAMPLING_FIELDS, Job, ProtocolError, Sampling,
+                                      decode_job)
 from kvgate.worker.admission import Ticket
 from kvgate.worker.affinity import Affinity
 from kvgate.worker.clock import ServerClock
@@ -19,6 +21,7 @@ from kvgate.worker.engine import Engine
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.reader import Entry
 from kvgate.worker.tokenizer_jobs import Tokenized, answer
+from kvgate.worker.tool_prompt import ToolPrompts, required_constraint
 
 FIELD_BYTES = FIELD.encode()
 
@@ -98,6 +101,11 @@ class Intake:
     max_deliveries: int
     metrics: Any
     embeddings: str = "on"  # on | off | only (worker settings)
+    tool_call_parser: str = "auto"  # the format `auto` tool calls are read in; auto: the chat template's
+    tool_prompts: ToolPrompts = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tool_prompts = ToolPrompts(self.engine, self.tool_call_parser)
 
     def tickets(self, entries: list[Entry]) -> tuple[list[Ticket], list[Rejection]]:
         tickets, rejections = [], []
@@ -127,7 +135,10 @@ class Intake:
             return Rejection(e.stream, e.entry_id, "error", refusal, ticket)
         try:
             ticket.params = sampling_params(job.sampling)
-            ticket.prompt_ids = prompt_ids(self.engine, job)
+            if job.tools is not None or any(m.tool_calls or m.role == "tool" for m in job.messages or ()):
+                self._tool_use(ticket)
+            else:
+                ticket.prompt_ids = prompt_ids(self.engine, job)
             if job.task == "embed":
                 ticket.pooling = pooling_params(job)
                 return ticket  # an embedding neither reads nor fills the prefix cache: nothing shared, no lane prefix
@@ -149,9 +160,23 @@ class Intake:
                     "only): send embedding jobs, or generation jobs to a model served for them")
         return None
 
+    def _tool_use(self, ticket: Ticket) -> None:
+        """A chat job with tools (or a history of calls): its prompt with the tools rendered, the constraint of a
+        required or named call, and the parser an `auto` answer is read with."""
+        job = ticket.job
+        ticket.prompt_ids = self.tool_prompts.prompt_ids(job)
+        if job.tools is None:
+            return
+        ticket.tool_parser = self.tool_prompts.parser() if job.tools.choice == "auto" else None
+        if (constraint := required_constraint(job.tools)) is not None:
+            if (problem := constraint.problem(2 * MAX_STRUCTURED_CHARS)) is not None:
+                raise ValueError(problem)
+            ticket.params.structured = StructuredOutput.of(constraint)
+
     def _tokenizer_answer(self, e: Entry, ticket: Ticket) -> Rejection:
         try:
-            return Rejection(e.stream, e.entry_id, "done", "", ticket, tokenized=answer(self.engine, ticket.job))
+            return Rejection(e.stream, e.entry_id, "done", "", ticket,
+                             tokenized=answer(self.engine, ticket.job, self.tool_prompts.prompt_ids))
         except Exception as error:  # as for a generation job: bad input, not a crash
             return Rejection(e.stream, e.entry_id, "error", f"invalid job: {ticket.job.task}: {error}", ticket)
 

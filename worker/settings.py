@@ -45,6 +45,10 @@ class WorkerSettings(BaseSettings, EngineConfig):
     embeddings: Literal["on", "off", "only"] = _s(
         "on", "embedding jobs (task embed): on: served beside generation; only: this worker's model names serve "
         "embeddings alone (a generation job gets an error result saying so); off: refused with an error result")
+    tool_call_parser: Literal["auto", "hermes", "llama3"] = _s(
+        "auto", "the format tool calls of tool_choice auto are read in: hermes (<tool_call> JSON blocks: Hermes, "
+                "Qwen2.5/3, and models whose chat template renders no tools, which get kvgate's hermes prompt), "
+                "llama3 (bare {\"name\", \"parameters\"} JSON); auto: from the chat template")
 
     # simulated engine (no model; the W-FLEET cost model)
     simulated: bool = _s(False, "run the cost-model engine instead of a model (fleet tests and benchmarks)")

@@ -95,7 +95,7 @@ class Worker:
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
                              len(self.served.names), self.fair)
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics,
-                             s.embeddings)
+                             s.embeddings, s.tool_call_parser)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
         self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model, self.fair)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,

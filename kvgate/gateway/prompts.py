@@ -5,33 +5,46 @@ from typing import Any
 
 from .errors import invalid, unsupported
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# keys an assistant message may carry as long as they say nothing (no tool calls, no refusal, no audio)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# keys an assistant message may carry as long as they say nothing (no refusal, no audio, no deprecated function call)
 EMPTY_OK = ("tool_calls", "refusal", "audio", "function_call")
+# keys taken as given, checked by the SDK: an assistant's calls, the call a tool message answers, a participant name
+TOOL_KEYS = {"assistant": ("tool_calls", "name"), "tool": ("tool_call_id", "name"), "user": ("name",),
+             "system": ("name",), "developer": ("name",)}
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "messages must be a non-empty array of {role, content} objects")
     return [_message(i, m) for i, m in enumerate(messages)]
 
 
-def _message(i: int, m: Any) -> dict[str, str]:
+def _message(i: int, m: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise invalid(where, f"{where} must be an object with role and content")
     role = m.get("role")
-    if role in ("tool", "function"):
-        raise unsupported(f"{where}.role", role, " (no tool calling)")
+    if role == "function":
+        raise unsupported(f"{where}.role", role, " (deprecated: answer a tool call with role tool and its "
+                                                 "tool_call_id)")
     if role not in ROLES:
         raise invalid(f"{where}.role", f"{where}.role={role!r} must be one of {sorted(ROLES)}")
+    out: dict[str, Any] = {"role": ROLES[role]}
     for key, value in m.items():
         if key in ("role", "content"):
+            continue
+        if key in TOOL_KEYS[role] and value is not None and value != []:
+            out[key] = value
             continue
         if key in EMPTY_OK and not value:
             continue
         raise unsupported(f"{where}.{key}", value)
-    return {"role": ROLES[role], "content": _content(where, m.get("content"))}
+    if role == "tool" and not isinstance(out.get("tool_call_id"), str):
+        raise invalid(f"{where}.tool_call_id", f"{where} is a tool message: it needs the tool_call_id of the call it "
+                                               "answers")
+    content = m.get("content")
+    out["content"] = "" if content is None and out.get("tool_calls") else _content(where, content)
+    return out
 
 
 def _content(where: str, content: Any) -> str:

@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.producer import Result, TokenLogprob
-from kvgate.openai.shapes import chat_logprobs, choice, completion_logprobs, prompt_text, text_length
+from kvgate.openai.shapes import (chat_logprobs, choice, completion_logprobs, finish_reason, prompt_text,
+                                  text_length)
+from kvgate.producer.protocol import Tools
+from kvgate.producer.tool_calls import Content, Parser, Piece, call_id, parser_for
 
 from .errors import ApiError
 from .translate import Plan
@@ -44,7 +47,7 @@ class Reply:
         if p.prompt_only:  # echo with max_tokens 0: the one token generated is not part of the answer
             text, logprobs, reason = "", [] if logprobs is not None else None, "length"
         if not p.echo:
-            return choice(p.kind == "chat", index, text, reason, logprobs)
+            return choice(p.kind == "chat", index, text, reason, logprobs, r.tool_calls, r.content)
         prompt = p.submits[index if at is None else at].get("prompt")
         text = (prompt if prompt is not None else prompt_text(r.prompt_logprobs or [])) + text
         return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs, prompt=r.prompt_logprobs),
@@ -86,13 +89,55 @@ class Reply:
             out["usage"] = None
         return out
 
+    def tool_chunk(self, index: int, piece: Piece, job_id: str) -> dict[str, Any]:
+        """A chat stream's chunk of one parsed piece: content, or a call's first piece (index, id, type, name and its
+        first arguments) or a later one (index and arguments to append), as OpenAI streams calls."""
+        if isinstance(piece, Content):
+            return self.chunk(index, piece.text)
+        call: dict[str, Any] = {"index": piece.index, "function": {"arguments": piece.arguments}}
+        if piece.name is not None:
+            call = {"index": piece.index, "id": call_id(job_id, piece.index), "type": "function",
+                    "function": {"name": piece.name, "arguments": piece.arguments}}
+        out = self.chunk(index)
+        out["choices"][0]["delta"]["tool_calls"] = [call]
+        return out
+
     def usage_chunk(self, results: list[Result]) -> dict[str, Any]:
         return self.head(chunk=True) | {"choices": [], "usage": self.usage(results)}
 
 
+@dataclass(slots=True)
+class ToolReader:
+    """One streamed chat choice of a request with tools: its text deltas read for calls by the parser the final is read
+    with (auto: the format the serving worker names on its deltas), as content and tool-call chunks."""
+
+    tools: Tools
+    job_id: str
+    parser: Parser | None = None
+    called: bool = False
+
+    def chunks(self, reply: Reply, index: int, text: str, logprobs: list[TokenLogprob] | None,
+               parser: str | None) -> list[dict[str, Any]]:
+        if self.parser is None:
+            t = self.tools
+            self.parser = parser_for(t.choice, t.function, [f.name for f in t.functions], parser or "hermes",
+                                     t.parallel)
+        out = self._chunks(reply, index, self.parser.feed(text))
+        if logprobs:  # the tokens' logprobs go with the first chunk their text made, or one of their own
+            out = out or [reply.chunk(index)]
+            out[0]["choices"][0]["logprobs"] = chat_logprobs(logprobs)
+        return out
+
+    def close(self, reply: Reply, index: int) -> list[dict[str, Any]]:
+        return self._chunks(reply, index, self.parser.close()) if self.parser is not None else []
+
+    def _chunks(self, reply: Reply, index: int, pieces: list[Piece]) -> list[dict[str, Any]]:
+        self.called = self.called or any(not isinstance(p, Content) for p in pieces)
+        return [reply.tool_chunk(index, p, self.job_id) for p in pieces if not isinstance(p, Content) or p.text]
+
+
 def finish(r: Result) -> str | None:
-    # "abort" (the job was stopped early) has no OpenAI name; "stop" is what a client can act on
-    return "length" if r.finish_reason == "length" else "stop"
+    return finish_reason(r)
 
 
 def failure(r: Result) -> ApiError | None:

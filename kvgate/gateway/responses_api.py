@@ -121,9 +121,8 @@ class ResponsesApi:
         try:
             while True:
                 _, item = await inbox.get()
-                if isinstance(item, tuple):
-                    text, _, _, logprobs = item
-                    yield frame(events.delta(text, logprobs))
+                if isinstance(item, sse.StreamText):
+                    yield frame(events.delta(item.text, item.logprobs))
                     continue
                 if isinstance(item, Result):
                     closing = events.closing(item)

@@ -11,18 +11,29 @@ long is cancelled and the stream ends with a 504-shaped timeout error.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import msgspec
 
 from kvgate.producer import AsyncJobHandle, KvgateError, Result
+from kvgate.producer.protocol import TokenLogprob
 
 from .errors import ApiError, from_sdk
 from .replay import Replay
-from .responses import Reply, failure, finish
+from .responses import Reply, ToolReader, failure, finish
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must pass each event at once
+
+
+class StreamText(NamedTuple):
+    """New text of a job's stream, as its pump hands it on: the tokens' logprobs (when asked), the tool-call parser
+    its worker names (a job with tools of choice auto), and the choice's (prompt, completion) tokens so far."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None
+    parser: str | None
+    usage: tuple[int, int]
 
 
 def frame(payload: dict[str, Any]) -> bytes:
@@ -39,12 +50,17 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
     inbox: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(i, h, timeout, inbox)) for i, h in enumerate(handles)]
     results: list[Result | None] = [None] * len(handles)
+    tools = [None if reply.plan.tools is None else ToolReader(reply.plan.tools, h.job_id) for h in handles]
     try:
         for _ in range(len(handles)):
             while True:
                 i, item = await inbox.get()
-                if isinstance(item, tuple):
-                    yield frame(reply.chunk(i, *item))
+                if isinstance(item, StreamText):
+                    if tools[i] is None:
+                        yield frame(reply.chunk(i, item.text, None, False, item.logprobs, item.usage))
+                    else:
+                        for chunk in tools[i].chunks(reply, i, item.text, item.logprobs, item.parser):
+                            yield frame(chunk)
                     continue
                 error = _error_of(item, timeout)
                 if error is not None:
@@ -52,8 +68,13 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
                     yield DONE
                     return
                 results[i] = item
+                reason = finish(item)
+                if tools[i] is not None:
+                    for chunk in tools[i].close(reply, i):
+                        yield frame(chunk)
+                    reason = "tool_calls" if tools[i].called and reason == "stop" else reason
                 usage = (item.usage.prompt_tokens, item.usage.completion_tokens)
-                yield frame(reply.chunk(i, finish_reason=finish(item), usage=usage))
+                yield frame(reply.chunk(i, finish_reason=reason, usage=usage))
                 break
         if reply.plan.include_usage:
             yield frame(reply.usage_chunk(results))
@@ -83,7 +104,7 @@ async def _pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Q
             # a token that ends mid-character has no text yet (the next delta carries it), but has its logprob
             prompt_tokens = getattr(item, "prompt_tokens", 0) or prompt_tokens  # an attempt's first delta has it
             if (new := replay.take(item)) is not None:
-                inbox.put_nowait((i, (new[0], None, False, new[1], (prompt_tokens, replay.sent_tokens))))
+                inbox.put_nowait((i, StreamText(new[0], new[1], item.tool_parser, (prompt_tokens, replay.sent_tokens))))
         inbox.put_nowait((i, await handle.result(0)))
     except (KvgateError, ApiError) as e:
         inbox.put_nowait((i, e))

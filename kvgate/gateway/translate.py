@@ -1,6 +1,6 @@
 """An OpenAI request body as SDK submits: one per choice (n per prompt), validated before anything is enqueued.
 
-Every body field is either honoured, accepted only at the value that changes nothing (tools=[],
+Every body field is either honoured, accepted only at the value that changes nothing (functions=[],
 response_format text, ...), or refused with a 400 naming it: a parameter is never silently ignored.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Callable, Literal
 from kvgate.producer import InvalidRequest
 from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, logit_bias_of,
                                   requested_logprobs, structured_of_body)
-from kvgate.producer.protocol import SAMPLING_FIELDS
-from kvgate.producer.request import validate_request
+from kvgate.producer.protocol import SAMPLING_FIELDS, Tools
+from kvgate.producer.request import SubmitRequest, validate_request
 
 from .errors import from_sdk, invalid, unsupported
 from .prompts import chat_messages, completion_prompts
@@ -30,11 +30,10 @@ DIRECT = {spec.name: spec.name for spec in SAMPLING_FIELDS
     "prompt_cache_key": "prefix_key"}
 # body fields accepted only at a value that asks for nothing the engine lacks, with why the rest is refused
 NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: v in (None, []), " (no tool calling)"),
-    "functions": (lambda v: v in (None, []), " (no tool calling)"),
-    "tool_choice": (lambda v: v in (None, "none"), " (no tool calling)"),
-    "function_call": (lambda v: v in (None, "none"), " (no tool calling)"),
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), ""),
+    # the deprecated spelling of tools: refused, naming the one to use
+    "functions": (lambda v: v in (None, []), " (deprecated: send tools=[{\"type\": \"function\", \"function\": "
+                                             "{...}}])"),
+    "function_call": (lambda v: v in (None, "none"), " (deprecated: send tool_choice)"),
     "store": (lambda v: v in (None, False), " (completions are not stored)"),
     "service_tier": (lambda v: v in (None, "auto", "default"), ""),
     "modalities": (lambda v: v in (None, ["text"]), " (text output only)"),
@@ -45,12 +44,15 @@ NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
 TEMPLATE = ("chat_template_kwargs", "add_generation_prompt")
 COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metadata", "logprobs", *DIRECT,
           *STRUCTURED_BODY_FIELDS}
+# chat's tool calling, taken as the SDK takes it (tool_calls.py reads the answers)
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 FIELDS: dict[Kind, set[str]] = {
-    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", *TEMPLATE} | (NO_OP.keys() - {"suffix"}),
+    "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", *TEMPLATE, *TOOL_FIELDS} |
+            (NO_OP.keys() - {"suffix"}),
     "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix"},
 }
 # SDK argument -> body field, to name the field a validation error is about
-NAMES = {v: k for k, v in DIRECT.items()} | {name: name for name in TEMPLATE} | {
+NAMES = {v: k for k, v in DIRECT.items()} | {name: name for name in (*TEMPLATE, *TOOL_FIELDS)} | {
     "messages": "messages", "prompt": "prompt", "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
 
 
@@ -69,6 +71,7 @@ class Plan:
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, with logprobs)
     prompt_only: bool = False  # echo with max_tokens 0: one token is generated, and left out of the answer
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: every chunk has its choice's usage
+    tools: Tools | None = None  # the functions a chat request may call and how: its answers are read for calls
 
     def picked(self, results: list) -> list[tuple[int, Any]]:
         """(submit index, result) of the choices to answer, in choice order: each prompt's n of its best_of with
@@ -119,9 +122,10 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
         common["logprobs"] = logprobs or 0
     if echo and logprobs is not None:
         common["prompt_logprobs"] = logprobs
+    common |= {name: body[name] for name in TOOL_FIELDS if body.get(name) not in (None, [])}  # tools=[]: none
     names = names | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                      "logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
-    submits, prompt_of = [], []
+    submits, prompt_of, tools = [], [], None
     for p, prompt in enumerate(prompts):
         if echo and "prompt_token_ids" in prompt:  # the echoed text is the prompt tokens' own
             prompt = prompt | {"prompt_logprobs": common.get("prompt_logprobs", 0)}
@@ -129,11 +133,11 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
             args = common | prompt
             if best_of > 1 and args.get("seed") is not None:
                 args["seed"] += i  # distinct choices, still reproducible
-            _validate(args, names, f"prompt[{p}]" if len(prompts) > 1 else None)
+            tools = _validate(args, names, f"prompt[{p}]" if len(prompts) > 1 else None).wire_tools()
             submits.append(args)
             prompt_of.append(p)
     return Plan(kind, model, submits, prompt_of, stream, include_usage, names, n, best_of, logprobs is not None, echo,
-                prompt_only, continuous_usage)
+                prompt_only, continuous_usage, tools)
 
 
 def chat_prompts(body: dict) -> list[dict[str, Any]]:
@@ -252,9 +256,9 @@ def _max_tokens(body: dict, default: int) -> int:
     return value
 
 
-def _validate(args: dict[str, Any], names: dict[str, str], prompt_where: str | None) -> None:
+def _validate(args: dict[str, Any], names: dict[str, str], prompt_where: str | None) -> SubmitRequest:
     try:
-        validate_request(args)
+        return validate_request(args)
     except InvalidRequest as e:
         error = from_sdk(e, names, 0)
         if prompt_where and error.param == "prompt":

@@ -33,6 +33,7 @@ SAMPLING_FIELDS = {s.name: s.name for s in wire.SAMPLING_FIELDS
                    if s.name not in ("logprobs", "stop_token_ids", "prompt_logprobs")} | {
     "max_completion_tokens": "max_tokens", "metadata": "metadata"}
 IGNORED_FIELDS = {"user", "stream", "n"}  # `model` routes the line to that model's streams
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat lines: taken as the SDK takes them
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")  # read by requested_logprobs, as the gateway reads them
 
 
@@ -97,7 +98,7 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
         raise BadLine("unsupported_parameter", "body.top_logprobs is a chat parameter; /v1/completions takes "
                       "logprobs: N")
     unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - set(LOGPROB_FIELDS)
-                     - {"messages", "prompt", "model", *STRUCTURED_BODY_FIELDS})
+                     - {"messages", "prompt", "model", *STRUCTURED_BODY_FIELDS, *(TOOL_FIELDS if url == CHAT else ())})
     if unknown:
         raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported")
     if body.get("n", 1) != 1:
@@ -118,6 +119,7 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
             args["logit_bias"] = logit_bias_of(args["logit_bias"])
         except ValueError as e:
             raise BadLine("invalid_request", f"body.{e}") from None
+    args |= {name: body[name] for name in TOOL_FIELDS if body.get(name) not in (None, [])}  # tools=[]: none
     try:  # response_format, guided_*, structured_outputs: as the gateway reads them
         asked = structured_of_body(body)
     except BadStructured as e:
@@ -225,7 +227,8 @@ def success_line(req: BatchRequest, result: Result, model: str | None = None) ->
     usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
              "total_tokens": u.prompt_tokens + u.completion_tokens,
              "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-    answer = choice(req.url == CHAT, 0, result.text, result.finish_reason, result.logprobs)
+    answer = choice(req.url == CHAT, 0, result.text, result.finish_reason, result.logprobs, result.tool_calls,
+                    result.content)
     body = {"id": f"{prefix}-{result.job_id}", "object": kind, "created": created, "model": model or req.model,
             "choices": [answer], "usage": usage, "system_fingerprint": result.worker}
     return {"id": f"batch_req_{result.job_id}", "custom_id": req.custom_id,

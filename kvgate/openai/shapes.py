@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvgate.producer.protocol import MAX_LOGPROBS, TokenLogprob, TopLogprob
+from kvgate.producer.protocol import MAX_LOGPROBS, TokenLogprob, ToolCall, TopLogprob
+from kvgate.producer.result import Result
 
 # JSON has no -inf; a token the model rules out entirely is reported at this floor, as vLLM does
 LOGPROB_FLOOR = -9999.0
@@ -107,11 +108,26 @@ def text_length(tokens: list[TokenLogprob] | None) -> int:
     return sum(len(t.text) for t in tokens or [])
 
 
+def tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """A message's calls in OpenAI's shape."""
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def finish_reason(r: Result) -> str:
+    """OpenAI's name for how a job's answer ended: "abort" (stopped early) has none; "stop" is what a client can act
+    on; "tool_calls" where the answer made calls and ended by itself."""
+    return r.finish_reason if r.finish_reason in ("length", "tool_calls") else "stop"
+
+
 def choice(chat: bool, index: int, text: str, finish_reason: str | None,
-           logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-    """One choice of a whole (not streamed) chat.completion or text_completion body."""
+           logprobs: list[TokenLogprob] | None, calls: list[ToolCall] | None = None,
+           content: str | None = None) -> dict[str, Any]:
+    """One choice of a whole (not streamed) chat.completion or text_completion body; `calls`: the tool calls the
+    answer makes, `content` then its text outside them."""
     if chat:
         message = {"role": "assistant", "content": text, "refusal": None}
+        if calls:
+            message |= {"content": content, "tool_calls": tool_calls(calls)}
         return {"index": index, "message": message, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs), "finish_reason": finish_reason}
 

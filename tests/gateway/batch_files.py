@@ -24,7 +24,7 @@ def jsonl(rows: list[dict]) -> bytes:
 def with_bad_lines(n: int, url: str = CHAT) -> list[dict]:
     """n requests, two of which fail on their own: one asks for an unsupported field, one for a bad value."""
     rows = [request(i, url) for i in range(n)]
-    rows[3]["body"]["tools"] = [{"type": "function"}]
+    rows[3]["body"]["functions"] = [{"name": "f"}]  # the deprecated spelling of tools
     rows[7]["body"]["temperature"] = -1
     return rows
 

@@ -21,7 +21,7 @@ def _error(r: httpx.Response, status: int) -> dict:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("functions", [{"name": "f", "parameters": {}}]),  # tools are honoured now; their deprecated spelling is not
     ("guided_decoding_backend", "xgrammar"),  # response_format and guided_* are honoured now (issue 25)
     ("suffix", "the end"),  # logit_bias is honoured now (issue 29); no bundled model has fill-in-the-middle
     ("no_such_parameter", 1),

@@ -42,9 +42,11 @@ def test_too_many_choices_disagreeing_max_tokens_and_tool_messages_are_refused()
     assert _refused("completion", {"model": "m", "prompt": ["a", "b", "c"], "n": 2}).param == "n"
     assert _refused("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
                              "max_completion_tokens": 4}).param == "max_completion_tokens"
-    assert _refused("chat", {"model": "m", "messages": [{"role": "tool", "content": "x"}]}).param == "messages[0].role"
-    assert _refused("chat", {"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}).param \
-        == "messages[0].name"
+    # a tool's answer names the call it answers (tool calling, issue 25); the deprecated function role stays refused
+    assert _refused("chat", {"model": "m", "messages": [{"role": "tool", "content": "x"}]}).param == \
+        "messages[0].tool_call_id"
+    assert _refused("chat", {"model": "m", "messages": [{"role": "function", "content": "x", "name": "f"}]}).param \
+        == "messages[0].role"
     assert _refused("completion", {"model": "m", "prompt": ["ok", ""]}).param == "prompt[1]"
     assert _refused("completion", {"model": "m", "prompt": "x", "best_of": 1, "n": 2}).param == "best_of"
     assert _refused("completion", {"model": "m", "prompt": ["a", "b"], "best_of": 3}).param == "best_of"  # 6 > 4

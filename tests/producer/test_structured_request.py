@@ -91,7 +91,7 @@ def test_the_gateway_reads_openai_and_vllm_fields_alike():
     for body, param in [({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
                         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
                         ({"response_format": {"type": "xml"}}, "response_format"),
-                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]:
+                        ({"functions": [{"name": "f"}]}, "functions")]:
         with pytest.raises(ApiError) as caught:
             gateway_wire(body)
         assert caught.value.param == param

@@ -34,7 +34,9 @@ BAD = {
     "messages a string": ({"messages": "hello"}, "messages"),
     "257 messages": ({"messages": [USER] * 257}, "messages"),
     "a message without content": ({"messages": [{"role": "user"}]}, "messages.0.content"),
-    "a message with an extra field": ({"messages": [{**USER, "name": "bob"}]}, "messages.0.name"),
+    "a message with an extra field": ({"messages": [{**USER, "nick": "bob"}]}, "messages.0.nick"),  # name is OpenAI's
+    "a tool call on a user message": ({"messages": [{**USER, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
     "message content an int": ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     "messages over the character limit together": ({"messages": [{"role": "user", "content": "x" * 200_000}] * 3},
                                                    "messages"),
