@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvgate.producer.steps import Sleep, call, collect, returning, run, run_async
+from kvgate.producer.steps import Sleep, call, returning, run, run_async
 
 
 class Store:
@@ -69,12 +69,3 @@ def test_a_cancelled_task_runs_the_steps_finally_block():
 
     asyncio.run(main())
     assert released == [True]
-
-
-def test_collect_reads_a_sync_or_an_async_iterator():
-    async def numbers():
-        for i in range(3):
-            yield i
-
-    assert collect(iter([1, 2])) == [1, 2]
-    assert asyncio.run(collect(numbers())) == [0, 1, 2]
