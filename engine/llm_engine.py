@@ -314,10 +314,12 @@ class LLMEngine:
         reason = self._stop_reason(seq, token)
         if reason is None and seq.matcher is not None and self.config.jump_forward and p.logprobs is None:
             # the tokens the grammar forces next join the sequence now (no logprobs: a forced token has none)
-            for forced in forced_tokens(seq.matcher, seq.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens)):
-                seq.token_ids.append(forced)
-                new_ids.append(forced)
-                if reason := self._stop_reason(seq, forced):
+            # the matcher has consumed them all, so it may be complete (stopped) before the last is appended
+            forced = forced_tokens(seq.matcher, seq.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens))
+            for k, token in enumerate(forced):
+                seq.token_ids.append(token)
+                new_ids.append(token)
+                if reason := self._stop_reason(seq, token, grammar=k == len(forced) - 1):
                     break
             self.generation_tokens += len(new_ids) - 1
         new_text = ""
@@ -334,12 +336,13 @@ class LLMEngine:
         return StepOutput(seq.request_id, new_ids, new_text, False, None, seq.num_prompt_tokens,
                           len(seq.token_ids) - seq.num_prompt_tokens, seq.num_cached_tokens, None, None, lps)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        """Why the sequence ends with `token`, just appended (and consumed by its matcher), or None."""
+    def _stop_reason(self, seq: Sequence, token: int, grammar: bool = True) -> str | None:
+        """Why the sequence ends with `token`, just appended, or None. `grammar`: whether the matcher's state is the
+        one after `token` (not after forced tokens still to be appended)."""
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if seq.matcher is not None and seq.matcher.is_stopped():
+        if grammar and seq.matcher is not None and seq.matcher.is_stopped():
             return "stop"  # the grammar is complete and allows nothing more: no step spent drawing its EOS
         if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
             return "length"

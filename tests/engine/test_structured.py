@@ -206,17 +206,17 @@ def test_jump_forward_appends_what_the_grammar_forces_without_a_forward_per_toke
     its answer still follows the schema; counted as output like any token."""
     params = SamplingParams(temperature=0, max_tokens=120, structured=structured("json_schema", PERSON))
     prompts = ["Record 1:", "Record 2:"]
-    jumped, jumped_steps, _ = run_engine(tiny_with_vocab, params, prompts)
-    stepped, stepped_steps, _ = run_engine(tiny_with_vocab, params, prompts, jump_forward=False)
+    jumped, _, jumped_outputs = run_engine(tiny_with_vocab, params, prompts)
+    stepped, _, stepped_outputs = run_engine(tiny_with_vocab, params, prompts, jump_forward=False)
     tok = tiny_with_vocab.tokenizer
     for done in (jumped, stepped):
         for out in done.values():
             assert out.finish_reason == "stop", tok.decode(out.token_ids)
             jsonschema.validate(json.loads(tok.decode(out.token_ids)), PERSON)
             assert out.output_tokens == len(out.token_ids)
-    longest = max(len(out.token_ids) for out in jumped.values())
-    assert stepped_steps >= max(len(out.token_ids) for out in stepped.values())  # a forward per token
-    assert jumped_steps < longest - 4  # the four keys alone are forced
+    for rid in jumped:  # a step output is a forward's token; with jump-forward the four keys alone are forced
+        assert sum(o.request_id == rid for o in stepped_outputs) == len(stepped[rid].token_ids)
+        assert sum(o.request_id == rid for o in jumped_outputs) < len(jumped[rid].token_ids) - 4
 
 
 def test_a_forced_run_stops_at_max_tokens_and_a_request_with_logprobs_never_jumps(tiny_with_vocab):
@@ -228,3 +228,18 @@ def test_a_forced_run_stops_at_max_tokens_and_a_request_with_logprobs_never_jump
     assert done["0"].finish_reason == "stop"
     assert all(len(o.new_token_ids) == len(o.logprobs) == 1 for o in outputs)  # a logprob for every token
     assert sum(len(o.new_token_ids) for o in outputs) == len(done["0"].token_ids)
+
+
+def test_a_forced_ending_is_appended_whole_and_the_text_is_the_answer(tiny_with_vocab):
+    """Everything after the first token is forced here; the matcher is complete once it has consumed the forced run,
+    and every forced token must still reach the output (it once stopped after the first: `{"k": "company`)."""
+    schema = {"type": "object", "properties": {"k": {"enum": ["company"]}}, "required": ["k"],
+              "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=40, structured=structured("json_schema", schema))
+    for jump in (True, False):
+        done, _, outputs = run_engine(tiny_with_vocab, params, ["Kind:"], jump_forward=jump)
+        out = done["0"]
+        assert out.finish_reason == "stop" and json.loads(tiny_with_vocab.tokenizer.decode(out.token_ids)) == {
+            "k": "company"}, (jump, tiny_with_vocab.tokenizer.decode(out.token_ids))
+        if jump:  # the first token drawn, the rest forced in one go: one step output for all of them
+            assert len(outputs) == 1 and outputs[0].new_token_ids == out.token_ids
