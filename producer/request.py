@@ -26,10 +26,12 @@ from .fields import Entries, Items, Range, Shape, Spec
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 MAX_TOKEN_ID = 2**31 - 1
-# fields added after idempotency digests were first stored: left out of a digest while at their default
-NEWER_THAN_DIGESTS = ("logit_bias", "min_p", "min_tokens", "prompt_logprobs", "skip_special_tokens",
-                      "chat_template_kwargs", "add_generation_prompt")
 EMBEDDING_DEFAULTS = {spec.name: spec.default for spec in wire.EMBEDDING_FIELDS}
+# fields added after idempotency digests were first stored: left out of a digest while at their default, so a job
+# that uses none of them digests as it always did (a resubmission across an upgrade is no conflict)
+NEWER_THAN_DIGESTS = ("task", "add_special_tokens", "logit_bias", "min_p", "min_tokens", "prompt_logprobs",
+                      "skip_special_tokens", "chat_template_kwargs", "add_generation_prompt", *EMBEDDING_DEFAULTS,
+                      "tools", "tool_choice", "parallel_tool_calls")
 # what an embedding job refuses to be given other than at its default: every sampling field, and streaming
 GENERATION_FIELDS = (*(spec.name for spec in wire.SAMPLING_FIELDS), "stream")
 
@@ -390,9 +392,7 @@ class SubmitRequest(_PromptAndSampling):
     def _defaults(self) -> set[str]:
         """Fields newer than digests that hold their default: left out, so a generation job's digest stays."""
         fields = type(self).model_fields
-        return {name for name in ("task", "add_special_tokens", *NEWER_THAN_DIGESTS, *EMBEDDING_DEFAULTS, "tools",
-                                  "tool_choice", "parallel_tool_calls")
-                if getattr(self, name) in (fields[name].default, {})}
+        return {name for name in NEWER_THAN_DIGESTS if getattr(self, name) in (fields[name].default, {})}
 
 
 def _submit_signature() -> inspect.Signature:
