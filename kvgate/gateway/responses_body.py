@@ -184,7 +184,9 @@ def _tools(body: dict) -> dict[str, Any]:
     functions = []
     for i, tool in enumerate(tools or []):
         where = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict):
+            raise invalid(where, f"{where} must be a tool object {{type: function, name, parameters}}")
+        kind = tool.get("type")
         if kind != "function":
             raise unsupported(f"{where}.type", kind, " (function tools only: kvgate runs no web search, file search, "
                                                      "computer, code interpreter or MCP tools)")

@@ -27,7 +27,8 @@ def streamed(choice: object, deltas: list[str], parser: str | None, finish: str 
     view = ResponseView("resp_" + JOB, 1.0, "m", {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True})
     events = ResponseEvents(view, tools)
     out = events.opening() + [e for text in deltas for e in events.delta(text, None, parser)]
-    got = parse(parser_for(tools.choice, tools.function, ["get_weather"], parser or "", tools.parallel), "".join(deltas))
+    reader = parser_for(tools.choice, tools.function, ["get_weather"], parser or "", tools.parallel)
+    got = parse(reader, "".join(deltas))  # as the worker reads the whole answer
     calls = [ToolCall(call_id(JOB, i), name, args) for i, (name, args) in enumerate(got.calls)] or None
     result = Result(JOB, "done", "".join(deltas), [], "tool_calls" if calls and finish == "stop" else finish, None,
                     Usage(3, 5), "w", Timings(), None, tool_calls=calls, content=got.content if calls else None)

@@ -261,6 +261,7 @@ def test_another_tenants_response_is_answered_as_one_that_does_not_exist(sim_fle
     ({"tools": [{"type": "function", "name": "f", "function": {"name": "f"}}]}, "tools[0].function"),
     ({"tools": [{"type": "function", "name": "not a name"}]}, "tools"),
     ({"tools": {"type": "function", "name": "f"}}, "tools"),
+    ({"tools": ["get_weather"]}, "tools[0]"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
