@@ -97,11 +97,11 @@ def test_a_call_answered_with_function_call_output_continues_by_previous_respons
     (call,) = first.output
     answer = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}
     later = smol.responses.create(model=model, input=[answer], previous_response_id=first.id, tools=TOOLS,
-                                  tool_choice="none", temperature=0, max_output_tokens=8)
+                                  tool_choice="none", temperature=0, max_output_tokens=4)
     assert later.status in ("completed", "incomplete") and later.output[0].type == "message" and later.output_text
     # the same conversation sent whole, the call as the item the first response gave (dumped whole, its nulls
     # too): the same prompt
     items = [{"role": "user", "content": "What is the weather in Paris?"}, call.model_dump(), answer]
     again = smol.responses.create(model=model, input=items, tools=TOOLS, tool_choice="none", temperature=0,
-                                  max_output_tokens=8)
+                                  max_output_tokens=4)
     assert again.output_text == later.output_text and again.usage.input_tokens == later.usage.input_tokens
