@@ -337,17 +337,6 @@ class SubmitRequest(_PromptAndSampling):
     tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None  # None: auto with tools
     parallel_tool_calls: bool = True
 
-    @model_validator(mode="after")
-    def _tool_use(self) -> "SubmitRequest":
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError(f"tool_choice={self.tool_choice!r} needs tools")
-        if (tools := self.wire_tools()) is not None:
-            if self.messages is None:
-                raise ValueError("tools go with chat messages, not a prompt or token ids")
-            if problem := tools.problem():
-                raise ValueError(problem)
-        return self
-
     def wire_tools(self) -> wire.Tools | None:
         """The job's tools; None where none are given or tool_choice is 'none' (the model is not shown them)."""
         if not self.tools or self.tool_choice == "none":
@@ -468,7 +457,24 @@ def validate_request(kwargs: dict[str, Any], where: str = "") -> SubmitRequest:
     return req
 
 
+def _check_tools(req: SubmitRequest, where: str) -> None:
+    """tools and tool_choice together, named as the field at fault (a model validator's error names no field)."""
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise InvalidRequest([FieldError(f"{where}tool_choice", req.tool_choice, "needs tools")])
+    if (tools := req.wire_tools()) is None:
+        return
+    names = [f.name for f in tools.functions]
+    if req.messages is None:
+        raise InvalidRequest([FieldError(f"{where}tools", names, "tools go with chat messages, not a prompt or "
+                                                                 "token ids")])
+    if problem := tools.problem():
+        field = "tool_choice" if problem.startswith("tool choice") else "tools"
+        raise InvalidRequest([FieldError(f"{where}{field}", req.tool_choice if field == "tool_choice" else names,
+                                         problem)])
+
+
 def _check_combination(req: SubmitRequest, where: str) -> None:
+    _check_tools(req, where)
     given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(req, n) is not None]
     if len(given) != 1:
         raise InvalidRequest([FieldError(f"{where}{'/'.join(given) or 'prompt'}", len(given),

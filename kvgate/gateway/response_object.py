@@ -1,7 +1,10 @@
-"""Results as the Responses API's objects: the Response body (status, one output message, usage) and the typed stream
+"""Results as the Responses API's objects: the Response body (status, its output items, usage) and the typed stream
 events, numbered, that `client.responses.create(stream=True)` and `client.responses.stream(...)` parse.
 
-A kvgate response is one job: its id is `resp_<job id>`, its message `msg_<job id>`.
+A kvgate response is one job: its id is `resp_<job id>`, its message `msg_<job id>`, its i-th function call
+`fc_<job id>_<i>` (whose call_id is the chat answer's, tool_calls.call_id). The output is one message, or, where the
+request has tools and the answer calls them, its text outside the calls as a message (if any) and a function_call
+item per call.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from typing import Any
 
 from kvgate.producer import Result, TokenLogprob
 from kvgate.openai.shapes import chat_logprobs
+from kvgate.producer.protocol import ToolCall, Tools
+from kvgate.producer.tool_calls import Content, Parser, Piece, call_id, parser_for
 
 from .errors import ApiError
 from .responses import failure
@@ -44,8 +49,12 @@ class ResponseView:
     echo: dict[str, Any]  # the request's fields a Response repeats (responses_body.Asked.echo)
 
     @property
+    def job_id(self) -> str:
+        return self.id.removeprefix("resp_")
+
+    @property
     def item_id(self) -> str:
-        return "msg_" + self.id.removeprefix("resp_")
+        return "msg_" + self.job_id
 
     def body(self, status: str, output: list[dict[str, Any]] | None = None, usage: dict[str, Any] | None = None,
              error: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
@@ -61,6 +70,11 @@ class ResponseView:
     def part(self, text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": output_logprobs(logprobs)}
 
+    def call(self, index: int, name: str, arguments: str, status: str) -> dict[str, Any]:
+        """The function_call item of the answer's call `index`."""
+        return {"type": "function_call", "id": f"fc_{self.job_id}_{index}", "call_id": call_id(self.job_id, index),
+                "name": name, "arguments": arguments, "status": status}
+
     def finished(self, r: Result) -> dict[str, Any]:
         """The Response of a final result: completed, incomplete (max_output_tokens cut it), cancelled or failed."""
         self.model = r.model or self.model
@@ -71,8 +85,19 @@ class ResponseView:
             return self.failed(error)
         cut = r.finish_reason == "length"
         output = [self.message(r.text, "incomplete" if cut else "completed", r.logprobs)]
+        if r.tool_calls:
+            output = self.calls(r.tool_calls, r.content, cut)
         return self.body("incomplete" if cut else "completed", output, usage(r),
                          reason="max_output_tokens" if cut else None)
+
+    def calls(self, calls: list[ToolCall], content: str | None, cut: bool) -> list[dict[str, Any]]:
+        """An answer that calls: its text outside the calls as a message (if it has any: logprobs are the whole
+        text's, so none), then each call; where max_output_tokens cut it, its last item is incomplete."""
+        out = [self.message(content, "completed")] if content else []
+        out += [self.call(i, c.name, c.arguments, "completed") for i, c in enumerate(calls)]
+        if cut:
+            out[-1]["status"] = "incomplete"
+        return out
 
     def failed(self, error: ApiError) -> dict[str, Any]:
         return self.body("failed", error=error_of(error))
@@ -95,12 +120,22 @@ def error_of(error: ApiError) -> dict[str, Any]:
 @dataclass(slots=True)
 class ResponseEvents:
     """The typed events of one streamed response, each with its sequence_number: created and in_progress, the
-    message item and its text part opened, text deltas, then the part, the item and the response closed."""
+    message item and its text part opened, text deltas, then the part, the item and the response closed.
+
+    With tools, the text is read for calls as it comes (the parser a whole answer is read with, tool_calls.py): each
+    call is a function_call item (added with its name, its arguments as `function_call_arguments.delta`s), the text
+    outside calls a message item opened at its first non-blank text; every item closes at the end, in output order."""
 
     view: ResponseView
+    tools: Tools | None = None  # the request's tools (translate.Plan.tools): its answer may call them
     seq: int = 0
-    text: str = ""
+    text: str = ""  # the message's text
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    parser: Parser | None = None
+    items: list[dict[str, Any]] = field(default_factory=list)  # with tools: the output items opened, in order
+    held: str = ""  # with tools: blank text before the message opens (text between calls opens none)
+    message_at: int = -1  # with tools: the message item's output index, once opened
+    calls: dict[int, int] = field(default_factory=dict)  # with tools: a call's index -> its item's output index
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         out = {"type": kind, "sequence_number": self.seq, **fields}
@@ -108,20 +143,65 @@ class ResponseEvents:
         return out
 
     def opening(self, status: str = "in_progress") -> list[dict[str, Any]]:
-        where = {"item_id": self.view.item_id, "output_index": 0, "content_index": 0}
         head = [self.event("response.created", response=self.view.body(status))]
         if status == "queued":
             head.append(self.event("response.queued", response=self.view.body("queued")))
-        return head + [self.event("response.in_progress", response=self.view.body("in_progress")),
-                       self.event("response.output_item.added", output_index=0,
-                                  item=self.view.message("", "in_progress") | {"content": []}),
-                       self.event("response.content_part.added", part=self.view.part(""), **where)]
+        head.append(self.event("response.in_progress", response=self.view.body("in_progress")))
+        return head if self.tools is not None else head + self._open_message(0)
 
-    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def _open_message(self, index: int) -> list[dict[str, Any]]:
+        where = {"item_id": self.view.item_id, "output_index": index, "content_index": 0}
+        return [self.event("response.output_item.added", output_index=index,
+                           item=self.view.message("", "in_progress") | {"content": []}),
+                self.event("response.content_part.added", part=self.view.part(""), **where)]
+
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None, parser: str | None = None) -> list[dict[str, Any]]:
+        """The events of new text; `parser`: the format the serving worker reads `auto` calls in."""
+        if self.tools is None:
+            return [self._text(0, text, logprobs)]
+        if self.parser is None:
+            t = self.tools
+            self.parser = parser_for(t.choice, t.function, [f.name for f in t.functions], parser or "hermes",
+                                     t.parallel)
+        return self._pieces(self.parser.feed(text))
+
+    def _text(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         self.text += text
         self.logprobs += logprobs or []
-        return self.event("response.output_text.delta", item_id=self.view.item_id, output_index=0, content_index=0,
-                          delta=text, logprobs=output_logprobs(logprobs))
+        return self.event("response.output_text.delta", item_id=self.view.item_id, output_index=index,
+                          content_index=0, delta=text, logprobs=output_logprobs(logprobs))
+
+    def _pieces(self, pieces: list[Piece]) -> list[dict[str, Any]]:
+        out = []
+        for p in pieces:
+            if isinstance(p, Content):
+                out += self._content(p.text)
+                continue
+            if p.name is not None:  # a call's first piece: its item
+                self.calls[p.index] = len(self.items)
+                self.items.append(self.view.call(p.index, p.name, "", "in_progress"))
+                out.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                      item=dict(self.items[-1])))
+            at = self.calls[p.index]
+            item = self.items[at]
+            if p.arguments:
+                item["arguments"] += p.arguments
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                                      delta=p.arguments))
+        return out
+
+    def _content(self, text: str, force: bool = False) -> list[dict[str, Any]]:
+        out = []
+        if self.message_at < 0:
+            self.held += text
+            if not self.held.strip() and not force:
+                return []
+            self.message_at, text, self.held = len(self.items), self.held, ""
+            self.items.append(self.view.message("", "in_progress"))
+            out += self._open_message(self.message_at)
+        if text:
+            out.append(self._text(self.message_at, text, None))
+        return out
 
     def closing(self, r: Result) -> list[dict[str, Any]]:
         """The events after the last delta; the response's whole text is the streamed text (what the client has)."""
@@ -129,14 +209,40 @@ class ResponseEvents:
         if body["status"] not in ("completed", "incomplete"):
             return [self.event("response.failed" if body["status"] == "failed" else "response.incomplete",
                                response=body)]
+        if self.tools is not None:
+            return self._closing_items(body)
         logprobs = self.logprobs if r.logprobs is not None else None
         item = self.view.message(self.text, body["output"][0]["status"], logprobs)
         body["output"] = [item]
-        where = {"item_id": self.view.item_id, "output_index": 0, "content_index": 0}
-        return [self.event("response.output_text.done", text=self.text, logprobs=output_logprobs(logprobs), **where),
-                self.event("response.content_part.done", part=item["content"][0], **where),
-                self.event("response.output_item.done", output_index=0, item=item),
-                self.event(f"response.{body['status']}", response=body)]
+        return self._message_done(0, item) + [self.event(f"response.{body['status']}", response=body)]
+
+    def _message_done(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        where = {"item_id": self.view.item_id, "output_index": index, "content_index": 0}
+        part = item["content"][0]
+        return [self.event("response.output_text.done", text=part["text"], logprobs=part["logprobs"], **where),
+                self.event("response.content_part.done", part=part, **where),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+    def _closing_items(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """With tools: the parser's last pieces, a message for an answer with no call (its text, blank or not), then
+        every item closed in output order; where max_output_tokens cut the answer, its last item is incomplete."""
+        out = self._pieces(self.parser.close()) if self.parser is not None else []
+        if not self.items:
+            out += self._content("", force=True)
+        done = []
+        for i, item in enumerate(self.items):
+            status = "incomplete" if body["status"] == "incomplete" and i == len(self.items) - 1 else "completed"
+            if item["type"] == "message":
+                item = self.view.message(self.text, status)
+                out += self._message_done(i, item)
+            else:
+                item = item | {"status": status}
+                out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                      name=item["name"], arguments=item["arguments"]))
+                out.append(self.event("response.output_item.done", output_index=i, item=item))
+            done.append(item)
+        body["output"] = done
+        return out + [self.event(f"response.{body['status']}", response=body)]
 
     def failing(self, error: ApiError) -> list[dict[str, Any]]:
         return [self.event("response.failed", response=self.view.failed(error))]

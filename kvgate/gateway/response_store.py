@@ -23,7 +23,7 @@ class Record(msgspec.Struct, omit_defaults=True):
     created_at: float
     model: str
     echo: dict[str, Any]  # what the Response repeats of its request
-    conversation: list[dict[str, str]]  # the messages answered, instructions left out
+    conversation: list[dict[str, Any]]  # the messages answered (chat's shape), instructions left out
     stream: str = ""  # the job's stream and entry id: its exact state (queued, running, lost) from any replica
     entry: str = ""
     final: dict[str, Any] | None = None  # the Response body once the job ended
@@ -31,16 +31,36 @@ class Record(msgspec.Struct, omit_defaults=True):
     inputs: int = 0  # the conversation's last `inputs` messages are the request's own `input` (its input items)
 
     def input_items(self) -> list[dict[str, Any]]:
-        """The request's own `input` as OpenAI's input items, oldest first."""
+        """The request's own `input` as OpenAI's input items, oldest first: messages, an assistant's calls as
+        function_call items, a tool's answer as a function_call_output item."""
         own = self.conversation[len(self.conversation) - self.inputs:] if self.inputs else []
-        return [{"type": "message", "id": f"msg_{self.job_id}_{i}", "status": "completed", "role": m["role"],
-                 "content": [{"type": "output_text" if m["role"] == "assistant" else "input_text", "text": m["content"]}
-                             | ({"annotations": []} if m["role"] == "assistant" else {})]}
-                for i, m in enumerate(own)]
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(own):
+            at = {"id": f"msg_{self.job_id}_{i}", "status": "completed"}
+            if m["role"] == "tool":
+                out.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]}
+                           | at | {"id": f"fco_{self.job_id}_{i}"})
+                continue
+            if m["content"] or not m.get("tool_calls"):
+                part = {"type": "output_text" if m["role"] == "assistant" else "input_text", "text": m["content"]}
+                out.append({"type": "message", "role": m["role"],
+                            "content": [part | ({"annotations": []} if m["role"] == "assistant" else {})]} | at)
+            out += [{"type": "function_call", "id": f"fc_{self.job_id}_{i}_{j}", "call_id": c["id"],
+                     "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
+                    for j, c in enumerate(m.get("tool_calls") or ())]
+        return out
 
-    def conversation_after(self) -> list[dict[str, str]]:
-        """The messages a response continuing this one starts with."""
-        return [*self.conversation, {"role": "assistant", "content": self.answer or ""}]
+    def conversation_after(self) -> list[dict[str, Any]]:
+        """The messages a response continuing this one starts with: the answer as the assistant's turn, its calls
+        (function_call output items) as that turn's tool_calls and its text outside them as its content."""
+        output = (self.final or {}).get("output") or []
+        calls = [item for item in output if item.get("type") == "function_call"]
+        if not calls:
+            return [*self.conversation, {"role": "assistant", "content": self.answer or ""}]
+        text = "".join(part["text"] for item in output if item.get("type") == "message" for part in item["content"])
+        return [*self.conversation, {"role": "assistant", "content": text, "tool_calls": [
+            {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls]}]
 
 
 _encoder = msgspec.json.Encoder()

@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from kvgate.producer import AsyncJobHandle, JobStatus, KvgateError, Result
 from kvgate.producer.job_status import job_states_script, job_status
+from kvgate.producer.protocol import Tools
 from kvgate.producer.steps import run_async
 
 from . import sse
@@ -95,9 +96,10 @@ class ResponsesApi:
             await self.store.put(record)
         headers = {"x-request-id": handle.job_id}
         if p.stream:
-            events = gw.metrics.stream(self.events(view, handle, record, asked.background),
-                                       request.state.kvgate_route, request.state.kvgate_started,
-                                       preamble=5 if asked.background else 4)  # the events before any token
+            # the events before any token: the message item opens at once, or, with tools, where the text says
+            preamble = (2 if p.tools is not None else 4) + asked.background
+            events = gw.metrics.stream(self.events(view, handle, record, asked.background, p.tools),
+                                       request.state.kvgate_route, request.state.kvgate_started, preamble=preamble)
             return StreamingResponse(events, media_type="text/event-stream", headers=sse.HEADERS | headers)
         if asked.background:
             return _json(view.body("queued"), headers)
@@ -110,10 +112,10 @@ class ResponsesApi:
         return _json(answer, headers)
 
     async def events(self, view: ResponseView, handle: AsyncJobHandle, record: Record | None,
-                     background: bool) -> AsyncIterator[bytes]:
+                     background: bool, tools: Tools | None = None) -> AsyncIterator[bytes]:
         """The typed events of one response. A client that goes away cancels its job, unless it runs in the
         background: only cancel stops that."""
-        gw, events = self.gw, ResponseEvents(view)
+        gw, events = self.gw, ResponseEvents(view, tools)
         for event in events.opening("queued" if background else "in_progress"):
             yield frame(event)
         inbox: asyncio.Queue = asyncio.Queue()
@@ -122,7 +124,8 @@ class ResponsesApi:
             while True:
                 _, item = await inbox.get()
                 if isinstance(item, sse.StreamText):
-                    yield frame(events.delta(item.text, item.logprobs))
+                    for event in events.delta(item.text, item.logprobs, item.parser):
+                        yield frame(event)
                     continue
                 if isinstance(item, Result):
                     closing = events.closing(item)

@@ -1,6 +1,8 @@
 """A Responses API body (POST /v1/responses) as the chat body it asks for, so it is planned, validated and submitted
-by the one chat path (translate.plan): `input` and `instructions` become messages, `max_output_tokens` max_tokens,
-`text.format` the structured constraint, `include` logprobs; every sampling field of the wire passes as for chat.
+by the one chat path (translate.plan): `input` and `instructions` become messages (function_call and
+function_call_output items the assistant's tool_calls and tool messages), `max_output_tokens` max_tokens,
+`text.format` the structured constraint, `include` logprobs, the flat function `tools` and `tool_choice` chat's
+nested ones; every sampling field of the wire passes as for chat.
 
 What a Response object repeats back (instructions, max_output_tokens, text, ...) is kept as its `echo`. Every body
 field is honoured, accepted only at a value that asks for nothing the engine lacks, or refused with a 400 naming it.
@@ -21,12 +23,13 @@ PART_TYPES = ("input_text", "output_text")  # text parts; an assistant's output_
 # keys of an earlier output item or part sent back as input: what it was, not something asked for
 ITEM_KEYS = {"type", "role", "content", "id", "status", "phase"}
 PART_KEYS = {"type", "text", "annotations", "logprobs"}
+# a function_call / function_call_output item: what it needs, and what an earlier output item sent back adds
+CALL_KEYS = {"function_call": ({"call_id", "name", "arguments"}, {"type", "id", "status"}),
+             "function_call_output": ({"call_id", "output"}, {"type", "id", "status"})}
+TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}  # a function tool, flat (chat nests `function`)
 
 NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: v in (None, []), " on /v1/responses (no tool calling yet)"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), " (no tools to call)"),
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), ""),
-    "max_tool_calls": (lambda v: v is None, " (no tools to call)"),
+    "max_tool_calls": (lambda v: v is None, " (an answer's calls are bounded by parallel_tool_calls alone)"),
     "truncation": (lambda v: v in (None, "disabled"), " (a conversation over the model's length is refused, "
                                                       "never truncated)"),
     "reasoning": (lambda v: v is None or (isinstance(v, dict) and not any(v.values())), " (no reasoning models)"),
@@ -36,7 +39,7 @@ NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 OWN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "stream", "background",
        "store", "previous_response_id", "metadata", "user", "safety_identifier", "prompt_cache_key", "top_logprobs",
-       "include"}
+       "include", "tools", "tool_choice", "parallel_tool_calls"}
 FIELDS = OWN | NO_OP.keys() | DIRECT.keys()
 # chat plan's parameter -> the Responses field it came from, for the errors plan raises
 RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "structured": "text.format",
@@ -49,14 +52,14 @@ class Asked:
     `instructions`, which previous_response_id does not carry over, as OpenAI's), and what the Response repeats."""
 
     chat: dict[str, Any]
-    conversation: list[dict[str, str]]
+    conversation: list[dict[str, Any]]
     echo: dict[str, Any] = field(default_factory=dict)
     background: bool = False
     store: bool = True
     inputs: int = 0  # the conversation's last `inputs` messages are this request's `input`
 
 
-def take(body: Any, earlier: list[dict[str, str]] | None = None) -> Asked:
+def take(body: Any, earlier: list[dict[str, Any]] | None = None) -> Asked:
     """`earlier`: the conversation of previous_response_id, its answer last (the caller looked it up)."""
     if not isinstance(body, dict):
         raise invalid("body", "the request body must be a JSON object")
@@ -88,35 +91,50 @@ def take(body: Any, earlier: list[dict[str, str]] | None = None) -> Asked:
             raise invalid("text.format", "give text.format or structured, not both")
         chat["structured"] = structured
     chat |= _logprobs(body.get("include"), body.get("top_logprobs"))
+    chat |= _tools(body)
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "user", "safety_identifier",
                                       "prompt_cache_key", "top_logprobs", "previous_response_id")}
     echo |= {"temperature": _number(body, "temperature"), "top_p": _number(body, "top_p"),
              "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-             "tool_choice": body.get("tool_choice") or "none",
+             "tools": body.get("tools") or [],
+             "tool_choice": body.get("tool_choice") or ("auto" if body.get("tools") else "none"),
              "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
              "background": background, "store": store, "metadata": body.get("metadata") or {}}
     return Asked(chat, conversation, echo, background, store, len(own))
 
 
-def input_messages(value: Any) -> list[dict[str, str]]:
-    """`input`: a string (one user message) or a list of message items, each {role, content} (a string or text
-    parts), `type: message` optional; other item types (tool calls and their outputs, reasoning, references) are
-    refused by name."""
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    """`input`: a string (one user message) or a list of items: messages, each {role, content} (a string or text
+    parts), `type: message` optional; function_call items (an assistant's calls: consecutive ones, and the assistant
+    message before them, are one assistant turn, as chat's `tool_calls`) and function_call_output items (a tool
+    message answering its call_id). Other item types (reasoning, references, other tools' calls) are refused by
+    name."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise invalid("input", "input must be a string or a non-empty array of message items {role, content}",
                       code="missing_required_parameter" if value is None else None)
-    return [_item(i, item) for i, item in enumerate(value)]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        message = _item(i, item)
+        if "tool_calls" in message and out and out[-1]["role"] == "assistant" and "tool_call_id" not in out[-1]:
+            last = out[-1] = dict(out[-1])  # the calls of one turn join its text (and each other)
+            last["tool_calls"] = [*last.get("tool_calls", []), *message["tool_calls"]]
+        else:
+            out.append(message)
+    return out
 
 
-def _item(i: int, item: Any) -> dict[str, str]:
+def _item(i: int, item: Any) -> dict[str, Any]:
     where = f"input[{i}]"
     if not isinstance(item, dict):
         raise invalid(where, f"{where} must be a message item, an object with role and content")
     kind = item.get("type", "message")
+    if kind in CALL_KEYS:
+        return _call_item(where, kind, item)
     if kind != "message":
-        raise unsupported(f"{where}.type", kind, " (message items only: no tool calls, reasoning or references)")
+        raise unsupported(f"{where}.type", kind, " (message, function_call and function_call_output items only: no "
+                                                 "reasoning, references or other tools' calls)")
     role = item.get("role")
     if role not in ROLES:
         raise invalid(f"{where}.role", f"{where}.role={role!r} must be one of {', '.join(ROLES)}")
@@ -128,6 +146,64 @@ def _item(i: int, item: Any) -> dict[str, str]:
     if not isinstance(content, list) or not content:
         raise invalid(f"{where}.content", f"{where}.content must be a string or a non-empty array of text parts")
     return {"role": role, "content": "".join(_part(f"{where}.content[{j}]", p) for j, p in enumerate(content))}
+
+
+def _call_item(where: str, kind: str, item: dict) -> dict[str, Any]:
+    """A function_call item as an assistant message of one call, a function_call_output as the tool message answering
+    it (chat's shapes: the SDK checks ids, names and sizes, and the errors name these items' fields)."""
+    needed, extra = CALL_KEYS[kind]
+    for key in item.keys() - needed - extra:
+        if item[key] is not None:  # an output item dumped whole says null for what it does not use (namespace)
+            raise unsupported(f"{where}.{key}", item[key])
+    for key in sorted(needed - item.keys()):
+        raise invalid(f"{where}.{key}", f"{where} is a {kind} item: it needs {key}", code="missing_required_parameter")
+    for key in sorted(needed - {"output"}):
+        if not isinstance(item[key], str) or not item[key]:
+            raise invalid(f"{where}.{key}", f"{where}.{key} must be a non-empty string")
+    if kind == "function_call":
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": item["call_id"], "type": "function",
+             "function": {"name": item["name"], "arguments": item["arguments"]}}]}
+    output = item["output"]
+    if isinstance(output, list) and output:  # text parts, as a message's content
+        output = "".join(_part(f"{where}.output[{j}]", p) for j, p in enumerate(output))
+    if not isinstance(output, str):
+        raise invalid(f"{where}.output", f"{where}.output must be a string or a non-empty array of input_text parts")
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+
+
+def _tools(body: dict) -> dict[str, Any]:
+    """`tools` (function tools, flat: {type, name, description, parameters, strict}), `tool_choice` and
+    `parallel_tool_calls` as chat's. Other tool types (web_search, file_search, mcp, ...) are refused by name."""
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    out: dict[str, Any] = {}
+    if parallel is not None:
+        out["parallel_tool_calls"] = parallel
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("tools", "tools must be an array of function tools {type: function, name, parameters}")
+    functions = []
+    for i, tool in enumerate(tools or []):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise invalid(where, f"{where} must be a tool object {{type: function, name, parameters}}")
+        kind = tool.get("type")
+        if kind != "function":
+            raise unsupported(f"{where}.type", kind, " (function tools only: kvgate runs no web search, file search, "
+                                                     "computer, code interpreter or MCP tools)")
+        for key in tool.keys() - TOOL_KEYS:
+            raise unsupported(f"{where}.{key}", tool[key])
+        functions.append({"type": "function", "function": {k: v for k, v in tool.items()
+                                                           if k != "type" and v is not None}})
+    if functions:
+        out["tools"] = functions
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or set(choice) != {"type", "name"}:
+            raise unsupported("tool_choice", choice, " (\"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                                                     "\"name\": ...})")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None and (functions or choice not in ("none", "auto")):
+        out["tool_choice"] = choice  # none and auto ask nothing of a request without tools
+    return out
 
 
 def _part(where: str, part: Any) -> str:

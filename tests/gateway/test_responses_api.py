@@ -156,6 +156,56 @@ def test_previous_response_id_continues_the_stored_conversation_without_its_inst
         "My name is Ada.", first.output_text, "What is my name?", second.output_text, "And again?"]
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_flat_function_tools_and_tool_choice_become_the_jobs_tools_and_are_repeated(client, sim_fleet):
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather", "parameters": WEATHER,
+              "strict": True},
+             {"type": "function", "name": "get_time", "parameters": None, "strict": False}]
+    out = client.responses.create(model="simulated", input="Weather in Paris?", tools=tools, parallel_tool_calls=False,
+                                  max_output_tokens=3)
+    assert out.tool_choice == "auto" and out.parallel_tool_calls is False
+    assert [t.name for t in out.tools] == ["get_weather", "get_time"] and out.tools[0].parameters == WEATHER
+    assert out.output[0].type == "message"  # the simulated model writes no call: its text is the message
+    job = job_of(*sim_fleet, "simulated", out.id.removeprefix("resp_"))
+    assert job.tools.choice == "auto" and job.tools.parallel is False
+    assert [(f.name, f.description) for f in job.tools.functions] == [("get_weather", "The weather"), ("get_time", "")]
+    named = client.responses.create(model="simulated", input="x", tools=tools, max_output_tokens=2, background=True,
+                                    tool_choice={"type": "function", "name": "get_time"})
+    job = job_of(*sim_fleet, "simulated", named.id.removeprefix("resp_"))
+    assert (job.tools.choice, job.tools.function) == ("function", "get_time")
+    assert named.tool_choice.type == "function" and named.tool_choice.name == "get_time"
+    until_final(client, named.id)
+    none = client.responses.create(model="simulated", input="x", tools=tools, tool_choice="none", max_output_tokens=2)
+    assert job_of(*sim_fleet, "simulated", none.id.removeprefix("resp_")).tools is None  # not shown, as chat's none
+
+
+def test_function_call_items_and_their_outputs_are_the_assistants_calls_and_the_tool_answers(client, sim_fleet):
+    items = [{"role": "user", "content": "Weather in Paris and Rome?"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+             {"type": "function_call", "id": "fc_1", "call_id": "call_a", "name": "get_weather",
+              "arguments": '{"city": "Paris"}', "status": "completed"},
+             {"type": "function_call", "call_id": "call_b", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+             {"type": "function_call_output", "call_id": "call_a", "output": "18 C"},
+             {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "21 C"}]}]
+    out = client.responses.create(model="simulated", input=items, max_output_tokens=2,
+                                  tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}])
+    messages = job_of(*sim_fleet, "simulated", out.id.removeprefix("resp_")).messages
+    assert [(m.role, m.content, m.tool_call_id) for m in messages] == [
+        ("user", "Weather in Paris and Rome?", None), ("assistant", "Looking.", None), ("tool", "18 C", "call_a"),
+        ("tool", "21 C", "call_b")]
+    assert [(c.id, c.name, c.arguments) for c in messages[1].tool_calls] == [
+        ("call_a", "get_weather", '{"city": "Paris"}'), ("call_b", "get_weather", '{"city": "Rome"}')]
+    listed = client.responses.input_items.list(out.id, order="asc").data
+    assert [i.type for i in listed] == ["message", "message", "function_call", "function_call",
+                                        "function_call_output", "function_call_output"]
+    assert [(i.call_id, i.name, i.arguments) for i in listed[2:4]] == [
+        ("call_a", "get_weather", '{"city": "Paris"}'), ("call_b", "get_weather", '{"city": "Rome"}')]
+    assert [(i.call_id, i.output) for i in listed[4:]] == [("call_a", "18 C"), ("call_b", "21 C")]
+    assert len({i.id for i in listed}) == len(listed)
+
+
 def test_input_items_are_the_requests_own_input_in_pages(client):
     first = client.responses.create(model="simulated", input="one", max_output_tokens=2)
     items = [{"role": "user", "content": f"m{i}"} for i in range(3)]
@@ -206,8 +256,23 @@ def test_another_tenants_response_is_answered_as_one_that_does_not_exist(sim_fle
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
+    ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}, {"type": "file_search"}]}, "tools[1].type"),
+    ({"tools": [{"type": "function", "name": "f", "function": {"name": "f"}}]}, "tools[0].function"),
+    ({"tools": [{"type": "function", "name": "not a name"}]}, "tools"),
+    ({"tools": {"type": "function", "name": "f"}}, "tools"),
+    ({"tools": ["get_weather"]}, "tools[0]"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+    ({"max_tool_calls": 2}, "max_tool_calls"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 1}]}, "input[0].output"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1", "role": "tool"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call_output", "call_id": "c",
+                 "output": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].output[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
     ({"input": []}, "input"),

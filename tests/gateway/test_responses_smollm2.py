@@ -61,3 +61,47 @@ def test_langchain_chat_openai_with_the_responses_api_invokes_and_streams(smol):
     assert follow.text.strip() and follow.usage_metadata["input_tokens"] > answer.usage_metadata["input_tokens"]
     streamed = "".join(chunk.text for chunk in llm.stream("What is the capital of France?"))
     assert streamed == answer.text or "Paris" in streamed
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER,
+          "strict": True}]
+
+
+def test_a_required_call_is_a_function_call_item_streamed_or_not(smol):
+    ask = dict(model=model_of(smol), input="What is the weather in Paris?", tools=TOOLS, tool_choice="required",
+               parallel_tool_calls=False, temperature=0, max_output_tokens=32)
+    whole = smol.responses.create(**ask)
+    (call,) = whole.output  # constrained: the model calls, and says nothing else
+    assert whole.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_") and call.status == "completed"
+    assert set(json.loads(call.arguments)) == {"city"}
+    with smol.responses.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_response()  # the client's own accumulation of the events
+    kinds = [e.type for e in events]
+    assert kinds.count("response.output_item.added") == 1 and "response.output_text.delta" not in kinds
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == done.arguments == call.arguments  # the same greedy answer
+    (streamed,) = final.output
+    assert streamed.type == "function_call" and streamed.arguments == call.arguments
+    assert streamed.parsed_arguments == json.loads(call.arguments)  # strict: the client parses them
+    assert smol.responses.retrieve(final.id).output[0].arguments == call.arguments
+
+
+def test_a_call_answered_with_function_call_output_continues_by_previous_response_id_or_by_items(smol):
+    model = model_of(smol)
+    first = smol.responses.create(model=model, input="What is the weather in Paris?", tools=TOOLS,
+                                  tool_choice="required", temperature=0, max_output_tokens=32)
+    (call,) = first.output
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}
+    later = smol.responses.create(model=model, input=[answer], previous_response_id=first.id, tools=TOOLS,
+                                  tool_choice="none", temperature=0, max_output_tokens=4)
+    assert later.status in ("completed", "incomplete") and later.output[0].type == "message" and later.output_text
+    # the same conversation sent whole, the call as the item the first response gave (dumped whole, its nulls
+    # too): the same prompt
+    items = [{"role": "user", "content": "What is the weather in Paris?"}, call.model_dump(), answer]
+    again = smol.responses.create(model=model, input=items, tools=TOOLS, tool_choice="none", temperature=0,
+                                  max_output_tokens=4)
+    assert again.output_text == later.output_text and again.usage.input_tokens == later.usage.input_tokens
