@@ -291,7 +291,7 @@ def queue_stats(r, keys: Keys) -> Steps:
     for stream in keys.deads():
         dead += yield call(r.xlen, stream)
     backlogs, other_backlog = yield from tenant_backlogs(r, keys, queued, lag_of)
-    fair_on = bool((yield call(r.exists, keys.fair()))) or any(queued.values())
+    fair_on = (yield call(r.get, keys.fair())) is not None or any(queued.values())  # GET: the monitor user's
     view = tenants_view(backlogs, other_backlog, [w.tenants for w in workers], fair_on)
     return QueueStats(models=models, workers=workers, dead=dead, tenants=(yield from tenant_usage(r, keys, now_ms)),
                       tenant_view=view)
