@@ -73,6 +73,14 @@ MAX_MODEL_NAME_CHARS = 128
 # Redis key part (no braces: Cluster hash tags) and a folder name.
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DEFAULT_TENANT = "default"  # the tenant of a bare API key and of an open gateway's callers
+# The one cardinality rule of every per-tenant view (`kvgate stats`, `kvgate top`, the exporter, workers' heartbeats):
+# the TOP_TENANTS busiest by name, every other tenant summed as OTHER_TENANTS (no tenant name starts with '_').
+TOP_TENANTS = 10
+OTHER_TENANTS = "_other"
+TENANT_WINDOW_S = 60.0  # the window of the tokens and queue waits a worker's heartbeat gives per tenant
+# Queue wait edges (seconds) of workers' histograms: the Prometheus one and the per-tenant counts in heartbeats.
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                      300.0, 600.0, 1800.0, 3600.0)
 
 Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
@@ -744,6 +752,7 @@ HEARTBEAT_FIELDS = (
     "worker_id", "model", "models", "started_at", "updated_at", "state",  # state: serving | draining
     "running", "waiting", "max_num_seqs", "free_blocks", "total_blocks", "block_size",
     "admissible_tokens", "tokens_per_s", "jobs_done",
+    "tenants",  # JSON {tenant: [running, tokens, wait counts...]}: worker/tenant_load.py, read by queue_stats
 )
 
 

@@ -25,6 +25,7 @@ from .protocol import PRIORITIES, Keys, as_text
 from .quotas import TenantsUsage, tenant_usage
 from .steps import Steps, call, run
 from .stream_rows import StreamRow, read_rows
+from .tenant_view import TenantsView, parse_tenants, tenant_backlogs, tenants_view
 
 COUNT_PAGE = 5_000
 
@@ -54,6 +55,7 @@ class WorkerStats:
     tokens_per_s: float = 0.0
     jobs_done: int = 0
     heartbeat_age_s: float | None = None
+    tenants: dict[str, list[int]] = field(default_factory=dict)  # tenant_view.parse_tenants of its heartbeat
 
     @property
     def free_kv_tokens(self) -> int:
@@ -104,6 +106,7 @@ class QueueStats:
     workers: list[WorkerStats] = field(default_factory=list)
     dead: int = 0
     tenants: TenantsUsage = field(default_factory=TenantsUsage)  # jobs and tokens under quotas, busiest first
+    tenant_view: TenantsView = field(default_factory=TenantsView)  # backlog, running, tokens, queue wait per tenant
 
     @property
     def priorities(self) -> dict[str, PriorityStats]:
@@ -135,11 +138,11 @@ class QueueStats:
     def to_dict(self) -> dict:
         return {"models": {k: v.to_dict() for k, v in self.models.items()},
                 "priorities": {k: asdict(v) for k, v in self.priorities.items()},
-                "workers": [asdict(w) | {"free_kv_tokens": w.free_kv_tokens, "kv_usage": w.kv_usage}
-                            for w in self.workers],
+                "workers": [{k: v for k, v in asdict(w).items() if k != "tenants"} |
+                            {"free_kv_tokens": w.free_kv_tokens, "kv_usage": w.kv_usage} for w in self.workers],
                 "backlog": self.backlog, "pending": self.pending, "dead": self.dead,
                 "free_kv_tokens": self.free_kv_tokens, "oldest_age_s": self.oldest_age_s,
-                "tenants": self.tenants.to_dict()}
+                "tenants": self.tenants.to_dict(), "tenant_view": self.tenant_view.to_dict()}
 
 
 def _id_ms(entry_id) -> int:
@@ -253,7 +256,8 @@ def parse_heartbeat(raw: dict, now_ms: int) -> WorkerStats:
     models = [m for m in f.get("models", "").split(",") if m] or ([model] if model else [])
     return WorkerStats(worker_id=f.get("worker_id", "?"), model=model, models=models, state=f.get("state", "serving"),
                        tokens_per_s=_number(f, "tokens_per_s", float),
-                       heartbeat_age_s=max(0.0, now_ms / 1000 - updated) if updated else None, **ints)
+                       heartbeat_age_s=max(0.0, now_ms / 1000 - updated) if updated else None,
+                       tenants=parse_tenants(f.get("tenants", "")), **ints)
 
 
 def read_workers(r, keys: Keys, now_ms: int) -> Steps:
@@ -286,7 +290,11 @@ def queue_stats(r, keys: Keys) -> Steps:
     dead = 0
     for stream in keys.deads():
         dead += yield call(r.xlen, stream)
-    return QueueStats(models=models, workers=workers, dead=dead, tenants=(yield from tenant_usage(r, keys, now_ms)))
+    backlogs, other_backlog = yield from tenant_backlogs(r, keys, queued, lag_of)
+    fair_on = (yield call(r.get, keys.fair())) is not None or any(queued.values())  # GET: the monitor user's
+    view = tenants_view(backlogs, other_backlog, [w.tenants for w in workers], fair_on)
+    return QueueStats(models=models, workers=workers, dead=dead, tenants=(yield from tenant_usage(r, keys, now_ms)),
+                      tenant_view=view)
 
 
 def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:

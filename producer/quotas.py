@@ -32,11 +32,10 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pypro
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import QuotaExceeded
-from .protocol import DEFAULT_TENANT, Final, Job, Keys, ProtocolError, as_text, check_tenant_name
+from .protocol import DEFAULT_TENANT, TOP_TENANTS, Final, Job, Keys, ProtocolError, as_text, check_tenant_name
 from .steps import Steps, call
 
 PRUNE_BATCH = 100  # expired leases one admission removes: bounded work, amortised over admissions
-TOP_TENANTS = 10  # tenants stats name; the rest are summed as `other`
 WINDOW_MS = 60_000
 
 # KEYS[1..5]: leases, jobs, tokens, tokens:prev, window. Turns the token window over to the server's current minute.

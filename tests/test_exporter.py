@@ -122,6 +122,30 @@ def test_tenants_under_quotas_are_the_busiest_ten_by_name_and_the_rest_as_other(
     assert samples[("kvgate_tenant_tokens_per_minute", "_other")] == 20 * 100
 
 
+def test_each_tenants_backlog_is_the_undelivered_part_of_its_fair_share_stream_on_redis_7_and_6_2(server,
+                                                                                                 monkeypatch):
+    """Redis 6.2 keeps no lag: a tenant's is counted from its group's last-delivered id, page by page."""
+    from kvgate.producer import queue_stats
+
+    monkeypatch.setattr(queue_stats, "COUNT_PAGE", 7)
+    keys = Keys("exp")
+    band = keys.jobs(None, "normal")
+    server.set(keys.fair(), 1)
+    for tenant, n in (("flood", 40), ("small", 3)):
+        pipe = server.pipeline()
+        for _ in range(n):  # as a producer's fair-share script enqueues
+            pipe.xadd(Keys.tenant_jobs(band, tenant), {"p": b"x"})
+        pipe.zadd(Keys.fair_backlog(band), {tenant: float("-inf")}, nx=True)
+        pipe.incrby(Keys.fair_queued(band), n)
+        pipe.execute()
+    server.xgroup_create(Keys.tenant_jobs(band, "flood"), Keys.GROUP, id="0")
+    server.xreadgroup(Keys.GROUP, "w1", {Keys.tenant_jobs(band, "flood"): ">"}, count=10)  # as a worker's read does
+    server.decrby(Keys.fair_queued(band), 10)
+    backlog = {s.labels["tenant"]: s.value for fam in exporter.build_registry(server, keys).collect()
+               if fam.name == "kvgate_tenant_backlog" for s in fam.samples}
+    assert backlog == {"flood": 30, "small": 3, "_other": 0}
+
+
 def test_exporter_reports_redis_down_instead_of_failing_the_scrape():
     dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
     registry = exporter.build_registry(dead, Keys("exp"))

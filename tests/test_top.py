@@ -91,3 +91,23 @@ def test_live_view_refreshes_in_a_real_terminal_and_leaves_cleanly(shared_redis,
         assert "Traceback" not in _tmux("capture-pane", "-p", "-t", session)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_one_frame_shows_each_tenants_backlog_running_tokens_and_queue_wait_with_the_rest_as_other(shared_redis,
+                                                                                                  namespace):
+    """Issue 27's per-tenant view: the busiest ten by name and every other tenant summed; backlog needs fair share."""
+    import json
+
+    from kvgate.producer.protocol import QUEUE_WAIT_BUCKETS
+
+    client, keys = shared_redis.client(), Keys(namespace)
+    row = lambda running, tokens: [running, tokens, 0, 0, 0, 5] + [0] * (len(QUEUE_WAIT_BUCKETS) - 3)  # 10-25 ms
+    tenants = {"acme": row(3, 6000)} | {f"t{i}": row(1, i) for i in range(12)}
+    write_beat(client, keys, "gpu-a", {"worker_id": "gpu-a", "tenants": json.dumps(tenants)}, ttl_s=60)
+    console = Console(record=True, width=140, color_system=None)
+    console.print(render(read_queue_stats(client, keys), namespace))
+    screen = console.export_text()
+    acme = next(line for line in screen.splitlines() if "acme" in line)
+    cells = [c.strip() for c in acme.replace("│", "|").split("|") if c.strip()]
+    assert cells[:4] == ["acme", "-", "3", "100.0"]  # backlog unknown without fair share, running, tokens/s
+    assert "(other tenants)" in screen and "ms" in acme

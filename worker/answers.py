@@ -10,12 +10,14 @@ from kvgate.worker.fair import Fair
 from kvgate.worker.flights import Collected, Ended, final_of, observe_finished
 from kvgate.worker.intake import Rejection, identify
 from kvgate.worker.publisher import Finish, Publisher, Settled
+from kvgate.worker.tenant_load import TenantLoad
 
 
 class Answers:
-    def __init__(self, publisher: Publisher, metrics: Any, worker_id: str, model: str, fair: Fair | None = None) -> None:
+    def __init__(self, publisher: Publisher, metrics: Any, worker_id: str, model: str, fair: Fair | None = None,
+                 load: TenantLoad | None = None) -> None:
         self.publisher, self.metrics, self.worker_id, self.model = publisher, metrics, worker_id, model
-        self.fair = fair
+        self.fair, self.load = fair, load
         self.jobs_done = 0
         self.acked: set[str] = set()  # streams we acknowledged entries of since the last trim
 
@@ -57,8 +59,10 @@ class Answers:
             self.acked.add(finish.stream)
             if fresh:
                 observe_finished(self.metrics, finish.final, finish.tenant)
+                usage = finish.final.usage
+                if self.load is not None:
+                    self.load.finished(finish.tenant, usage.prompt_tokens + usage.completion_tokens, time.monotonic())
                 if self.fair is not None:
-                    usage = finish.final.usage
                     self.fair.finished(finish.stream, finish.entry_id, finish.tenant,
                                        usage.prompt_tokens + usage.completion_tokens)
         for finish, reason in settled.failed_finishes:

@@ -3,6 +3,7 @@ take and what it is doing. Readers list workers from the registry (one ZRANGEBYS
 names, which on a busy Redis means walking millions of result and reply keys."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -63,7 +64,9 @@ class Heartbeat:
         self._beat = self.client.register_script(BEAT_LUA)
         self._stop = self.client.register_script(STOP_LUA)
 
-    def beat(self, *, state: str, stats, admissible_tokens: int, waiting: int, jobs_done: int) -> None:
+    def beat(self, *, state: str, stats, admissible_tokens: int, waiting: int, jobs_done: int,
+             tenants: dict[str, list[int]] | None = None) -> None:
+        """`tenants`: TenantLoad.snapshot(), per tenant running jobs, tokens and queue wait counts (bounded)."""
         now = time.monotonic()
         tokens_per_s = (stats.generation_tokens - self._last_tokens) / max(now - self._last_time, 1e-6)
         self._last_tokens, self._last_time = stats.generation_tokens, now
@@ -72,7 +75,8 @@ class Heartbeat:
                       state=state, running=stats.running, waiting=waiting + stats.waiting,
                       max_num_seqs=self.max_num_seqs, free_blocks=stats.free_blocks, total_blocks=stats.total_blocks,
                       block_size=stats.block_size, admissible_tokens=admissible_tokens,
-                      tokens_per_s=round(max(tokens_per_s, 0.0), 2), jobs_done=jobs_done)
+                      tokens_per_s=round(max(tokens_per_s, 0.0), 2), jobs_done=jobs_done,
+                      tenants=json.dumps(tenants or {}, separators=(",", ":")))
         assert set(values) == set(HEARTBEAT_FIELDS)
         write_beat(self.client, self.keys, self.worker_id, values, self.ttl_s, self._beat)
 

@@ -10,12 +10,12 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvgate.producer.protocol import OTHER_TENANTS, QUEUE_WAIT_BUCKETS
+
 # Bucket edges in seconds, spread over the range each LLM latency really takes.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0)
-QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                      300.0, 600.0, 1800.0, 3600.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
 
@@ -23,7 +23,7 @@ LABELS = ("worker", "model")
 # Producers name tenants (the gateway: one per API key's tenant), so a worker labels at most this many distinct ones
 # and counts the jobs of any further tenant under OTHER_TENANTS: a label's values must stay few.
 MAX_TENANT_LABELS = 32
-NO_TENANT, OTHER_TENANTS = "_none", "_other"  # no tenant name starts with '_' (protocol.TENANT_NAME)
+NO_TENANT = "_none"  # no tenant name starts with '_' (protocol.TENANT_NAME)
 
 
 class StepStats(Protocol):

@@ -24,7 +24,7 @@ from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.affinity import Affinity, kv_weight
 from kvgate.worker.answers import Answers
 from kvgate.worker.cancellation import Cancellation
-from kvgate.worker.clock import ServerClock
+from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
 from kvgate.worker.fair import FAIR_FLUSH_S, Fair
@@ -38,6 +38,7 @@ from kvgate.worker.refill import Capacity, Refill
 from kvgate.worker.round_trip import RoundTrip
 from kvgate.worker.served import served_models
 from kvgate.worker.settings import WorkerSettings
+from kvgate.worker.tenant_load import TenantLoad
 from kvgate.worker.trim import trim
 
 log = logging.getLogger("kvgate.worker")
@@ -97,7 +98,8 @@ class Worker:
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics,
                              s.embeddings, s.tool_call_parser)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
-        self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model, self.fair)
+        self.tenant_load = TenantLoad()  # per tenant: running, tokens, queue wait, for the heartbeat
+        self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model, self.fair, self.tenant_load)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
                                    engine_capacity(engine), s.heartbeat_ttl_s)
         self.due: dict[str, float] = {}
@@ -246,6 +248,9 @@ class Worker:
             self.queue.pop()
             if (refused := self.flights.start(ticket)) is not None:
                 self.answers.answer(refused)
+            else:  # the wait on the server's clock: its entry id is when Redis took the job
+                self.tenant_load.admitted(ticket.job.tenant, self.clock.now() - entry_ms(ticket.entry_id) / 1000,
+                                          time.monotonic())
 
     def _fits(self, ticket: Ticket) -> bool:
         shared = 0  # an embedding never reads the prefix cache, and a job asking for prompt logprobs computes its
@@ -356,7 +361,9 @@ class Worker:
         adm = self.engine.admission()
         self.heartbeat.beat(state="draining" if self.draining else "serving", stats=self.engine.stats,
                             admissible_tokens=adm.admissible_tokens, waiting=len(self.queue),
-                            jobs_done=self.answers.jobs_done)
+                            jobs_done=self.answers.jobs_done,
+                            tenants=self.tenant_load.snapshot((t.job.tenant for t in self.flights.tickets()),
+                                                              time.monotonic()))
 
     # ---- drain ---------------------------------------------------------------------------------
     def _begin_drain(self) -> None:

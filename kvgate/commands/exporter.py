@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from kvgate.producer.connection import DEFAULT_URL, mask_url, resolve_url
-from kvgate.producer.protocol import Keys
+from kvgate.producer.protocol import OTHER_TENANTS, Keys
 from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
 from kvgate.producer.redis_url import connect, keys_for
 
@@ -47,6 +47,7 @@ class FleetCollector:
         yield from _model_families(ns, list(snap.models.values()))
         yield from _fleet_families(ns, snap)
         yield from _tenant_families(ns, snap)
+        yield from _tenant_view_families(ns, snap)
         took = GaugeMetricFamily("kvgate_exporter_scrape_seconds", "Time to read the fleet from Redis",
                                  labels=["kvgate_namespace"])
         took.add_metric([ns], time.perf_counter() - started)
@@ -108,11 +109,35 @@ def _tenant_families(ns: str, snap: QueueStats):
                                "last minute, under quotas (estimates until jobs finish)",
                                labels=["kvgate_namespace", "tenant"])
     for u in snap.tenants.top + [snap.tenants.other]:
-        name = u.tenant if u is not snap.tenants.other else "_other"
+        name = u.tenant if u is not snap.tenants.other else OTHER_TENANTS
         jobs.add_metric([ns, name], u.jobs)
         tokens.add_metric([ns, name], u.tokens_per_minute)
     yield jobs
     yield tokens
+
+
+def _tenant_view_families(ns: str, snap: QueueStats):
+    """Per tenant, the busiest ten by name and the rest as `_other` (protocol.TOP_TENANTS, OTHER_TENANTS): backlog
+    (fair share only: no series without it), running jobs, tokens served per second and queue wait p50/p99 over
+    the workers' last minute (none while a tenant had no job admitted)."""
+    v, labels = snap.tenant_view, ["kvgate_namespace", "tenant"]
+    backlog = GaugeMetricFamily("kvgate_tenant_backlog", "A tenant's jobs waiting in its fair-share streams, not yet "
+                                "delivered to a worker", labels=labels)
+    running = GaugeMetricFamily("kvgate_tenant_running_jobs", "A tenant's jobs running on live workers", labels=labels)
+    tokens = GaugeMetricFamily("kvgate_tenant_tokens_per_second", "A tenant's prompt plus generated tokens of jobs "
+                               "finished over the workers' last minute, per second", labels=labels)
+    waits = {q: GaugeMetricFamily(f"kvgate_tenant_queue_wait_p{q}_seconds", f"p{q} of a tenant's queue wait "
+                                  "(enqueue to admission, server clock) over the workers' last minute", labels=labels)
+             for q in (50, 99)}
+    for t in v.top + [v.other]:
+        if v.backlog_by_tenant:
+            backlog.add_metric([ns, t.tenant], t.backlog)
+        running.add_metric([ns, t.tenant], t.running)
+        tokens.add_metric([ns, t.tenant], t.tokens_per_s)
+        for q, family in waits.items():
+            if (wait := t.wait_quantile(q / 100)) is not None:
+                family.add_metric([ns, t.tenant], wait)
+    yield from (backlog, running, tokens, *waits.values())
 
 
 def build_registry(client: redis.Redis, keys: Keys) -> CollectorRegistry:

@@ -45,7 +45,29 @@ def render(stats: QueueStats, namespace: str) -> str:
             lines.append(f"{w.worker_id[:23]:<24}{w.state[:9]:<10}{w.running:>8}{w.waiting:>8}{w.kv_usage:>9.0%}"
                          f"{w.free_kv_tokens:>10}{w.tokens_per_s:>9.1f}{_age(w.heartbeat_age_s):>7}  "
                          f"{', '.join(w.models)}")
-    return "\n".join(lines + _tenant_lines(stats))
+    return "\n".join(lines + _tenant_lines(stats) + _tenant_view_lines(stats))
+
+
+def _wait(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}s" if seconds < 1 else f"{seconds:.1f}s"
+
+
+def _tenant_view_lines(stats: QueueStats) -> list[str]:
+    """Per tenant: backlog (fair share only), running, tokens/s and queue wait over the workers' last minute; the
+    busiest by name, the rest summed (protocol.TOP_TENANTS, OTHER_TENANTS)."""
+    v = stats.tenant_view
+    rows = v.top + ([v.other] if v.other.backlog or v.other.running or v.other.tokens or any(v.other.waits) else [])
+    if not rows:
+        return []
+    lines = ["", f"{'tenant':<32}{'backlog':>10}{'running':>9}{'tokens/s':>10}{'wait p50':>10}{'wait p99':>10}"]
+    for t in rows:
+        name = "(other tenants)" if t is v.other else t.tenant[:31]
+        backlog = str(t.backlog) if v.backlog_by_tenant else "-"
+        lines.append(f"{name:<32}{backlog:>10}{t.running:>9}{t.tokens_per_s:>10.1f}{_wait(t.wait_quantile(0.5)):>10}"
+                     f"{_wait(t.wait_quantile(0.99)):>10}")
+    if not v.backlog_by_tenant:
+        lines.append("backlog per tenant: only with fair share on (shared streams are FIFO, with no per-tenant index)")
+    return lines
 
 
 def _tenant_lines(stats: QueueStats) -> list[str]:

@@ -57,12 +57,29 @@ def _streams_table(snap: QueueStats) -> Table:
     return table
 
 
+def _wait(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}ms" if seconds < 1 else _age(seconds)
+
+
+def _tenants_table(snap: QueueStats) -> Table:
+    """Per tenant: the busiest by name, the rest summed (protocol.TOP_TENANTS); backlog only with fair share."""
+    v = snap.tenant_view
+    table = Table(title=f"tenants (last {v.to_dict()['window_s']:.0f}s)", expand=True, title_justify="left")
+    for column in ("tenant", "backlog", "running", "tokens/s", "wait p50", "wait p99"):
+        table.add_column(column, justify="left" if column == "tenant" else "right")
+    for t in v.top + [v.other]:
+        name = Text("(other tenants)", style="dim") if t is v.other else t.tenant
+        table.add_row(name, str(t.backlog) if v.backlog_by_tenant else "-", str(t.running), f"{t.tokens_per_s:,.1f}",
+                      _wait(t.wait_quantile(0.5)), _wait(t.wait_quantile(0.99)))
+    return table
+
+
 def render(snap: QueueStats, namespace: str) -> Group:
     tokens = sum(w.tokens_per_s for w in snap.workers)
     header = Text.assemble(("kvgate top", "bold"), f"  namespace {namespace}  ",
                            f"free KV {snap.free_kv_tokens:,} tokens  {tokens:,.0f} tokens/s  ",
                            time.strftime("%H:%M:%S"), ("   q to quit", "dim"))
-    return Group(header, _workers_table(snap), _streams_table(snap))
+    return Group(header, _workers_table(snap), _streams_table(snap), _tenants_table(snap))
 
 
 def _frame(client: redis.Redis, keys: Keys):

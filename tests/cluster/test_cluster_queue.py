@@ -209,3 +209,18 @@ def test_fair_share_serves_several_tenants_in_every_shard(cluster, namespace, tm
         assert r.exists(Keys.tenant_jobs(band, "a"))  # they went to the tenants' streams
     finally:
         stop_all(procs)
+
+
+def test_each_tenants_backlog_is_summed_over_the_bands_of_every_shard(cluster, namespace):
+    """The per-tenant view (issue 27) reads each shard's bands: a tenant's jobs spread over the shards add up."""
+    from kvgate.producer.queue_stats import read_queue_stats
+
+    r = connect(cluster.url)
+    keys = keys_for(cluster.url, r, namespace)
+    r.set(keys.fair(), 1)  # as `kvgate worker --fair-share on` sets it
+    for tenant, n in (("a", 40), ("b", 10)):
+        with Client(cluster.url, namespace, tenant=tenant) as client:
+            handles = client.submit_many([dict(prompt=f"{tenant} {i}") for i in range(n)], progress=False)
+            assert len({keys.shard_of(h.job_id) for h in handles}) > 1 or n < 10
+    view = read_queue_stats(r, keys).tenant_view
+    assert view.backlog_by_tenant and [(t.tenant, t.backlog) for t in view.top] == [("a", 40), ("b", 10)]

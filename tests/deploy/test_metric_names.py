@@ -13,6 +13,7 @@ from kvgate.commands.exporter import build_registry
 from kvgate.gateway.metrics import GatewayMetrics
 from kvgate.worker.metrics import WorkerMetrics
 from kvgate.worker.heartbeat import write_beat
+from kvgate.worker.tenant_load import TenantLoad
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 NAME = re.compile(r"\bkvgate_[a-z0-9_]+")
@@ -41,7 +42,12 @@ def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
     worker.on_steals(2)
     client, keys = shared_redis.client(), Keys(namespace)
     client.xadd(keys.jobs(None, "normal"), {"p": b"x"})
-    write_beat(client, keys, "w", {"worker_id": "w", "free_blocks": 3}, ttl_s=60)
+    client.set(keys.fair(), 1)  # fair share on: the per-tenant backlog is exported
+    load = TenantLoad()
+    load.admitted("team-a", 0.2, now=1.0)
+    load.finished("team-a", 40, now=1.0)
+    write_beat(client, keys, "w", {"worker_id": "w", "free_blocks": 3,
+                                   "tenants": json.dumps(load.snapshot(["team-a"], now=2.0))}, ttl_s=60)
     gateway = GatewayMetrics()
     gateway.requests.labels("/v1/chat/completions", "200").inc()
     gateway.latency.labels("/v1/chat/completions").observe(0.1)
@@ -77,8 +83,17 @@ def test_every_design_metric_is_exported(shared_redis, namespace):
               "preemptions_total", "redeliveries_total", "dead_letters_total",
               "queue_lag", "queue_pending", "queue_length", "queue_oldest_job_age_seconds", "live_workers",
               "fleet_free_kv_blocks", "fleet_free_kv_tokens", "dead_stream_length",
-              "affinity_lanes_owned", "affinity_steals_total"]
+              "affinity_lanes_owned", "affinity_steals_total", "tenant_backlog", "tenant_running_jobs",
+              "tenant_tokens_per_second", "tenant_queue_wait_p50_seconds", "tenant_queue_wait_p99_seconds"]
     assert not {f"kvgate_{d}" for d in design} - names
+
+
+def test_the_dashboard_plots_each_tenants_backlog_running_tokens_and_queue_wait_by_tenant():
+    """Issue 27's per-tenant view: every figure on the board, grouped by the bounded `tenant` label."""
+    exprs = queried_expressions()
+    for metric in ("tenant_backlog", "tenant_running_jobs", "tenant_tokens_per_second",
+                   "tenant_queue_wait_p50_seconds", "tenant_queue_wait_p99_seconds"):
+        assert any(f"kvgate_{metric}" in e and "by (tenant)" in e for e in exprs), metric
 
 
 def test_a_real_worker_feeds_the_series_the_dashboard_plots(shared_redis, namespace):

@@ -85,6 +85,19 @@ def test_monitor_user_serves_the_exporter_but_writes_nothing(acl_server):
     assert denied(lambda: monitor.delete(keys.worker("w1")))
 
 
+def test_monitor_user_reads_each_tenants_backlog_under_fair_share(acl_server):
+    """The per-tenant view reads the ends of each band's backlog set (ZRANGE) and tenants' streams' groups."""
+    from kvgate.producer.client import Client
+
+    keys, monitor = Keys("kvgate"), acl_server("monitor")
+    acl_server("worker").set(keys.fair(), 1)  # as `kvgate worker --fair-share on` does
+    port = monitor.connection_pool.connection_kwargs["port"]
+    with Client(f"redis://producer:CHANGE_ME_producer@127.0.0.1:{port}/0", namespace="kvgate", tenant="acme") as c:
+        c.submit_many([{"prompt": "x"}] * 3, progress=False)
+    view = read_queue_stats(monitor, keys).tenant_view
+    assert view.backlog_by_tenant and [(t.tenant, t.backlog) for t in view.top] == [("acme", 3)]
+
+
 def test_keda_user_reads_group_lag_only(acl_server):
     keys, keda = Keys("kvgate"), acl_server("keda")
     acl_server("worker").xgroup_create(keys.jobs(None, "normal"), Keys.GROUP, id="0", mkstream=True)
