@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 import uuid
 from dataclasses import replace
@@ -101,47 +100,28 @@ def rates(embeddings: int, prompt_tokens: int, output_tokens: int, elapsed: floa
 def through_queue(engine, url: str, args, prompts: list[list[int]], generate: list) -> dict:
     """One worker over `engine` on the main thread; the SDK submits the embedding and the generation jobs at once
     from another thread and times each kind from the submit to its last result."""
-    from kvgate.producer.client import Client
-    from kvgate.worker.settings import WorkerSettings
-    from kvgate.worker.worker import NullMetrics, Worker
+    from kvgate.bench.queue import beside_worker
 
-    namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    worker = Worker(engine, WorkerSettings(redis_url=url, namespace=namespace, worker_id="bench-worker",
-                                           max_num_seqs=args.max_num_seqs), metrics=NullMetrics())
-    stop, box = threading.Event(), {}
-
-    def produce() -> None:
-        client = Client(url, namespace=namespace)
-        try:
-            jobs = [dict(prompt_token_ids=r.prompt_ids, max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
-                    for r in generate]
-            jobs += [dict(prompt_token_ids=ids, task="embed", pooling=args.pooling) for ids in prompts]
-            start = time.perf_counter()
-            handles = client.submit_many(jobs, progress=False)
-            ends = {}
-            for h in client.as_completed(handles, timeout=3600):
-                ends[h.job_id] = time.perf_counter() - start
-            results = [h.result(timeout=1) for h in handles]
-            bad = [r for r in results if r.status != "done"]
-            if bad:
-                raise RuntimeError(f"{len(bad)} jobs did not finish: {bad[0]}")
-            gen, emb = results[:len(generate)], results[len(generate):]
-            if gen:
-                box["generate"] = rates(0, sum(r.usage.prompt_tokens for r in gen),
+    def produce(client) -> dict:
+        jobs = [dict(prompt_token_ids=r.prompt_ids, max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+                for r in generate]
+        jobs += [dict(prompt_token_ids=ids, task="embed", pooling=args.pooling) for ids in prompts]
+        start = time.perf_counter()
+        handles = client.submit_many(jobs, progress=False)
+        ends, figures = {}, {}
+        for h in client.as_completed(handles, timeout=3600):
+            ends[h.job_id] = time.perf_counter() - start
+        results = [h.result(timeout=1) for h in handles]
+        bad = [r for r in results if r.status != "done"]
+        if bad:
+            raise RuntimeError(f"{len(bad)} jobs did not finish: {bad[0]}")
+        gen, emb = results[:len(generate)], results[len(generate):]
+        if gen:
+            figures["generate"] = rates(0, sum(r.usage.prompt_tokens for r in gen),
                                         sum(r.usage.completion_tokens for r in gen), max(ends[r.job_id] for r in gen))
-            if emb:
-                box["embed"] = rates(len(emb), sum(r.usage.prompt_tokens for r in emb), 0,
+        if emb:
+            figures["embed"] = rates(len(emb), sum(r.usage.prompt_tokens for r in emb), 0,
                                      max(ends[r.job_id] for r in emb))
-        except BaseException as e:  # re-raised on the main thread below
-            box["error"] = e
-        finally:
-            client.close()
-            stop.set()
+        return figures
 
-    producer = threading.Thread(target=produce, name="bench-producer", daemon=True)
-    producer.start()
-    worker.run(stop)
-    producer.join()
-    if "error" in box:
-        raise box["error"]
-    return box
+    return beside_worker(engine, url, args.max_num_seqs, produce)

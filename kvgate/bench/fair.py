@@ -211,10 +211,8 @@ def _drain_child(url: str, namespace: str, first: int, ready, stop) -> None:
 def run_cost(server, fair: bool, args) -> dict:
     """A backlog of one-token jobs of `--cost-tenants` tenants drained by `--procs` processes of 4 workers: jobs/s
     and Redis CPU per job (enqueue, reads, results, acks), the queue path's cost with and without fair share."""
-    import multiprocessing as mp
-
     from kvgate.bench import fleet_sim
-    from kvgate.bench.fleet import backlog
+    from kvgate.bench.fleet import backlog, drain_in_processes
 
     keys, client = Keys(f"wfair-cost-{'fair' if fair else 'fifo'}-{time.time_ns()}"), redis.Redis.from_url(server.url)
     if fair:
@@ -226,26 +224,8 @@ def run_cost(server, fair: bool, args) -> dict:
     enqueue(client, keys, jobs, fair, batch=1000)
     band = keys.jobs(DEFAULT_MODEL, "normal")
     streams = sorted({Keys.tenant_jobs(band, j.tenant) for j in jobs}) if fair else [band]
-    ctx = mp.get_context("fork")
-    stop, readies, children = ctx.Event(), [], []
-    for p in range(args.procs):
-        ready = ctx.Event()
-        children.append(ctx.Process(target=_drain_child, args=(server.url, keys.ns, p * 4, ready, stop), daemon=True))
-        readies.append(ready)
-    for child in children:
-        child.start()
-    try:
-        for ready in readies:
-            ready.wait(60)
-        deadline = time.monotonic() + 600
-        while not fleet_sim.drained(client, streams):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(jobs)} jobs not drained")
-            time.sleep(0.2)
-    finally:
-        stop.set()
-        for child in children:
-            child.join(30)
+    drain_in_processes(client, streams, args.procs, _drain_child, lambda p: (server.url, keys.ns, p * 4), 600,
+                       lambda: f"{len(jobs)} jobs not drained within 600 s")
     redis_cpu = server.cpu_seconds() - cpu0
     finals = fleet_sim.collect_finals(client, keys, clients)
     firsts = [f[0] for f in finals.values()]

@@ -145,11 +145,21 @@ def drain_backlog(url: str, client, keys: Keys, jobs: list, procs: int, timeout:
 
     fleet_sim.enqueue(client, keys, jobs, rate=None, batch=1000)
     streams = sorted({stream_for(job, job.model or DEFAULT_MODEL, keys, 0) for job in jobs})
+    drain_in_processes(client, streams, procs, _throughput_child, lambda p: (url, keys.ns, p * 4, 4), timeout,
+                       lambda: f"{len(jobs)} jobs not drained within {timeout:g}s: "
+                               f"{fleet_sim.count_results(client, keys, jobs)} answered")
+
+
+def drain_in_processes(client, streams: list[str], procs: int, target, args_of, timeout: float, failure) -> None:
+    """Start `procs` forked `target(*args_of(p), ready, stop)` children, wait until each is ready, then until every
+    stream in `streams` is read and acknowledged (TimeoutError with `failure()` past `timeout` s); stop them."""
+    from kvgate.bench import fleet_sim
+
     ctx = mp.get_context("fork")
     stop, readies, children = ctx.Event(), [], []
     for p in range(procs):
         ready = ctx.Event()
-        children.append(ctx.Process(target=_throughput_child, args=(url, keys.ns, p * 4, 4, ready, stop), daemon=True))
+        children.append(ctx.Process(target=target, args=(*args_of(p), ready, stop), daemon=True))
         readies.append(ready)
     for child in children:
         child.start()
@@ -159,8 +169,7 @@ def drain_backlog(url: str, client, keys: Keys, jobs: list, procs: int, timeout:
         deadline = time.monotonic() + timeout
         while not fleet_sim.drained(client, streams):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(jobs)} jobs not drained within {timeout:g}s: "
-                                   f"{fleet_sim.count_results(client, keys, jobs)} answered")
+                raise TimeoutError(failure())
             time.sleep(0.1)
     finally:
         stop.set()

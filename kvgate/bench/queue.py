@@ -167,35 +167,40 @@ def run_in_process(engine, requests) -> dict:
 
 def run_through_queue(engine, requests, url: str, args) -> tuple[dict, dict]:
     """The worker loop on the main thread (see run_in_process); the SDK submits and collects from another."""
+    return beside_worker(engine, url, args.max_num_seqs,
+                         lambda client: (submit_all(client, requests), probe_overhead(client, requests[0], args.probes)))
+
+
+def beside_worker(engine, url: str, max_num_seqs: int, produce):
+    """One worker over `engine` in a fresh namespace on this thread (torch steps fastest on the thread that loaded
+    the model) until `produce(client)`, run on another thread with an SDK client of that namespace, returns: its
+    value, or its exception raised here."""
     from kvgate.producer.client import Client
     from kvgate.worker.settings import WorkerSettings
     from kvgate.worker.worker import NullMetrics, Worker
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    settings = WorkerSettings(redis_url=url, namespace=namespace, worker_id="bench-worker",
-                              max_num_seqs=args.max_num_seqs)
+    settings = WorkerSettings(redis_url=url, namespace=namespace, worker_id="bench-worker", max_num_seqs=max_num_seqs)
     worker = Worker(engine, settings, metrics=NullMetrics())
-    stop = threading.Event()
-    box: dict = {}
+    stop, box = threading.Event(), {}
 
-    def produce() -> None:
+    def run() -> None:
         client = Client(url, namespace=namespace)
         try:
-            box["batch"] = submit_all(client, requests)
-            box["overhead"] = probe_overhead(client, requests[0], args.probes)
-        except BaseException as e:  # re-raised on the main thread below
+            box["value"] = produce(client)
+        except BaseException as e:  # re-raised on this thread below
             box["error"] = e
         finally:
             client.close()
             stop.set()
 
-    producer = threading.Thread(target=produce, name="bench-producer", daemon=True)
+    producer = threading.Thread(target=run, name="bench-producer", daemon=True)
     producer.start()
     worker.run(stop)
     producer.join()
     if "error" in box:
         raise box["error"]
-    return box["batch"], box["overhead"]
+    return box["value"]
 
 
 def submit_all(client, requests) -> dict:
