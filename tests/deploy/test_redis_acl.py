@@ -210,3 +210,16 @@ def test_workers_and_gateways_list_models_in_the_model_set_and_producers_and_the
     assert denied(lambda: producer.sadd(keys.dead(), "x"))
     assert denied(lambda: monitor.sadd(keys.models(), "x"))
     assert denied(lambda: acl_server("keda").smembers(keys.models()))
+
+
+def test_producer_and_gateway_users_read_a_waiting_jobs_status(acl_server):
+    """A job's status reads its result keys in one MGET (its entry's state comes from a script that may not read job
+    payloads): the gateway does so for a background response still running, and failed with NoPermissionError
+    whenever the worker had not answered by the first retrieve."""
+    from kvgate.producer.client import Client
+
+    port = acl_server("monitor").connection_pool.connection_kwargs["port"]
+    for user in ("producer", "gateway"):
+        with Client(f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0", namespace="kvgate") as client:
+            handle = client.submit("nobody serves this yet")
+            assert handle.status().state == "queued" and client.status(handle.job_id).state == "queued"
