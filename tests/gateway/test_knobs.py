@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-import requests
+import httpx
 
 from kvgate.engine.cost_model_runner import SimulatedTokenizer
 
@@ -51,7 +51,7 @@ def test_lm_evals_loglikelihood_request_of_token_id_prompts_is_answered_as_it_pa
     prompts = [c + k for c, k in zip(contexts, continuations)]
     payload = {"model": "simulated", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1,
                "seed": 1234, "echo": True}
-    out = requests.post(gateway.base_url + "/completions", json=payload, timeout=30)
+    out = httpx.post(gateway.base_url + "/completions", json=payload, timeout=30)
     assert out.status_code == 200, out.text
     choices = sorted(out.json()["choices"], key=lambda c: c["index"])
     text = SimulatedTokenizer(32000).decode
@@ -90,7 +90,7 @@ def test_best_of_answers_the_n_choices_of_highest_cumulative_logprob_without_log
 ])
 def test_what_is_not_honoured_is_a_400_naming_the_field(gateway, body, param):
     path = "/chat/completions" if "messages" in body else "/completions"
-    out = requests.post(gateway.base_url + path, json={"model": "simulated", **body}, timeout=30)
+    out = httpx.post(gateway.base_url + path, json={"model": "simulated", **body}, timeout=30)
     assert out.status_code == 400 and out.json()["error"]["param"].startswith(param), out.text
 
 
