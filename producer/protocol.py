@@ -149,19 +149,25 @@ class Tools(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
                         "'get_weather')")
             if names.count(f.name) > 1:
                 return f"tool name {f.name!r} is declared twice; every function needs its own name"
-            if f.parameters:
-                try:
-                    schema = msgspec.json.decode(f.parameters)
-                except msgspec.DecodeError as e:
-                    return f"tool {f.name!r} parameters is not valid JSON: {e}"
-                if not isinstance(schema, dict):
-                    return f"tool {f.name!r} parameters must be a JSON schema object, got {type(schema).__name__}"
+            if f.parameters and (problem := schema_problem(f.parameters, f"tool {f.name!r} parameters")):
+                return problem
         if (self.choice == "function") != bool(self.function):
             return "tools choice 'function' names its function in `function`, and only it does"
         if self.function and self.function not in names:
             return f"tool choice names function {self.function!r}, which tools does not declare (declared: " \
                    f"{', '.join(names)[:200]})"
         return None
+
+
+def schema_problem(text: str, what: str) -> str | None:
+    """Why `text`, named `what` in the answer, is not a JSON schema object, or None."""
+    try:
+        schema = msgspec.json.decode(text)
+    except msgspec.DecodeError as e:
+        return f"{what} is not valid JSON: {e}"
+    if not isinstance(schema, dict):
+        return f"{what} must be a JSON schema object, got {type(schema).__name__}"
+    return None
 
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -192,12 +198,7 @@ class Structured(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
         if self.kind in ("regex", "grammar", "json_schema") and not self.spec:
             return f"structured {self.kind} needs a non-empty spec (the {self.kind.replace('_', ' ')})"
         if self.kind in ("json_schema", "json_object") and self.spec:
-            try:
-                schema = msgspec.json.decode(self.spec)
-            except msgspec.DecodeError as e:
-                return f"structured {self.kind} spec is not valid JSON: {e}"
-            if not isinstance(schema, dict):
-                return f"structured {self.kind} spec must be a JSON schema object, got {type(schema).__name__}"
+            return schema_problem(self.spec, f"structured {self.kind} spec")
         return None
 
 

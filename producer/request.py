@@ -22,6 +22,7 @@ from pydantic import (AfterValidator, model_validator, BaseModel, BeforeValidato
 from . import protocol as wire
 from .errors import FieldError, InvalidRequest
 from .fields import Entries, Items, Range, Shape, Spec
+from .tool_calls import closed
 
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
@@ -159,19 +160,6 @@ def _is_model_class(value: Any) -> bool:
     return isinstance(value, type) and issubclass(value, BaseModel)
 
 
-def closed_objects(schema: Any) -> Any:
-    """A pydantic model's schema with `additionalProperties: false` on each object that does not say, as OpenAI's
-    strict mode makes it: the model's fields and no others (an open object lets a small model add keys until its
-    max_tokens and the answer never closes)."""
-    if isinstance(schema, dict):
-        schema = {k: closed_objects(v) for k, v in schema.items()}
-        if schema.get("type") == "object" and "properties" in schema:
-            schema.setdefault("additionalProperties", False)
-    elif isinstance(schema, list):
-        schema = [closed_objects(v) for v in schema]
-    return schema
-
-
 def structured_of(response_format: Any = None, regex: str | None = None, choice: list[str] | None = None,
                   grammar: str | None = None) -> wire.Structured | None:
     """The wire constraint of the SDK's conveniences: `response_format` as OpenAI's dict ({"type": "json_object"} or
@@ -190,7 +178,7 @@ def structured_of(response_format: Any = None, regex: str | None = None, choice:
     if response_format is None:
         return None
     if _is_model_class(response_format):
-        schema = closed_objects(response_format.model_json_schema())
+        schema = closed(response_format.model_json_schema())
         return wire.Structured("json_schema", msgspec.json.encode(schema).decode())
     if not isinstance(response_format, dict):
         raise ValueError(f"response_format must be OpenAI's dict, a JSON schema dict or a pydantic model class, "

@@ -55,7 +55,8 @@ def call_id(job_id: str, index: int) -> str:
 
 def closed(schema: Any) -> Any:
     """`additionalProperties: false` on each object with properties that does not say, as OpenAI's strict mode reads a
-    schema: a small model given an open object adds keys until max_tokens cuts it off."""
+    schema: a small model given an open object adds keys until max_tokens cuts it off. Tool arguments and the SDK's
+    pydantic response_format (producer/request.py) both close their schemas here."""
     if isinstance(schema, dict):
         schema = {k: closed(v) for k, v in schema.items()}
         if schema.get("type") == "object" and "properties" in schema:
