@@ -23,7 +23,7 @@ import time
 
 import redis
 
-from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, Keys, encode
+from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, Keys
 
 TARGET_WAIT_RATIO = 2.0
 TARGET_ALONE_RATIO = 0.95
@@ -38,28 +38,6 @@ def jobs_of(tenant: str, phase: str, n: int, seed: int) -> list:
     for i, job in enumerate(jobs):
         job.job_id, job.tenant, job.client_id = f"{phase}-{tenant}-{i}", tenant, f"{phase}-{tenant}-{i // CLIENT_JOBS}"
     return jobs
-
-
-def enqueue(client: redis.Redis, keys: Keys, jobs: list, fair: bool, rate: float | None = None,
-            batch: int = 500) -> None:
-    """Where the SDK puts them: with fair share the tenant's stream and the tenant in the band's backlog (one
-    MULTI per batch, as the SDK's enqueue script does per job); else the shared stream. Paced at `rate` jobs/s."""
-    started = time.time()
-    for lo in range(0, len(jobs), batch):
-        if rate:
-            time.sleep(max(0.0, started + lo / rate - time.time()))
-        pipe = client.pipeline(transaction=fair)
-        now = time.time()
-        for job in jobs[lo:lo + batch]:
-            job.enqueued_at = now
-            band = keys.jobs(job.model or DEFAULT_MODEL, job.priority)
-            if fair:
-                pipe.xadd(Keys.tenant_jobs(band, job.tenant), {FIELD: encode(job)})
-                pipe.zadd(Keys.fair_backlog(band), {job.tenant: float("-inf")}, nx=True)
-                pipe.incr(Keys.fair_queued(band))
-            else:
-                pipe.xadd(band, {FIELD: encode(job)})
-        pipe.execute()
 
 
 def finals_of(client: redis.Redis, keys: Keys, jobs: list) -> dict[str, list]:
@@ -134,8 +112,8 @@ def run_contestant(url: str, fair: bool, args) -> dict:
     try:
         def open_loop(phase: str) -> tuple[list, list]:
             b, c = jobs_of("b", phase, n_bc, args.seed + 1), jobs_of("c", phase, n_bc, args.seed + 2)
-            threads = [threading.Thread(target=enqueue, args=(redis.Redis.from_url(url), keys, js, fair, rate, 1))
-                       for js in (b, c)]
+            threads = [threading.Thread(target=fleet_sim.enqueue, args=(redis.Redis.from_url(url), keys, js),
+                                        kwargs=dict(rate=rate, batch=1, fair=fair)) for js in (b, c)]
             for th in threads:
                 th.start()
             for th in threads:
@@ -143,7 +121,7 @@ def run_contestant(url: str, fair: bool, args) -> dict:
             return b, c
 
         a = jobs_of("a", "solo", n_a, args.seed + 3)
-        enqueue(client, keys, a, fair)
+        fleet_sim.enqueue(client, keys, a, rate=None, batch=500, fair=fair)
         wait_answered(client, keys, a, 900)
         finals = finals_of(client, keys, a)
         firsts = [finals[j.job_id][0] for j in a]
@@ -160,7 +138,7 @@ def run_contestant(url: str, fair: bool, args) -> dict:
         every += [b, c]
 
         a = jobs_of("a", "flood", n_a, args.seed)
-        enqueue(client, keys, a, fair)
+        fleet_sim.enqueue(client, keys, a, rate=None, batch=500, fair=fair)
         b, c = open_loop("flood")
         wait_answered(client, keys, b + c, 600)
         finals = finals_of(client, keys, b + c)
@@ -177,7 +155,7 @@ def run_contestant(url: str, fair: bool, args) -> dict:
             by = {t: jobs_of(t, label, n_share * (2 if t == "a" and weights else 1), args.seed + 4 + i)
                   for i, t in enumerate("abc")}
             for t in "abc":  # one tenant after another, as three producers' bulk submits land
-                enqueue(client, keys, by[t], fair)
+                fleet_sim.enqueue(client, keys, by[t], rate=None, batch=500, fair=fair)
             all_jobs = [j for js in by.values() for j in js]
             wait_answered(client, keys, all_jobs, 900)
             shares = window_shares(finals_of(client, keys, all_jobs), by, args.window_s)
@@ -221,7 +199,7 @@ def run_cost(server, fair: bool, args) -> dict:
     for i, job in enumerate(jobs):
         job.tenant = f"t{i % args.cost_tenants}"
     cpu0 = server.cpu_seconds()
-    enqueue(client, keys, jobs, fair, batch=1000)
+    fleet_sim.enqueue(client, keys, jobs, rate=None, batch=1000, fair=fair)
     band = keys.jobs(DEFAULT_MODEL, "normal")
     streams = sorted({Keys.tenant_jobs(band, j.tenant) for j in jobs}) if fair else [band]
     drain_in_processes(client, streams, args.procs, _drain_child, lambda p: (server.url, keys.ns, p * 4), 600,
@@ -239,6 +217,8 @@ def run_cost(server, fair: bool, args) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvgate.bench.fleet import add_cost_model_arguments
+
     parser.add_argument("--cost-jobs", type=int, default=30000,
                         help="one-token jobs of the Redis cost run, per contestant (default 30000; 0 = skip)")
     parser.add_argument("--cost-tenants", type=int, default=3, help="tenants of the cost run (default 3)")
@@ -251,8 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="backlog per tenant in the share phases (default 3000; A's doubled at 2:1:1)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every job count (a quick run: 0.1)")
     parser.add_argument("--window-s", type=float, default=10.0, help="window of the share measure (default 10 s)")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="simulated step overhead (default 20 ms)")
-    parser.add_argument("--per-token-ms", type=float, default=0.05, help="simulated cost per token (default 0.05)")
+    add_cost_model_arguments(parser)
     parser.add_argument("--rate-from", choices=("measured", "model"), default="measured",
                         help="B's and C's rate: 20%% of the fleet's jobs/s with A alone, measured first in the run "
                              "(default), or of the cost model's estimate (a loaded machine runs below it)")

@@ -244,6 +244,13 @@ def plot(path: str, runs: list[RunResult], throughput: dict) -> None:
     fig.savefig(path, dpi=110)
 
 
+def add_cost_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulated engine's cost model, as every fleet benchmark (W-FLEET, W-PREFIX, W-FAIR) takes it. Here, not in
+    fleet_sim: `kvgate` builds every benchmark's flags at start-up, and fleet_sim imports the worker."""
+    parser.add_argument("--step-ms", type=float, default=20.0, help="simulated step overhead (default 20 ms)")
+    parser.add_argument("--per-token-ms", type=float, default=0.05, help="simulated cost per token (default 0.05)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib and the latency runs)")
@@ -252,8 +259,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=6000, help="most jobs per latency run (default 6000)")
     parser.add_argument("--seconds", type=float, default=8.0, help="arrival window per latency run (default 8)")
     parser.add_argument("--load", type=float, default=0.6, help="offered load / estimated capacity (default 0.6)")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="simulated step overhead (default 20 ms)")
-    parser.add_argument("--per-token-ms", type=float, default=0.05, help="simulated cost per token (default 0.05)")
+    add_cost_model_arguments(parser)
     parser.add_argument("--throughput-jobs", type=int, default=30000, help="backlog for the jobs/s run (0 = skip)")
     parser.add_argument("--procs", type=int, default=max(2, min(4, os.cpu_count() or 2)),
                         help="worker processes for the jobs/s runs (4 workers each)")

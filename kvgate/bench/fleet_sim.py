@@ -134,20 +134,27 @@ def make_jobs(n: int, mix: JobMix, *, seed: int, clients: int) -> list[Job]:
 
 
 def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | None, batch: int = 200,
-            lanes: int = 0) -> float:
-    """XADD jobs in pipelined batches, each where the SDK would put it (with `lanes`, its affinity lane); with
-    `rate` (jobs/s) paced as an open-loop arrival stream. Returns the time the last batch went in."""
+            lanes: int = 0, fair: bool = False) -> float:
+    """XADD jobs in pipelined batches, each where the SDK would put it (with `lanes`, its affinity lane; with `fair`,
+    its tenant's stream, the tenant joining the band's backlog, one MULTI per batch as the SDK's enqueue script does
+    per job); with `rate` (jobs/s) paced as an open-loop arrival stream. Returns the time the last batch went in."""
     from kvgate.producer.submission import stream_for
 
     started = time.time()
     for lo in range(0, len(jobs), batch):
         if rate:
             time.sleep(max(0.0, started + lo / rate - time.time()))
-        pipe = client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=fair)
         now = time.time()
         for job in jobs[lo:lo + batch]:
             job.enqueued_at = now
-            pipe.xadd(stream_for(job, job.model or DEFAULT_MODEL, keys, lanes), {FIELD: encode(job)})
+            if fair:
+                band = keys.jobs(job.model or DEFAULT_MODEL, job.priority)
+                pipe.xadd(Keys.tenant_jobs(band, job.tenant), {FIELD: encode(job)})
+                pipe.zadd(Keys.fair_backlog(band), {job.tenant: float("-inf")}, nx=True)
+                pipe.incr(Keys.fair_queued(band))
+            else:
+                pipe.xadd(stream_for(job, job.model or DEFAULT_MODEL, keys, lanes), {FIELD: encode(job)})
         pipe.execute()
     return time.time()
 

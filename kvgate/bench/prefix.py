@@ -180,6 +180,8 @@ def run_contestant(url: str, name: str, phase: str, jobs: list[Job], rate: float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvgate.bench.fleet import add_cost_model_arguments
+
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--workers", type=int, default=16, help="fleet size, mixed as W-FLEET's (default 16)")
     parser.add_argument("--lanes", type=int, default=32, help="affinity lanes of the lanes contestant (default 32)")
@@ -190,8 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="open-loop arrival window (default 20)")
     parser.add_argument("--load", type=float, default=0.7,
                         help="open-loop rate as a fraction of the shared stream's saturation jobs/s (default 0.7)")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="simulated step overhead (default 20 ms)")
-    parser.add_argument("--per-token-ms", type=float, default=0.05, help="simulated cost per token (default 0.05)")
+    add_cost_model_arguments(parser)
     parser.add_argument("--speed", type=float, default=1.0,
                         help="divide the cost model's times by this (a shorter run; the ratios hold while the "
                              "machine keeps up, default 1)")
