@@ -17,6 +17,7 @@ masking one ends in an error instead of an hour's work.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -219,19 +220,16 @@ def forced_tokens(matcher: Any, limit: int) -> list[int]:
     return forced
 
 
-_CPU_MASK: list = []
-
-
+@functools.cache
 def _cpu_mask():
-    """kernels/cpu_mask.py's compiled loop, or None where numba cannot be imported (the twin serves)."""
-    if not _CPU_MASK:
-        try:
-            from kvgate.kernels.cpu_mask import apply_token_bitmask
-        except ImportError as e:
-            log.warning("structured output masks through torch on the CPU: numba is unavailable (%s)", e)
-            apply_token_bitmask = None
-        _CPU_MASK.append(apply_token_bitmask)
-    return _CPU_MASK[0]
+    """kernels/cpu_mask.py's compiled loop, or None where numba cannot be imported (the twin serves); looked up once,
+    at the first CPU mask, so a GPU worker never imports numba for it."""
+    try:
+        from kvgate.kernels.cpu_mask import apply_token_bitmask
+    except ImportError as e:
+        log.warning("structured output masks through torch on the CPU: numba is unavailable (%s)", e)
+        return None
+    return apply_token_bitmask
 
 
 def allowed_by_reference(matcher: Any, vocab_size: int) -> list[int]:
