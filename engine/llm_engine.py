@@ -85,8 +85,10 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, stream_text: bool = True, detokenize: bool = True) -> int:
-        """Queue a request; returns its prompt length. `stream_text=False` skips incremental detokenization
+                    arrival_time: float | None = None, stream_text: bool = True, detokenize: bool = True,
+                    ahead: bool = False) -> int:
+        """Queue a request; returns its prompt length. `ahead`: at the head of the waiting queue (make_room made
+        room for it). `stream_text=False` skips incremental detokenization
         (the text is decoded once at the end) unless stop strings need it. `detokenize=False` leaves all text to
         the caller (an engine.detokenizer.Detokenizer off this thread): outputs carry token ids only, stop
         strings are not looked for here, and the caller aborts the request when it finds one."""
@@ -113,7 +115,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(token_ids), params, max_tokens,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                        stream_text=detokenize and (stream_text or bool(params.stop)) and self.tokenizer is not None,
-                       detokenize=detokenize)
+                       detokenize=detokenize, ahead=ahead)
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
@@ -136,7 +138,7 @@ class LLMEngine:
         return n
 
     def add_embedding_request(self, request_id: str, prompt: str | list[int], pooling: PoolingParams, *,
-                              arrival_time: float | None = None) -> int:
+                              arrival_time: float | None = None, ahead: bool = False) -> int:
         """Queue an embedding request (engine/pooling_params.py); returns its prompt length. Its one output, in the
         step that computes its last prompt token, carries the vector in `embedding`."""
         if request_id in self.seqs:
@@ -153,7 +155,7 @@ class LLMEngine:
                                   f"{self.block_manager.num_blocks}: shorten it or enlarge the cache")
         seq = Sequence(request_id, token_ids, EMBEDDING_PARAMS, 0,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time, stream_text=False,
-                       detokenize=False)
+                       detokenize=False, ahead=ahead)
         seq.pooling = pooling.resolved(self.runner.pooling)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -373,13 +375,13 @@ class LLMEngine:
     def _reserved_tokens(self) -> int:
         """Tokens the sequences already inside will still claim: unallocated context in full, expected output
         growth times the adaptive ratio."""
-        bs, bm, reserve = self.block_size, self.block_manager, 0.0
-        for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            held = 0 if seq.block_table or seq.pooling is not None else \
-                bm.held_prefix(seq.token_ids, seq.block_hashes)  # shared, not claimed (an embedding shares none)
-            reserve += max(0, seq.num_tokens - (len(seq.block_table) + held) * bs)
-            reserve += self.reserve_ratio * seq.remaining_tokens
-        return math.ceil(reserve)
+        return math.ceil(sum(self._reserve_of(seq) for seq in (*self.scheduler.running, *self.scheduler.waiting)))
+
+    def _reserve_of(self, seq: Sequence) -> float:
+        bs, bm = self.block_size, self.block_manager
+        held = 0 if seq.block_table or seq.pooling is not None else \
+            bm.held_prefix(seq.token_ids, seq.block_hashes)  # shared, not claimed (an embedding shares none)
+        return max(0, seq.num_tokens - (len(seq.block_table) + held) * bs) + self.reserve_ratio * seq.remaining_tokens
 
     def admission(self) -> Admission:
         s = self.scheduler
@@ -414,12 +416,45 @@ class LLMEngine:
         need = prompt_len - shared + math.ceil(self.reserve_ratio * max_tokens)
         return a.free_seqs > 0 and need <= a.admissible_tokens
 
+    def make_room(self, prompt_len: int, max_tokens: int, shared: int, victims: list[str]) -> list[str] | None:
+        """Preempt running requests among `victims`, in that order, until a request of this size (as `fits` takes
+        it) could start now ahead of the waiting queue (add it with `ahead=True`): a fair-share job that waited
+        while others hold more than their share of a full worker. The ids preempted ([]: it fits already), or None,
+        with nothing preempted, when all of them would not make room or the request can never fit. Those that
+        stepped aside least often go first (in `victims`' order among equals); they resume first once room frees
+        (after the requests made room for), and are not counted as preemptions (the admission reserve stays)."""
+        s, bm = self.scheduler, self.block_manager
+        if not 0 < prompt_len < self.max_model_len + (max_tokens == 0):
+            return None
+        if bm.blocks_for(prompt_len + max_tokens) > bm.num_blocks:
+            return None
+        need = prompt_len - shared + math.ceil(self.reserve_ratio * max_tokens)
+        running = {seq.request_id for seq in s.running}
+        candidates = sorted((self.seqs[r] for r in victims if r in running and self.seqs[r].pooling is None),
+                            key=lambda seq: seq.stepped_aside)
+        chosen: list[Sequence] = []
+        seats = self.config.max_num_seqs - len(s.running)
+        first = (*s.running, *(seq for seq in s.waiting if seq.ahead))  # the rest of the waiting queue comes after it
+        room = bm.num_free * self.block_size - sum(self._reserve_of(seq) for seq in first)
+        for seq in [None, *candidates]:
+            if seq is not None:
+                chosen.append(seq)
+                seats += 1
+                room += sum(bm.blocks[b].ref_count == 1 for b in seq.block_table) * self.block_size
+                room += self._reserve_of(seq)
+            if seats > 0 and need <= room:
+                for victim in chosen:
+                    s.step_aside(victim)
+                return [victim.request_id for victim in chosen]
+        return None
+
     @property
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
         return EngineStats(steps=self.steps, running=len(s.running), waiting=len(s.waiting), free_blocks=bm.num_free,
                            total_blocks=bm.num_blocks, block_size=self.block_size,
                            kv_usage=1.0 - bm.num_free / bm.num_blocks, preemptions=s.num_preemptions,
+                           stepped_aside=s.num_stepped_aside,
                            prefix_hit_tokens=s.prefix_hit_tokens, prefix_query_tokens=s.prefix_query_tokens,
                            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens)
 

@@ -70,6 +70,7 @@ class EngineStats:
     block_size: int = 16
     kv_usage: float = 0.0
     preemptions: int = 0
+    stepped_aside: int = 0  # sequences preempted on purpose to start a newcomer (make_room), not counted above
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0  # prompt tokens of every admitted request
     prompt_tokens: int = 0  # prompt tokens actually computed (prefix-cache hits excluded)

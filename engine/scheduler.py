@@ -3,6 +3,8 @@
 Continuous: running sequences first (decodes before prefill chunks, so decode never starves), then new ones
 from the waiting queue while the token budget, the sequence cap and free blocks allow. When blocks run out
 the newest running sequence is preempted by recompute (its blocks freed; the prefix cache usually keeps them).
+`step_aside` preempts chosen sequences on purpose, to start a request put at the head of the waiting queue now
+(fair share's newcomer, engine.make_room); it is not a shortage, so it is counted apart.
 Static: the baseline; a batch is filled only when the previous one has completely finished."""
 from __future__ import annotations
 
@@ -30,13 +32,18 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_stepped_aside = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self.pooling = 0  # embedding requests running: while any is, no step takes the all-decode path
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence: at the end of the waiting queue, or at its head when room was made for it."""
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if seq.ahead:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -139,12 +146,21 @@ class Scheduler:
         return n
 
     def preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        self.num_preemptions += 1
+
+    def step_aside(self, seq: Sequence) -> None:
+        """Preempt on purpose (not for lack of blocks): it resumes first once room frees."""
+        self._requeue(seq)
+        seq.stepped_aside += 1
+        self.num_stepped_aside += 1
+
+    def _requeue(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pooling -= seq.pooling is not None
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (finished or aborted) wherever it is and free its blocks at once."""

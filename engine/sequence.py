@@ -32,6 +32,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hit tokens at the first admission
     num_prefilled_tokens: int = 0  # prompt tokens counted as computed; recomputation after preemption is not
     admitted: bool = False  # has been scheduled at least once
+    stepped_aside: int = 0  # times preempted on purpose to start another request first (make_room)
+    ahead: bool = False  # made room for (make_room): joins the waiting queue at its head
     block_table: list[int] = field(default_factory=list)
     table_version: int = 0  # bumped whenever block_table is freed, so copies of it know they are stale
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, filled lazily

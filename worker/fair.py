@@ -9,12 +9,21 @@ that was idle to the band's virtual time so it is owed nothing for its idle time
 Language Models", OSDI '24). The counters live in Redis, so every worker of the fleet advances one virtual clock.
 Strict priority between bands stays: a band is read only once the bands above it gave what they had.
 
+Latency beside a flood (`fair_preempt_ms`): the order alone gives a waiting tenant the next room anywhere in the
+fleet, but when one tenant's backlog has just filled every worker that room is seconds away. So a job of a tenant
+running fewer than its share of a full worker's jobs (`Occupancy`), once it has waited fair_preempt_ms, makes room
+for itself: the youngest jobs of the tenants over their share there step aside (preempted by recompute, they resume
+first; Engine.make_room). A full worker looks for such a job (the read script's preempting look) at most every
+busy_poll_ms, one at a time. Between backlogged tenants of equal shares nothing moves: a share is crossed by more
+than one job each way before a job steps aside.
+
 Tenants' streams a worker has read sit in `<band>:fair:pending` (scored when first read, and when last looked at),
 so a reclaim finds a dead worker's entries there without scanning every tenant's stream.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -76,6 +85,10 @@ class Fair:
         band, sep, _ = stream.rpartition(":t:")  # tenant names hold no ':'
         return band if sep and band in self.bands else None
 
+    def band_of_job(self, stream: str) -> str:
+        """The band a job read from this stream waits in: its tenant's band, else the stream itself."""
+        return self.band_of(stream) or stream
+
     def sync(self) -> None:
         """Set the namespace's switch as our setting says, then read it, the weights and whether any band still
         has backlogged tenants (after fair share was turned off, their streams drain before we stop reading
@@ -99,6 +112,30 @@ class Fair:
 
     def _card(self, band: str) -> int:
         return self.client.zcard(Keys.fair_backlog(band))
+
+
+@dataclass(slots=True)
+class Occupancy:
+    """The jobs a worker runs, by tenant, and who holds more than a share of them. A tenant's share is the running
+    jobs over the tenants running plus one (one not running here yet)."""
+
+    counts: dict[str, int]
+
+    @property
+    def share(self) -> float:
+        return sum(self.counts.values()) / (len(self.counts) + 1)
+
+    @property
+    def cap(self) -> int:
+        """A tenant running fewer jobs than this here is under its share by more than one."""
+        return math.ceil(self.share - 1)
+
+    def under(self, tenant: str) -> bool:
+        return self.counts.get(tenant, 0) < self.cap
+
+    def over(self, tenant: str | None = None) -> tuple[str, ...]:
+        """The tenants other than this one over their share by more than one job: whose jobs may step aside."""
+        return tuple(t for t, n in self.counts.items() if t != tenant and n > self.share + 1)
 
 
 def parse_weights(raw: dict) -> dict[str, float]:

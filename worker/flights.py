@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvgate.engine.detokenizer import TextDelta
 from kvgate.engine.detokenizer_thread import DetokenizerThread, StepText
 from kvgate.engine.outputs import RequestRejected, StepOutput
-from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Final, Job, Timings, TokenLogprob, ToolCall, Usage
+from kvgate.producer.protocol import (DEFAULT_TENANT, PROTOCOL_VERSION, Delta, Final, Job, Timings, TokenLogprob,
+                                     ToolCall, Usage)
 from kvgate.producer.tool_calls import call_id, parse, parser_for
 from kvgate.worker.admission import Ticket
 from kvgate.worker.engine import Engine
@@ -162,14 +163,31 @@ class Flights:
     def tickets(self) -> list[Ticket]:
         return [f.ticket for f in self.running.values()]
 
-    def start(self, ticket: Ticket) -> Ended | None:
-        """Hand the job to the engine; an engine refusing it ends it with the reason."""
+    def tenants(self, band_of: Callable[[str], str]) -> dict[str, dict[str, int]]:
+        """Jobs running here by band (`band_of` a job's stream) and tenant."""
+        counts: dict[str, dict[str, int]] = {}
+        for f in self.running.values():
+            band = counts.setdefault(band_of(f.ticket.stream), {})
+            tenant = f.ticket.job.tenant or DEFAULT_TENANT
+            band[tenant] = band.get(tenant, 0) + 1
+        return counts
+
+    def youngest_first(self, tenants: tuple[str, ...], band: str, band_of: Callable[[str], str]) -> list[str]:
+        """The running jobs of these tenants in this band, the latest admitted first: who steps aside for a
+        fair-share job that waited (the youngest lose the least work to recomputation)."""
+        theirs = [f for f in self.running.values() if (f.ticket.job.tenant or DEFAULT_TENANT) in tenants and
+                  band_of(f.ticket.stream) == band and f.ending is None and f.ticket.pooling is None]
+        return [f.ticket.key for f in sorted(theirs, key=lambda f: f.admitted_at, reverse=True)]
+
+    def start(self, ticket: Ticket, ahead: bool = False) -> Ended | None:
+        """Hand the job to the engine (`ahead`: at the head of its waiting queue, room having been made for it);
+        an engine refusing it ends it with the reason."""
         try:
             if ticket.pooling is not None:
-                self.engine.add_embedding_request(ticket.key, ticket.prompt_ids, ticket.pooling)
+                self.engine.add_embedding_request(ticket.key, ticket.prompt_ids, ticket.pooling, ahead=ahead)
                 self.detok.add(ticket.key, None, incremental=False)
             else:
-                self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params, detokenize=False)
+                self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params, detokenize=False, ahead=ahead)
                 self.detok.add(ticket.key, ticket.params.stop, incremental=ticket.job.stream,
                                skip_special_tokens=ticket.params.skip_special_tokens)
         except (RequestRejected, ValueError) as e:

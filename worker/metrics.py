@@ -35,6 +35,7 @@ class StepStats(Protocol):
     total_blocks: int
     kv_usage: float
     preemptions: int
+    stepped_aside: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
     prompt_tokens: int
@@ -56,6 +57,7 @@ class _Cumulative:
 @dataclass(slots=True)
 class _Seen:
     preemptions: _Cumulative = field(default_factory=_Cumulative)
+    stepped_aside: _Cumulative = field(default_factory=_Cumulative)
     prefix_hit: _Cumulative = field(default_factory=_Cumulative)
     prefix_query: _Cumulative = field(default_factory=_Cumulative)
     prompt: _Cumulative = field(default_factory=_Cumulative)
@@ -107,6 +109,8 @@ class WorkerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.preemptions = counter("preemptions", "Sequences preempted (recomputed) for lack of KV blocks")
+        self.stepped_aside = counter("stepped_aside", "Sequences preempted (recomputed) on purpose: fair share's "
+                                     "room for a job that waited under its tenant's share (fair_preempt_ms)")
         self.step_seconds = histogram("engine_step_seconds", "Duration of one engine iteration", STEP_BUCKETS)
         self.admitted = counter("jobs_admitted", "Jobs admitted from Redis into the engine")
         self.queue_wait = histogram("queue_wait_seconds", "Time from enqueue to admission", QUEUE_WAIT_BUCKETS)
@@ -147,6 +151,7 @@ class WorkerMetrics:
         self.step_seconds.observe(step_seconds)
         seen = self._seen
         self.preemptions.inc(seen.preemptions.delta(stats.preemptions))
+        self.stepped_aside.inc(seen.stepped_aside.delta(stats.stepped_aside))
         self.prefix_hit_tokens.inc(seen.prefix_hit.delta(stats.prefix_hit_tokens))
         self.prefix_query_tokens.inc(seen.prefix_query.delta(stats.prefix_query_tokens))
         self.prompt_tokens.inc(seen.prompt.delta(stats.prompt_tokens))

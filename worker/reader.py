@@ -17,6 +17,7 @@ import redis
 
 from kvgate.producer.cluster import run_script
 from kvgate.producer.protocol import Keys, as_text
+from kvgate.worker.fair import Occupancy
 
 # KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none), and with
 # affinity lanes: how many leading streams are ours (the rest are other workers' lanes, in a rotating order), the age
@@ -25,6 +26,11 @@ from kvgate.producer.protocol import Keys, as_text
 # before our own (their owner is not keeping up; a few lanes per read keeps the cost flat in the number of lanes),
 # and the most entries a read may take from their lanes in all; and how many of the streams right after ours are lanes
 # of owners that said they are full: their entries are taken without waiting the steal age.
+# With fair share, ARGV[11..]: how many bands are fair, the charge per job, the preempting look's wait in ms (0: a
+# plain read; else only that look, below), how many triples follow and the triples (a band's index in KEYS, a tenant,
+# the jobs the worker runs of it in that band; the tenant '' gives the band's cap), the bands' indexes in KEYS, then
+# tenant/weight pairs. Each stream's reply is {stream, new entries, taken-over
+# entries}.
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 READ_LUA = """
@@ -35,9 +41,19 @@ local overdue_age, overdue_lanes = tonumber(ARGV[7] or 0), tonumber(ARGV[8] or 0
 local steal_max = tonumber(ARGV[9] or want)
 local urgent = home + tonumber(ARGV[10] or 0)
 local nfair, charge = tonumber(ARGV[11] or 0), math.max(tonumber(ARGV[12] or 1), 1)
+local preempt_ms, ntriples = tonumber(ARGV[13] or 0), tonumber(ARGV[14] or 0)
+local running, caps = {}, {}  -- a preempting look: band index -> tenant -> jobs the worker runs; band index -> cap
+for j = 0, ntriples - 1 do
+  local index, tenant, n = tonumber(ARGV[15 + 3 * j]), ARGV[16 + 3 * j], tonumber(ARGV[17 + 3 * j])
+  if tenant == '' then caps[index] = n else
+    running[index] = running[index] or {}
+    running[index][tenant] = n
+  end
+end
+local after = 14 + 3 * ntriples
 local fair_at, weights = {}, {}  -- band stream's index in KEYS -> its fair keys' position; tenant -> weight
-for j = 1, nfair do fair_at[tonumber(ARGV[12 + j])] = j end
-for i = 13 + nfair, #ARGV - 1, 2 do weights[ARGV[i]] = math.max(tonumber(ARGV[i + 1]) or 1, 0.001) end
+for j = 1, nfair do fair_at[tonumber(ARGV[after + j])] = j end
+for i = after + 1 + nfair, #ARGV - 1, 2 do weights[ARGV[i]] = math.max(tonumber(ARGV[i + 1]) or 1, 0.001) end
 local total = #KEYS - 2 * nfair  -- the fair bands' backlog and pending index close KEYS
 local last_key = total - overdue_lanes
 local now = nil
@@ -113,24 +129,37 @@ end
 -- placed at the band's virtual time, the counter last served: no credit for the time it was idle. Taken from the
 -- lowest up to the point where it would pass the next one (QUANTUM jobs at least). Each turn takes a job or drops a
 -- tenant, at most 64 turns: a read costs the same with 3 tenants or 100,000.
+-- A full worker's preempting look (preempt_ms > 0; worker/fair.py) reads at most one job, in the first band (by
+-- priority) with backlogged tenants, and only if the worker gave that band a cap: of the PREEMPT_LOOK lowest counters,
+-- the first tenant that runs fewer than the cap's jobs there and whose next job has waited preempt_ms. The worker
+-- then makes room for it from the tenants over their share of that band's jobs.
 local QUANTUM = 4  -- jobs a turn may take past the next counter: fewer turns per job, shares off by 4 jobs at most
-local function fair_take(band, backlog, pending)
+local PREEMPT_LOOK = 4
+local function waited(key, cutoff)  -- is the next new entry of a tenant's stream at least as old as the cutoff?
+  local last = '0-0'
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', key)
+  if not ok then return false end
+  for _, g in ipairs(groups) do
+    for i = 1, #g, 2 do
+      if g[i] == 'name' and g[i + 1] == group then
+        for k = 1, #g, 2 do if g[k] == 'last-delivered-id' then last = g[k + 1] end end
+      end
+    end
+  end
+  local e = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', 1)[1]
+  return e ~= nil and tonumber(string.match(e[1], '^(%d+)')) <= cutoff
+end
+local looked = false  -- a preempting look is over once a band with backlogged tenants was seen
+local function fair_take(index, band, backlog, pending)
   local vt_key = backlog .. ':vt'
   local vt = tonumber(redis.call('GET', vt_key) or 0) or 0
-  local moved, turns = false, 0
-  while want > 0 and turns < 64 do
-    turns = turns + 1
-    local low = redis.call('ZRANGE', backlog, 0, 1, 'WITHSCORES')
-    if #low == 0 then break end
-    local tenant, score = low[1], vt  -- a score of -inf: newly backlogged, placed at the band's virtual time
-    if low[2] ~= '-inf' then score = tonumber(low[2]) end
+  local moved = false
+  local function counter(raw)  -- a score of -inf: newly backlogged, placed at the band's virtual time
+    if raw == '-inf' then return vt end
+    return tonumber(raw)
+  end
+  local function serve(tenant, score, n)  -- read up to n of its jobs, charge it, drop it once it has none
     local w = weights[tenant] or 1
-    local n = want
-    if #low >= 4 then
-      local next_score = vt
-      if low[4] ~= '-inf' then next_score = tonumber(low[4]) end
-      n = math.min(want, math.max(QUANTUM, math.floor((next_score - score) * w / charge) + 1))
-    end
     local key = band .. ':t:' .. tenant
     local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
     if type(reply) == 'table' and reply.err and string.find(reply.err, 'NOGROUP') then
@@ -152,9 +181,35 @@ local function fair_take(band, backlog, pending)
       redis.call('ZADD', backlog, score + #entries * charge / w, tenant)
     end
   end
+  if preempt_ms > 0 then
+    local low = redis.call('ZRANGE', backlog, 0, PREEMPT_LOOK - 1, 'WITHSCORES')
+    looked = #low > 0
+    local cap, mine = caps[index], running[index] or {}
+    for i = 1, #low, 2 do
+      if not cap then break end
+      if (mine[low[i]] or 0) < cap and waited(band .. ':t:' .. low[i], now - preempt_ms) then
+        serve(low[i], counter(low[i + 1]), 1)
+        break
+      end
+    end
+  else
+    local turns = 0
+    while want > 0 and turns < 64 do
+      turns = turns + 1
+      local low = redis.call('ZRANGE', backlog, 0, 1, 'WITHSCORES')
+      if #low == 0 then break end
+      local tenant, score = low[1], counter(low[2])
+      local n = want
+      if #low >= 4 then
+        local gap = (counter(low[4]) - score) * (weights[tenant] or 1) / charge
+        n = math.min(want, math.max(QUANTUM, math.floor(gap) + 1))
+      end
+      serve(tenant, score, n)
+    end
+  end
   if moved then redis.call('SET', vt_key, tostring(vt)) end
 end
-if overdue_age > 0 and now then
+if overdue_age > 0 and now and preempt_ms == 0 then
   for index = last_key + 1, total do
     if want <= 0 then break end
     local key = KEYS[index]
@@ -165,7 +220,7 @@ if overdue_age > 0 and now then
 end
 for index = 1, last_key do
   local key, taken, entries = KEYS[index], claimed[index] or {}, {}
-  if want > 0 then
+  if want > 0 and preempt_ms == 0 then
     local n = want
     if index > home then
       n = math.min(want, steal_max)
@@ -176,7 +231,7 @@ for index = 1, last_key do
   end
   if #entries > 0 or #taken > 0 then table.insert(out, {key, entries, taken}) end  -- lanes: most are empty
   local j = fair_at[index]
-  if j and want > 0 then fair_take(key, KEYS[total + 2 * j - 1], KEYS[total + 2 * j]) end
+  if j and want > 0 and not looked then fair_take(index, key, KEYS[total + 2 * j - 1], KEYS[total + 2 * j]) end
 end
 return out
 """
@@ -203,6 +258,9 @@ class ReadPlan:
     fair: set[str] = field(default_factory=set)  # fair share: band streams whose tenants' streams are read after them
     charge: float = 1.0  # fair share: tokens a job read is charged (corrected when it ends)
     weights: dict[str, float] = field(default_factory=dict)  # fair share: tenant -> weight, where not 1
+    preempt_ms: int = 0  # fair share, >0: a full worker's preempting look, for a job waiting this long (worker/fair.py)
+    # fair share, that look: per band, what the worker runs there (worker/fair.py), for the bands it may preempt in
+    occupancy: dict[str, Occupancy] = field(default_factory=dict)
 
     def urgent_streams(self) -> list[str]:
         return self.streams[self.home:self.home + self.urgent] if self.home is not None else []
@@ -286,7 +344,10 @@ class Reader:
             elif bands:
                 args += [len(keys), 0, 0, 0, count, 0]
             if bands:
-                args += [len(bands), plan.charge, *bands, *(x for t, w in plan.weights.items() for x in (t, w))]
+                triples = [(i, t, n) for i in bands if (here := plan.occupancy.get(keys[i - 1])) is not None
+                           for t, n in (("", here.cap), *here.counts.items())]
+                args += [len(bands), plan.charge, plan.preempt_ms, len(triples), *(x for t in triples for x in t),
+                         *bands, *(x for t, w in plan.weights.items() for x in (t, w))]
                 others = others + [k for i in bands for k in (Keys.fair_backlog(keys[i - 1]),
                                                                    Keys.fair_pending(keys[i - 1]))]
             calls.append((keys + others, args))

@@ -19,7 +19,7 @@ from kvgate.worker.admission import AdmissionQueue
 from kvgate.worker.affinity import Affinity, Lane
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.engine import Engine
-from kvgate.worker.fair import FAIR_BLOCK_MS, Fair
+from kvgate.worker.fair import FAIR_BLOCK_MS, Fair, Occupancy
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases
 from kvgate.worker.reader import Entry, Reader, ReadPlan, ReadSlot
@@ -63,9 +63,10 @@ class ReadRequest:
     lanes: list[Lane] = field(default_factory=list)
     held: int = 0
     reclaim_ms: int = 0  # >0: take over entries idle this long (dead workers') before new ones
+    preempt: dict[str, Occupancy] = field(default_factory=dict)  # fair share, full: the preempting look's bands
 
     def __bool__(self) -> bool:
-        return bool(self.count or self.held)
+        return bool(self.count or self.held or self.preempt)
 
 
 @dataclass(slots=True)
@@ -87,7 +88,8 @@ class QueuedReads:
 class Refill:
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, streams: list[str], settings: WorkerSettings,
                  engine: Engine, queue: AdmissionQueue, affinity: Affinity, lane_prefixes: LanePrefixes,
-                 leases: Leases, clock: ServerClock, metrics: Any, per_priority: int, fair: Fair | None = None) -> None:
+                 leases: Leases, clock: ServerClock, metrics: Any, per_priority: int, fair: Fair | None = None,
+                 tenants_here: Callable[[], dict[str, dict[str, int]]] = dict) -> None:
         self.client, self.keys, self.worker_id, self.settings = client, keys, worker_id, settings
         self.engine, self.queue, self.affinity, self.lane_prefixes = engine, queue, affinity, lane_prefixes
         self.leases, self.clock, self.metrics = leases, clock, metrics
@@ -101,6 +103,8 @@ class Refill:
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
         self.block_turn = 0  # on a cluster: the shard the next blocking read waits on
         self.tenant_streams: dict[str, None] = {}  # fair share: tenants' streams we read lately, oldest first
+        self.preempt_look_at = 0.0  # fair share, full: the next preempting look, not before
+        self.tenants_here = tenants_here  # fair share: the jobs we run by band and tenant
 
     def use_queue(self, queue: AdmissionQueue) -> None:
         self.queue = queue  # the local queue whose room and estimates size our reads
@@ -206,8 +210,24 @@ class Refill:
         if time.monotonic() - self.last_read_empty_at < wait_s:
             return ReadRequest()
         count = capacity.readable(self.queue)
+        if not count:
+            return ReadRequest(preempt=self._preempt_look_due())
         lanes, held = self._held_lanes(count, capacity.now())
-        return ReadRequest(count, lanes, held, self._reclaim_ms() if count else 0)
+        return ReadRequest(count, lanes, held, self._reclaim_ms())
+
+    def _preempt_look_due(self) -> dict[str, Occupancy]:
+        """Full, with fair share: the bands in which to look for a job of a tenant under its share here that
+        waited fair_preempt_ms (it makes room for itself: Worker._make_room), with what we run in each: those where
+        tenants are over their share. At most every busy_poll_ms, and only while nothing waits here or in the engine
+        (one at a time)."""
+        if not (self.fair.active and self.settings.fair_preempt_ms) or self.queue.tickets:
+            return {}
+        now = time.monotonic()
+        if now < self.preempt_look_at or self.engine.stats.waiting:
+            return {}
+        self.preempt_look_at = now + self.settings.busy_poll_ms / 1000
+        bands = {band: Occupancy(counts) for band, counts in self.tenants_here().items() if band in self.fair.bands}
+        return {band: here for band, here in bands.items() if here.over()}
 
     def _held_lanes(self, count: int, adm: Admission) -> tuple[list[Lane], int]:
         """Lanes whose prefix running sequences hold, and how many of their jobs fit as tails in the room that
@@ -235,6 +255,10 @@ class Refill:
             held = self.reader.queue(pipe, request.held, plan)
         if request.count:
             new = self.reader.queue(pipe, request.count, self._plan(request.reclaim_ms), request.reclaim_ms)
+        elif request.preempt:
+            plan = self._plan(0)
+            plan.preempt_ms, plan.occupancy = self.settings.fair_preempt_ms, request.preempt
+            new = self.reader.queue(pipe, 1, plan)
         return QueuedReads(request, held, new, FullOwners(self.affinity, self.affinity.look(pipe)))
 
     def settle(self, sent: QueuedReads) -> list[Entry]:
@@ -244,6 +268,9 @@ class Refill:
             self.held_dry_until = time.monotonic() + self.settings.affinity_steal_age_ms / 1000
         new = sent.new.entries if sent.new is not None else []
         r = sent.request
+        if r.preempt:  # none found is the common answer: no backoff for it
+            self._took_fair(new)
+            return new
         return self.took(held + new, r.count + r.held, r.reclaim_ms, len(new) < r.count)
 
     # ---- both ------------------------------------------------------------------------------------------
@@ -265,14 +292,7 @@ class Refill:
         """Learn from what a read took (lanes' waits, steals, reclaims, an empty backlog); the entries to accept."""
         if self.affinity.lanes:
             self._observe_lanes(got, drained)
-        if self.fair.active:
-            self.fair.read(got, self.queue.tokens_per_job)
-            for e in got:
-                if self.fair.band_of(e.stream) is not None:
-                    self.tenant_streams.pop(e.stream, None)
-                    self.tenant_streams[e.stream] = None
-            while len(self.tenant_streams) > TENANT_STREAMS:
-                del self.tenant_streams[next(iter(self.tenant_streams))]
+        self._took_fair(got)
         if reclaim_ms:
             claimed = sum(1 for e in got if e.deliveries > 1 or e.fields is None)
             self.reclaim_due = claimed >= count  # a full take may have left more behind
@@ -284,6 +304,18 @@ class Refill:
         else:
             self.empty_reads = 0
         return got
+
+    def _took_fair(self, got: list[Entry]) -> None:
+        """Remember what each job read from a tenant's stream was charged, and the tenants' streams read lately."""
+        if not self.fair.active:
+            return
+        self.fair.read(got, self.queue.tokens_per_job)
+        for e in got:
+            if self.fair.band_of(e.stream) is not None:
+                self.tenant_streams.pop(e.stream, None)
+                self.tenant_streams[e.stream] = None
+        while len(self.tenant_streams) > TENANT_STREAMS:
+            del self.tenant_streams[next(iter(self.tenant_streams))]
 
     def _observe_lanes(self, got: list[Entry], drained: bool) -> None:
         fresh = [e for e in got if e.deliveries == 1]

@@ -78,6 +78,10 @@ class WorkerSettings(BaseSettings, EngineConfig):
         "keep", "on: give the namespace fair share (each tenant its own stream, served by weighted virtual token "
         "counters within a priority; producers follow within 5 s); off: end it (producers go back to one FIFO "
         "stream per priority; tenants' streams still drain); keep: whatever the namespace has")
+    fair_preempt_ms: int = _s(50, "with fair share: a job that has waited this long (server clock) and whose tenant "
+                              "runs under its share of a full worker's jobs of its band starts there at once, the "
+                              "youngest jobs of the tenants over their share stepping aside (preempted by recompute, "
+                              "resumed first); 0: never (a job waits for room anywhere in the fleet)", ge=0)
 
     # leases, reclaim, dead letters
     reclaim_idle_ms: int = _s(30_000, "pending jobs idle this long are taken over from dead workers", ge=100)

@@ -18,7 +18,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.producer.cluster import NodeLinks, is_noscript, scripts_lost
-from kvgate.producer.protocol import mask_url
+from kvgate.producer.protocol import DEFAULT_TENANT, mask_url
 from kvgate.producer.redis_url import connect, keys_for
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.affinity import Affinity, kv_weight
@@ -27,7 +27,7 @@ from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
-from kvgate.worker.fair import FAIR_FLUSH_S, Fair
+from kvgate.worker.fair import FAIR_FLUSH_S, Fair, Occupancy
 from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
@@ -94,7 +94,8 @@ class Worker:
         self.fair = Fair(self.client, self.keys, s.fair_share, set(self.streams))  # the bands: before lanes join
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
-                             len(self.served.names), self.fair)
+                             len(self.served.names), self.fair,
+                             lambda: self.flights.tenants(self.fair.band_of_job))
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics,
                              s.embeddings, s.tool_call_parser)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
@@ -243,21 +244,45 @@ class Worker:
                 self.queue.pop()
                 self.answers.answer(Ended(ticket, "expired", error="deadline passed while waiting for KV cache room"))
                 continue
+            ahead = False
             if self.engine.has_unfinished() and not self._fits(ticket):
-                return
+                if not self._make_room(ticket):
+                    return
+                ahead = True
             self.queue.pop()
-            if (refused := self.flights.start(ticket)) is not None:
+            if (refused := self.flights.start(ticket, ahead)) is not None:
                 self.answers.answer(refused)
             else:  # the wait on the server's clock: its entry id is when Redis took the job
                 self.tenant_load.admitted(ticket.job.tenant, self.clock.now() - entry_ms(ticket.entry_id) / 1000,
                                           time.monotonic())
 
     def _fits(self, ticket: Ticket) -> bool:
-        shared = 0  # an embedding never reads the prefix cache, and a job asking for prompt logprobs computes its
-        # whole prompt: neither takes a prefix hit
+        return self.engine.fits(len(ticket.prompt_ids), ticket.budget, self._shared(ticket))
+
+    def _shared(self, ticket: Ticket) -> int:
+        """Its leading prompt tokens that running sequences hold. An embedding never reads the prefix cache, and a
+        job asking for prompt logprobs computes its whole prompt: neither takes a prefix hit."""
         if ticket.pooling is None and ticket.params.prompt_logprobs is None:
-            shared = self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)  # held by running sequences
-        return self.engine.fits(len(ticket.prompt_ids), ticket.budget, shared)
+            return self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)
+        return 0
+
+    def _make_room(self, ticket: Ticket) -> bool:
+        """Fair share: a job that waited fair_preempt_ms (server clock) and whose tenant runs under its share of
+        our jobs starts now, the youngest jobs of the tenants over theirs stepping aside (preempted by recompute;
+        they resume first), rather than waiting for room anywhere in the fleet (worker/fair.py)."""
+        wait_ms = self.settings.fair_preempt_ms
+        if not (wait_ms and self.fair.active) or self.clock.now() * 1000 - entry_ms(ticket.entry_id) < wait_ms:
+            return False
+        band, tenant = self.fair.band_of_job(ticket.stream), ticket.job.tenant or DEFAULT_TENANT
+        here = Occupancy(self.flights.tenants(self.fair.band_of_job).get(band, {}))
+        over = here.over(tenant)
+        if not over or not here.under(tenant):
+            return False
+        victims = self.flights.youngest_first(over, band, self.fair.band_of_job)
+        made = self.engine.make_room(len(ticket.prompt_ids), ticket.budget, self._shared(ticket), victims)
+        if made:
+            log.debug("%d jobs stepped aside for tenant %r's job %s", len(made), ticket.job.tenant, ticket.key)
+        return made is not None
 
     def _step(self) -> None:
         started = time.perf_counter()

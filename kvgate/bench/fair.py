@@ -92,18 +92,21 @@ def window_shares(finals: dict, by_tenant: dict[str, list], window_s: float) -> 
     return shares
 
 
-def run_contestant(url: str, fair: bool, args) -> dict:
+def run_contestant(url: str, name: str, args) -> dict:
+    """One contestant's phases: `fifo`, `fair`, or `fair-wait` (the fair reader without making room for a job that
+    waited: fair_preempt_ms 0)."""
     from kvgate.bench import fleet_sim
     from kvgate.bench.fleet import fleet_capacity
 
-    name = "fair" if fair else "fifo"
+    fair = name != "fifo"
     keys, client = Keys(f"wfair-{name}-{time.time_ns()}"), redis.Redis.from_url(url)
     if fair:
         client.set(keys.fair(), 1)
     specs, mix = fleet_sim.mixed_fleet(args.workers), fleet_sim.JobMix()
     capacity = fleet_capacity(specs, mix, args.step_ms / 1000, args.per_token_ms / 1000)
     fleet = fleet_sim.start_fleet(url, keys.ns, specs, "capacity", step_overhead_s=args.step_ms / 1000,
-                                  per_token_s=args.per_token_ms / 1000, seed=args.seed)
+                                  per_token_s=args.per_token_ms / 1000, seed=args.seed,
+                                  **({"fair_preempt_ms": 0} if name == "fair-wait" else {}))
     n_a, n_bc = max(50, int(args.a_jobs * args.scale)), max(50, int(args.bc_jobs * args.scale))
     n_share = max(100, int(args.share_jobs * args.scale))
     rate = 0.2 * capacity
@@ -167,6 +170,7 @@ def run_contestant(url: str, fair: bool, args) -> dict:
                           "shares": shares}
             every += list(by.values())
     finally:
+        out["stepped_aside"] = sum(w.engine.stats.stepped_aside for w in fleet.workers)  # made room for a waited job
         fleet.stop()
     jobs = [j for js in every for j in js]
     finals = finals_of(client, keys, jobs)
@@ -235,7 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-from", choices=("measured", "model"), default="measured",
                         help="B's and C's rate: 20%% of the fleet's jobs/s with A alone, measured first in the run "
                              "(default), or of the cost model's estimate (a loaded machine runs below it)")
-    parser.add_argument("--contestants", default="fifo,fair", help="comma-separated: fifo, fair (default both)")
+    parser.add_argument("--contestants", default="fifo,fair",
+                        help="comma-separated: fifo, fair, fair-wait (the fair reader that never makes room for a "
+                             "job that waited: fair_preempt_ms 0) (default fifo,fair)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -245,8 +251,9 @@ def run(args: argparse.Namespace) -> int:
 
     with RedisProcess() as server:
         names = [name for name in args.contestants.split(",") if name.strip()]
-        cost = {name: run_cost(server, name == "fair", args) for name in names} if args.cost_jobs else {}
-        runs = {name: run_contestant(server.url, name == "fair", args) for name in names}
+        cost = {name: run_cost(server, name != "fifo", args) for name in names if name != "fair-wait"} \
+            if args.cost_jobs else {}
+        runs = {name: run_contestant(server.url, name, args) for name in names}
         redis_version = server_version(server.url)
     fair, fifo = runs.get("fair"), runs.get("fifo")
     headline = {}

@@ -31,7 +31,7 @@ def queried_expressions() -> list[str]:
 def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
     worker = WorkerMetrics("w", "m")
     stats = SimpleNamespace(running=1, waiting=1, free_blocks=1, total_blocks=2, kv_usage=0.5, preemptions=1,
-                            prefix_hit_tokens=1, prefix_query_tokens=2, prompt_tokens=3, generation_tokens=4)
+                            stepped_aside=1, prefix_hit_tokens=1, prefix_query_tokens=2, prompt_tokens=3, generation_tokens=4)
     worker.on_step(stats, 0.01, 1)
     worker.on_admitted(0.1)
     worker.on_first_token(0.1)
@@ -80,7 +80,7 @@ def test_every_design_metric_is_exported(shared_redis, namespace):
               "prefix_cache_hit_ratio", "prompt_tokens_total", "generation_tokens_total",
               "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
               "e2e_request_latency_seconds_bucket", "queue_wait_seconds_bucket", "jobs_finished_total",
-              "preemptions_total", "redeliveries_total", "dead_letters_total",
+              "preemptions_total", "stepped_aside_total", "redeliveries_total", "dead_letters_total",
               "queue_lag", "queue_pending", "queue_length", "queue_oldest_job_age_seconds", "live_workers",
               "fleet_free_kv_blocks", "fleet_free_kv_tokens", "dead_stream_length",
               "affinity_lanes_owned", "affinity_steals_total", "tenant_backlog", "tenant_running_jobs",

@@ -228,3 +228,58 @@ def test_entries_a_lost_reply_delivered_from_tenants_streams_are_read_again_at_o
     again = [e for batch in worker.refill.read_own_pending(10, lambda stream, entry: False) for e in batch]
     assert sorted(e.entry_id for e in again) == sorted(e.entry_id for e in got)
     assert len(ids) == 2
+
+
+# ---- latency beside a flood: a waiting tenant under its share makes room (worker/fair.py, fair_preempt_ms) ----
+
+def preempt_look(queue, occupancy: dict, preempt_ms: int = 50):
+    from kvgate.worker.fair import Occupancy
+
+    bands = [band(queue, p) for p in ("high", "normal")]
+    plan = ReadPlan(bands, fair=set(bands), charge=16, preempt_ms=preempt_ms,
+                    occupancy={band(queue, p): Occupancy(counts) for p, counts in occupancy.items()})
+    return Reader(queue.r, "w1", plan).read(1)
+
+
+def test_the_preempting_look_takes_a_waited_job_of_a_tenant_under_its_share_and_nothing_else(queue):
+    flood, small = enqueue(queue, "flood", 3), enqueue(queue, "small", 2)
+    time.sleep(0.08)
+    assert preempt_look(queue, {"normal": {"flood": 4}}, preempt_ms=10_000) == []  # not waited long enough
+    assert preempt_look(queue, {"normal": {"flood": 4, "small": 2}}) == []  # small holds its share here
+    got = preempt_look(queue, {"normal": {"flood": 4}})
+    assert [e.stream for e in got] == [Keys.tenant_jobs(band(queue), "small")]  # one job: the lowest under its cap
+    assert preempt_look(queue, {}) == []  # a band we did not say we are full in is not looked at
+    assert len(flood) == 3 and len(small) == 2
+
+
+def test_the_preempting_look_keeps_priorities_strict(queue):
+    enqueue(queue, "small", 1)
+    enqueue(queue, "other", 1, priority="high")  # a higher band has tenants waiting: nothing lower jumps them
+    time.sleep(0.08)
+    assert preempt_look(queue, {"normal": {"flood": 4}}) == []
+    got = preempt_look(queue, {"high": {"flood": 4}})
+    assert [e.stream for e in got] == [Keys.tenant_jobs(band(queue, "high"), "other")]
+
+
+@pytest.mark.parametrize("preempt_ms", [50, 0])
+def test_a_job_beside_a_flood_that_fills_the_worker_starts_without_waiting_for_the_flood(queue, thread_worker,
+                                                                                        preempt_ms):
+    """The flood's long jobs take every seat. A second tenant's job that waited fair_preempt_ms makes room: the
+    flood's youngest job steps aside and resumes after it, every job answered once. With 0 it waits for a flood job
+    to end, as before."""
+    from kvgate.engine.simulated import SimulatedEngine
+
+    queue.r.set(queue.keys.fair(), 1)
+    flood = enqueue(queue, "flood", 6, max_tokens=150, ignore_eos=True)
+    engine = SimulatedEngine(num_blocks=512, block_size=16, max_num_seqs=4, step_overhead_s=0.01, per_token_s=0.0)
+    with thread_worker(engine=engine, fair_preempt_ms=preempt_ms):
+        wait_for(lambda: engine.stats.running == 4, 10, "the flood filling every seat")
+        small = enqueue(queue, "small", 1, max_tokens=4, ignore_eos=True)
+        wait_for(lambda: done(queue, small) == 1, 30, "the small tenant's job answered")
+        flood_done = done(queue, flood)
+        queue.wait_finals(7, timeout=60)
+    assert sorted(f.job_id for f in queue.finals()) == sorted(flood + small)  # each once
+    if preempt_ms:
+        assert flood_done == 0 and engine.stats.stepped_aside >= 1 and engine.stats.preemptions == 0
+    else:
+        assert flood_done >= 1 and engine.stats.stepped_aside == 0

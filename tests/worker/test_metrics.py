@@ -16,6 +16,7 @@ class Stats:
     total_blocks: int = 100
     kv_usage: float = 0.0
     preemptions: int = 0
+    stepped_aside: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     prompt_tokens: int = 0
@@ -31,8 +32,9 @@ def test_cumulative_engine_figures_become_counter_increments_without_double_coun
     m.on_step(Stats(running=3, waiting=1, free_blocks=40, kv_usage=0.6, preemptions=2, prompt_tokens=100,
                     generation_tokens=10, prefix_hit_tokens=32, prefix_query_tokens=64), 0.01, waiting_local=4)
     m.on_step(Stats(running=2, free_blocks=50, kv_usage=0.5, preemptions=2, prompt_tokens=100,
-                    generation_tokens=13, prefix_hit_tokens=32, prefix_query_tokens=128), 0.02, waiting_local=0)
+                    stepped_aside=3, generation_tokens=13, prefix_hit_tokens=32, prefix_query_tokens=128), 0.02, waiting_local=0)
     assert value(m, "kvgate_preemptions_total") == 2
+    assert value(m, "kvgate_stepped_aside_total") == 3
     assert value(m, "kvgate_generation_tokens_total") == 13
     assert value(m, "kvgate_prompt_tokens_total") == 100
     assert value(m, "kvgate_prefix_cache_hit_ratio") == 0.25
