@@ -1,8 +1,10 @@
 """`kvgate batch in.jsonl -o out.jsonl`: an OpenAI Batch file through the fleet, resumable.
 
 Lines already answered in the output file are skipped on restart; the rest are submitted with
-idempotency keys derived from the input file's digest and their custom_id, so lines whose jobs are
-still in flight from the interrupted run reuse those jobs instead of computing them again.
+idempotency keys derived from the input file's digest and their custom_id (and the input's place, for an
+/v1/embeddings line of several inputs: one job each), so lines whose jobs are still in flight from the
+interrupted run reuse those jobs instead of computing them again. A line is written once, when every job
+it owns is final.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from kvgate.producer.client import Client
 from kvgate.producer.model_set import known_models
 from kvgate.producer.steps import run as run_steps
 from kvgate.producer.errors import ResultTimeout
-from kvgate.openai.batch import (BatchRequest, answer_line, file_digest, file_problems, plan_line, request_lines,
-                                 unknown_model_line)
+from kvgate.openai.batch import BatchRequest, file_digest, file_problems, plan_line, request_lines, unknown_model_line
+from kvgate.openai.batch_runs import line_runs, submit_jobs
 
 MAX_PROBLEMS = 20  # listed when a file is refused; the message says how many more there are
 
@@ -109,16 +111,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argparse.Namespace) -> int:
-    """Submit the lines to do and write each answer as it arrives; returns how many failed on the fleet."""
+    """Submit the lines to do and write each line's answer once all its jobs are final; returns how many lines
+    failed on the fleet."""
     show = not args.no_progress
-    handles = client.submit_many([r.submit_args for r in todo], progress=show)
-    by_job = {h.job_id: r for r, h in zip(todo, handles)}
+    handles = client.submit_many(submit_jobs(todo), progress=show)
+    by_job = {job_id: run for run in line_runs(todo, [h.job_id for h in handles]) for job_id in run.job_ids}
     models: dict[str, str | None] = {}
     failed = 0
-    with tqdm(total=len(handles), unit="req", desc="batch", disable=not show) as bar:
+    with tqdm(total=len(todo), unit="line", desc="batch", disable=not show) as bar:
         for handle in client.as_completed(list(handles), timeout=args.timeout):
-            req, result = by_job[handle.job_id], handle.result(timeout=0)
-            row = answer_line(req, result, result.model or _served_by(client, result.worker, models))
+            run, result = by_job[handle.job_id], handle.result(timeout=0)
+            if not run.add(result):
+                continue
+            first = run.results[run.job_ids[0]]
+            row = run.answer(first.model or _served_by(client, first.worker, models))
             failed += row["error"] is not None
             _write(out, row)
             bar.update(1)

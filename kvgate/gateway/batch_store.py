@@ -226,13 +226,14 @@ class BatchStore:
         raw = await self.r.hgetall(self.key(batch_id, "lines"))
         return {k.decode(): v.decode() for k, v in raw.items()}
 
-    async def remember_jobs(self, batch_id: str, jobs: dict[str, str]) -> None:
+    async def remember_jobs(self, batch_id: str, jobs: dict[str, list[str]]) -> None:
+        """custom_id -> the ids of every job the line owns, in input order (a JSON list)."""
         if jobs:
-            await self.r.hset(self.key(batch_id, "jobs"), mapping=jobs)
+            await self.r.hset(self.key(batch_id, "jobs"), mapping={c: json.dumps(ids) for c, ids in jobs.items()})
 
-    async def jobs(self, batch_id: str) -> dict[str, str]:
+    async def jobs(self, batch_id: str) -> dict[str, list[str]]:
         raw = await self.r.hgetall(self.key(batch_id, "jobs"))
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return {k.decode(): _job_ids(v.decode()) for k, v in raw.items()}
 
     async def keep_order(self, batch_id: str, custom_ids: list[str]) -> None:
         """Before the batch starts: the custom_ids its output and error files must hold, whatever becomes of its
@@ -262,3 +263,9 @@ class BatchStore:
 
     async def release(self, batch_id: str, token: str) -> None:
         await self._release(keys=[self.key(batch_id, "lease")], args=[token])
+
+
+def _job_ids(value: str) -> list[str]:
+    """A line's job ids as remembered; a bare id is a line remembered by a gateway from before lines of several jobs
+    (one job each), still read so that a batch it started is cancelled whole."""
+    return json.loads(value) if value.startswith("[") else [value]

@@ -1,12 +1,13 @@
 """One batch's requests through the fleet: submit a window at a time, record each answer as it arrives.
 
-Every line's job carries an idempotency key from the batch id and its custom_id, so a replica resuming a
-batch that another one started reattaches to the jobs already queued or finished instead of running them
-again; lines already answered are not submitted at all.
+Every line's job carries an idempotency key from the batch id and its custom_id (and, for an /v1/embeddings line
+of several inputs, each of its jobs the input's place), so a replica resuming a batch that another one started
+reattaches to the jobs already queued or finished instead of running them again; lines already answered are not
+submitted at all. A line is recorded once, when every job it owns is final (`LineRun`).
 
-The window is per model: lines for a model no worker serves yet (an operator's `--model` waiting for its
-autoscaler) fill only that model's window, so they wait without holding up the batch's other lines. A line for a
-model the gateway would answer 404 for is an error line at once.
+The window counts jobs, per model (a line of more jobs than the window goes alone): lines for a model no worker
+serves yet (an operator's `--model` waiting for its autoscaler) fill only that model's window, so they wait without
+holding up the batch's other lines. A line for a model the gateway would answer 404 for is an error line at once.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvgate.producer import AsyncClient, Backpressure, JobLost, KvgateError, PartiallySubmitted
-from kvgate.openai.batch import BatchRequest, answer_line, is_success, plan_line, request_lines, unknown_model_line
+from kvgate.openai.batch import BatchRequest, is_success, plan_line, request_lines, unknown_model_line
+from kvgate.openai.batch_runs import LineRun, line_runs, submit_jobs
 
 from .batch_store import Batch, BatchStore
 from .errors import ApiError
@@ -50,7 +52,7 @@ class Work:
     known: ModelCheck | None = None  # None: every model is taken (lines wait for a worker)
     files: FileStore | None = None  # where the input lives; None: its deletion is not watched
     todo: dict[str, deque[BatchRequest]] = field(default_factory=dict)  # by the line's model ("" for none)
-    pending: dict[asyncio.Task, tuple[BatchRequest, str]] = field(default_factory=dict)
+    pending: dict[asyncio.Task, LineRun] = field(default_factory=dict)  # each resolves to the line's results
     models: dict[str, str | None] = field(default_factory=dict)
     refused: dict[str, str | None] = field(default_factory=dict)  # model -> why the gateway refuses it, or None
 
@@ -67,7 +69,7 @@ class Work:
                 if planned["custom_id"] not in answered:
                     rejected.append((planned["custom_id"], planned, False))
             elif planned.custom_id not in answered:
-                refusal = await self._refusal(planned.submit_args.get("model"))
+                refusal = await self._refusal(planned.jobs[0].get("model"))
                 if refusal is not None:
                     rejected.append((planned.custom_id, unknown_model_line(planned, refusal, b.id), False))
                 else:
@@ -109,10 +111,11 @@ class Work:
     async def cancel_jobs(self) -> None:
         """Ask the fleet to stop every job of this batch that has no answer yet, wherever it was submitted."""
         answered = await self.store.answered(self.batch.id)
-        for custom_id, job_id in (await self.store.jobs(self.batch.id)).items():
+        for custom_id, job_ids in (await self.store.jobs(self.batch.id)).items():
             if custom_id not in answered:
-                with contextlib.suppress(KvgateError):
-                    await self.client.cancel(job_id)
+                for job_id in job_ids:  # every job the line owns
+                    with contextlib.suppress(KvgateError):
+                        await self.client.cancel(job_id)
 
     async def _stop_reason(self) -> str | None:
         status, expires_at = await self.store.status(self.batch.id)
@@ -125,12 +128,17 @@ class Work:
         return None
 
     def _take(self) -> list[BatchRequest]:
-        """The next lines to submit: each model's, up to its room in the window."""
-        in_flight = Counter(req.model for req, _ in self.pending.values())
+        """The next lines to submit: each model's, while their jobs fit its room in the window; a line of more jobs
+        than the window goes alone, once none of its model's are in flight."""
+        in_flight = Counter()
+        for run in self.pending.values():
+            in_flight[run.request.model] += len(run.job_ids)
         chunk: list[BatchRequest] = []
         for model, todo in self.todo.items():
             room = self.window - in_flight[model]
-            chunk += [todo.popleft() for _ in range(max(0, min(room, len(todo))))]
+            while todo and (len(todo[0].jobs) <= room or room == self.window):
+                room -= len(todo[0].jobs)
+                chunk.append(todo.popleft())
         return chunk
 
     def _put_back(self, reqs: list[BatchRequest]) -> None:
@@ -142,7 +150,7 @@ class Work:
         if not chunk:
             return
         try:
-            handles = await self.client.submit_many([{**r.submit_args, "tenant": self.batch.tenant} for r in chunk],
+            handles = await self.client.submit_many(submit_jobs(chunk, tenant=self.batch.tenant),
                                                     chunk_size=self.chunk, quota=False)  # --batch-window bounds them
         except PartiallySubmitted as e:
             handles = e.handles
@@ -152,10 +160,15 @@ class Work:
             if not self.pending:
                 await asyncio.sleep(RETRY_S)
             return
-        self._put_back(chunk[len(handles):])  # none, unless the SDK returned fewer handles
-        await self.store.remember_jobs(self.batch.id, {r.custom_id: h.job_id for r, h in zip(chunk, handles)})
-        for req, handle in zip(chunk, handles):
-            self.pending[asyncio.ensure_future(handle.result())] = (req, handle.job_id)
+        runs = line_runs(chunk, [h.job_id for h in handles])
+        # a line cut short is remembered too (a cancel reaches the jobs it has), and resubmitted whole: its keys
+        # reattach the jobs already queued
+        await self.store.remember_jobs(self.batch.id, {run.request.custom_id: run.job_ids for run in runs})
+        submitted = [run for run in runs if run.submitted]
+        self._put_back(chunk[len(submitted):])  # none, unless the SDK returned fewer handles
+        by_id = {h.job_id: h for h in handles}
+        for run in submitted:
+            self.pending[asyncio.ensure_future(asyncio.gather(*(by_id[j].result() for j in run.job_ids)))] = run
 
     async def _collect(self) -> None:
         if not self.pending:
@@ -163,14 +176,17 @@ class Work:
         done, _ = await asyncio.wait(self.pending, timeout=CHECK_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
         answers = []
         for task in done:
-            req, job_id = self.pending.pop(task)
+            run = self.pending.pop(task)
             try:
-                result = task.result()
-            except JobLost:  # Redis lost it: the same idempotency key enqueues it anew
-                self.todo[req.model].append(req)
+                results = task.result()
+            except JobLost:  # Redis lost one: the same idempotency keys enqueue it anew and reattach the others
+                self.todo[run.request.model].append(run.request)
                 continue
-            row = answer_line(req, result, result.model or await self._served_by(result.worker))
-            answers.append((req.custom_id, row, is_success(row)))
+            for result in results:
+                run.add(result)
+            first = results[0]
+            row = run.answer(first.model or await self._served_by(first.worker))
+            answers.append((run.request.custom_id, row, is_success(row)))
         if answers:
             await self.store.record_many(self.batch.id, answers)
 

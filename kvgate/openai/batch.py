@@ -2,9 +2,13 @@
 
 In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings",
       "body": {...}}
-     (an /v1/embeddings line embeds one input: one line is one job, so a list of several inputs is refused)
 Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}
   or {"id", "custom_id", "response": null, "error": {"code", "message"}} for a line that failed.
+
+A line runs one job (chat, completions) or one per input (/v1/embeddings, as POST /v1/embeddings runs them), and is
+answered by exactly one output line once all of them are final: the body /v1/embeddings would answer, or, when any
+input's job failed, one error line naming that input (never a partial answer). `LineRun` is a submitted line: its
+request and the ids of the jobs it owns (kvgate/openai/batch_runs.py).
 """
 from __future__ import annotations
 
@@ -45,12 +49,19 @@ class BadLine(ValueError):
 
 @dataclass(slots=True)
 class BatchRequest:
+    """One input line ready to run: the submit arguments of each job it runs, in input order, each with its own
+    idempotency key."""
+
     line_no: int
     custom_id: str
     url: str
     model: str
-    submit_args: dict[str, Any]
+    jobs: list[dict[str, Any]]  # one for chat and completions; an /v1/embeddings line's: one per input
     embeddings: EmbeddingsBody | None = None  # an /v1/embeddings line's body: its answer's encoding_format
+
+    def input_name(self, part: int) -> str:
+        """How an error names the line's job `part`: by its input where the line has several."""
+        return f"body.input[{part}]" if len(self.jobs) > 1 else "body"
 
 
 def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
@@ -71,22 +82,20 @@ def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
         raise BadLine("invalid_url", f"url {url!r} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}")
     if not isinstance(body, dict):
         raise BadLine("invalid_request", "body must be a JSON object")
-    embeddings = _embeddings_body(line_no, body) if url == EMBEDDINGS else None
-    args = submit_args(embeddings)[0] if embeddings is not None else _submit_args(url, body)
-    args["idempotency_key"] = idempotency_key(file_digest, custom_id)
-    return BatchRequest(line_no, custom_id, url, str(body.get("model", "")), args, embeddings)
+    embeddings = _embeddings_body(body) if url == EMBEDDINGS else None
+    jobs = submit_args(embeddings) if embeddings is not None else [_submit_args(url, body)]
+    for part, args in enumerate(jobs):
+        args["idempotency_key"] = idempotency_key(file_digest, custom_id, part)
+    return BatchRequest(line_no, custom_id, url, str(body.get("model", "")), jobs, embeddings)
 
 
-def _embeddings_body(line_no: int, body: dict[str, Any]) -> EmbeddingsBody:
+def _embeddings_body(body: dict[str, Any]) -> EmbeddingsBody:
+    """As POST /v1/embeddings reads it (up to its MAX_INPUTS inputs, each a job)."""
     try:
-        parsed = parse_body(body)
+        return parse_body(body)
     except BadEmbeddings as e:
         code = "unsupported_parameter" if e.code == "unsupported_parameter" else "invalid_request"
         raise BadLine(code, f"body.{e.param}: {e}") from None
-    if len(parsed.inputs) > 1:
-        raise BadLine("unsupported_parameter", f"line {line_no}: body.input holds {len(parsed.inputs)} inputs; a batch "
-                      f"line embeds one (a string or one list of token ids): give each input a line of its own")
-    return parsed
 
 
 def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -131,9 +140,11 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
-def idempotency_key(file_digest: str, custom_id: str) -> str:
-    """Stable across restarts of the same file, so a resubmission reuses the jobs already in flight."""
-    return "batch:" + hashlib.sha256(f"{file_digest}\n{custom_id}".encode()).hexdigest()[:40]
+def idempotency_key(file_digest: str, custom_id: str, part: int = 0) -> str:
+    """Stable across restarts of the same file, so a resubmission reuses the jobs already in flight; `part`: which of
+    the line's jobs (its first keeps the key a line of one job always had)."""
+    name = f"{file_digest}\n{custom_id}" + (f"\n{part}" if part else "")
+    return "batch:" + hashlib.sha256(name.encode()).hexdigest()[:40]
 
 
 def file_digest(data: bytes) -> str:
@@ -215,12 +226,16 @@ def line_id(file_digest: str, line_no: int) -> str:
     return "batch_req_" + hashlib.sha256(f"{file_digest}\n{line_no}".encode()).hexdigest()[:24]
 
 
-def success_line(req: BatchRequest, result: Result, model: str | None = None) -> dict[str, Any]:
-    """model: the model the serving worker reports; the requested one when that is unknown."""
+def success_line(req: BatchRequest, results: list[Result], model: str | None = None) -> dict[str, Any]:
+    """The answer of a line whose jobs are all done (results in input order); model: the model the serving worker
+    reports, the requested one when that is unknown. The line is named by its first job."""
+    result = results[0]
     if req.embeddings is not None:
         return {"id": f"batch_req_{result.job_id}", "custom_id": req.custom_id,
                 "response": {"status_code": 200, "request_id": result.job_id,
-                             "body": response_body(req.embeddings, [result], model or req.model)}, "error": None}
+                             "body": response_body(req.embeddings, results, model or req.model)}, "error": None}
+    if len(results) != 1:
+        raise ValueError(f"line {req.line_no} ({req.url}) runs one job, not {len(results)}")
     created = int(result.timings.finished or time.time())
     kind, prefix = ("chat.completion", "chatcmpl") if req.url == CHAT else ("text_completion", "cmpl")
     u = result.usage
@@ -239,12 +254,17 @@ def error_line(row_id: str, custom_id: str, code: str, message: str) -> dict[str
     return {"id": row_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
 
 
-def failed_result_line(req: BatchRequest, result: Result) -> dict[str, Any]:
+def failed_result_line(req: BatchRequest, part: int, result: Result) -> dict[str, Any]:
+    """The error line of a line whose job `part` did not finish done: which input, and why."""
     message = result.error or f"job {result.status}"
+    if len(req.jobs) > 1:
+        message = (f"{req.input_name(part)} (input {part + 1} of {len(req.jobs)}, job {result.job_id}) ended "
+                   f"{result.status}: {message}; the line has no answer for any input: fix that input and run the "
+                   "line again")
     return error_line(f"batch_req_{result.job_id}", req.custom_id, result.status, message)
 
 
-def invalid_request_line(req: BatchRequest, err: InvalidRequest, digest: str) -> dict[str, Any]:
+def invalid_request_line(req: BatchRequest, err: InvalidRequest | str, digest: str) -> dict[str, Any]:
     return error_line(line_id(digest, req.line_no), req.custom_id, "invalid_request", f"line {req.line_no}: {err}")
 
 
@@ -260,11 +280,12 @@ def plan_line(line_no: int, raw: str, seed: str, priority: str, keys: Keys,
         req = parse_line(line_no, raw, seed)
     except BadLine as e:
         return error_line(line_id(seed, line_no), custom_id, e.code, str(e))
-    req.submit_args.setdefault("priority", priority)
-    try:
-        prepare(req.submit_args, keys, client_id)  # every check submit would make
-    except InvalidRequest as e:
-        return invalid_request_line(req, e, seed)
+    for part, args in enumerate(req.jobs):
+        args.setdefault("priority", priority)
+        try:
+            prepare(args, keys, client_id)  # every check submit would make
+        except InvalidRequest as e:
+            return invalid_request_line(req, e if len(req.jobs) == 1 else f"{req.input_name(part)}: {e}", seed)
     return req
 
 
@@ -285,9 +306,13 @@ def unrun_line(seed: str, custom_id: str, status: str) -> dict[str, Any]:
     return error_line(row_id, custom_id, code, message)
 
 
-def answer_line(req: BatchRequest, result: Result, model: str | None = None) -> dict[str, Any]:
-    """The output line of a finished job: its answer, or an error line saying why it has none."""
-    return success_line(req, result, model) if result.status == "done" else failed_result_line(req, result)
+def answer_line(req: BatchRequest, results: list[Result], model: str | None = None) -> dict[str, Any]:
+    """The output line of a line whose jobs are all final (results in input order): its answer, or an error line
+    naming the first input that failed and why."""
+    if len(results) != len(req.jobs):
+        raise ValueError(f"line {req.line_no} runs {len(req.jobs)} jobs; {len(results)} results were given")
+    failed = next(((part, r) for part, r in enumerate(results) if r.status != "done"), None)
+    return success_line(req, results, model) if failed is None else failed_result_line(req, *failed)
 
 
 def is_success(row: dict[str, Any]) -> bool:

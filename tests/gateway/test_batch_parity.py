@@ -48,14 +48,14 @@ def test_the_cli_and_the_gateway_write_the_same_lines(batch_gateway, sim_fleet, 
     assert batch.request_counts.failed == sum(r["error"] is not None for r in by_cli.values()) == 3
 
 
-def test_embedding_lines_run_one_input_each_alike_in_the_cli_and_the_gateway(batch_gateway, sim_fleet, tmp_path):
+def test_embedding_lines_run_alike_in_the_cli_and_the_gateway(batch_gateway, sim_fleet, tmp_path):
     import base64
     import struct
 
     url = "/v1/embeddings"
     bodies = [{"model": "simulated", "input": f"text {i}"} for i in range(6)]
     bodies[1] = {"model": "simulated", "input": [5, 6, 7], "encoding_format": "base64", "dimensions": 4}
-    bodies[2]["input"] = ["one", "two"]  # two inputs: an error line, one line is one job
+    bodies[2]["input"] = ["one", "two"]  # two inputs: one line, two jobs
     bodies[3]["pooling_type"] = "mean"  # not honoured: an error line naming it
     rows = [{"custom_id": f"e-{i}", "method": "POST", "url": url, "body": b} for i, b in enumerate(bodies)]
     data = jsonl(rows)
@@ -73,7 +73,9 @@ def test_embedding_lines_run_one_input_each_alike_in_the_cli_and_the_gateway(bat
         lines += rows_of(c.files.content(batch.error_file_id).content)
     by_gateway = {r["custom_id"]: comparable(r) for r in lines}
     assert by_gateway == by_cli and len(by_cli) == len(rows)
-    assert "holds 2 inputs" in by_cli["e-2"]["error"]["message"] and "pooling_type" in by_cli["e-3"]["error"]["message"]
+    assert [d["index"] for d in by_cli["e-2"]["response"]["body"]["data"]] == [0, 1]
+    assert by_cli["e-2"]["response"]["body"]["usage"]["prompt_tokens"] == 2
+    assert "pooling_type" in by_cli["e-3"]["error"]["message"]
     body = by_cli["e-0"]["response"]["body"]
     assert body["object"] == "list" and len(body["data"][0]["embedding"]) == 8 and body["usage"]["prompt_tokens"] == 2
     packed = base64.b64decode(by_cli["e-1"]["response"]["body"]["data"][0]["embedding"])

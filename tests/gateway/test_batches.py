@@ -230,3 +230,43 @@ def test_two_replicas_sharing_a_file_store_run_a_batch_once(sim_fleet, batch_gat
             out = rows_of(b.files.content(done.output_file_id).content)
             assert [r["custom_id"] for r in out] == [f"req-{i}" for i in range(40)]
             assert len({r["response"]["request_id"] for r in out}) == 40
+
+
+def test_cancelling_a_batch_cancels_every_job_of_a_several_input_embeddings_line(shared_redis, namespace,
+                                                                                  gateway_factory, tmp_path):
+    """One line of 60 inputs is 60 jobs, all of which the line owns: a cancel reaches each one, and the line is one
+    batch_cancelled error line, counted once."""
+    import json
+
+    from kvgate.producer import Client
+
+    inputs = [f"text {i}" for i in range(60)]
+    rows = [{"custom_id": "many", "method": "POST", "url": "/v1/embeddings",
+             "body": {"model": "simulated", "input": inputs}}]
+    # 2 jobs a 100 ms step: the line takes 3 s, so the cancel lands while most of its jobs wait
+    proc = spawn_worker(shared_redis.url, namespace, "--simulated", "--sim-step-ms", "100", "--max-num-seqs", "2",
+                        worker_id="sim-cancel-embed")
+    try:
+        wait_for_workers(shared_redis.url, namespace, proc=proc)
+        gw = gateway_factory(shared_redis.url, namespace, files_dir=str(tmp_path), batch_poll_s=0.2)
+        with openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=60) as c, \
+                redis.Redis.from_url(shared_redis.url) as r, Client(shared_redis.url, namespace) as sdk:
+            batch = c.batches.create(input_file_id=upload(c, rows).id, endpoint="/v1/embeddings",
+                                     completion_window="24h")
+            jobs_key = f"{Keys(namespace).prefix}:batch:{batch.id}:jobs"
+            wait_for(lambda: r.hexists(jobs_key, "many"), 30, "the line's jobs submitted")
+            job_ids = json.loads(r.hget(jobs_key, "many"))
+            assert len(set(job_ids)) == len(inputs)  # the line owns one job per input
+            c.batches.cancel(batch.id)
+            done = wait_final(c.batches.retrieve, batch.id)
+            wait_for(lambda: all(sdk.get(j) is not None for j in job_ids), 30, "every job of the line final")
+            statuses = [sdk.get(j).status for j in job_ids]
+            errors = rows_of(c.files.content(done.error_file_id).content)
+    finally:
+        stop_worker(proc)
+    assert done.status == "cancelled" and done.output_file_id is None
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (1, 0, 1)
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("many", "batch_cancelled")]
+    assert statuses.count("cancelled") >= len(inputs) // 2, statuses  # not left to run: cancelled while waiting
+    assert set(statuses) <= {"done", "cancelled"}, statuses

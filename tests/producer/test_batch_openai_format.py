@@ -180,8 +180,48 @@ def test_a_batch_lines_logit_bias_keys_become_token_ids_and_a_bad_key_is_named()
 
     line = ('{"custom_id": "a", "url": "/v1/completions", "body": {"model": "m", "prompt": "x", '
             '"logit_bias": {"42": -100}}}')
-    assert parse_line(1, line, "d").submit_args["logit_bias"] == {42: -100}
+    assert parse_line(1, line, "d").jobs[0]["logit_bias"] == {42: -100}
     with pytest.raises(BadLine, match="logit_bias key 'x4'"):
         parse_line(1, line.replace('"42"', '"x4"'), "d")
     with pytest.raises(BadLine, match="prompt_logprobs"):  # an output line has no place for them
         parse_line(1, line.replace('"logit_bias": {"42": -100}', '"prompt_logprobs": 1'), "d")
+
+
+def test_a_several_input_embeddings_line_owns_one_job_per_input_and_is_answered_once_all_are_final():
+    import struct
+
+    from kvgate.openai.batch import parse_line
+    from kvgate.openai.batch_runs import line_runs, submit_jobs
+    from kvgate.producer import Result
+    from kvgate.producer import protocol as wire
+
+    emb = parse_line(1, json.dumps({"custom_id": "e", "url": "/v1/embeddings", "body": {
+        "model": "m", "input": ["a", "b", "c"], "encoding_format": "float"}}), "d")
+    chat = parse_line(2, json.dumps({"custom_id": "c", "url": "/v1/chat/completions",
+                                     "body": {"messages": [{"role": "user", "content": "hi"}]}}), "d")
+    assert [j["prompt"] for j in emb.jobs] == ["a", "b", "c"]
+    assert len({j["idempotency_key"] for j in emb.jobs + chat.jobs}) == 4  # each job reattaches to its own
+    assert len(submit_jobs([emb, chat], tenant="t")) == 4
+    runs = line_runs([emb, chat], ["j0", "j1", "j2", "j3"])
+    assert [(r.request.custom_id, r.job_ids) for r in runs] == [("e", ["j0", "j1", "j2"]), ("c", ["j3"])]
+    cut = line_runs([emb, chat], ["j0", "j1"])  # a submit cut short: the line is not submitted, the next not at all
+    assert [(r.request.custom_id, r.submitted) for r in cut] == [("e", False)]
+
+    def result(job_id: str, status: str = "done", error: str | None = None, vector=(1.0, 0.0)) -> Result:
+        return Result.from_final(wire.Final(v=2, job_id=job_id, status=status, error=error,
+                                            embedding=struct.pack("<2f", *vector), usage=wire.Usage(prompt_tokens=2)))
+
+    run = runs[0]
+    assert run.add(result("j2", vector=(0.0, 1.0))) is False and run.add(result("j0")) is False
+    assert run.add(result("j1")) is True
+    body = run.answer()["response"]["body"]
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["data"][2]["embedding"] == [0.0, 1.0]
+    assert body["usage"] == {"prompt_tokens": 6, "total_tokens": 6}
+    with pytest.raises(ValueError, match="not one of line 1's jobs"):
+        run.add(result("j3"))
+    failed = line_runs([emb], ["j0", "j1", "j2"])[0]
+    for r in (result("j0"), result("j1", "error", "prompt of 900 tokens is longer than 512"), result("j2")):
+        failed.add(r)
+    row = failed.answer()
+    assert row["response"] is None and row["error"]["code"] == "error"
+    assert row["error"]["message"].startswith("body.input[1] (input 2 of 3, job j1) ended error: prompt of 900")

@@ -100,7 +100,7 @@ def test_the_gateway_reads_openai_and_vllm_fields_alike():
 def test_a_batch_line_carries_the_same_fields():
     line = {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "m", "messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]}}
-    assert parse_line(1, json.dumps(line), "d").submit_args["structured"] == {"kind": "choice", "choices": ["a", "b"]}
+    assert parse_line(1, json.dumps(line), "d").jobs[0]["structured"] == {"kind": "choice", "choices": ["a", "b"]}
     line["body"] = {**line["body"], "guided_choice": None, "response_format": {"type": "json_schema"}}
     with pytest.raises(BadLine, match="json_schema.schema"):
         parse_line(1, json.dumps(line), "d")

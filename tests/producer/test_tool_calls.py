@@ -164,7 +164,7 @@ def test_a_result_with_calls_answers_as_openai_does_in_a_batch_line():
 
     final = wire.Final(v=2, job_id="j", status="done", text='[{"name": "get_weather", "arguments": {}}]',
                        finish_reason="stop", tool_calls=[wire.ToolCall("call_x", "get_weather", "{}")])
-    line = answer_line(BatchRequest(1, "c1", "/v1/chat/completions", "m", {}), Result.from_final(final))
+    line = answer_line(BatchRequest(1, "c1", "/v1/chat/completions", "m", [{}]), [Result.from_final(final)])
     choice = line["response"]["body"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"] == [{"id": "call_x", "type": "function",
@@ -174,5 +174,5 @@ def test_a_result_with_calls_answers_as_openai_does_in_a_batch_line():
 def test_a_batch_line_carries_tools():
     line = {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": "required"}}
-    args = parse_line(1, json.dumps(line), "d").submit_args
+    args = parse_line(1, json.dumps(line), "d").jobs[0]
     assert args["tools"] == TOOLS and args["tool_choice"] == "required"
