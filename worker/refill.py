@@ -210,10 +210,10 @@ class Refill:
         if time.monotonic() - self.last_read_empty_at < wait_s:
             return ReadRequest()
         count = capacity.readable(self.queue)
-        if not count:
-            return ReadRequest(preempt=self._preempt_look_due())
         lanes, held = self._held_lanes(count, capacity.now())
-        return ReadRequest(count, lanes, held, self._reclaim_ms())
+        if not (count or held):
+            return ReadRequest(preempt=self._preempt_look_due())
+        return ReadRequest(count, lanes, held, self._reclaim_ms() if count else 0)
 
     def _preempt_look_due(self) -> dict[str, Occupancy]:
         """Full, with fair share: the bands in which to look for a job of a tenant under its share here that
