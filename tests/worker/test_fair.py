@@ -228,3 +228,17 @@ def test_entries_a_lost_reply_delivered_from_tenants_streams_are_read_again_at_o
     again = [e for batch in worker.refill.read_own_pending(10, lambda stream, entry: False) for e in batch]
     assert sorted(e.entry_id for e in again) == sorted(e.entry_id for e in got)
     assert len(ids) == 2
+
+
+def test_the_status_of_a_bare_job_id_finds_it_running_in_its_tenants_stream(queue):
+    """Client.status(job_id) from a client that did not submit the job: under fair share the entry a worker holds
+    sits in a tenant's stream, found through the band's pending index (not a scan of every tenant)."""
+    queue.r.set(queue.keys.fair(), 1)
+    with Client(queue.server.url, queue.ns, tenant="acme") as producer:
+        handle = producer.submit("hi", max_tokens=4)
+    got = Reader(queue.r, "w1", ReadPlan([band(queue)], fair={band(queue)})).read(1)
+    assert [e.stream for e in got] == [Keys.tenant_jobs(band(queue), "acme")]
+    with Client(queue.server.url, queue.ns) as other:
+        status = other.status(handle.job_id)
+        assert (status.state, status.worker) == ("running", "w1"), status
+        assert other.status("no-such-job").state == "unknown"
