@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from kvgate.producer.cluster import run_script
 from kvgate.producer.protocol import Keys, as_text
 
 log = logging.getLogger("kvgate.worker")
@@ -27,6 +28,78 @@ MAX_WEIGHTS = 1000
 MAX_CHARGED = 100_000
 FAIR_FLUSH_S = 0.2  # counters' corrections go out this often (one pipeline; none when there are none)  # tenants with a weight passed to each read; the rest weigh 1
 FAIR_BLOCK_MS = 50  # an idle worker's blocking wait cannot see tenants' streams: it looks again this often
+
+
+SWEEP_TENANTS = 64  # tenants' streams one pruning pass looks at per band, the longest unseen first
+
+# KEYS: per band (one shard's bands) its streams index, backlog and pending index; ARGV: group, min idle ms, heartbeat
+# key prefix ('' on a cluster: see consumers.py), our own consumer, tenants per band, then the bands. Per band, the
+# tenants whose stream was last looked at over min idle ago (or never), at most SWEEP_TENANTS: a stream gone (or not
+# a stream) is forgotten; one with nothing pending, nothing undelivered and its tenant not backlogged is deleted
+# (in this script, in the band's slot, so a producer's XADD cannot slip in between the look and the DEL: its
+# next job makes the stream again and joins the index anew, and a reader makes the group on NOGROUP); in any other
+# its departed consumers (idle, nothing pending, no heartbeat) are deleted, as consumers.py does for the shared
+# streams, and it is looked at again once min idle has passed. Returns {streams deleted, consumers deleted}.
+SWEEP_LUA = """
+local group, min_idle, prefix, me = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local limit = tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function after(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am or 0), tonumber(as or 0), tonumber(bm or 0), tonumber(bs or 0)
+  return am > bm or (am == bm and as > bs)
+end
+local deleted, gone = 0, {}
+for b = 1, #ARGV - 5 do
+  local band, known, backlog, pending = ARGV[5 + b], KEYS[3 * b - 2], KEYS[3 * b - 1], KEYS[3 * b]
+  for _, tenant in ipairs(redis.call('ZRANGEBYSCORE', known, '-inf', now - min_idle, 'LIMIT', 0, limit)) do
+    local key = band .. ':t:' .. tenant
+    local kind = redis.call('TYPE', key)['ok']
+    if kind ~= 'stream' then
+      redis.call('ZREM', known, tenant)
+    else
+      local g = nil
+      for _, row in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+        local f = {}
+        for i = 1, #row, 2 do f[row[i]] = row[i + 1] end
+        if f['name'] == group then g = f end
+      end
+      local top = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+      local waiting = top ~= nil and (g == nil or after(top[1], g['last-delivered-id']))
+      if not waiting and (g == nil or g['pending'] == 0) and not redis.call('ZSCORE', backlog, tenant) then
+        redis.call('DEL', key)
+        redis.call('ZREM', known, tenant)
+        redis.call('ZREM', pending, tenant)
+        deleted = deleted + 1
+      else
+        if g ~= nil then
+          for _, row in ipairs(redis.call('XINFO', 'CONSUMERS', key, group)) do
+            local c = {}
+            for i = 1, #row, 2 do c[row[i]] = row[i + 1] end
+            if c['pending'] == 0 and c['idle'] >= min_idle and c['name'] ~= me
+                and not (prefix ~= '' and redis.call('EXISTS', prefix .. c['name']) == 1) then
+              redis.call('XGROUP', 'DELCONSUMER', key, group, c['name'])
+              gone[#gone + 1] = c['name']
+            end
+          end
+        end
+        redis.call('ZADD', known, now, tenant)
+      end
+    end
+  end
+end
+return {deleted, gone}
+"""
+
+
+@dataclass(slots=True, frozen=True)
+class Swept:
+    """What one pruning pass over the tenants' streams deleted."""
+
+    deleted: int = 0  # tenants' streams left empty
+    consumers: list[str] = field(default_factory=list)  # departed consumers' names (each once)
 
 
 @dataclass(slots=True)
@@ -40,6 +113,7 @@ class Fair:
     weights: dict[str, float] = field(default_factory=dict)
     charged: dict[str, float] = field(default_factory=dict)  # `stream|entry id` -> tokens its read charged
     corrections: dict[tuple[str, str], float] = field(default_factory=dict)  # (backlog, tenant) -> tokens to add
+    script: object = None  # the pruning pass's (SWEEP_LUA), registered at its first use
 
     def read(self, entries, charge: float) -> None:
         """Remember what each job read from a tenant's stream was charged (a takeover is not charged again)."""
@@ -71,6 +145,22 @@ class Fair:
             pipe.zadd(backlog, {tenant: delta}, xx=True, incr=True)
         self.corrections = {}
         pipe.execute(raise_on_error=False)
+
+    def sweep(self, min_idle_ms: int, consumer: str) -> Swept:
+        """Delete the tenants' streams left empty and the departed consumers of the others, a bounded slice of each
+        band's streams index per call (SWEEP_LUA): one script per shard, whatever the tenants."""
+        if self.script is None:
+            self.script = self.client.register_script(SWEEP_LUA)
+        prefix = "" if self.keys.cluster else self.keys.worker("")
+        deleted, gone = 0, set()
+        for bands in self.keys.by_shard(sorted(self.bands)):
+            keys = [k for band in bands
+                    for k in (Keys.fair_streams(band), Keys.fair_backlog(band), Keys.fair_pending(band))]
+            args = [Keys.GROUP, min_idle_ms, prefix, consumer, SWEEP_TENANTS, *bands]
+            n, names = run_script(self.script, keys, args, self.client)
+            deleted += int(n)
+            gone |= {as_text(name) for name in names}
+        return Swept(deleted, sorted(gone))
 
     def band_of(self, stream: str) -> str | None:
         band, sep, _ = stream.rpartition(":t:")  # tenant names hold no ':'

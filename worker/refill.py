@@ -132,8 +132,7 @@ class Refill:
         cursors = {st: c for st, c in self.cursors.items() if c is not None}
         found = {}
         for group in self.keys.by_shard(list(cursors)):  # one slot per command on a cluster
-            reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {st: cursors[st] for st in group}, count=count)
-            found |= {as_text(st): entries for st, entries in reply or []}
+            found |= {as_text(st): entries for st, entries in self._pending_in(group, cursors, count)}
         batches = []
         for stream in cursors:
             entries = [(as_text(i), f) for i, f in found.get(stream, [])][:count]
@@ -146,6 +145,19 @@ class Refill:
             if count <= 0:
                 break
         return batches
+
+    def _pending_in(self, streams: list[str], cursors: dict[str, str], count: int) -> list:
+        """One XREADGROUP over the streams; where one has no group (a tenant's stream the pruning pass deleted once
+        it was empty: nothing of ours was pending there), stream by stream, those without one giving nothing."""
+        try:
+            return self.client.xreadgroup(Keys.GROUP, self.worker_id, {st: cursors[st] for st in streams},
+                                          count=count) or []
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            if len(streams) == 1:
+                return []
+            return [row for st in streams for row in self._pending_in([st], cursors, count)]
 
     # ---- an idle engine ------------------------------------------------------------------------------
     def read_idle(self, count: int) -> list[Entry]:

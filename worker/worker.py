@@ -339,8 +339,11 @@ class Worker:
             # entries others acknowledged before leaving.
             acked = self.answers.take_acked()
             trim(self.client, self.streams if self.trims % TRIM_ALL_EVERY == 0 else acked)
-            if gone := self.consumers.prune():
+            swept = self.fair.sweep(s.reclaim_idle_ms, self.worker_id)  # tenants' streams: a bounded slice
+            if gone := sorted(set(self.consumers.prune()) | set(swept.consumers)):
                 log.info("deleted %d departed consumers: %s", len(gone), ", ".join(gone))
+            if swept.deleted:
+                log.info("deleted %d tenants' streams left empty", swept.deleted)
 
     def _renew(self) -> None:
         """Renew our leases; a job whose lease is lost runs elsewhere now, so stop it and publish nothing more

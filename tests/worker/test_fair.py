@@ -23,12 +23,13 @@ def band(queue, priority: str = "normal") -> str:
 
 def enqueue(queue, tenant: str, n: int, priority: str = "normal", **sampling) -> list[str]:
     """Jobs as the SDK enqueues them with fair share on: the tenant's stream, and the tenant in the backlog."""
+    from kvgate.producer.submission import FAIR_ENQUEUE
+
+    script, b = queue.r.register_script(FAIR_ENQUEUE), band(queue, priority)
     ids, pipe = [], queue.r.pipeline(transaction=True)
     for _ in range(n):
         job = queue.job("same prompt", tenant=tenant, priority=priority, **sampling)
-        pipe.xadd(Keys.tenant_jobs(band(queue, priority), tenant), {FIELD: encode(job)})
-        pipe.zadd(Keys.fair_backlog(band(queue, priority)), {tenant: float("-inf")}, nx=True)
-        pipe.incr(Keys.fair_queued(band(queue, priority)))
+        script(keys=[Keys.tenant_jobs(b, tenant), *Keys.fair_keys(b)], args=[FIELD, encode(job), tenant], client=pipe)
         ids.append(job.job_id)
     pipe.execute()
     return ids
@@ -242,3 +243,75 @@ def test_the_status_of_a_bare_job_id_finds_it_running_in_its_tenants_stream(queu
         status = other.status(handle.job_id)
         assert (status.state, status.worker) == ("running", "w1"), status
         assert other.status("no-such-job").state == "unknown"
+
+
+def test_a_tenants_stream_is_deleted_once_it_is_empty_and_its_tenant_is_not_backlogged(queue, thread_worker):
+    """One stream per tenant that ever had a job must not stay forever: the worker's pruning pass deletes it once
+    nothing waits in it and nothing is pending there; a later job of the tenant makes it again and is served."""
+    queue.r.set(queue.keys.fair(), 1)
+    stream = Keys.tenant_jobs(band(queue), "acme")
+    with Client(queue.server.url, queue.ns, tenant="acme") as client:
+        with thread_worker(reclaim_idle_ms=200, trim_interval_s=0.1):
+            assert client.submit("hi", max_tokens=4).result(timeout=30).status == "done"
+            wait_for(lambda: not queue.r.exists(stream), 10, "the empty tenant's stream deleted")
+            assert queue.r.zscore(Keys.fair_streams(band(queue)), "acme") is None
+            assert client.submit("again", max_tokens=4).result(timeout=30).status == "done"
+
+
+def test_the_sweep_keeps_a_stream_with_work_and_prunes_its_departed_consumers(queue):
+    """A tenant's stream with an entry pending, or one not yet read, or its tenant backlogged, stays; its departed
+    consumers (idle, nothing pending, no heartbeat) go; a live worker's consumer stays."""
+    from kvgate.worker.fair import Fair
+
+    r, b = queue.r, band(queue)
+    busy, fresh = Keys.tenant_jobs(b, "busy"), Keys.tenant_jobs(b, "fresh")
+    for stream in (busy, fresh):
+        r.xadd(stream, {FIELD: b"x"})
+        r.xgroup_create(stream, Keys.GROUP, id="0")
+    r.xreadgroup(Keys.GROUP, "holder", {busy: ">"}, count=1)  # pending to a consumer with no heartbeat: reclaim's
+    r.xgroup_createconsumer(busy, Keys.GROUP, "ghost")
+    r.xgroup_createconsumer(busy, Keys.GROUP, "alive")
+    r.hset(queue.keys.worker("alive"), "state", "serving")
+    r.zadd(Keys.fair_streams(b), {"busy": 0, "fresh": 0, "gone": 0})
+    time.sleep(0.15)
+    swept = Fair(r, queue.keys, "keep", {b}).sweep(100, "me")
+    assert r.exists(busy) and r.exists(fresh)
+    names = {c["name"] for c in r.xinfo_consumers(busy, Keys.GROUP)}
+    assert names == {b"holder", b"alive"}, names
+    assert swept.consumers == ["ghost"] and swept.deleted == 0
+    assert r.zscore(Keys.fair_streams(b), "gone") is None  # no stream: forgotten
+    assert r.zscore(Keys.fair_streams(b), "busy") > 0  # looked at: again after min idle
+
+
+def test_a_sweep_looks_at_a_bounded_slice_with_100000_tenants(queue):
+    from kvgate.worker.fair import SWEEP_TENANTS, Fair
+
+    r, b = queue.r, band(queue)
+    for start in range(0, 100_000, 20_000):
+        r.zadd(Keys.fair_streams(b), {f"t{i}": 0 for i in range(start, start + 20_000)})
+    r.zadd(Keys.fair_backlog(b), {f"t{i}": 0 for i in range(0, 100_000, 2)})
+    before = sum(v["calls"] for k, v in r.info("commandstats").items() if k != "cmdstat_info")
+    Fair(r, queue.keys, "keep", {b}).sweep(100, "me")
+    cost = sum(v["calls"] for k, v in r.info("commandstats").items() if k != "cmdstat_info") - before
+    assert cost <= SWEEP_TENANTS * 8, cost
+    assert r.zcard(Keys.fair_streams(b)) >= 100_000 - SWEEP_TENANTS
+
+
+def test_a_rewind_after_a_tenants_stream_was_deleted_reads_the_others(queue):
+    """A worker rewinds over the tenants' streams it read lately; one the pruning pass deleted since (no group now)
+    must not fail the read of the others."""
+    from tests.worker.conftest import ThreadWorker
+
+    queue.r.set(queue.keys.fair(), 1)
+    enqueue(queue, "a", 1, max_tokens=4)
+    enqueue(queue, "b", 1, max_tokens=4)
+    worker = ThreadWorker(queue, reclaim_idle_ms=60_000).worker  # not started: driven by hand
+    worker._ensure_groups()
+    got = worker.refill.read_idle(2)
+    assert {e.stream for e in got} == {Keys.tenant_jobs(band(queue), t) for t in "ab"}
+    queue.r.delete(Keys.tenant_jobs(band(queue), "a"))  # as the sweep does once a's stream is empty
+    worker.refill.rewind(worker.streams)
+    again = [e for batch in worker.refill.read_own_pending(10, lambda stream, entry: False) for e in batch]
+    assert [e.stream for e in again] == [Keys.tenant_jobs(band(queue), "b")]
+    assert worker.refill.read_own_pending(10, lambda stream, entry: True) == []  # past b's: nothing more
+    assert not worker.refill.own_pending
