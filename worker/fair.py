@@ -27,7 +27,7 @@ log = logging.getLogger("kvgate.worker")
 MAX_WEIGHTS = 1000
 MAX_CHARGED = 100_000
 FAIR_FLUSH_S = 0.2  # counters' corrections go out this often (one pipeline; none when there are none)  # tenants with a weight passed to each read; the rest weigh 1
-FAIR_BLOCK_MS = 50  # an idle worker's blocking wait cannot see tenants' streams: it looks again this often
+FAIR_BLOCK_MS = 50  # an idle worker's wait while a band's backlog still has tenants (a race with another's read)
 
 
 SWEEP_TENANTS = 64  # tenants' streams one pruning pass looks at per band, the longest unseen first

@@ -315,3 +315,30 @@ def test_a_rewind_after_a_tenants_stream_was_deleted_reads_the_others(queue):
     assert [e.stream for e in again] == [Keys.tenant_jobs(band(queue), "b")]
     assert worker.refill.read_own_pending(10, lambda stream, entry: True) == []  # past b's: nothing more
     assert not worker.refill.own_pending
+
+
+def test_an_idle_fair_worker_blocks_until_a_tenant_rings_its_bands_bell(queue, thread_worker):
+    """An idle worker under fair share waits on a blocking read (the bands' bells with its shared streams) rather
+    than polling every 50 ms, and a job a tenant enqueues wakes it at once, not at the end of its wait."""
+    queue.r.set(queue.keys.fair(), 1)
+
+    def reads() -> int:
+        stats = queue.r.info("commandstats")
+        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("xread", "xreadgroup", "evalsha"))
+
+    with thread_worker(block_ms=3000, heartbeat_interval_s=10, trim_interval_s=10, reclaim_idle_ms=60_000):
+        warm = enqueue(queue, "acme", 1, max_tokens=2)
+        wait_for(lambda: done(queue, warm) == 1, 30, "the first job served")
+        time.sleep(0.3)
+        before = reads()
+        time.sleep(1.0)
+        idle_reads = reads() - before
+        waits = []
+        for tenant in ("acme", "acme", "other"):
+            started = time.monotonic()
+            ids = enqueue(queue, tenant, 1, max_tokens=2)
+            wait_for(lambda: done(queue, ids) == 1, 30, "the job served")
+            waits.append(time.monotonic() - started)
+            time.sleep(0.3)
+    assert idle_reads <= 6, f"an idle worker made {idle_reads} reads in 1 s"
+    assert max(waits) < 1.5, f"jobs waited {waits} s for an idle worker blocking 3 s"
