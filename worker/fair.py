@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import Keys, as_text
+from kvgate.producer.protocol import Keys, ProtocolError, as_text, check_tenant_name
 
 log = logging.getLogger("kvgate.worker")
 MAX_WEIGHTS = 1000
@@ -166,6 +168,16 @@ class Fair:
         band, sep, _ = stream.rpartition(":t:")  # tenant names hold no ':'
         return band if sep and band in self.bands else None
 
+    def write_weights(self, weights: dict[str, float]) -> None:
+        """A weights file's tenants become the namespace's `{ns}:tenants`, replacing it in one step, so every
+        worker (with the file or without) reads the same weights with its next heartbeat."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.tenants())
+        if weights:
+            pipe.hset(self.keys.tenants(), mapping={t: repr(w) for t, w in weights.items()})
+        pipe.execute()
+        log.info("tenant weights from the file: %s", ", ".join(f"{t}={w:g}" for t, w in weights.items()) or "none")
+
     def sync(self) -> None:
         """Set the namespace's switch as our setting says, then read it, the weights and whether any band still
         has backlogged tenants (after fair share was turned off, their streams drain before we stop reading
@@ -189,6 +201,39 @@ class Fair:
 
     def _card(self, band: str) -> int:
         return self.client.zcard(Keys.fair_backlog(band))
+
+
+def read_weights(path: str) -> dict[str, float]:
+    """A tenant weights file (`kvgate worker --tenant-weights`): TOML with one table, `[weights]`, of tenant name =
+    weight. ValueError names the file and what is wrong in it: a worker must not start on weights it cannot keep."""
+    where = f"tenant weights file {path}"
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{where}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{where}: not TOML ({e}); it holds one table: [weights] with lines like team-a = 2") from None
+    for name in data:
+        if name != "weights":
+            raise ValueError(f"{where}: unknown table [{name}]: the file has one table, [weights], of tenant = weight")
+    table = data.get("weights", {})
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: weights must be a table, [weights], of tenant = weight lines")
+    if len(table) > MAX_WEIGHTS:
+        raise ValueError(f"{where}: {len(table)} tenants; workers read {MAX_WEIGHTS} at most (name only those whose "
+                         f"weight is not 1)")
+    weights: dict[str, float] = {}
+    for tenant, weight in table.items():
+        try:
+            check_tenant_name(tenant)
+        except ProtocolError as e:
+            raise ValueError(f"{where}: {e}") from None
+        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < 1e6
+        if not ok:
+            raise ValueError(f"{where}: {tenant}: weight {weight!r} must be a number above 0 and below 1000000 "
+                             f"(1 is a tenant's share when it has no weight)")
+        weights[tenant] = float(weight)
+    return weights
 
 
 def parse_weights(raw: dict) -> dict[str, float]:

@@ -27,7 +27,7 @@ from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
-from kvgate.worker.fair import FAIR_FLUSH_S, Fair
+from kvgate.worker.fair import FAIR_FLUSH_S, Fair, read_weights
 from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
@@ -92,6 +92,8 @@ class Worker:
                                  models=self.served.names)
         self.lane_prefixes = LanePrefixes(engine.block_size)
         self.fair = Fair(self.client, self.keys, s.fair_share, set(self.streams))  # the bands: before lanes join
+        if s.tenant_weights is not None:
+            self.fair.write_weights(read_weights(s.tenant_weights))
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
                              len(self.served.names), self.fair)

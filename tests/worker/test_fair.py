@@ -342,3 +342,48 @@ def test_an_idle_fair_worker_blocks_until_a_tenant_rings_its_bands_bell(queue, t
             time.sleep(0.3)
     assert idle_reads <= 6, f"an idle worker made {idle_reads} reads in 1 s"
     assert max(waits) < 1.5, f"jobs waited {waits} s for an idle worker blocking 3 s"
+
+
+def test_tenant_weights_from_a_file_replace_the_namespaces_hash_at_start(queue, tmp_path):
+    """`kvgate worker --tenant-weights FILE`: the file's weights go to `{ns}:tenants` (replacing what was there), so
+    every worker, with the file or without, serves by the same weights."""
+    from tests.worker.conftest import ThreadWorker
+
+    path = tmp_path / "weights.toml"
+    path.write_text('[weights]\nteam-a = 2\n"batch.jobs" = 0.5\n')
+    queue.r.hset(queue.keys.tenants(), mapping={"stale": 3, "team-a": 5})
+    worker = ThreadWorker(queue, tenant_weights=str(path)).worker  # not started: its start writes them
+    assert queue.r.hgetall(queue.keys.tenants()) == {b"team-a": b"2.0", b"batch.jobs": b"0.5"}
+    worker.fair.sync()  # as its heartbeat does
+    assert worker.fair.weights == {"team-a": 2.0, "batch.jobs": 0.5}
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[weights]\nteam-a = 0\n", "team-a: weight 0 must be a number above 0 and below 1000000"),
+    ("[weights]\nteam-a = 'x'\n", "team-a: weight 'x' must be a number above 0 and below 1000000"),
+    ("[weights]\n'bad name!' = 2\n", "tenant 'bad name!' must be"),
+    ("[weigths]\nteam-a = 2\n", "unknown table [weigths]: the file has one table, [weights]"),
+    ("[weights\n", "not TOML"),
+])
+def test_a_bad_tenant_weights_file_stops_the_start_saying_what_is_wrong(tmp_path, text, says):
+    from pydantic import ValidationError
+
+    from kvgate.worker.settings import WorkerSettings
+
+    path = tmp_path / "weights.toml"
+    path.write_text(text)
+    with pytest.raises(ValidationError) as caught:
+        WorkerSettings(tenant_weights=str(path))
+    assert f"tenant weights file {path}" in str(caught.value) and says in str(caught.value), str(caught.value)
+
+
+def test_a_tenant_weights_file_over_the_weights_a_worker_reads_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from kvgate.worker.fair import MAX_WEIGHTS
+    from kvgate.worker.settings import WorkerSettings
+
+    path = tmp_path / "weights.toml"
+    path.write_text("[weights]\n" + "".join(f"t{i} = 2\n" for i in range(MAX_WEIGHTS + 1)))
+    with pytest.raises(ValidationError, match=f"{MAX_WEIGHTS + 1} tenants; workers read {MAX_WEIGHTS} at most"):
+        WorkerSettings(tenant_weights=str(path))
