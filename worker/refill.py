@@ -100,7 +100,7 @@ class Refill:
         self.last_read_empty_at = 0.0
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
         self.block_turn = 0  # on a cluster: the shard the next blocking read waits on
-        self.backlog_looked = False  # fair share: our last wait found a band's backlog and returned to read it
+        self.backlog_seen_at = -1  # fair share: empty_reads when a wait last found a band's backlog (-1: none)
         self.tenant_streams: dict[str, None] = {}  # fair share: tenants' streams we read lately, oldest first
 
     def use_queue(self, queue: AdmissionQueue) -> None:
@@ -214,10 +214,10 @@ class Refill:
         backlogged = any(isinstance(n, int) and n > 0 for n in looks[::2])
         for band, rung in zip(bands, looks[1::2]):
             ids[Keys.fair_bell(band)] = as_text(rung[0][0]) if rung and not isinstance(rung, Exception) else "0-0"
-        if backlogged and not self.backlog_looked:  # joined since our last read: read again now
-            self.backlog_looked = True
+        if backlogged and self.empty_reads != self.backlog_seen_at + 1:  # not re-read since we saw it: read now
+            self.backlog_seen_at = self.empty_reads
             return
-        self.backlog_looked = False
+        self.backlog_seen_at = self.empty_reads if backlogged else -1
         self.client.xread(ids, count=1, block=min(self._block_ms(), FAIR_BLOCK_MS) if backlogged else self._block_ms())
 
     def _block_ms(self) -> int:
