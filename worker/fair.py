@@ -10,7 +10,10 @@ Language Models", OSDI '24). The counters live in Redis, so every worker of the 
 Strict priority between bands stays: a band is read only once the bands above it gave what they had.
 
 Tenants' streams a worker has read sit in `<band>:fair:pending` (scored when first read, and when last looked at),
-so a reclaim finds a dead worker's entries there without scanning every tenant's stream.
+so a reclaim finds a dead worker's entries there without scanning every tenant's stream. Tenants' streams that
+exist sit in `<band>:fair:streams`, which the pruning pass (`Fair.sweep`, SWEEP_LUA) walks a bounded slice at a
+time, oldest look first: it deletes streams left empty and the departed consumers of the others. An idle worker
+blocks on the bands' bells (`<band>:fair:bell`), which producers ring when a tenant joins a backlog (refill.py).
 """
 from __future__ import annotations
 
