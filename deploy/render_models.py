@@ -117,8 +117,13 @@ def scaled_object(model: Model, namespace: str, shards: int = 0, addresses: str 
 
 
 def triggers(so: dict, names: list[str], namespace: str, shards: int, addresses: str) -> list[dict]:
-    """One lag trigger per priority of each name; on a cluster (`shards` > 0) one per shard and priority."""
-    by_priority = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t for t in so["spec"]["triggers"]}
+    """One lag trigger per priority of each name; on a cluster (`shards` > 0) one per shard and priority. Then one
+    prometheus trigger per priority of each name on the exporter's lag of that name and priority, which counts the
+    jobs in lanes and tenants' streams (fair share) too, summed over the shards."""
+    base = so["spec"]["triggers"]
+    by_priority = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t for t in base if t["type"] == "redis-streams"}
+    lag_by_priority = {LAG_PRIORITY.search(t["metadata"]["query"]).group(1): t
+                       for t in base if t["type"] == "prometheus"}
     keys = Keys(namespace, shards, cluster=True) if shards else Keys(namespace)
     out = []
     for served in names:
@@ -127,7 +132,20 @@ def triggers(so: dict, names: list[str], namespace: str, shards: int, addresses:
                 trigger = copy.deepcopy(by_priority[priority])
                 trigger["metadata"]["stream"] = keys.jobs(served, priority, shard=shard)
                 out.append(cluster_trigger(trigger, shards, addresses) if shards else trigger)
+    for served in names:
+        for priority in PRIORITIES:
+            trigger = copy.deepcopy(lag_by_priority[priority])
+            trigger["metadata"]["query"] = lag_query(namespace, served, priority)
+            out.append(trigger)
     return out
+
+
+LAG_PRIORITY = re.compile(r'priority="([a-z]+)"')
+
+
+def lag_query(namespace: str, model: str, priority: str) -> str:
+    """The exporter's backlog of one model name's priority, every stream of it (shards, lanes, tenants' streams)."""
+    return f'sum(kvgate_queue_lag{{kvgate_namespace="{namespace}",model="{model}",priority="{priority}"}})'
 
 
 def cluster_trigger(trigger: dict, shards: int, addresses: str) -> dict:

@@ -20,13 +20,26 @@ from .job_status import ENTRY_STATE_LUA
 
 IDEMPOTENCY_TTL_S = 24 * 3600
 
-# KEYS[1] claim, KEYS[2] job stream (KEYS[3], KEYS[4] with fair share: the band's backlog and
-# its count of queued jobs, ARGV[8] the tenant); ARGV: claim ("job_id digest owner"), ttl, field, payload, group, result key
+# KEYS[1] claim, KEYS[2] job stream (KEYS[3..6] with fair share: the band's Keys.fair_keys, ARGV[8] the tenant); ARGV: claim ("job_id digest owner"), ttl, field, payload, group, result key
 # prefix, digest. Returns {0, held claim} when an earlier job holds the key and is alive (or the bodies differ:
 # a conflict), {1, entry id} when this call enqueued the job, {2, entry id} when it did so because the earlier
 # job's result is gone (expired) or the job was lost. The result key is built here from the held job id, so
 # it cannot be declared: fine on one Redis, and a cluster puts all of a namespace in one slot anyway.
-CLAIM_AND_ENQUEUE = ENTRY_STATE_LUA + """
+# A tenant joins its band's backlog (fair share, worker/fair.py) with every job it enqueues, in the job's script: a
+# worker that finds the stream empty drops the tenant, so a job added apart from its ZADD could be stranded. A tenant
+# new to the backlog enters at -inf (the worker places it at the band's virtual time when it next serves it), joins
+# the streams index (the pruning pass deletes its stream once empty) and rings the band's bell (idle workers wait on
+# it); the count of queued jobs goes up by one. KEYS: Keys.fair_keys(band).
+FAIR_JOIN_LUA = """
+local function fair_join(backlog, queued, known, bell, tenant)
+  if redis.call('ZADD', backlog, 'NX', '-inf', tenant) == 1 then
+    redis.call('ZADD', known, 'NX', 0, tenant)
+    redis.call('XADD', bell, 'MAXLEN', 8, '*', 't', tenant)
+  end
+  redis.call('INCR', queued)
+end
+"""
+CLAIM_AND_ENQUEUE = ENTRY_STATE_LUA + FAIR_JOIN_LUA + """
 local held = redis.call('GET', KEYS[1])
 if held then
   local parts = {}
@@ -39,10 +52,7 @@ if held then
   if alive then return {0, held} end
 end
 local id = redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4])
-if KEYS[3] then  -- fair share: the tenant joins its band's backlog, which counts one more job
-  redis.call('ZADD', KEYS[3], 'NX', '-inf', ARGV[8])
-  redis.call('INCR', KEYS[4])
-end
+if KEYS[3] then fair_join(KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[8]) end  -- fair share
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. id, 'EX', ARGV[2])
 if held then return {2, id} end
 return {1, id}

@@ -5,7 +5,8 @@ finished will never finish: Redis lost it (a restart without persistence, a fail
 not received it) or its result expired. One script reads the entry's state in the job stream, then the result
 keys are read: a job acknowledged meanwhile has its result by then (the ack and the result are one atomic step),
 so a job finishing meanwhile is never taken for lost. It needs the job's stream entry id, which the submitting
-client knows; for a bare job id the SDK can still tell finished and running (by the workers' pending entries).
+client knows; for a bare job id the SDK can still tell finished and running (by the workers' pending entries, in
+the shared streams and, under fair share, in the tenants' streams a band's pending index names).
 Step functions (steps.py): the Client runs them with blocking calls, the AsyncClient on its event loop.
 """
 from __future__ import annotations
@@ -116,26 +117,47 @@ _job_id = msgspec.msgpack.Decoder(_JobId)
 PENDING_SCAN = 1000  # pending entries are bounded by what the fleet can hold at once
 
 
+PENDING_TENANTS = 1000  # tenants' streams looked at per band: the pending index holds those read lately
+
+
 def find_running(r, keys: Keys, job_id: str) -> Steps:
-    """A bare job id: look for it among the entries the workers hold (no entry id needed)."""
+    """A bare job id: look for it among the entries the workers hold (no entry id needed), in the shared streams
+    and lanes, and under fair share in the tenants' streams a band's pending index names (the streams workers
+    have read since they were last found with nothing pending: bounded by what the fleet holds, not by the
+    tenants there are)."""
     lanes = parse_lanes((yield call(r.get, keys.lanes())))
-    for stream in [st for model in (yield from known_models(r, keys)) for st in keys.all_jobs(model, lanes)]:
+    models = yield from known_models(r, keys)
+    streams = [st for model in models for st in keys.all_jobs(model, lanes)]
+    bands = [st for model in models for st in keys.all_jobs(model)]
+    pipe = r.pipeline(transaction=False)
+    for band in bands:
+        pipe.zrange(Keys.fair_pending(band), 0, PENDING_TENANTS - 1)
+    for band, tenants in zip(bands, (yield lambda: pipe.execute(raise_on_error=False))):
+        if isinstance(tenants, redis.exceptions.NoPermissionError):
+            raise tenants
+        if not isinstance(tenants, Exception):
+            streams += [Keys.tenant_jobs(band, as_text(t)) for t in tenants]
+    pipe = r.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xpending_range(stream, Keys.GROUP, min="-", max="+", count=PENDING_SCAN)
+    held = []
+    for stream, rows in zip(streams, (yield lambda: pipe.execute(raise_on_error=False))):
+        if isinstance(rows, redis.exceptions.NoPermissionError):
+            raise rows
+        if not isinstance(rows, Exception):  # else: no such stream or group yet
+            held += [(stream, row) for row in rows]
+    pipe = r.pipeline(transaction=False)
+    for stream, row in held:
+        pipe.xrange(stream, min=row["message_id"], max=row["message_id"], count=1)
+    for (stream, row), found in zip(held, (yield lambda: pipe.execute(raise_on_error=False))):
+        if isinstance(found, redis.exceptions.NoPermissionError):
+            raise found
+        payload = found[0][1].get(FIELD.encode()) if found and not isinstance(found, Exception) else None
         try:
-            rows = yield call(r.xpending_range, stream, Keys.GROUP, min="-", max="+", count=PENDING_SCAN)
-        except redis.exceptions.NoPermissionError:
-            raise
-        except redis.ResponseError:  # no such stream or group yet
+            if payload is not None and _job_id.decode(payload).job_id == job_id:
+                return JobStatus(job_id, "running", as_text(row["consumer"]))
+        except msgspec.DecodeError:
             continue
-        pipe = r.pipeline(transaction=False)
-        for row in rows:
-            pipe.xrange(stream, min=row["message_id"], max=row["message_id"], count=1)
-        for row, found in zip(rows, (yield pipe.execute)):
-            payload = found[0][1].get(FIELD.encode()) if found else None
-            try:
-                if payload is not None and _job_id.decode(payload).job_id == job_id:
-                    return JobStatus(job_id, "running", as_text(row["consumer"]))
-            except msgspec.DecodeError:
-                continue
     return None
 
 

@@ -653,6 +653,26 @@ class Keys:
         for stats and the backlog gate, without a look at every tenant's stream."""
         return f"{band}:fair:queued"
 
+    @staticmethod
+    def fair_streams(band: str) -> str:
+        """Sorted set of the band's tenants that have (or had) a stream, scored by when a worker's pruning pass
+        last looked at it (0: never; producers add a tenant when it joins the backlog): the pass walks it oldest
+        first, a bounded slice each time, deleting streams left empty (worker/fair.py)."""
+        return f"{band}:fair:streams"
+
+    @staticmethod
+    def fair_bell(band: str) -> str:
+        """A tiny stream (the last few entries) a producer adds to when a tenant joins the band's backlog: an idle
+        worker's blocking read waits on it, as it waits on the shared streams (a read cannot wait on a sorted
+        set)."""
+        return f"{band}:fair:bell"
+
+    @staticmethod
+    def fair_keys(band: str) -> list[str]:
+        """The keys a producer's fair enqueue touches besides the tenant's stream, in the scripts' order: the
+        backlog, its queued count, the streams index and the bell."""
+        return [Keys.fair_backlog(band), Keys.fair_queued(band), Keys.fair_streams(band), Keys.fair_bell(band)]
+
     def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
         """One model's streams, highest priority first, each priority's shared stream before its lanes."""
         return [st for p in PRIORITIES for st in self.job_streams(model, p, lanes)]

@@ -9,7 +9,7 @@ from typing import Any
 from .cluster import run_script
 from .connection import refusal_of
 from .errors import Backpressure
-from .idempotency import CLAIM_AND_ENQUEUE, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
+from .idempotency import CLAIM_AND_ENQUEUE, FAIR_JOIN_LUA, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .lanes import lane_of, routing_key
 from .redis_url import FAILOVER_BUDGET_S, FAILOVER_ERRORS
 from .protocol import DEFAULT_MODEL, DEFAULT_TENANT, FIELD, Job, Keys, as_text
@@ -29,7 +29,7 @@ class Prepared:
     model: str  # the name its stream is keyed by (`default` for a job that names none)
     claim: Claim | None = None
     claim_key: str | None = None
-    backlog: str | None = None  # fair share: the band's backlog its tenant joins (worker/fair.py)
+    band: str | None = None  # fair share: the band whose backlog its tenant joins (worker/fair.py)
     result_prefix: str = ""
     claim_ttl_s: int = IDEMPOTENCY_TTL_S
     parse_as: Any = None  # a pydantic model class the answer's text is validated into (Result.parsed)
@@ -43,7 +43,7 @@ def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "",
     if fair:  # the tenant's stream in the band, which joins the band's backlog in the same script
         band = keys.jobs(model, job.priority, shard=keys.shard_of(job.job_id))
         prepared = Prepared(job, encode_job(job, where), Keys.tenant_jobs(band, job.tenant or DEFAULT_TENANT), model,
-                            parse_as=req.parse_as, backlog=Keys.fair_backlog(band))
+                            parse_as=req.parse_as, band=band)
     else:
         prepared = Prepared(job, encode_job(job, where), stream_for(job, model, keys, lanes, req.prefix_key), model,
                             parse_as=req.parse_as)
@@ -79,7 +79,7 @@ def stream_for(job: Job, model: str, keys: Keys, lanes: int, prefix_key: str | N
 def add_to_pipeline(pipe, script, prepared: Prepared):
     """Add one job's enqueue command to a pipeline. On an asyncio pipeline a script call is a coroutine that
     queues nothing until awaited: the caller must await what this returns when it is awaitable."""
-    fair = [prepared.backlog, prepared.backlog + ":queued"] if prepared.backlog else []
+    fair = Keys.fair_keys(prepared.band) if prepared.band else []
     tenant = prepared.job.tenant or DEFAULT_TENANT
     if prepared.claim is None:
         if not fair:
@@ -90,15 +90,11 @@ def add_to_pipeline(pipe, script, prepared: Prepared):
                        prepared.result_prefix, prepared.claim.digest, tenant], pipe)
 
 
-# KEYS[1] a tenant's job stream, KEYS[2] its band's backlog, KEYS[3] the band's count of queued jobs; ARGV field,
-# payload, tenant. The job and its tenant's
-# place in the backlog in one step: a worker that finds the stream empty drops the tenant, so a job added apart
-# from its ZADD could be stranded. A tenant new to the backlog enters at -inf: the worker places it at the
-# band's virtual time when it next serves it.
-FAIR_ENQUEUE = """
+# KEYS[1] a tenant's job stream, KEYS[2..5] its band's Keys.fair_keys; ARGV field, payload, tenant. The job and its
+# tenant's place in the backlog in one step (FAIR_JOIN_LUA).
+FAIR_ENQUEUE = FAIR_JOIN_LUA + """
 local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[2], 'NX', '-inf', ARGV[3])
-redis.call('INCR', KEYS[3])
+fair_join(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[3])
 return id
 """
 

@@ -3,7 +3,8 @@
 XGROUP DELCONSUMER drops the consumer's pending entries with it, and an entry dropped that way is never delivered
 again: so a consumer goes only when it holds nothing, checked and deleted in one script. A worker deletes its own
 consumer on a clean exit; any live worker's housekeeping deletes those idle past the reclaim timeout with no live
-heartbeat (crashed workers, whose pending entries reclaim has already moved away).
+heartbeat (crashed workers, whose pending entries reclaim has already moved away). These are the shared streams' and
+lanes'; tenants' streams (fair share) are pruned by fair.py's pass, a bounded slice of them at a time.
 """
 from __future__ import annotations
 

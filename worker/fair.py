@@ -18,7 +18,10 @@ busy_poll_ms, one at a time. Between backlogged tenants of equal shares nothing 
 than one job each way before a job steps aside.
 
 Tenants' streams a worker has read sit in `<band>:fair:pending` (scored when first read, and when last looked at),
-so a reclaim finds a dead worker's entries there without scanning every tenant's stream.
+so a reclaim finds a dead worker's entries there without scanning every tenant's stream. Tenants' streams that
+exist sit in `<band>:fair:streams`, which the pruning pass (`Fair.sweep`, SWEEP_LUA) walks a bounded slice at a
+time, oldest look first: it deletes streams left empty and the departed consumers of the others. An idle worker
+blocks on the bands' bells (`<band>:fair:bell`), which producers ring when a tenant joins a backlog (refill.py).
 """
 from __future__ import annotations
 
@@ -26,16 +29,95 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pyproject's dependencies)
+    import tomli as tomllib
 
 import redis
 
-from kvgate.producer.protocol import Keys, as_text
+from kvgate.producer.cluster import run_script
+from kvgate.producer.protocol import Keys, ProtocolError, as_text, check_tenant_name
 
 log = logging.getLogger("kvgate.worker")
 MAX_WEIGHTS = 1000
 MAX_CHARGED = 100_000
 FAIR_FLUSH_S = 0.2  # counters' corrections go out this often (one pipeline; none when there are none)  # tenants with a weight passed to each read; the rest weigh 1
-FAIR_BLOCK_MS = 50  # an idle worker's blocking wait cannot see tenants' streams: it looks again this often
+FAIR_BLOCK_MS = 50  # an idle worker's wait while a band's backlog still has tenants (a race with another's read)
+
+
+SWEEP_TENANTS = 64  # tenants' streams one pruning pass looks at per band, the longest unseen first
+
+# KEYS: per band (one shard's bands) its streams index, backlog and pending index; ARGV: group, min idle ms, heartbeat
+# key prefix ('' on a cluster: see consumers.py), our own consumer, tenants per band, then the bands. Per band, the
+# tenants whose stream was last looked at over min idle ago (or never), at most SWEEP_TENANTS: a stream gone (or not
+# a stream) is forgotten; one with nothing pending, nothing undelivered and its tenant not backlogged is deleted
+# (in this script, in the band's slot, so a producer's XADD cannot slip in between the look and the DEL: its
+# next job makes the stream again and joins the index anew, and a reader makes the group on NOGROUP); in any other
+# its departed consumers (idle, nothing pending, no heartbeat) are deleted, as consumers.py does for the shared
+# streams, and it is looked at again once min idle has passed. Returns {streams deleted, consumers deleted}.
+SWEEP_LUA = """
+local group, min_idle, prefix, me = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local limit = tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function after(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am or 0), tonumber(as or 0), tonumber(bm or 0), tonumber(bs or 0)
+  return am > bm or (am == bm and as > bs)
+end
+local deleted, gone = 0, {}
+for b = 1, #ARGV - 5 do
+  local band, known, backlog, pending = ARGV[5 + b], KEYS[3 * b - 2], KEYS[3 * b - 1], KEYS[3 * b]
+  for _, tenant in ipairs(redis.call('ZRANGEBYSCORE', known, '-inf', now - min_idle, 'LIMIT', 0, limit)) do
+    local key = band .. ':t:' .. tenant
+    local kind = redis.call('TYPE', key)['ok']
+    if kind ~= 'stream' then
+      redis.call('ZREM', known, tenant)
+    else
+      local g = nil
+      for _, row in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+        local f = {}
+        for i = 1, #row, 2 do f[row[i]] = row[i + 1] end
+        if f['name'] == group then g = f end
+      end
+      local top = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+      local waiting = top ~= nil and (g == nil or after(top[1], g['last-delivered-id']))
+      if not waiting and (g == nil or g['pending'] == 0) and not redis.call('ZSCORE', backlog, tenant) then
+        redis.call('DEL', key)
+        redis.call('ZREM', known, tenant)
+        redis.call('ZREM', pending, tenant)
+        deleted = deleted + 1
+      else
+        if g ~= nil then
+          for _, row in ipairs(redis.call('XINFO', 'CONSUMERS', key, group)) do
+            local c = {}
+            for i = 1, #row, 2 do c[row[i]] = row[i + 1] end
+            if c['pending'] == 0 and c['idle'] >= min_idle and c['name'] ~= me
+                and not (prefix ~= '' and redis.call('EXISTS', prefix .. c['name']) == 1) then
+              redis.call('XGROUP', 'DELCONSUMER', key, group, c['name'])
+              gone[#gone + 1] = c['name']
+            end
+          end
+        end
+        redis.call('ZADD', known, now, tenant)
+      end
+    end
+  end
+end
+return {deleted, gone}
+"""
+
+
+@dataclass(slots=True, frozen=True)
+class Swept:
+    """What one pruning pass over the tenants' streams deleted."""
+
+    deleted: int = 0  # tenants' streams left empty
+    consumers: list[str] = field(default_factory=list)  # departed consumers' names (each once)
 
 
 @dataclass(slots=True)
@@ -49,6 +131,7 @@ class Fair:
     weights: dict[str, float] = field(default_factory=dict)
     charged: dict[str, float] = field(default_factory=dict)  # `stream|entry id` -> tokens its read charged
     corrections: dict[tuple[str, str], float] = field(default_factory=dict)  # (backlog, tenant) -> tokens to add
+    script: object = None  # the pruning pass's (SWEEP_LUA), registered at its first use
 
     def read(self, entries, charge: float) -> None:
         """Remember what each job read from a tenant's stream was charged (a takeover is not charged again)."""
@@ -81,6 +164,22 @@ class Fair:
         self.corrections = {}
         pipe.execute(raise_on_error=False)
 
+    def sweep(self, min_idle_ms: int, consumer: str) -> Swept:
+        """Delete the tenants' streams left empty and the departed consumers of the others, a bounded slice of each
+        band's streams index per call (SWEEP_LUA): one script per shard, whatever the tenants."""
+        if self.script is None:
+            self.script = self.client.register_script(SWEEP_LUA)
+        prefix = "" if self.keys.cluster else self.keys.worker("")
+        deleted, gone = 0, set()
+        for bands in self.keys.by_shard(sorted(self.bands)):
+            keys = [k for band in bands
+                    for k in (Keys.fair_streams(band), Keys.fair_backlog(band), Keys.fair_pending(band))]
+            args = [Keys.GROUP, min_idle_ms, prefix, consumer, SWEEP_TENANTS, *bands]
+            n, names = run_script(self.script, keys, args, self.client)
+            deleted += int(n)
+            gone |= {as_text(name) for name in names}
+        return Swept(deleted, sorted(gone))
+
     def band_of(self, stream: str) -> str | None:
         band, sep, _ = stream.rpartition(":t:")  # tenant names hold no ':'
         return band if sep and band in self.bands else None
@@ -88,6 +187,16 @@ class Fair:
     def band_of_job(self, stream: str) -> str:
         """The band a job read from this stream waits in: its tenant's band, else the stream itself."""
         return self.band_of(stream) or stream
+
+    def write_weights(self, weights: dict[str, float]) -> None:
+        """A weights file's tenants become the namespace's `{ns}:tenants`, replacing it in one step, so every
+        worker (with the file or without) reads the same weights with its next heartbeat."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.tenants())
+        if weights:
+            pipe.hset(self.keys.tenants(), mapping={t: repr(w) for t, w in weights.items()})
+        pipe.execute()
+        log.info("tenant weights from the file: %s", ", ".join(f"{t}={w:g}" for t, w in weights.items()) or "none")
 
     def sync(self) -> None:
         """Set the namespace's switch as our setting says, then read it, the weights and whether any band still
@@ -136,6 +245,39 @@ class Occupancy:
     def over(self, tenant: str | None = None) -> tuple[str, ...]:
         """The tenants other than this one over their share by more than one job: whose jobs may step aside."""
         return tuple(t for t, n in self.counts.items() if t != tenant and n > self.share + 1)
+
+
+def read_weights(path: str) -> dict[str, float]:
+    """A tenant weights file (`kvgate worker --tenant-weights`): TOML with one table, `[weights]`, of tenant name =
+    weight. ValueError names the file and what is wrong in it: a worker must not start on weights it cannot keep."""
+    where = f"tenant weights file {path}"
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{where}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{where}: not TOML ({e}); it holds one table: [weights] with lines like team-a = 2") from None
+    for name in data:
+        if name != "weights":
+            raise ValueError(f"{where}: unknown table [{name}]: the file has one table, [weights], of tenant = weight")
+    table = data.get("weights", {})
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: weights must be a table, [weights], of tenant = weight lines")
+    if len(table) > MAX_WEIGHTS:
+        raise ValueError(f"{where}: {len(table)} tenants; workers read {MAX_WEIGHTS} at most (name only those whose "
+                         f"weight is not 1)")
+    weights: dict[str, float] = {}
+    for tenant, weight in table.items():
+        try:
+            check_tenant_name(tenant)
+        except ProtocolError as e:
+            raise ValueError(f"{where}: {e}") from None
+        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < 1e6
+        if not ok:
+            raise ValueError(f"{where}: {tenant}: weight {weight!r} must be a number above 0 and below 1000000 "
+                             f"(1 is a tenant's share when it has no weight)")
+        weights[tenant] = float(weight)
+    return weights
 
 
 def parse_weights(raw: dict) -> dict[str, float]:

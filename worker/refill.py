@@ -102,6 +102,7 @@ class Refill:
         self.last_read_empty_at = 0.0
         self.empty_reads = 0  # consecutive empty refill reads: back off while the backlog stays empty
         self.block_turn = 0  # on a cluster: the shard the next blocking read waits on
+        self.backlog_seen_at = -1  # fair share: empty_reads when a wait last found a band's backlog (-1: none)
         self.tenant_streams: dict[str, None] = {}  # fair share: tenants' streams we read lately, oldest first
         self.preempt_look_at = 0.0  # fair share, full: the next preempting look, not before
         self.tenants_here = tenants_here  # fair share: the jobs we run by band and tenant
@@ -136,8 +137,7 @@ class Refill:
         cursors = {st: c for st, c in self.cursors.items() if c is not None}
         found = {}
         for group in self.keys.by_shard(list(cursors)):  # one slot per command on a cluster
-            reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, {st: cursors[st] for st in group}, count=count)
-            found |= {as_text(st): entries for st, entries in reply or []}
+            found |= {as_text(st): entries for st, entries in self._pending_in(group, cursors, count)}
         batches = []
         for stream in cursors:
             entries = [(as_text(i), f) for i, f in found.get(stream, [])][:count]
@@ -150,6 +150,19 @@ class Refill:
             if count <= 0:
                 break
         return batches
+
+    def _pending_in(self, streams: list[str], cursors: dict[str, str], count: int) -> list:
+        """One XREADGROUP over the streams; where one has no group (a tenant's stream the pruning pass deleted once
+        it was empty: nothing of ours was pending there), stream by stream, those without one giving nothing."""
+        try:
+            return self.client.xreadgroup(Keys.GROUP, self.worker_id, {st: cursors[st] for st in streams},
+                                          count=count) or []
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            if len(streams) == 1:
+                return []
+            return [row for st in streams for row in self._pending_in([st], cursors, count)]
 
     # ---- an idle engine ------------------------------------------------------------------------------
     def read_idle(self, count: int) -> list[Entry]:
@@ -174,17 +187,48 @@ class Refill:
         home = self.affinity.home() + r.plan.urgent_streams() if self.affinity.lanes else r.order()
         shards = self.keys.by_shard(home)  # on a cluster: wait on one shard, the next one each time
         self.block_turn += 1
-        streams = {st: ">" for st in shards[self.block_turn % len(shards)][:count]}
+        shard = shards[self.block_turn % len(shards)][:count]
+        if self.fair.active:
+            self._wait_for_bells(shard)
+            return []
+        streams = {st: ">" for st in shard}
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self._block_ms())
         return [Entry(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries]
+
+    def _wait_for_bells(self, streams: list[str]) -> None:
+        """Fair share: a blocking read cannot wait on a band's backlog (a sorted set) nor take a tenant's jobs by
+        their counters, so the wait only wakes us, and the next read takes. It waits (XREAD, one shard) on these
+        shared streams past their group's last delivered entry (an entry no worker took yet wakes it at once) and on
+        the shard's bands' bells past the last ring we saw, which a producer rings when a tenant joins a band's
+        backlog. Their ids and the backlogs' sizes are read first, in one round trip: a tenant that joined before
+        that look is in a backlog, one that joins after rings past the id we wait from. A backlog is read again at
+        once, and if it is still there after that read (a race with another worker's), waited on for FAIR_BLOCK_MS
+        at most."""
+        shard = self.keys.of_stream(streams[0]).shard
+        bands = [b for b in sorted(self.fair.bands) if self.keys.of_stream(b).shard == shard]
+        pipe = self.client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        for band in bands:
+            pipe.zcard(Keys.fair_backlog(band))
+            pipe.xrevrange(Keys.fair_bell(band), count=1)
+        replies = pipe.execute(raise_on_error=False)
+        ids = {st: _delivered(reply) for st, reply in zip(streams, replies)}
+        looks = replies[len(streams):]
+        backlogged = any(isinstance(n, int) and n > 0 for n in looks[::2])
+        for band, rung in zip(bands, looks[1::2]):
+            ids[Keys.fair_bell(band)] = as_text(rung[0][0]) if rung and not isinstance(rung, Exception) else "0-0"
+        if backlogged and self.empty_reads != self.backlog_seen_at + 1:  # not re-read since we saw it: read now
+            self.backlog_seen_at = self.empty_reads
+            return
+        self.backlog_seen_at = self.empty_reads if backlogged else -1
+        self.client.xread(ids, count=1, block=min(self._block_ms(), FAIR_BLOCK_MS) if backlogged else self._block_ms())
 
     def _block_ms(self) -> int:
         """With lanes an idle worker wakes once per steal age to look at others' lanes (it blocks on its own)."""
         block_ms = self.settings.block_ms
         if len(self.keys.parts) > 1:  # a wait covers one shard: come back soon to look at the others
             block_ms = min(block_ms, CLUSTER_BLOCK_MS)
-        if self.fair.active:
-            block_ms = min(block_ms, FAIR_BLOCK_MS)
         if self.affinity.enabled and self.affinity.lanes and self.settings.affinity_steal_age_ms:
             return max(1, min(block_ms, self.settings.affinity_steal_age_ms))
         return block_ms
@@ -327,3 +371,11 @@ class Refill:
         now_ms = int(self.clock.now() * 1000)
         ages = [now_ms - entry_ms(e.entry_id) for e in fresh if not self.affinity.stolen(e.stream)]
         self.affinity.observe(ages, drained)
+
+
+def _delivered(groups) -> str:
+    """From an XINFO GROUPS reply: the id past which the workers' group has delivered nothing ('$' without it: the
+    next entry added)."""
+    if isinstance(groups, Exception):
+        return "$"
+    return next((as_text(g["last-delivered-id"]) for g in groups if as_text(g.get("name")) == Keys.GROUP), "$")

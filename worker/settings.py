@@ -83,6 +83,19 @@ class WorkerSettings(BaseSettings, EngineConfig):
                               "youngest jobs of the tenants over their share stepping aside (preempted by recompute, "
                               "resumed first); 0: never (a job waits for room anywhere in the fleet)", ge=0)
 
+    tenant_weights: str | None = _s(
+        None, "a TOML file of tenants' fair-share weights, one table: [weights] with lines like team-a = 2; read at "
+        "start and written to {ns}:tenants, replacing it, so every worker serves by the same weights")
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _weights_file(cls, path: str | None) -> str | None:
+        if path is not None:
+            from kvgate.worker.fair import read_weights
+
+            read_weights(path)  # a bad file stops the start, saying what is wrong in it
+        return path
+
     # leases, reclaim, dead letters
     reclaim_idle_ms: int = _s(30_000, "pending jobs idle this long are taken over from dead workers", ge=100)
     max_deliveries: int = _s(5, "deliveries after which a job goes to the dead stream", ge=1)

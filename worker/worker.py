@@ -27,7 +27,7 @@ from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
-from kvgate.worker.fair import FAIR_FLUSH_S, Fair, Occupancy
+from kvgate.worker.fair import FAIR_FLUSH_S, Fair, Occupancy, read_weights
 from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
@@ -92,6 +92,8 @@ class Worker:
                                  models=self.served.names)
         self.lane_prefixes = LanePrefixes(engine.block_size)
         self.fair = Fair(self.client, self.keys, s.fair_share, set(self.streams))  # the bands: before lanes join
+        if s.tenant_weights is not None:
+            self.fair.write_weights(read_weights(s.tenant_weights))
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
                              len(self.served.names), self.fair,
@@ -364,8 +366,11 @@ class Worker:
             # entries others acknowledged before leaving.
             acked = self.answers.take_acked()
             trim(self.client, self.streams if self.trims % TRIM_ALL_EVERY == 0 else acked)
-            if gone := self.consumers.prune():
+            swept = self.fair.sweep(s.reclaim_idle_ms, self.worker_id)  # tenants' streams: a bounded slice
+            if gone := sorted(set(self.consumers.prune()) | set(swept.consumers)):
                 log.info("deleted %d departed consumers: %s", len(gone), ", ".join(gone))
+            if swept.deleted:
+                log.info("deleted %d tenants' streams left empty", swept.deleted)
 
     def _renew(self) -> None:
         """Renew our leases; a job whose lease is lost runs elsewhere now, so stop it and publish nothing more

@@ -136,10 +136,11 @@ def make_jobs(n: int, mix: JobMix, *, seed: int, clients: int) -> list[Job]:
 def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | None, batch: int = 200,
             lanes: int = 0, fair: bool = False) -> float:
     """XADD jobs in pipelined batches, each where the SDK would put it (with `lanes`, its affinity lane; with `fair`,
-    its tenant's stream, the tenant joining the band's backlog, one MULTI per batch as the SDK's enqueue script does
-    per job); with `rate` (jobs/s) paced as an open-loop arrival stream. Returns the time the last batch went in."""
-    from kvgate.producer.submission import stream_for
+    its tenant's stream through the SDK's own enqueue script, which adds the tenant to the band's backlog and rings
+    its bell, one MULTI per batch); with `rate` (jobs/s) paced as an open-loop arrival stream. Returns the time the last batch went in."""
+    from kvgate.producer.submission import FAIR_ENQUEUE, stream_for
 
+    fair_enqueue = client.register_script(FAIR_ENQUEUE) if fair else None
     started = time.time()
     for lo in range(0, len(jobs), batch):
         if rate:
@@ -150,9 +151,8 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
             job.enqueued_at = now
             if fair:
                 band = keys.jobs(job.model or DEFAULT_MODEL, job.priority)
-                pipe.xadd(Keys.tenant_jobs(band, job.tenant), {FIELD: encode(job)})
-                pipe.zadd(Keys.fair_backlog(band), {job.tenant: float("-inf")}, nx=True)
-                pipe.incr(Keys.fair_queued(band))
+                fair_enqueue(keys=[Keys.tenant_jobs(band, job.tenant), *Keys.fair_keys(band)],
+                             args=[FIELD, encode(job), job.tenant], client=pipe)
             else:
                 pipe.xadd(stream_for(job, job.model or DEFAULT_MODEL, keys, lanes), {FIELD: encode(job)})
         pipe.execute()

@@ -28,7 +28,8 @@ def render(*argv: str) -> subprocess.CompletedProcess:
 
 def single_lag() -> dict[str, int]:
     scaled = next(d for d in docs(DEPLOY / "keda-scaledobject.yaml") if d["kind"] == "ScaledObject")
-    return {t["metadata"]["stream"].rsplit(":", 1)[-1]: int(t["metadata"]["lagCount"]) for t in scaled["spec"]["triggers"]}
+    return {t["metadata"]["stream"].rsplit(":", 1)[-1]: int(t["metadata"]["lagCount"]) for t in scaled["spec"]["triggers"]
+            if t["type"] == "redis-streams"}
 
 
 def test_the_cluster_scaled_object_watches_every_shard_stream_of_the_default_model_through_the_workers_nodes():
@@ -37,7 +38,10 @@ def test_the_cluster_scaled_object_watches_every_shard_stream_of_the_default_mod
     assert auth["kind"] == "TriggerAuthentication" and scaled["kind"] == "ScaledObject"
     keys = Keys("kvgate", url.shards, cluster=True)
     streams = []
-    for trigger in scaled["spec"]["triggers"]:
+    lags = [t["metadata"]["query"] for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
+    assert lags == [f'sum(kvgate_queue_lag{{kvgate_namespace="kvgate",model="default",priority="{p}"}})'
+                    for p in ("high", "normal", "low")]  # every shard's lanes and tenants' streams, summed
+    for trigger in [t for t in scaled["spec"]["triggers"] if t["type"] != "prometheus"]:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-cluster-streams" and meta["consumerGroup"] == Keys.GROUP
         assert all(isinstance(v, str) for v in meta.values())  # KEDA metadata is a string map
@@ -57,7 +61,9 @@ def test_render_models_gives_each_model_one_trigger_per_shard_and_priority_in_th
     assert done.returncode == 0, done.stderr
     scaled = next(d for d in yaml.safe_load_all(done.stdout) if d["kind"] == "ScaledObject")
     keys, lag = Keys("prod", 4, cluster=True), single_lag()
-    triggers = scaled["spec"]["triggers"]
+    triggers = [t for t in scaled["spec"]["triggers"] if t["type"] != "prometheus"]
+    lags = [t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
+    assert len(lags) == 2 * len(PRIORITIES)  # one per name and priority: the exporter sums the shards
     assert len(triggers) == 2 * len(PRIORITIES) * 4  # two names served
     assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(keys.served_jobs(["Qwen/Qwen2.5-7B-Instruct",
                                                                                          "qwen"]))
@@ -73,8 +79,9 @@ def test_render_models_gives_each_model_one_trigger_per_shard_and_priority_in_th
 def test_without_cluster_shards_the_triggers_stay_single_redis_streams():
     done = render("m=/w")
     scaled = next(d for d in yaml.safe_load_all(done.stdout) if d["kind"] == "ScaledObject")
-    assert {t["type"] for t in scaled["spec"]["triggers"]} == {"redis-streams"}
-    assert [t["metadata"]["stream"] for t in scaled["spec"]["triggers"]] == Keys("kvgate").all_jobs("m")
+    assert {t["type"] for t in scaled["spec"]["triggers"]} == {"redis-streams", "prometheus"}
+    streams = [t["metadata"]["stream"] for t in scaled["spec"]["triggers"] if t["type"] == "redis-streams"]
+    assert streams == Keys("kvgate").all_jobs("m")
 
 
 @pytest.mark.parametrize("argv, message", [(["--cluster-shards", "5000"], "--cluster-shards 5000"),

@@ -99,7 +99,7 @@ def test_keda_scales_the_worker_to_zero_on_lag_of_every_job_stream():
     assert so["maxReplicaCount"] >= 1
     keys = Keys("kvgate")
     streams = set()
-    for trigger in so["triggers"]:
+    for trigger in [t for t in so["triggers"] if t["type"] != "prometheus"]:  # those: the next test
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-streams" and meta["consumerGroup"] == Keys.GROUP
         assert int(meta["lagCount"]) > 0 and int(meta["activationLagCount"]) >= 0
@@ -107,6 +107,23 @@ def test_keda_scales_the_worker_to_zero_on_lag_of_every_job_stream():
         assert trigger["authenticationRef"]["name"] in {d["metadata"]["name"] for d in of_kind("TriggerAuthentication")}
         streams.add(meta["stream"])
     assert streams == set(keys.all_jobs(None))
+
+
+def test_keda_sees_the_jobs_waiting_in_tenants_streams_through_the_exporters_lag():
+    """Fair share puts jobs in tenants' streams, which no redis-streams trigger names (nor can: one per tenant): a
+    prometheus trigger per priority on the exporter's kvgate_queue_lag, which sums the shared stream, its lanes and
+    the band's tenants' queued jobs, scales on them at the stream trigger's lagCount and wakes the fleet from zero."""
+    from kvgate.producer.protocol import PRIORITIES
+
+    so = named("ScaledObject", "kvgate-worker")["spec"]
+    lag = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t["metadata"]["lagCount"]
+           for t in so["triggers"] if t["type"] == "redis-streams"}
+    prom = {t["metadata"]["query"]: t["metadata"] for t in so["triggers"] if t["type"] == "prometheus"}
+    assert len(prom) == len(PRIORITIES), sorted(prom)
+    for priority in PRIORITIES:
+        meta = prom[f'sum(kvgate_queue_lag{{kvgate_namespace="kvgate",model="default",priority="{priority}"}})']
+        assert meta["threshold"] == lag[priority] and meta["activationThreshold"] == "0"
+        assert meta["serverAddress"].startswith("http://") and all(isinstance(v, str) for v in meta.values())
 
 
 def test_pod_and_service_monitors_select_the_worker_exporter_and_gateway_ports():

@@ -25,7 +25,10 @@ def queried_expressions() -> list[str]:
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
     alerts = yaml.safe_load((DEPLOY / "prometheus/alerts.yml").read_text())
-    return exprs + [r["expr"] for g in alerts["groups"] for r in g["rules"]]
+    keda = [t["metadata"]["query"] for path in sorted(DEPLOY.glob("k8s/**/keda-scaledobject.yaml"))
+            for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "ScaledObject"
+            for t in d["spec"]["triggers"] if t["type"] == "prometheus"]
+    return exprs + [r["expr"] for g in alerts["groups"] for r in g["rules"]] + keda
 
 
 def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
@@ -122,3 +125,19 @@ def test_a_real_worker_feeds_the_series_the_dashboard_plots(shared_redis, namesp
         assert value(f"kvgate_{hist}_seconds_count") == 3, hist
     assert value("kvgate_generation_tokens_total") == 12
     assert value("kvgate_kv_free_blocks") > 0
+
+
+def test_the_lag_keda_scales_on_counts_the_jobs_waiting_in_tenants_streams(shared_redis, namespace):
+    """Fair share: kvgate_queue_lag of a model's priority (the KEDA prometheus triggers' query) counts the jobs its
+    tenants' streams hold, not only the shared stream's."""
+    from kvgate.producer.client import Client
+
+    client, keys = shared_redis.client(), Keys(namespace)
+    client.set(keys.fair(), 1)
+    client.sadd(keys.models(), "default")
+    with Client(shared_redis.url, namespace, tenant="acme") as producer:
+        producer.submit_many([{"prompt": "x"}] * 4, progress=False)
+    lag = {tuple(sample.labels[k] for k in ("model", "priority")): sample.value
+           for family in build_registry(client, keys).collect() for sample in family.samples
+           if sample.name == "kvgate_queue_lag"}
+    assert lag[("default", "normal")] == 4, lag

@@ -223,3 +223,48 @@ def test_producer_and_gateway_users_read_a_waiting_jobs_status(acl_server):
         with Client(f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0", namespace="kvgate") as client:
             handle = client.submit("nobody serves this yet")
             assert handle.status().state == "queued" and client.status(handle.job_id).state == "queued"
+
+
+def test_fair_share_serves_rings_and_sweeps_under_the_least_privilege_users(acl_server):
+    """Fair share's whole path as the worker and producer users: the enqueue scripts (backlog, streams index, bell),
+    the read, the idle worker's wait on the bells, and the pruning pass deleting the tenant's emptied stream."""
+    import threading
+    import time
+
+    from kvgate.engine.simulated import SimulatedEngine
+    from kvgate.producer.client import Client
+    from kvgate.worker.settings import WorkerSettings
+    from kvgate.worker.worker import Worker
+
+    keys, monitor = Keys("kvgate"), acl_server("monitor")
+    port = monitor.connection_pool.connection_kwargs["port"]
+    url = lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0"
+    settings = WorkerSettings(redis_url=url("worker"), namespace="kvgate", worker_id="acl-fair", fair_share="on",
+                              reclaim_idle_ms=200, trim_interval_s=0.1, heartbeat_interval_s=0.1)
+    worker = Worker(SimulatedEngine(256, step_overhead_s=0.001, per_token_s=0.0), settings)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    stream = Keys.tenant_jobs(keys.jobs(None, "normal"), "acme")
+    try:
+        deadline = time.monotonic() + 10
+        while not monitor.get(keys.fair()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with Client(url("producer"), namespace="kvgate", tenant="acme") as client:
+            handles = [client.submit("hi", max_tokens=4), client.submit("hi", max_tokens=4, idempotency_key="k")]
+            assert [h.result(timeout=20).status for h in handles] == ["done"] * 2
+        def exists() -> bool:
+            try:
+                return bool(monitor.xinfo_groups(stream) is not None)
+            except redis.ResponseError as e:
+                assert "no such key" in str(e)
+                return False
+
+        while exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not exists(), "the tenant's emptied stream was not deleted"
+        assert thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(20)
+    assert not thread.is_alive()

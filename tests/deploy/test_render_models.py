@@ -50,10 +50,15 @@ def test_two_models_get_their_own_deployment_and_scaled_object_on_their_own_stre
         assert env.get("KVGATE_MODEL_ALIASES", "") == ",".join(aliases)
         assert "readinessProbe" in container and container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert so["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"] and so["spec"]["minReplicaCount"] == 0
-        streams = [t["metadata"]["stream"] for t in so["spec"]["triggers"]]
+        lags = [t for t in so["spec"]["triggers"] if t["type"] == "redis-streams"]
+        streams = [t["metadata"]["stream"] for t in lags]
         assert streams == [s for name in [model, *aliases] for s in keys.all_jobs(name)]
         assert all(t["metadata"]["consumerGroup"] == Keys.GROUP and t["metadata"]["activationLagCount"] == "0"
-                   for t in so["spec"]["triggers"])
+                   for t in lags)
+        # fair share's tenants' streams: seen through the exporter's lag, one prometheus trigger per name and priority
+        queries = [t["metadata"]["query"] for t in so["spec"]["triggers"] if t["type"] == "prometheus"]
+        assert queries == [f'sum(kvgate_queue_lag{{kvgate_namespace="prod",model="{name}",priority="{p}"}})'
+                           for name in [model, *aliases] for p in ("high", "normal", "low")]
         # what the Deployment sets is what the worker reads as settings
         settings = WorkerSettings(served_model_name=env["KVGATE_SERVED_MODEL_NAME"],
                                   model_aliases=env.get("KVGATE_MODEL_ALIASES", ""), serve_default=False)

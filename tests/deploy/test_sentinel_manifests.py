@@ -22,7 +22,11 @@ def test_keda_reads_the_lag_of_every_job_stream_from_the_primary_the_worker_url_
     auth, scaled = docs("keda-scaledobject.yaml")
     assert auth["kind"] == "TriggerAuthentication" and scaled["kind"] == "ScaledObject"
     streams = set()
-    for trigger in scaled["spec"]["triggers"]:
+    lags = {t["metadata"]["query"]: t["metadata"]["threshold"] for t in scaled["spec"]["triggers"]
+            if t["type"] == "prometheus"}  # lanes and tenants' streams (fair share), through the exporter
+    assert lags == {f'sum(kvgate_queue_lag{{kvgate_namespace="kvgate",model="default",priority="{p}"}})': n
+                    for p, n in (("high", "16"), ("normal", "32"), ("low", "64"))}
+    for trigger in [t for t in scaled["spec"]["triggers"] if t["type"] != "prometheus"]:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-sentinel-streams" and meta["consumerGroup"] == Keys.GROUP
         assert all(isinstance(v, str) for v in meta.values())  # KEDA metadata is a string map

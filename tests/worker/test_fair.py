@@ -23,12 +23,13 @@ def band(queue, priority: str = "normal") -> str:
 
 def enqueue(queue, tenant: str, n: int, priority: str = "normal", **sampling) -> list[str]:
     """Jobs as the SDK enqueues them with fair share on: the tenant's stream, and the tenant in the backlog."""
+    from kvgate.producer.submission import FAIR_ENQUEUE
+
+    script, b = queue.r.register_script(FAIR_ENQUEUE), band(queue, priority)
     ids, pipe = [], queue.r.pipeline(transaction=True)
     for _ in range(n):
         job = queue.job("same prompt", tenant=tenant, priority=priority, **sampling)
-        pipe.xadd(Keys.tenant_jobs(band(queue, priority), tenant), {FIELD: encode(job)})
-        pipe.zadd(Keys.fair_backlog(band(queue, priority)), {tenant: float("-inf")}, nx=True)
-        pipe.incr(Keys.fair_queued(band(queue, priority)))
+        script(keys=[Keys.tenant_jobs(b, tenant), *Keys.fair_keys(b)], args=[FIELD, encode(job), tenant], client=pipe)
         ids.append(job.job_id)
     pipe.execute()
     return ids
@@ -283,3 +284,161 @@ def test_a_job_beside_a_flood_that_fills_the_worker_starts_without_waiting_for_t
         assert flood_done == 0 and engine.stats.stepped_aside >= 1 and engine.stats.preemptions == 0
     else:
         assert flood_done >= 1 and engine.stats.stepped_aside == 0
+
+
+def test_the_status_of_a_bare_job_id_finds_it_running_in_its_tenants_stream(queue):
+    """Client.status(job_id) from a client that did not submit the job: under fair share the entry a worker holds
+    sits in a tenant's stream, found through the band's pending index (not a scan of every tenant)."""
+    queue.r.set(queue.keys.fair(), 1)
+    with Client(queue.server.url, queue.ns, tenant="acme") as producer:
+        handle = producer.submit("hi", max_tokens=4)
+    got = Reader(queue.r, "w1", ReadPlan([band(queue)], fair={band(queue)})).read(1)
+    assert [e.stream for e in got] == [Keys.tenant_jobs(band(queue), "acme")]
+    with Client(queue.server.url, queue.ns) as other:
+        status = other.status(handle.job_id)
+        assert (status.state, status.worker) == ("running", "w1"), status
+        assert other.status("no-such-job").state == "unknown"
+
+
+def test_a_tenants_stream_is_deleted_once_it_is_empty_and_its_tenant_is_not_backlogged(queue, thread_worker):
+    """One stream per tenant that ever had a job must not stay forever: the worker's pruning pass deletes it once
+    nothing waits in it and nothing is pending there; a later job of the tenant makes it again and is served."""
+    queue.r.set(queue.keys.fair(), 1)
+    stream = Keys.tenant_jobs(band(queue), "acme")
+    with Client(queue.server.url, queue.ns, tenant="acme") as client:
+        with thread_worker(reclaim_idle_ms=200, trim_interval_s=0.1):
+            assert client.submit("hi", max_tokens=4).result(timeout=30).status == "done"
+            wait_for(lambda: not queue.r.exists(stream), 10, "the empty tenant's stream deleted")
+            assert queue.r.zscore(Keys.fair_streams(band(queue)), "acme") is None
+            assert client.submit("again", max_tokens=4).result(timeout=30).status == "done"
+
+
+def test_the_sweep_keeps_a_stream_with_work_and_prunes_its_departed_consumers(queue):
+    """A tenant's stream with an entry pending, or one not yet read, or its tenant backlogged, stays; its departed
+    consumers (idle, nothing pending, no heartbeat) go; a live worker's consumer stays."""
+    from kvgate.worker.fair import Fair
+
+    r, b = queue.r, band(queue)
+    busy, fresh = Keys.tenant_jobs(b, "busy"), Keys.tenant_jobs(b, "fresh")
+    for stream in (busy, fresh):
+        r.xadd(stream, {FIELD: b"x"})
+        r.xgroup_create(stream, Keys.GROUP, id="0")
+    r.xreadgroup(Keys.GROUP, "holder", {busy: ">"}, count=1)  # pending to a consumer with no heartbeat: reclaim's
+    r.xgroup_createconsumer(busy, Keys.GROUP, "ghost")
+    r.xgroup_createconsumer(busy, Keys.GROUP, "alive")
+    r.hset(queue.keys.worker("alive"), "state", "serving")
+    r.zadd(Keys.fair_streams(b), {"busy": 0, "fresh": 0, "gone": 0})
+    time.sleep(0.15)
+    swept = Fair(r, queue.keys, "keep", {b}).sweep(100, "me")
+    assert r.exists(busy) and r.exists(fresh)
+    names = {c["name"] for c in r.xinfo_consumers(busy, Keys.GROUP)}
+    assert names == {b"holder", b"alive"}, names
+    assert swept.consumers == ["ghost"] and swept.deleted == 0
+    assert r.zscore(Keys.fair_streams(b), "gone") is None  # no stream: forgotten
+    assert r.zscore(Keys.fair_streams(b), "busy") > 0  # looked at: again after min idle
+
+
+def test_a_sweep_looks_at_a_bounded_slice_with_100000_tenants(queue):
+    from kvgate.worker.fair import SWEEP_TENANTS, Fair
+
+    r, b = queue.r, band(queue)
+    for start in range(0, 100_000, 20_000):
+        r.zadd(Keys.fair_streams(b), {f"t{i}": 0 for i in range(start, start + 20_000)})
+    r.zadd(Keys.fair_backlog(b), {f"t{i}": 0 for i in range(0, 100_000, 2)})
+    before = sum(v["calls"] for k, v in r.info("commandstats").items() if k != "cmdstat_info")
+    Fair(r, queue.keys, "keep", {b}).sweep(100, "me")
+    cost = sum(v["calls"] for k, v in r.info("commandstats").items() if k != "cmdstat_info") - before
+    assert cost <= SWEEP_TENANTS * 8, cost
+    assert r.zcard(Keys.fair_streams(b)) >= 100_000 - SWEEP_TENANTS
+
+
+def test_a_rewind_after_a_tenants_stream_was_deleted_reads_the_others(queue):
+    """A worker rewinds over the tenants' streams it read lately; one the pruning pass deleted since (no group now)
+    must not fail the read of the others."""
+    from tests.worker.conftest import ThreadWorker
+
+    queue.r.set(queue.keys.fair(), 1)
+    enqueue(queue, "a", 1, max_tokens=4)
+    enqueue(queue, "b", 1, max_tokens=4)
+    worker = ThreadWorker(queue, reclaim_idle_ms=60_000).worker  # not started: driven by hand
+    worker._ensure_groups()
+    got = worker.refill.read_idle(2)
+    assert {e.stream for e in got} == {Keys.tenant_jobs(band(queue), t) for t in "ab"}
+    queue.r.delete(Keys.tenant_jobs(band(queue), "a"))  # as the sweep does once a's stream is empty
+    worker.refill.rewind(worker.streams)
+    again = [e for batch in worker.refill.read_own_pending(10, lambda stream, entry: False) for e in batch]
+    assert [e.stream for e in again] == [Keys.tenant_jobs(band(queue), "b")]
+    assert worker.refill.read_own_pending(10, lambda stream, entry: True) == []  # past b's: nothing more
+    assert not worker.refill.own_pending
+
+
+def test_an_idle_fair_worker_blocks_until_a_tenant_rings_its_bands_bell(queue, thread_worker):
+    """An idle worker under fair share waits on a blocking read (the bands' bells with its shared streams) rather
+    than polling every 50 ms, and a job a tenant enqueues wakes it at once, not at the end of its wait."""
+    queue.r.set(queue.keys.fair(), 1)
+
+    def reads() -> int:
+        stats = queue.r.info("commandstats")
+        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("xread", "xreadgroup", "evalsha"))
+
+    with thread_worker(block_ms=3000, heartbeat_interval_s=10, trim_interval_s=10, reclaim_idle_ms=60_000):
+        warm = enqueue(queue, "acme", 1, max_tokens=2)
+        wait_for(lambda: done(queue, warm) == 1, 30, "the first job served")
+        time.sleep(0.3)
+        before = reads()
+        time.sleep(1.0)
+        idle_reads = reads() - before
+        waits = []
+        for tenant in ("acme", "acme", "other"):
+            started = time.monotonic()
+            ids = enqueue(queue, tenant, 1, max_tokens=2)
+            wait_for(lambda: done(queue, ids) == 1, 30, "the job served")
+            waits.append(time.monotonic() - started)
+            time.sleep(0.3)
+    assert idle_reads <= 6, f"an idle worker made {idle_reads} reads in 1 s"
+    assert max(waits) < 1.5, f"jobs waited {waits} s for an idle worker blocking 3 s"
+
+
+def test_tenant_weights_from_a_file_replace_the_namespaces_hash_at_start(queue, tmp_path):
+    """`kvgate worker --tenant-weights FILE`: the file's weights go to `{ns}:tenants` (replacing what was there), so
+    every worker, with the file or without, serves by the same weights."""
+    from tests.worker.conftest import ThreadWorker
+
+    path = tmp_path / "weights.toml"
+    path.write_text('[weights]\nteam-a = 2\n"batch.jobs" = 0.5\n')
+    queue.r.hset(queue.keys.tenants(), mapping={"stale": 3, "team-a": 5})
+    worker = ThreadWorker(queue, tenant_weights=str(path)).worker  # not started: its start writes them
+    assert queue.r.hgetall(queue.keys.tenants()) == {b"team-a": b"2.0", b"batch.jobs": b"0.5"}
+    worker.fair.sync()  # as its heartbeat does
+    assert worker.fair.weights == {"team-a": 2.0, "batch.jobs": 0.5}
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[weights]\nteam-a = 0\n", "team-a: weight 0 must be a number above 0 and below 1000000"),
+    ("[weights]\nteam-a = 'x'\n", "team-a: weight 'x' must be a number above 0 and below 1000000"),
+    ("[weights]\n'bad name!' = 2\n", "tenant 'bad name!' must be"),
+    ("[weigths]\nteam-a = 2\n", "unknown table [weigths]: the file has one table, [weights]"),
+    ("[weights\n", "not TOML"),
+])
+def test_a_bad_tenant_weights_file_stops_the_start_saying_what_is_wrong(tmp_path, text, says):
+    from pydantic import ValidationError
+
+    from kvgate.worker.settings import WorkerSettings
+
+    path = tmp_path / "weights.toml"
+    path.write_text(text)
+    with pytest.raises(ValidationError) as caught:
+        WorkerSettings(tenant_weights=str(path))
+    assert f"tenant weights file {path}" in str(caught.value) and says in str(caught.value), str(caught.value)
+
+
+def test_a_tenant_weights_file_over_the_weights_a_worker_reads_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from kvgate.worker.fair import MAX_WEIGHTS
+    from kvgate.worker.settings import WorkerSettings
+
+    path = tmp_path / "weights.toml"
+    path.write_text("[weights]\n" + "".join(f"t{i} = 2\n" for i in range(MAX_WEIGHTS + 1)))
+    with pytest.raises(ValidationError, match=f"{MAX_WEIGHTS + 1} tenants; workers read {MAX_WEIGHTS} at most"):
+        WorkerSettings(tenant_weights=str(path))
