@@ -1,9 +1,9 @@
 """Completions' echo (the prompt and its logprobs before the answer), max_tokens 0 with echo, best_of > n and chat's
 template arguments, through `kvgate serve` with the official openai client in front of a simulated worker (its tokens read ' t<id>'
 and are sure of themselves: logprob 0). The request lm-evaluation-harness's local-completions model sends for a
-loglikelihood task is built as its source builds it (lm_eval/models/openai_completions.py, 0.4.13): lm-eval itself is
-not a dev dependency, its install pulls 44 packages (datasets, pyarrow, pandas, scipy, scikit-learn, nltk, lxml...)
-for a check this request covers; BENCHMARKS.md records a real run of it against SmolLM2."""
+loglikelihood task is built as its source builds it (lm_eval/models/openai_completions.py, 0.4.13), here against the
+simulated worker and so in make test-pythons' torch-free environments too; test_lm_eval.py runs lm-eval itself (the
+evals extra) against SmolLM2."""
 from __future__ import annotations
 
 import openai
