@@ -18,7 +18,7 @@ import msgspec
 import redis
 
 from .lanes import parse_lanes
-from .protocol import FIELD, Keys, as_text
+from .protocol import FIELD, ID_AFTER_LUA, Keys, as_text
 from .queue_stats import known_models
 from .steps import Steps, call
 
@@ -29,13 +29,7 @@ State = Literal["queued", "running", "finished", "lost", "unknown"]
 # read result keys after these: an acknowledged job always has its result by then, unless it expired. XRANGE
 # tells whether an undelivered entry is still there; a least-privilege producer (deploy/redis/acl.conf) may not
 # read job payloads, so for it the group's lag (Redis 7) or the stream's length answers instead.
-ENTRY_STATE_LUA = """
-local function id_after(a, b)
-  local am, as = string.match(a, '^(%d+)-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
-  am, as, bm, bs = tonumber(am or 0), tonumber(as or 0), tonumber(bm or 0), tonumber(bs or 0)
-  return am > bm or (am == bm and as > bs)
-end
+ENTRY_STATE_LUA = ID_AFTER_LUA + """
 local function group_view(stream, group)
   local view = {length = redis.call('XLEN', stream)}
   local groups = redis.pcall('XINFO', 'GROUPS', stream)

@@ -72,6 +72,15 @@ MAX_MODEL_NAME_CHARS = 128
 # A tenant names who submitted a job (the gateway's API key maps to one): short, and safe as a metric label, a
 # Redis key part (no braces: Cluster hash tags) and a folder name.
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A Lua function the scripts that compare stream entry ids share: is id `a` after id `b`?
+ID_AFTER_LUA = """
+local function id_after(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am or 0), tonumber(as or 0), tonumber(bm or 0), tonumber(bs or 0)
+  return am > bm or (am == bm and as > bs)
+end
+"""
 DEFAULT_TENANT = "default"  # the tenant of a bare API key and of an open gateway's callers
 # The one cardinality rule of every per-tenant view (`kvgate stats`, `kvgate top`, the exporter, workers' heartbeats):
 # the TOP_TENANTS busiest by name, every other tenant summed as OTHER_TENANTS (no tenant name starts with '_').

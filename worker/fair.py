@@ -39,7 +39,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pypro
 import redis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import Keys, ProtocolError, as_text, check_tenant_name
+from kvgate.producer.protocol import ID_AFTER_LUA, Keys, ProtocolError, as_text, check_tenant_name
 
 log = logging.getLogger("kvgate.worker")
 MAX_WEIGHTS = 1000
@@ -58,17 +58,11 @@ SWEEP_TENANTS = 64  # tenants' streams one pruning pass looks at per band, the l
 # next job makes the stream again and joins the index anew, and a reader makes the group on NOGROUP); in any other
 # its departed consumers (idle, nothing pending, no heartbeat) are deleted, as consumers.py does for the shared
 # streams, and it is looked at again once min idle has passed. Returns {streams deleted, consumers deleted}.
-SWEEP_LUA = """
+SWEEP_LUA = ID_AFTER_LUA + """
 local group, min_idle, prefix, me = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local limit = tonumber(ARGV[5])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function after(a, b)
-  local am, as = string.match(a, '^(%d+)-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
-  am, as, bm, bs = tonumber(am or 0), tonumber(as or 0), tonumber(bm or 0), tonumber(bs or 0)
-  return am > bm or (am == bm and as > bs)
-end
 local deleted, gone = 0, {}
 for b = 1, #ARGV - 5 do
   local band, known, backlog, pending = ARGV[5 + b], KEYS[3 * b - 2], KEYS[3 * b - 1], KEYS[3 * b]
@@ -85,7 +79,7 @@ for b = 1, #ARGV - 5 do
         if f['name'] == group then g = f end
       end
       local top = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
-      local waiting = top ~= nil and (g == nil or after(top[1], g['last-delivered-id']))
+      local waiting = top ~= nil and (g == nil or id_after(top[1], g['last-delivered-id']))
       if not waiting and (g == nil or g['pending'] == 0) and not redis.call('ZSCORE', backlog, tenant) then
         redis.call('DEL', key)
         redis.call('ZREM', known, tenant)
