@@ -11,8 +11,8 @@ Strict priority between bands stays: a band is read only once the bands above it
 
 Latency beside a flood (`fair_preempt_ms`): the order alone gives a waiting tenant the next room anywhere in the
 fleet, but when one tenant's backlog has just filled every worker that room is seconds away. So a job of a tenant
-running fewer than its share of a full worker's jobs (`Occupancy`), once it has waited fair_preempt_ms, makes room
-for itself: the youngest jobs of the tenants over their share there step aside (preempted by recompute, they resume
+that had few jobs waiting (the read script marks it: Entry.may_preempt) and runs fewer than its share of a full
+worker's jobs (`Occupancy`), once it has waited fair_preempt_ms, makes room for itself: the youngest jobs of the tenants over their share there step aside (preempted by recompute, they resume
 first; Engine.make_room). A full worker looks for such a job (the read script's preempting look) at most every
 busy_poll_ms, one at a time. Between backlogged tenants of equal shares nothing moves: a share is crossed by more
 than one job each way before a job steps aside.

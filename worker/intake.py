@@ -123,7 +123,8 @@ class Intake:
         except ProtocolError as error:
             reason = str(error) if payload is not None else "entry has no payload (deleted or malformed stream fields)"
             return Rejection(e.stream, e.entry_id, "error", reason, payload=payload, dead_reason=reason)
-        ticket = Ticket(job, e.stream, e.entry_id, [], None, payload, attempt=max(1, e.deliveries))
+        ticket = Ticket(job, e.stream, e.entry_id, [], None, payload, attempt=max(1, e.deliveries),
+                        may_preempt=e.may_preempt)
         if e.deliveries > self.max_deliveries:
             reason = f"delivered {e.deliveries} times, over max_deliveries={self.max_deliveries}"
             return Rejection(e.stream, e.entry_id, "error", reason, ticket, dead_reason=reason)

@@ -29,8 +29,8 @@ from kvgate.worker.fair import Occupancy
 # With fair share, ARGV[11..]: how many bands are fair, the charge per job, the preempting look's wait in ms (0: a
 # plain read; else only that look, below), how many triples follow and the triples (a band's index in KEYS, a tenant,
 # the jobs the worker runs of it in that band; the tenant '' gives the band's cap), the bands' indexes in KEYS, then
-# tenant/weight pairs. Each stream's reply is {stream, new entries, taken-over
-# entries}.
+# tenant/weight pairs. Each stream's reply is {stream, new entries, taken-over entries}, and from a tenant's stream
+# a 1 or 0: whether its jobs may make room for themselves (below).
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 READ_LUA = """
@@ -129,13 +129,15 @@ end
 -- placed at the band's virtual time, the counter last served: no credit for the time it was idle. Taken from the
 -- lowest up to the point where it would pass the next one (QUANTUM jobs at least). Each turn takes a job or drops a
 -- tenant, at most 64 turns: a read costs the same with 3 tenants or 100,000.
--- A full worker's preempting look (preempt_ms > 0; worker/fair.py) reads at most one job, in the first band (by
--- priority) with backlogged tenants, and only if the worker gave that band a cap: of the PREEMPT_LOOK lowest counters,
--- the first tenant that runs fewer than the cap's jobs there and whose next job has waited preempt_ms. The worker
--- then makes room for it from the tenants over their share of that band's jobs.
+-- A job may make room for itself on a full worker (worker/fair.py) only when its tenant had at most PREEMPT_BACKLOG
+-- jobs waiting, all of them read (a long backlog's wait is its own doing, and backlogged tenants share by counters):
+-- such entries are marked. A full worker's preempting look (preempt_ms > 0) reads at most one job, in the first band
+-- (by priority) with backlogged tenants, and only if the worker gave that band a cap: of the PREEMPT_LOOK lowest
+-- counters, the first tenant that runs fewer than the cap's jobs there and has at most PREEMPT_BACKLOG jobs waiting,
+-- the next of which has waited preempt_ms.
 local QUANTUM = 4  -- jobs a turn may take past the next counter: fewer turns per job, shares off by 4 jobs at most
-local PREEMPT_LOOK = 4
-local function waited(key, cutoff)  -- is the next new entry of a tenant's stream at least as old as the cutoff?
+local PREEMPT_LOOK, PREEMPT_BACKLOG = 4, 32
+local function waited(key, cutoff)  -- a few new entries only, the next at least as old as the cutoff?
   local last = '0-0'
   local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', key)
   if not ok then return false end
@@ -146,8 +148,8 @@ local function waited(key, cutoff)  -- is the next new entry of a tenant's strea
       end
     end
   end
-  local e = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', 1)[1]
-  return e ~= nil and tonumber(string.match(e[1], '^(%d+)')) <= cutoff
+  local next = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', PREEMPT_BACKLOG + 1)
+  return #next > 0 and #next <= PREEMPT_BACKLOG and tonumber(string.match(next[1][1], '^(%d+)')) <= cutoff
 end
 local looked = false  -- a preempting look is over once a band with backlogged tenants was seen
 local function fair_take(index, band, backlog, pending)
@@ -158,7 +160,7 @@ local function fair_take(index, band, backlog, pending)
     if raw == '-inf' then return vt end
     return tonumber(raw)
   end
-  local function serve(tenant, score, n)  -- read up to n of its jobs, charge it, drop it once it has none
+  local function serve(tenant, score, n, few)  -- read up to n of its jobs, charge it, drop it once it has none
     local w = weights[tenant] or 1
     local key = band .. ':t:' .. tenant
     local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
@@ -170,7 +172,8 @@ local function fair_take(index, band, backlog, pending)
     if type(reply) == 'table' and not reply.err and reply[1] then entries = reply[1][2] end
     if #entries > 0 then
       want = want - #entries
-      table.insert(out, {key, entries, {}})
+      few = few or (#entries < n and #entries <= PREEMPT_BACKLOG)
+      table.insert(out, {key, entries, {}, few and 1 or 0})
       if redis.call('DECRBY', backlog .. ':queued', #entries) < 0 then redis.call('SET', backlog .. ':queued', 0) end
       redis.call('ZADD', pending, 'NX', now, tenant)
       if score ~= vt then vt, moved = score, true end  -- the lowest counter served: where newcomers start
@@ -188,7 +191,7 @@ local function fair_take(index, band, backlog, pending)
     for i = 1, #low, 2 do
       if not cap then break end
       if (mine[low[i]] or 0) < cap and waited(band .. ':t:' .. low[i], now - preempt_ms) then
-        serve(low[i], counter(low[i + 1]), 1)
+        serve(low[i], counter(low[i + 1]), 1, true)
         break
       end
     end
@@ -204,7 +207,7 @@ local function fair_take(index, band, backlog, pending)
         local gap = (counter(low[4]) - score) * (weights[tenant] or 1) / charge
         n = math.min(want, math.max(QUANTUM, math.floor(gap) + 1))
       end
-      serve(tenant, score, n)
+      serve(tenant, score, n, false)
     end
   end
   if moved then redis.call('SET', vt_key, tostring(vt)) end
@@ -243,6 +246,7 @@ class Entry(NamedTuple):
     entry_id: str
     fields: dict | None  # None: gone (deleted or trimmed while pending)
     deliveries: int
+    may_preempt: bool = False  # fair share: its tenant had few jobs waiting, so it may make room (worker/fair.py)
 
 
 @dataclass(slots=True)
@@ -373,10 +377,10 @@ class Reader:
     @staticmethod
     def parse(reply) -> list[Entry]:
         out: list[Entry] = []
-        for stream, entries, claimed in reply:
-            stream = as_text(stream)
+        for stream, entries, claimed, *few in reply:
+            stream, may_preempt = as_text(stream), few == [1]
             out += [Entry(stream, as_text(i), _pairs(f), n) for i, f, n in claimed]
-            out += [Entry(stream, as_text(i), _pairs(f), 1) for i, f in entries]
+            out += [Entry(stream, as_text(i), _pairs(f), 1, may_preempt) for i, f in entries]
         return out
 
 

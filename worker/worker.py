@@ -269,11 +269,12 @@ class Worker:
         return 0
 
     def _make_room(self, ticket: Ticket) -> bool:
-        """Fair share: a job that waited fair_preempt_ms (server clock) and whose tenant runs under its share of
-        our jobs starts now, the youngest jobs of the tenants over theirs stepping aside (preempted by recompute;
+        """Fair share: a job that waited fair_preempt_ms (server clock), of a tenant that had few jobs waiting
+        (Entry.may_preempt) and runs under its share of our jobs, starts now, the youngest jobs of the tenants over theirs stepping aside (preempted by recompute;
         they resume first), rather than waiting for room anywhere in the fleet (worker/fair.py)."""
         wait_ms = self.settings.fair_preempt_ms
-        if not (wait_ms and self.fair.active) or self.clock.now() * 1000 - entry_ms(ticket.entry_id) < wait_ms:
+        if not (wait_ms and self.fair.active and ticket.may_preempt) or \
+                self.clock.now() * 1000 - entry_ms(ticket.entry_id) < wait_ms:
             return False
         band, tenant = self.fair.band_of_job(ticket.stream), ticket.job.tenant or DEFAULT_TENANT
         here = Occupancy(self.flights.tenants(self.fair.band_of_job).get(band, {}))

@@ -253,6 +253,22 @@ def test_the_preempting_look_takes_a_waited_job_of_a_tenant_under_its_share_and_
     assert len(flood) == 3 and len(small) == 2
 
 
+
+def test_only_a_tenant_with_few_jobs_waiting_may_make_room(queue):
+    """A long backlog's wait is its own doing, and backlogged tenants share by their counters: only a tenant with at
+    most 32 jobs waiting, all read, gets jobs that may make room (Entry.may_preempt)."""
+    enqueue(queue, "big", 40)
+    enqueue(queue, "small", 2)
+    time.sleep(0.08)
+    got = preempt_look(queue, {"normal": {"x": 4}})
+    assert [(e.stream, e.may_preempt) for e in got] == [(Keys.tenant_jobs(band(queue), "small"), True)]  # not big
+    stream = band(queue)
+    queue.r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+    got = Reader(queue.r, "w2", ReadPlan([stream], fair={stream}, charge=16)).read(9)
+    marks = [(e.stream.rpartition(":t:")[2], e.may_preempt) for e in got]
+    assert [m for t, m in marks if t == "small"] == [True]  # its last job: it drained the stream
+    assert [m for t, m in marks if t == "big"] == [False] * 8, marks  # 40 waiting: not few
+
 def test_the_preempting_look_keeps_priorities_strict(queue):
     enqueue(queue, "small", 1)
     enqueue(queue, "other", 1, priority="high")  # a higher band has tenants waiting: nothing lower jumps them
