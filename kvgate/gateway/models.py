@@ -39,7 +39,7 @@ class LiveModel:
     id: str
     created: int  # the start of the oldest live worker serving it; 0 while none does
     workers: int
-    backlog: int = 0
+    backlog: int = 0  # jobs in its streams not yet answered: waiting for a worker or running
     canonical: set[str] = field(default_factory=set)  # the canonical names of the live workers serving it
     # the fill-in-the-middle families its live workers' heartbeats name ("": a model without FIM tokens; a worker
     # from before the field names none)
@@ -161,7 +161,6 @@ class LiveModels:
         raise ApiError(404, f"model {model!r} is not served by any live worker and not known to the fleet; served "
                             f"now: {served}; known, waiting for a worker: {startable} (GET /v1/models)",
                        param="model", code="model_not_found")
-
 
     async def check_fim(self, model: str) -> None:
         """Refuse `suffix` (fill-in-the-middle) before queueing when every live worker serving `model` says its model
