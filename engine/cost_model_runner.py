@@ -28,6 +28,9 @@ class SimulatedTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(f" t{i}" for i in ids)
 
+    def get_vocab(self) -> dict[str, int]:
+        return {}  # no named tokens: no fill-in-the-middle (engine/fim.py)
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             tokenize: bool = False, tools: list | None = None,
                             **template_kwargs) -> str:  # renders no tools

@@ -15,6 +15,7 @@ from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.constraints import GrammarError, Grammars, forced_tokens
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import find_stop, held_back, take_increment
+from kvgate.engine.fim import FimFormat, fim_format, known_formats
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
 from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class LLMEngine:
         self.runner = runner
         self.model_name: str = runner.model_name
         self.tokenizer = runner.tokenizer
+        self.fim: FimFormat | None = fim_format(self.tokenizer)  # found once: the tokenizer does not change
         self.vocab_size: int = runner.vocab_size
         self.max_model_len: int = runner.max_model_len
         self.eos_token_ids = runner.eos_token_ids
@@ -220,6 +222,16 @@ class LLMEngine:
         except Exception as e:  # template errors come in many types
             raise RequestRejected(f"chat messages do not fit the chat template: {e}") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_fim(self, prompt: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt: the text before the hole and after it, with the model's FIM tokens
+        (engine/fim.py), for the model to write the middle."""
+        if self.fim is None:
+            raise RequestRejected(f"suffix: model {self.model_name!r} has no fill-in-the-middle tokens in its "
+                                  f"tokenizer (recognised: {known_formats()}); send the prompt alone, or send "
+                                  "suffix to a model with FIM tokens")
+        return self.fim.render(list(self.tokenizer.encode(prompt, add_special_tokens=False)),
+                               list(self.tokenizer.encode(suffix, add_special_tokens=False)))
 
     def abort(self, request_id: str) -> StepOutput | None:
         seq = self.seqs.get(request_id)

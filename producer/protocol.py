@@ -34,6 +34,8 @@ from .urls import split_url
 # before; a worker from before them answers a tokenizer job with an error result naming the field.
 # Task `embed`, Job's `embedding` and Final's `embedding` came the same way: a worker from before them answers an
 # embedding job with an error result naming the task.
+# Job's `suffix` (fill-in-the-middle) came the same way: a worker from before it answers a job that carries one with an
+# error result naming the field.
 # Tool calling came the same way: Job's `tools`, Message's `tool_calls`, `tool_call_id` and `name`, Final's
 # `tool_calls` and `content`, Delta's `tool_parser`; a job without them encodes as before, and a worker from before
 # them answers one that carries them with an error result naming the field.
@@ -303,6 +305,9 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     add_generation_prompt: bool = True
     embedding: Embedding | None = None  # task embed: how to pool (None: the defaults); no other task takes it
     tools: Tools | None = None  # functions a chat job may call (messages only), rendered by the chat template
+    # fill-in-the-middle (a prompt job only): the text after the hole; the worker renders prompt and suffix with its
+    # model's FIM tokens (engine/fim.py), and answers a model without them with an error result
+    suffix: str | None = None
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -510,6 +515,12 @@ def validate_job(job: Job) -> None:
         if job.tools.choice != "auto" and job.sampling.structured is not None:
             raise ProtocolError(f"tool choice {job.tools.choice} constrains the answer to a call; give it or "
                                 "structured, not both")
+    if job.suffix is not None:
+        if job.prompt is None or job.task != "generate":
+            raise ProtocolError("suffix goes with a text prompt of a generation job (fill-in-the-middle), not messages "
+                                "or prompt_token_ids")
+        if len(job.prompt) + len(job.suffix) > MAX_PROMPT_CHARS:
+            raise ProtocolError(f"prompt and suffix hold more than {MAX_PROMPT_CHARS} characters together")
     if job.task == "tokenize" and job.prompt_token_ids is not None:
         raise ProtocolError("a tokenize job takes a prompt or messages, not prompt_token_ids")
     if job.task == "detokenize" and job.prompt_token_ids is None:
@@ -783,6 +794,7 @@ HEARTBEAT_FIELDS = (
     "running", "waiting", "max_num_seqs", "free_blocks", "total_blocks", "block_size",
     "admissible_tokens", "tokens_per_s", "jobs_done",
     "tenants",  # JSON {tenant: [running, tokens, wait counts...]}: worker/tenant_load.py, read by queue_stats
+    "fim",  # the model's fill-in-the-middle family (engine/fim.py), "" for none: the gateway refuses `suffix` early
 )
 
 

@@ -32,7 +32,7 @@ EMBEDDING_DEFAULTS = {spec.name: spec.default for spec in wire.EMBEDDING_FIELDS}
 # that uses none of them digests as it always did (a resubmission across an upgrade is no conflict)
 NEWER_THAN_DIGESTS = ("task", "add_special_tokens", "logit_bias", "min_p", "min_tokens", "prompt_logprobs",
                       "skip_special_tokens", "chat_template_kwargs", "add_generation_prompt", *EMBEDDING_DEFAULTS,
-                      "tools", "tool_choice", "parallel_tool_calls")
+                      "tools", "tool_choice", "parallel_tool_calls", "suffix")
 # what an embedding job refuses to be given other than at its default: every sampling field, and streaming
 GENERATION_FIELDS = (*(spec.name for spec in wire.SAMPLING_FIELDS), "stream")
 
@@ -313,6 +313,8 @@ class SubmitRequest(_PromptAndSampling):
     # assistant's turn header (False: the last message is continued as it is)
     chat_template_kwargs: Annotated[dict[str, wire.TemplateValue], AfterValidator(_template_kwargs)] | None = None
     add_generation_prompt: bool = True
+    # fill-in-the-middle (a text prompt only): the text after the hole, for a model with FIM tokens to write the middle
+    suffix: Annotated[Text, Field(max_length=wire.MAX_PROMPT_CHARS)] | None = None
     # the conveniences that make `structured` (structured_of); a pydantic model class also makes Result.parsed
     response_format: Annotated[Any, PlainSerializer(lambda v: v.model_json_schema() if _is_model_class(v) else v)] \
         = None
@@ -482,6 +484,10 @@ def _check_combination(req: SubmitRequest, where: str) -> None:
         name = "chat_template_kwargs" if req.chat_template_kwargs is not None else "add_generation_prompt"
         raise InvalidRequest([FieldError(f"{where}{name}", getattr(req, name), "applies to messages only (the chat "
                                          "template); leave it out with a prompt or prompt_token_ids")])
+    if req.suffix is not None and (req.prompt is None or req.task != "generate"):
+        raise InvalidRequest([FieldError(f"{where}suffix", req.suffix, "is for fill-in-the-middle of a text "
+                                         "prompt in a generation job; give it with prompt, not messages, "
+                                         "prompt_token_ids or another task")])
     if req.task in ("tokenize", "detokenize") and (req.task == "detokenize") != (req.prompt_token_ids is not None):
         raise InvalidRequest([FieldError(f"{where}task", req.task, "detokenize takes prompt_token_ids; tokenize "
                                          "takes a prompt or messages")])
@@ -520,7 +526,7 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
                    idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model,
                    tenant=req.tenant, task=req.task, add_special_tokens=req.add_special_tokens,
                    chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
-                   embedding=req.embedding(), tools=req.wire_tools())
+                   embedding=req.embedding(), tools=req.wire_tools(), suffix=req.suffix)
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from kvgate.engine.fim import FimFormat
 from kvgate.engine.outputs import Admission, EngineStats, StepOutput
 from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
@@ -16,6 +17,7 @@ class Engine(Protocol):
     max_model_len: int
     max_num_seqs: int
     embedding_size: int  # an embedding's length before `dimensions` cuts it
+    fim: FimFormat | None  # the model's fill-in-the-middle tokens (engine/fim.py); None: it has none
 
     @property
     def stats(self) -> EngineStats: ...
@@ -46,3 +48,5 @@ class Engine(Protocol):
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None
                     ) -> list[int]: ...
+
+    def encode_fim(self, prompt: str, suffix: str) -> list[int]: ...

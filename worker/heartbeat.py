@@ -54,6 +54,7 @@ class Heartbeat:
     models: str  # every name served, comma-separated
     max_num_seqs: int
     ttl_s: int
+    fim: str = ""  # the model's fill-in-the-middle family (engine/fim.py); "": it has none
     started_at: float = field(default_factory=time.time)
     _last_tokens: int = 0
     _last_time: float = field(default_factory=time.monotonic)
@@ -76,7 +77,7 @@ class Heartbeat:
                       max_num_seqs=self.max_num_seqs, free_blocks=stats.free_blocks, total_blocks=stats.total_blocks,
                       block_size=stats.block_size, admissible_tokens=admissible_tokens,
                       tokens_per_s=round(max(tokens_per_s, 0.0), 2), jobs_done=jobs_done,
-                      tenants=json.dumps(tenants or {}, separators=(",", ":")))
+                      tenants=json.dumps(tenants or {}, separators=(",", ":")), fim=self.fim)
         assert set(values) == set(HEARTBEAT_FIELDS)
         write_beat(self.client, self.keys, self.worker_id, values, self.ttl_s, self._beat)
 

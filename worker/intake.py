@@ -66,6 +66,8 @@ def prompt_ids(engine, job: Job) -> list[int]:
     if job.messages is not None:
         return list(engine.encode_chat([{"role": m.role, "content": m.content} for m in job.messages],
                                        job.add_generation_prompt, job.chat_template_kwargs))
+    if job.suffix is not None:
+        return list(engine.encode_fim(job.prompt, job.suffix))
     return list(engine.tokenizer.encode(job.prompt))
 
 

@@ -104,7 +104,7 @@ class Worker:
         self.tenant_load = TenantLoad()  # per tenant: running, tokens, queue wait, for the heartbeat
         self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model, self.fair, self.tenant_load)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
-                                   engine_capacity(engine), s.heartbeat_ttl_s)
+                                   engine_capacity(engine), s.heartbeat_ttl_s, engine.fim.family if engine.fim else "")
         self.due: dict[str, float] = {}
         self.offline_until = 0.0
         self.backoff_s = 0.05

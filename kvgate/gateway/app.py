@@ -105,6 +105,8 @@ class Gateway:
         caller = self.keys.caller(request)
         p = await sized(request, plan, kind, await _body(request), self.settings)  # a large body's checks: off the loop
         await self.models.check(p.model)
+        if p.fill_in_middle:
+            await self.models.check_fim(p.model)
         handles = await self.submit(p, caller)
         reply = Reply(p, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].job_id}",
                       served=await self.models.served_as(p.model))

@@ -12,6 +12,9 @@ A request's model is accepted when a live worker serves it, when it is known (`{
 operator allowed it (`--model`, for models whose autoscaler has never started a worker yet; the gateway adds them
 to `{ns}:models` when it starts); with an allow list, only allowed and live models are accepted. Anything else is OpenAI's 404 model_not_found, so a typo
 fails at once instead of waiting forever for a worker that will never come.
+
+Heartbeats also say which fill-in-the-middle format a worker's model has (`fim`, "" for none): a completion with
+`suffix` for a model whose live workers all have none is a 400 before anything is queued (check_fim).
 """
 from __future__ import annotations
 
@@ -36,8 +39,11 @@ class LiveModel:
     id: str
     created: int  # the start of the oldest live worker serving it; 0 while none does
     workers: int
-    backlog: int = 0
-    canonical: set[str] = field(default_factory=set)  # the canonical names of the live workers serving it  # jobs in its streams not yet answered: waiting for a worker or running
+    backlog: int = 0  # jobs in its streams not yet answered: waiting for a worker or running
+    canonical: set[str] = field(default_factory=set)  # the canonical names of the live workers serving it
+    # the fill-in-the-middle families its live workers' heartbeats name ("": a model without FIM tokens; a worker
+    # from before the field names none)
+    fim: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -106,11 +112,11 @@ class LiveModels:
         pipe.smembers(self.keys.models())
         pipe.get(self.keys.lanes())
         for worker_id in ids:
-            pipe.hmget(self.keys.worker(as_text(worker_id)), "model", "models", "started_at")
+            pipe.hmget(self.keys.worker(as_text(worker_id)), "model", "models", "started_at", "fim")
         known_names, lanes, *beats = await pipe.execute()
         lanes = parse_lanes(lanes)
         live: dict[str, LiveModel] = {}
-        for model, models, started in beats:
+        for model, models, started, fim in beats:
             if not model:
                 continue  # expired between SCAN and HMGET, or a heartbeat without a model
             created = int(float(started or 0))
@@ -119,6 +125,8 @@ class LiveModels:
                 seen.workers += 1
                 seen.created = min(seen.created, created)
                 seen.canonical.add(as_text(model))
+                if fim is not None:
+                    seen.fim.add(as_text(fim))
         known = sorted({as_text(n) for n in known_names} | set(live))
         pipe = self.r.pipeline(transaction=False)
         for name in known:
@@ -153,6 +161,22 @@ class LiveModels:
         raise ApiError(404, f"model {model!r} is not served by any live worker and not known to the fleet; served "
                             f"now: {served}; known, waiting for a worker: {startable} (GET /v1/models)",
                        param="model", code="model_not_found")
+
+    async def check_fim(self, model: str) -> None:
+        """Refuse `suffix` (fill-in-the-middle) before queueing when every live worker serving `model` says its model
+        has no FIM tokens; with none live, or one that may have them, the job goes on (a worker without them
+        answers it with an error the request gets as a 400)."""
+        fleet = await self.fleet()
+        if self._lacks_fim(fleet, model) and (not self._stale() or self._lacks_fim(await self.fleet(True), model)):
+            raise ApiError(400, f"suffix: model {model!r} has no fill-in-the-middle tokens in its tokenizer (its live "
+                                f"workers say so), so it cannot complete between a prompt and a suffix; send the "
+                                f"prompt alone, or suffix to a model with FIM tokens (README: completions knobs)",
+                           param="suffix", code="fill_in_the_middle_unsupported")
+
+    @staticmethod
+    def _lacks_fim(fleet: FleetModels, model: str) -> bool:
+        live = fleet.live.get(model)
+        return live is not None and live.fim == {""}
 
 
 def _report_failure(task: asyncio.Task) -> None:

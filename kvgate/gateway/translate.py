@@ -37,8 +37,6 @@ NO_OP: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (lambda v: v in (None, False), " (completions are not stored)"),
     "service_tier": (lambda v: v in (None, "auto", "default"), ""),
     "modalities": (lambda v: v in (None, ["text"]), " (text output only)"),
-    # fill-in-the-middle: no bundled model has FIM tokens, and a template guessed for an unknown one would be wrong
-    "suffix": (lambda v: v is None, " (no fill-in-the-middle model: send the prompt alone)"),
 }
 # chat only (vLLM's extra_body): how the worker renders the chat template, taken as given (the SDK bounds them)
 TEMPLATE = ("chat_template_kwargs", "add_generation_prompt")
@@ -48,11 +46,11 @@ COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "user", "metad
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 FIELDS: dict[Kind, set[str]] = {
     "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", *TEMPLATE, *TOOL_FIELDS} |
-            (NO_OP.keys() - {"suffix"}),
+            NO_OP.keys(),
     "completion": COMMON | {"prompt", "best_of"} | {"echo", "suffix"},
 }
 # SDK argument -> body field, to name the field a validation error is about
-NAMES = {v: k for k, v in DIRECT.items()} | {name: name for name in (*TEMPLATE, *TOOL_FIELDS)} | {
+NAMES = {v: k for k, v in DIRECT.items()} | {name: name for name in (*TEMPLATE, *TOOL_FIELDS, "suffix")} | {
     "messages": "messages", "prompt": "prompt", "prompt_token_ids": "prompt", "max_tokens": "max_tokens"}
 
 
@@ -72,6 +70,7 @@ class Plan:
     prompt_only: bool = False  # echo with max_tokens 0: one token is generated, and left out of the answer
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: every chunk has its choice's usage
     tools: Tools | None = None  # the functions a chat request may call and how: its answers are read for calls
+    fill_in_middle: bool = False  # completions with suffix: the model must have FIM tokens (LiveModels.check_fim)
 
     def picked(self, results: list) -> list[tuple[int, Any]]:
         """(submit index, result) of the choices to answer, in choice order: each prompt's n of its best_of with
@@ -98,6 +97,10 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
     _token_id_budget(prompts, best_of, settings.max_prompt_token_ids)
     stream, include_usage, continuous_usage = _streaming(body)
     echo = _flag(body, "echo")
+    suffix = _suffix(body)
+    if echo and suffix is not None:  # the prompt the model reads holds FIM tokens around both: no text to echo
+        raise invalid("echo", "echo=true with suffix: the model reads FIM tokens around prompt and suffix, so there "
+                              "is no one prompt to echo; send echo or suffix, not both")
     if stream and (echo or best_of > n):
         name = "echo" if echo else "best_of"
         raise unsupported(name, body[name], " with stream=true (whole answers only); send stream=false")
@@ -123,6 +126,8 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
     if echo and logprobs is not None:
         common["prompt_logprobs"] = logprobs
     common |= {name: body[name] for name in TOOL_FIELDS if body.get(name) not in (None, [])}  # tools=[]: none
+    if suffix is not None:  # the worker renders it with its model's FIM tokens, or answers that it has none
+        common["suffix"] = suffix
     names = names | {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                      "logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
     submits, prompt_of, tools = [], [], None
@@ -137,7 +142,7 @@ def plan(kind: Kind, body: Any, settings: GatewaySettings) -> Plan:
             submits.append(args)
             prompt_of.append(p)
     return Plan(kind, model, submits, prompt_of, stream, include_usage, names, n, best_of, logprobs is not None, echo,
-                prompt_only, continuous_usage, tools)
+                prompt_only, continuous_usage, tools, fill_in_middle=suffix is not None)
 
 
 def chat_prompts(body: dict) -> list[dict[str, Any]]:
@@ -151,6 +156,13 @@ def _refuse_unknown(kind: Kind, body: dict) -> None:
             raise unsupported(name, value, f" on {'/v1/chat/completions' if kind == 'chat' else '/v1/completions'}")
         if name in NO_OP and not NO_OP[name][0](value):
             raise unsupported(name, value, NO_OP[name][1])
+
+
+def _suffix(body: dict) -> str | None:
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise invalid("suffix", f"suffix={suffix!r} must be a string: the text after the completion")
+    return suffix
 
 
 def _choices(body: dict, max_n: int, prompts: int) -> tuple[int, int]:

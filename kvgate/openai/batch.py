@@ -39,6 +39,7 @@ SAMPLING_FIELDS = {s.name: s.name for s in wire.SAMPLING_FIELDS
 IGNORED_FIELDS = {"user", "stream", "n"}  # `model` routes the line to that model's streams
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat lines: taken as the SDK takes them
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")  # read by requested_logprobs, as the gateway reads them
+COMPLETION_FIELDS = ("suffix",)  # completions lines: fill-in-the-middle, rendered by a worker with FIM tokens
 
 
 class BadLine(ValueError):
@@ -107,7 +108,8 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
         raise BadLine("unsupported_parameter", "body.top_logprobs is a chat parameter; /v1/completions takes "
                       "logprobs: N")
     unknown = sorted(set(body) - set(SAMPLING_FIELDS) - IGNORED_FIELDS - set(LOGPROB_FIELDS)
-                     - {"messages", "prompt", "model", *STRUCTURED_BODY_FIELDS, *(TOOL_FIELDS if url == CHAT else ())})
+                     - {"messages", "prompt", "model", *STRUCTURED_BODY_FIELDS, *(TOOL_FIELDS if url == CHAT else ()),
+                        *(COMPLETION_FIELDS if url == COMPLETIONS else ())})
     if unknown:
         raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported")
     if body.get("n", 1) != 1:
@@ -129,6 +131,7 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
         except ValueError as e:
             raise BadLine("invalid_request", f"body.{e}") from None
     args |= {name: body[name] for name in TOOL_FIELDS if body.get(name) not in (None, [])}  # tools=[]: none
+    args |= {name: body[name] for name in COMPLETION_FIELDS if body.get(name) is not None}
     try:  # response_format, guided_*, structured_outputs: as the gateway reads them
         asked = structured_of_body(body)
     except BadStructured as e:

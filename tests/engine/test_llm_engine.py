@@ -26,6 +26,9 @@ class ByteTokenizer:
         raw = bytes({95: 0xC3, 96: 0xA9}.get(t, t + 32) for t in ids)
         return raw.decode("utf-8", errors="replace")
 
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(32 + t): t for t in range(95)}  # no fill-in-the-middle tokens
+
 
 @pytest.fixture(scope="module")
 def source():

@@ -23,7 +23,7 @@ def _error(r: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize("field, value", [
     ("functions", [{"name": "f", "parameters": {}}]),  # tools are honoured now; their deprecated spelling is not
     ("guided_decoding_backend", "xgrammar"),  # response_format and guided_* are honoured now (issue 25)
-    ("suffix", "the end"),  # logit_bias is honoured now (issue 29); no bundled model has fill-in-the-middle
+    ("suffix", "the end"),  # completions only (fill-in-the-middle of a prompt); chat has no prompt to fill
     ("no_such_parameter", 1),
 ])
 def test_an_unsupported_parameter_is_a_400_that_names_it(gateway, field, value):

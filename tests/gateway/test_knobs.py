@@ -77,7 +77,10 @@ def test_best_of_answers_the_n_choices_of_highest_cumulative_logprob_without_log
     ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
     ({"prompt": "x", "echo": True, "stream": True}, "echo"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),  # the simulated model has no fill-in-the-middle tokens
+    ({"prompt": "x", "suffix": 3}, "suffix"),
+    ({"prompt": [1, 2], "suffix": "y"}, "suffix"),  # token ids: no text to put the FIM tokens around
+    ({"prompt": "x", "suffix": "y", "echo": True}, "echo"),
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
@@ -92,6 +95,14 @@ def test_what_is_not_honoured_is_a_400_naming_the_field(gateway, body, param):
     path = "/chat/completions" if "messages" in body else "/completions"
     out = httpx.post(gateway.base_url + path, json={"model": "simulated", **body}, timeout=30)
     assert out.status_code == 400 and out.json()["error"]["param"].startswith(param), out.text
+
+
+def test_suffix_on_a_model_without_fim_tokens_is_refused_by_the_gateway_naming_the_model(gateway):
+    out = httpx.post(gateway.base_url + "/completions", json={"model": "simulated", "prompt": "x", "suffix": "y"},
+                     timeout=30)
+    error = out.json()["error"]
+    assert out.status_code == 400 and error["code"] == "fill_in_the_middle_unsupported", out.text
+    assert error["param"] == "suffix" and "model 'simulated' has no fill-in-the-middle tokens" in error["message"]
 
 
 def test_best_of_picks_each_prompts_n_results_of_highest_cumulative_logprob_in_order():

@@ -143,3 +143,16 @@ def test_a_typo_stays_a_404_after_an_sdk_submit_and_a_batch_line_name_it(two_mod
         answer = httpx.post(f"{gw.base_url}/chat/completions", json={"model": typo, **ASK}, timeout=30)
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found", (typo, answer.text)
     assert not {"alpah", "alhpa"} & {m.id for m in client.models.list().data}
+
+
+@pytest.mark.parametrize("families, refused", [
+    ({""}, True),  # every live worker says its model has no FIM tokens
+    ({"", "starcoder"}, False),  # a mixed fleet: a job may reach the one that has them; the others answer an error
+    (set(), False),  # workers from before heartbeats named it: the worker decides
+])
+def test_suffix_is_refused_before_queueing_only_when_every_live_worker_says_its_model_has_no_fim(families, refused):
+    from kvgate.gateway.models import FleetModels, LiveModel, LiveModels
+
+    live = {"m": LiveModel("m", 0, 2, fim=families)}
+    assert LiveModels._lacks_fim(FleetModels(live, live), "m") is refused
+    assert LiveModels._lacks_fim(FleetModels({}, live), "m") is False  # none live: queued for the autoscaler

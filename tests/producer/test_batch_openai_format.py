@@ -161,7 +161,7 @@ def test_every_body_field_batch_accepts_is_an_openai_parameter_or_a_named_extens
     from openai.types import completion_create_params as completions
     from openai.types.chat import completion_create_params as chat
 
-    from kvgate.openai.batch import IGNORED_FIELDS, LOGPROB_FIELDS, SAMPLING_FIELDS
+    from kvgate.openai.batch import COMPLETION_FIELDS, IGNORED_FIELDS, LOGPROB_FIELDS, SAMPLING_FIELDS
 
     from kvgate.openai.shapes import STRUCTURED_BODY_FIELDS
 
@@ -171,8 +171,8 @@ def test_every_body_field_batch_accepts_is_an_openai_parameter_or_a_named_extens
                                                                                  {"response_format"})
     openai_names = set(chat.CompletionCreateParamsBase.__annotations__) | set(
         completions.CompletionCreateParamsBase.__annotations__) | {"stream"}
-    assert (set(SAMPLING_FIELDS) | IGNORED_FIELDS | set(LOGPROB_FIELDS) | set(STRUCTURED_BODY_FIELDS)) - extensions \
-        <= openai_names
+    assert (set(SAMPLING_FIELDS) | IGNORED_FIELDS | set(LOGPROB_FIELDS) | set(STRUCTURED_BODY_FIELDS) |
+            set(COMPLETION_FIELDS)) - extensions <= openai_names
 
 
 def test_a_batch_lines_logit_bias_keys_become_token_ids_and_a_bad_key_is_named():
@@ -185,6 +185,17 @@ def test_a_batch_lines_logit_bias_keys_become_token_ids_and_a_bad_key_is_named()
         parse_line(1, line.replace('"42"', '"x4"'), "d")
     with pytest.raises(BadLine, match="prompt_logprobs"):  # an output line has no place for them
         parse_line(1, line.replace('"logit_bias": {"42": -100}', '"prompt_logprobs": 1'), "d")
+
+
+def test_a_completions_lines_suffix_goes_to_its_job_and_a_chat_lines_is_refused():
+    from kvgate.openai.batch import BadLine, parse_line
+
+    line = '{"custom_id": "a", "url": "/v1/completions", "body": {"model": "m", "prompt": "x", "suffix": "y"}}'
+    assert parse_line(1, line, "d").jobs[0]["suffix"] == "y"  # the worker renders it with its model's FIM tokens
+    chat = ('{"custom_id": "c", "url": "/v1/chat/completions", "body": {"model": "m", '
+            '"messages": [{"role": "user", "content": "x"}], "suffix": "y"}}')
+    with pytest.raises(BadLine, match="suffix"):
+        parse_line(1, chat, "d")
 
 
 def test_a_several_input_embeddings_line_owns_one_job_per_input_and_is_answered_once_all_are_final():
