@@ -36,7 +36,6 @@ def _every_phase_measured(r: dict) -> None:
             shares = c[label]["shares"]
             assert c[label]["windows"] == len(shares)
             assert all(set(s) == {"a", "b", "c"} and abs(sum(s.values()) - 1) < 1e-3 for s in shares)
-        assert c["weighted_2_1_1"]["windows"] >= 1  # A's doubled backlog outlasts B's and C's for a window at least
     for name, cost in r["cost"].items():
         assert cost["answered_once"] is True and cost["jobs"] == 1000 and cost["jobs_per_s"] > 0
         assert cost["redis_cpu_s"] > 0
@@ -54,8 +53,8 @@ def test_kvgate_bench_fair_answers_every_job_once_and_the_fair_reader_keeps_b_an
     for t in ("b", "c"):
         assert fair["flood_p99_wait_s"][t] < fifo["flood_p99_wait_s"][t], (fair["flood_p99_wait_s"],
                                                                            fifo["flood_p99_wait_s"])
-    # FIFO never sees all three tenants backlogged in a window of the equal phase: it served A's backlog whole
-    assert fair["equal"]["windows"] >= 1
+    # the fair reader serves all three tenants side by side while they are backlogged: windows to measure
+    assert fair["equal"]["windows"] >= 1 and fair["weighted_2_1_1"]["windows"] >= 1
 
 
 @pytest.mark.slow
@@ -68,6 +67,7 @@ def test_kvgate_bench_fair_on_a_three_primary_cluster_with_affinity_lanes_answer
     _every_phase_measured(r)
     for c in r["runs"].values():
         assert c["shards"] == 6 and c["lanes"] == 8  # two shards a primary; the workers set the namespace's lanes
+    assert r["runs"]["fair"]["equal"]["windows"] >= 1 and r["runs"]["fair"]["weighted_2_1_1"]["windows"] >= 1
 
 
 def test_fair_share_jobs_go_to_their_tenants_stream_in_their_own_shards_band_on_a_cluster(tmp_path):
