@@ -11,17 +11,26 @@ reader (`{ns}:fair` set: each tenant's stream, weighted virtual token counters; 
   all three are backlogged, at equal weights (target: each within +-15% of their mean) and at 2:1:1 (A's share
   within +-15% of half).
 Every job must get exactly one final event, or the run fails. `--scale` shrinks every job count for a quick run.
+
+Variants, one a command: `--cluster-primaries N` runs everything on a Redis Cluster of N primaries (the namespace in
+two shards a primary, as kvgate splits it) instead of one Redis; `--affinity on` starts every worker with prefix-affinity
+lanes (W-PREFIX's setting). With fair share on, producers send jobs to tenants' streams, never into lanes, so the fair
+contestant's workers read lanes that stay empty beside the tenants' streams; FIFO's producers route into the lanes.
+The results' `variant` says which ran.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
-
-import redis
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, Keys
 
@@ -40,11 +49,62 @@ def jobs_of(tenant: str, phase: str, n: int, seed: int) -> list:
     return jobs
 
 
-def finals_of(client: redis.Redis, keys: Keys, jobs: list) -> dict[str, list]:
+@dataclass(slots=True)
+class Target:
+    """Where a run's contestants live: one Redis, or a Redis Cluster of `primaries` primaries (`url` names it to
+    every client and worker); `cpu_seconds()` is the Redis CPU used so far, summed over the primaries."""
+
+    url: str
+    primaries: int  # 0: one Redis
+    cpu_seconds: Callable[[], float]
+    version: str
+
+
+@contextlib.contextmanager
+def redis_target(primaries: int):
+    """One throwaway Redis without persistence, or a cluster of `primaries` primaries run the same way."""
+    from kvgate.bench.fleet_sim import RedisProcess
+    from kvgate.bench.queue import server_version
+
+    if not primaries:
+        with RedisProcess() as server:
+            yield Target(server.url, 0, server.cpu_seconds, server_version(server.url))
+        return
+    from kvgate.bench.fleet_cluster import NO_PERSISTENCE, cluster_unavailable, cpu_seconds
+    from kvgate.redis_cluster import ClusterGroup
+
+    if why := cluster_unavailable():
+        raise SystemExit(f"--cluster-primaries {primaries}: {why}; run with --cluster-primaries 0 for one Redis")
+    with tempfile.TemporaryDirectory(prefix="kvgate-wfair-cluster-") as tmp:
+        group = ClusterGroup(Path(tmp), primaries=primaries, replicas=0, extra_args=NO_PERSISTENCE).start()
+        try:
+            nodes = group.primary_nodes()
+            yield Target(group.url, primaries, lambda: sum(cpu_seconds(n) for n in nodes), nodes[0].version())
+        finally:
+            group.stop()
+
+
+def namespace(url: str, name: str):
+    """A client for `url` and a fresh namespace's keys on it (on a cluster, split into its shards)."""
+    from kvgate.producer.redis_url import connect, keys_for
+
+    client = connect(url)
+    return client, keys_for(url, client, f"{name}-{time.time_ns()}")
+
+
+def worker_settings(args, contestant: str) -> dict:
+    """Further WorkerSettings of every worker of the variant (affinity lanes on, as W-PREFIX's lanes contestant) and
+    of the contestant (fair-wait: no room made for a job that waited)."""
+    settings = {"affinity": "on", "affinity_lanes": args.lanes} if args.affinity == "on" else {}
+    return settings | ({"fair_preempt_ms": 0} if contestant == "fair-wait" else {})
+
+
+def finals_of(client, keys: Keys, jobs: list) -> dict[str, list]:
+    """Every final event of `jobs`, from their clients' reply streams in every shard."""
     from kvgate.producer.protocol import decode_event
 
     finals: dict[str, list] = {}
-    for reply in sorted({keys.reply(job.client_id) for job in jobs}):
+    for reply in sorted({r for job in jobs for r in keys.replies(job.client_id)}):
         for _, fields in client.xrange(reply):
             event = decode_event(fields[FIELD.encode()])
             finals.setdefault(event.job_id, []).append(event)
@@ -97,26 +157,34 @@ def run_contestant(url: str, name: str, args) -> dict:
     waited: fair_preempt_ms 0)."""
     from kvgate.bench import fleet_sim
     from kvgate.bench.fleet import fleet_capacity
+    from kvgate.bench.prefix import wait_for_ring
+    from kvgate.producer.redis_url import connect
 
     fair = name != "fifo"
-    keys, client = Keys(f"wfair-{name}-{time.time_ns()}"), redis.Redis.from_url(url)
+    client, keys = namespace(url, f"wfair-{name}")
     if fair:
         client.set(keys.fair(), 1)
     specs, mix = fleet_sim.mixed_fleet(args.workers), fleet_sim.JobMix()
     capacity = fleet_capacity(specs, mix, args.step_ms / 1000, args.per_token_ms / 1000)
     fleet = fleet_sim.start_fleet(url, keys.ns, specs, "capacity", step_overhead_s=args.step_ms / 1000,
                                   per_token_s=args.per_token_ms / 1000, seed=args.seed,
-                                  **({"fair_preempt_ms": 0} if name == "fair-wait" else {}))
+                                  **worker_settings(args, name))
     n_a, n_bc = max(50, int(args.a_jobs * args.scale)), max(50, int(args.bc_jobs * args.scale))
     n_share = max(100, int(args.share_jobs * args.scale))
     rate = 0.2 * capacity
     every: list = []
     out: dict = {"contestant": name, "capacity_jobs_per_s": round(capacity, 1), "bc_rate_jobs_per_s": round(rate, 1)}
     try:
+        # lanes on: every worker in the ring before the first job; FIFO's producers route into the lanes, the fair
+        # contestant's send to tenants' streams whatever the lanes (the SDK's rule)
+        lanes = wait_for_ring(client, keys, len(specs)) if args.affinity == "on" else 0
+        out["lanes"], out["shards"] = lanes, len(keys.parts)
+        route = dict(fair=fair, lanes=0 if fair else lanes)
+
         def open_loop(phase: str) -> tuple[list, list]:
             b, c = jobs_of("b", phase, n_bc, args.seed + 1), jobs_of("c", phase, n_bc, args.seed + 2)
-            threads = [threading.Thread(target=fleet_sim.enqueue, args=(redis.Redis.from_url(url), keys, js),
-                                        kwargs=dict(rate=rate, batch=1, fair=fair)) for js in (b, c)]
+            threads = [threading.Thread(target=fleet_sim.enqueue, args=(connect(url), keys, js),
+                                        kwargs=dict(rate=rate, batch=1, **route)) for js in (b, c)]
             for th in threads:
                 th.start()
             for th in threads:
@@ -124,7 +192,7 @@ def run_contestant(url: str, name: str, args) -> dict:
             return b, c
 
         a = jobs_of("a", "solo", n_a, args.seed + 3)
-        fleet_sim.enqueue(client, keys, a, rate=None, batch=500, fair=fair)
+        fleet_sim.enqueue(client, keys, a, rate=None, batch=500, **route)
         wait_answered(client, keys, a, 900)
         finals = finals_of(client, keys, a)
         firsts = [finals[j.job_id][0] for j in a]
@@ -141,7 +209,7 @@ def run_contestant(url: str, name: str, args) -> dict:
         every += [b, c]
 
         a = jobs_of("a", "flood", n_a, args.seed)
-        fleet_sim.enqueue(client, keys, a, rate=None, batch=500, fair=fair)
+        fleet_sim.enqueue(client, keys, a, rate=None, batch=500, **route)
         b, c = open_loop("flood")
         wait_answered(client, keys, b + c, 600)
         finals = finals_of(client, keys, b + c)
@@ -158,7 +226,7 @@ def run_contestant(url: str, name: str, args) -> dict:
             by = {t: jobs_of(t, label, n_share * (2 if t == "a" and weights else 1), args.seed + 4 + i)
                   for i, t in enumerate("abc")}
             for t in "abc":  # one tenant after another, as three producers' bulk submits land
-                fleet_sim.enqueue(client, keys, by[t], rate=None, batch=500, fair=fair)
+                fleet_sim.enqueue(client, keys, by[t], rate=None, batch=500, **route)
             all_jobs = [j for js in by.values() for j in js]
             wait_answered(client, keys, all_jobs, 900)
             shares = window_shares(finals_of(client, keys, all_jobs), by, args.window_s)
@@ -180,35 +248,42 @@ def run_contestant(url: str, name: str, args) -> dict:
     return out
 
 
-def _drain_child(url: str, namespace: str, first: int, ready, stop) -> None:
+def _drain_child(url: str, namespace: str, first: int, settings: dict, ready, stop) -> None:
     from kvgate.bench import fleet_sim
 
     specs = [fleet_sim.WorkerSpec(f"tp-{first + i}", 8192, 256) for i in range(4)]
-    fleet = fleet_sim.start_fleet(url, namespace, specs, "capacity", step_overhead_s=0.0005, per_token_s=0.0)
+    fleet = fleet_sim.start_fleet(url, namespace, specs, "capacity", step_overhead_s=0.0005, per_token_s=0.0,
+                                  **settings)
     ready.set()
     stop.wait()
     fleet.stop()
 
 
-def run_cost(server, fair: bool, args) -> dict:
+def run_cost(target: Target, fair: bool, args) -> dict:
     """A backlog of one-token jobs of `--cost-tenants` tenants drained by `--procs` processes of 4 workers: jobs/s
-    and Redis CPU per job (enqueue, reads, results, acks), the queue path's cost with and without fair share."""
+    and Redis CPU per job (enqueue, reads, results, acks; on a cluster, of every primary), the queue path's cost with
+    and without fair share. Lanes on: the drain waits for the ring first, and FIFO's jobs go into the lanes."""
     from kvgate.bench import fleet_sim
     from kvgate.bench.fleet import backlog, drain_in_processes
+    from kvgate.producer.submission import stream_for
 
-    keys, client = Keys(f"wfair-cost-{'fair' if fair else 'fifo'}-{time.time_ns()}"), redis.Redis.from_url(server.url)
+    client, keys = namespace(target.url, f"wfair-cost-{'fair' if fair else 'fifo'}")
     if fair:
         client.set(keys.fair(), 1)
     jobs, clients = backlog(max(1000, int(args.cost_jobs * args.scale)), args.seed)
     for i, job in enumerate(jobs):
         job.tenant = f"t{i % args.cost_tenants}"
-    cpu0 = server.cpu_seconds()
-    fleet_sim.enqueue(client, keys, jobs, rate=None, batch=1000, fair=fair)
-    band = keys.jobs(DEFAULT_MODEL, "normal")
-    streams = sorted({Keys.tenant_jobs(band, j.tenant) for j in jobs}) if fair else [band]
-    drain_in_processes(client, streams, args.procs, _drain_child, lambda p: (server.url, keys.ns, p * 4), 600,
-                       lambda: f"{len(jobs)} jobs not drained within 600 s")
-    redis_cpu = server.cpu_seconds() - cpu0
+    settings = worker_settings(args, "fair" if fair else "fifo")
+    if settings:  # the namespace's lane count, set as its first worker with affinity on would (SET NX)
+        client.set(keys.lanes(), args.lanes, nx=True)
+    lanes = int(client.get(keys.lanes())) if settings and not fair else 0
+    cpu0 = target.cpu_seconds()
+    fleet_sim.enqueue(client, keys, jobs, rate=None, batch=1000, fair=fair, lanes=lanes)
+    streams = sorted({Keys.tenant_jobs(fleet_sim.fair_band(keys, j), j.tenant) if fair
+                      else stream_for(j, DEFAULT_MODEL, keys, lanes) for j in jobs})
+    drain_in_processes(client, streams, args.procs, _drain_child, lambda p: (target.url, keys.ns, p * 4, settings),
+                       600, lambda: f"{len(jobs)} jobs not drained within 600 s")
+    redis_cpu = target.cpu_seconds() - cpu0
     finals = fleet_sim.collect_finals(client, keys, clients)
     firsts = [f[0] for f in finals.values()]
     span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
@@ -242,19 +317,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contestants", default="fifo,fair",
                         help="comma-separated: fifo, fair, fair-wait (the fair reader that never makes room for a "
                              "job that waited: fair_preempt_ms 0) (default fifo,fair)")
+    parser.add_argument("--cluster-primaries", type=int, default=0,
+                        help="run on a Redis Cluster of this many primaries, two shards each (default 0: one Redis)")
+    parser.add_argument("--affinity", choices=("on", "off"), default="off",
+                        help="workers with prefix-affinity lanes (default off); FIFO's jobs go into the lanes, "
+                             "fair share's into tenants' streams")
+    parser.add_argument("--lanes", type=int, default=32, help="lanes with --affinity on (default 32, as W-PREFIX)")
     parser.add_argument("--seed", type=int, default=0)
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvgate.bench.fleet_sim import RedisProcess
-    from kvgate.bench.queue import server_version
+def variant_of(args) -> dict:
+    """Which W-FAIR ran: one Redis or a cluster (and of how many primaries), affinity lanes on or off."""
+    return {"redis": f"cluster of {args.cluster_primaries} primaries" if args.cluster_primaries else "one Redis",
+            "cluster_primaries": args.cluster_primaries, "affinity": args.affinity,
+            "lanes": args.lanes if args.affinity == "on" else 0}
 
-    with RedisProcess() as server:
+
+def run(args: argparse.Namespace) -> int:
+    if args.cluster_primaries < 0:
+        raise SystemExit(f"--cluster-primaries {args.cluster_primaries}: give 0 (one Redis) or the primaries, e.g. 3")
+    with redis_target(args.cluster_primaries) as target:
         names = [name for name in args.contestants.split(",") if name.strip()]
-        cost = {name: run_cost(server, name != "fifo", args) for name in names if name != "fair-wait"} \
+        cost = {name: run_cost(target, name != "fifo", args) for name in names if name != "fair-wait"} \
             if args.cost_jobs else {}
-        runs = {name: run_contestant(server.url, name, args) for name in names}
-        redis_version = server_version(server.url)
+        runs = {name: run_contestant(target.url, name, args) for name in names}
+        redis_version = target.version
     fair, fifo = runs.get("fair"), runs.get("fifo")
     headline = {}
     if fair:
@@ -266,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         if len(cost) == 2:
             headline["redis_cpu_per_job_ratio_to_fifo"] = round(
                 cost["fifo"]["jobs_per_redis_cpu_s"] / cost["fair"]["jobs_per_redis_cpu_s"], 3)
-    result = {"workload": "W-FAIR", **headline, "answered_once": all(r["answered_once"] for r in
+    result = {"workload": "W-FAIR", "variant": variant_of(args), **headline, "answered_once": all(r["answered_once"] for r in
                                                                         [*runs.values(), *cost.values()]),
               "cost": cost, "runs": runs, "config": {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)},
               "redis_version": redis_version, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],

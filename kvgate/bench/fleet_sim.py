@@ -135,9 +135,10 @@ def make_jobs(n: int, mix: JobMix, *, seed: int, clients: int) -> list[Job]:
 
 def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | None, batch: int = 200,
             lanes: int = 0, fair: bool = False) -> float:
-    """XADD jobs in pipelined batches, each where the SDK would put it (with `lanes`, its affinity lane; with `fair`,
-    its tenant's stream through the SDK's own enqueue script, which adds the tenant to the band's backlog and rings
-    its bell, one MULTI per batch); with `rate` (jobs/s) paced as an open-loop arrival stream. Returns the time the last batch went in."""
+    """XADD jobs in pipelined batches, each where the SDK would put it, in its shard (with `lanes`, its affinity lane;
+    with `fair`, its tenant's stream in its band through the SDK's own enqueue script, which adds the tenant to the
+    band's backlog and rings its bell; one MULTI per batch and shard: a MULTI touches one slot); with `rate` (jobs/s)
+    paced as an open-loop arrival stream. Returns the time the last batch went in."""
     from kvgate.producer.submission import FAIR_ENQUEUE, stream_for
 
     fair_enqueue = client.register_script(FAIR_ENQUEUE) if fair else None
@@ -145,18 +146,28 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
     for lo in range(0, len(jobs), batch):
         if rate:
             time.sleep(max(0.0, started + lo / rate - time.time()))
-        pipe = client.pipeline(transaction=fair)
         now = time.time()
         for job in jobs[lo:lo + batch]:
             job.enqueued_at = now
-            if fair:
-                band = keys.jobs(job.model or DEFAULT_MODEL, job.priority)
+        if not fair:
+            pipe = client.pipeline(transaction=False)
+            for job in jobs[lo:lo + batch]:
+                pipe.xadd(stream_for(job, job.model or DEFAULT_MODEL, keys, lanes), {FIELD: encode(job)})
+            pipe.execute()
+            continue
+        for group in keys.by_shard(jobs[lo:lo + batch], lambda job: fair_band(keys, job)):
+            pipe = client.pipeline(transaction=True)
+            for job in group:
+                band = fair_band(keys, job)
                 fair_enqueue(keys=[Keys.tenant_jobs(band, job.tenant), *Keys.fair_keys(band)],
                              args=[FIELD, encode(job), job.tenant], client=pipe)
-            else:
-                pipe.xadd(stream_for(job, job.model or DEFAULT_MODEL, keys, lanes), {FIELD: encode(job)})
-        pipe.execute()
+            pipe.execute()
     return time.time()
+
+
+def fair_band(keys: Keys, job: Job) -> str:
+    """The band a fair-share job's tenant stream belongs to: its model's shared stream of its priority in its shard."""
+    return keys.jobs(job.model or DEFAULT_MODEL, job.priority, shard=keys.shard_of(job.job_id))
 
 
 def collect_finals(client, keys: Keys, clients: int) -> dict[str, list]:

@@ -128,7 +128,7 @@ def _steals(fleet) -> int:
     return int(total)
 
 
-def _wait_for_ring(client: redis.Redis, keys: Keys, members: int, timeout: float = 15.0) -> int:
+def wait_for_ring(client: redis.Redis, keys: Keys, members: int, timeout: float = 15.0) -> int:
     """Lanes on: wait until the namespace has its count and every worker is in the ring, so ownership is settled
     before the first job (as in a fleet that has been up a while)."""
     deadline = time.monotonic() + timeout
@@ -154,7 +154,7 @@ def run_contestant(url: str, name: str, phase: str, jobs: list[Job], rate: float
                                   per_token_s=args.per_token_ms / 1000 / args.speed, seed=args.seed, **settings)
     sampler = None
     try:
-        lanes = _wait_for_ring(client, keys, len(specs)) if name == "lanes" else 0
+        lanes = wait_for_ring(client, keys, len(specs)) if name == "lanes" else 0
         if phase == "saturation":
             sampler = Concurrency(fleet, len(jobs))
             sampling = threading.Thread(target=sampler.run, daemon=True)

@@ -1,0 +1,104 @@
+"""W-FAIR (`kvgate bench fair`) at a tiny scale: both contestants, every phase measured, every job answered once, the
+fair reader keeping B's and C's wait beside A's flood below FIFO's; on a 3-primary cluster with affinity lanes on too;
+and fair-share jobs enqueued in their own shard's band, as the SDK puts them."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvgate.bench import fleet_sim
+from kvgate.bench.fair import add_arguments, run
+from kvgate.bench.fleet_cluster import cluster_unavailable
+from kvgate.producer.protocol import FIELD, Keys, decode_job
+
+# 4 workers, 5 ms steps: A's backlog 200 jobs, B and C 50 each, share backlogs 100 a tenant, 1 s windows (~70 s here)
+TINY = ["--scale", "0.01", "--workers", "4", "--cost-jobs", "1000", "--window-s", "1", "--step-ms", "5"]
+
+
+def _bench(tmp_path, *flags: str) -> dict:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "wfair.json"
+    assert run(parser.parse_args([*TINY, *flags, "--json", str(out)])) == 0
+    return json.loads(out.read_text())
+
+
+def _every_phase_measured(r: dict) -> None:
+    assert set(r["runs"]) == {"fifo", "fair"} and set(r["cost"]) == {"fifo", "fair"}
+    for name, c in r["runs"].items():
+        assert c["contestant"] == name and c["answered_once"] is True
+        assert c["a_alone_jobs_per_s"] > 0 and c["bc_rate_jobs_per_s"] > 0
+        for phase in ("alone_p99_wait_s", "flood_p99_wait_s", "flood_wait_ratio"):
+            assert set(c[phase]) == {"b", "c"} and all(v > 0 for v in c[phase].values()), (name, phase, c[phase])
+        for label in ("equal", "weighted_2_1_1"):
+            shares = c[label]["shares"]
+            assert c[label]["windows"] == len(shares)
+            assert all(set(s) == {"a", "b", "c"} and abs(sum(s.values()) - 1) < 1e-3 for s in shares)
+    for name, cost in r["cost"].items():
+        assert cost["answered_once"] is True and cost["jobs"] == 1000 and cost["jobs_per_s"] > 0
+        assert cost["redis_cpu_s"] > 0
+    assert r["a_alone_ratio_to_fifo"] > 0 and r["redis_cpu_per_job_ratio_to_fifo"] > 0
+
+
+def test_kvgate_bench_fair_answers_every_job_once_and_the_fair_reader_keeps_b_and_c_ahead_of_the_flood(tmp_path):
+    r = _bench(tmp_path)
+    assert r["workload"] == "W-FAIR" and r["answered_once"] is True
+    assert r["variant"] == {"redis": "one Redis", "cluster_primaries": 0, "affinity": "off", "lanes": 0}
+    _every_phase_measured(r)
+    fifo, fair = r["runs"]["fifo"], r["runs"]["fair"]
+    assert fifo["shards"] == fair["shards"] == 1 and fifo["lanes"] == fair["lanes"] == 0
+    # FIFO serves A's whole backlog first; the fair reader gives B and C the next free slot
+    for t in ("b", "c"):
+        assert fair["flood_p99_wait_s"][t] < fifo["flood_p99_wait_s"][t], (fair["flood_p99_wait_s"],
+                                                                           fifo["flood_p99_wait_s"])
+    # the fair reader serves all three tenants side by side while they are backlogged: windows to measure
+    assert fair["equal"]["windows"] >= 1 and fair["weighted_2_1_1"]["windows"] >= 1
+
+
+@pytest.mark.slow
+def test_kvgate_bench_fair_on_a_three_primary_cluster_with_affinity_lanes_answers_every_job_once(tmp_path):
+    if why := cluster_unavailable():
+        pytest.skip(why)
+    r = _bench(tmp_path, "--cluster-primaries", "3", "--affinity", "on", "--lanes", "8")
+    assert r["answered_once"] is True
+    assert r["variant"] == {"redis": "cluster of 3 primaries", "cluster_primaries": 3, "affinity": "on", "lanes": 8}
+    _every_phase_measured(r)
+    for c in r["runs"].values():
+        assert c["shards"] == 6 and c["lanes"] == 8  # two shards a primary; the workers set the namespace's lanes
+    assert r["runs"]["fair"]["equal"]["windows"] >= 1 and r["runs"]["fair"]["weighted_2_1_1"]["windows"] >= 1
+
+
+def test_fair_share_jobs_go_to_their_tenants_stream_in_their_own_shards_band_on_a_cluster(tmp_path):
+    if why := cluster_unavailable():
+        pytest.skip(why)
+    from kvgate.producer.redis_url import connect, keys_for
+    from kvgate.redis_cluster import ClusterGroup
+
+    group = ClusterGroup(tmp_path, primaries=3, replicas=0, extra_args=("--appendonly", "no")).start()
+    try:
+        client = connect(group.url)
+        keys = keys_for(group.url, client, "fairplace")
+        jobs = fleet_sim.make_jobs(60, fleet_sim.JobMix(max_tokens=(2, 2)), seed=0, clients=1)
+        for i, job in enumerate(jobs):
+            job.job_id, job.tenant = f"place-{i}", "ab"[i % 2]
+        fleet_sim.enqueue(client, keys, jobs, rate=None, batch=25, fair=True)
+        bands = {keys.jobs(None, "normal", shard=k) for k in range(len(keys.parts))}
+        placed = {}
+        for band in bands:
+            for tenant in "ab":
+                for _, fields in client.xrange(Keys.tenant_jobs(band, tenant)):
+                    placed[decode_job(fields[FIELD.encode()]).job_id] = (band, tenant)
+        assert len(keys.parts) == 6 and len(placed) == 60
+        for job in jobs:
+            assert placed[job.job_id] == (keys.jobs(None, "normal", shard=keys.shard_of(job.job_id)), job.tenant)
+        used = {band for band, _ in placed.values()}
+        assert len(used) > 1  # 60 ids spread over the shards
+        for band in used:
+            queued = sum(1 for b, _ in placed.values() if b == band)
+            assert int(client.get(Keys.fair_queued(band))) == queued
+            assert {t.decode() for t in client.zrange(Keys.fair_backlog(band), 0, -1)} == \
+                {t for b, t in placed.values() if b == band}
+    finally:
+        group.stop()
