@@ -175,7 +175,7 @@ def test_a_new_job_in_another_workers_lane_is_taken_only_once_it_is_older_than_t
     assert reader.read(4) == []  # the owner's chance
     time.sleep(0.45)
     q.r.xadd(theirs, {FIELD: encode(q.job(max_tokens=2))})  # a younger one behind it stays
-    assert [(st, n) for st, _, _, n in reader.read(4)] == [(theirs, 1)]
+    assert [(e.stream, e.deliveries) for e in reader.read(4)] == [(theirs, 1)]
     q.r.xadd(own, {FIELD: encode(q.job(max_tokens=2))})
     assert [st for st, *_ in reader.read(4)] == [own]  # our own lane: no wait
 
