@@ -7,6 +7,7 @@ worker as entries; turning them into jobs is the intake's."""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -27,6 +28,7 @@ from kvgate.worker.slots import FullOwners, Ignored
 from kvgate.worker.settings import WorkerSettings
 
 log = logging.getLogger("kvgate.worker")
+PREEMPT_LOOK_EVERY = 2  # a full worker's preempting look, about every this many fair_preempt_ms (jittered)
 TENANT_STREAMS = 256  # tenants' streams a rewind looks at again: what a lost reply may have delivered is in the last few
 CLUSTER_BLOCK_MS = 100  # a blocking read waits on one shard of a cluster; then the next look covers them all
 
@@ -262,14 +264,16 @@ class Refill:
     def _preempt_look_due(self) -> dict[str, Occupancy]:
         """Full, with fair share: the bands in which to look for a job of a tenant under its share here that
         waited fair_preempt_ms (it makes room for itself: Worker._make_room), with what we run in each: those where
-        tenants are over their share. At most every busy_poll_ms, and only while nothing waits here or in the engine
-        (one at a time)."""
+        tenants are over their share. Only while nothing waits here or in the engine (one at a time), and about every
+        PREEMPT_LOOK_EVERY fair_preempt_ms, jittered: any full worker's look may take such a job, so a fleet of n
+        full workers looks n times as often, and one look per step each cost a flood alone 4-5% of its jobs/s."""
         if not (self.fair.active and self.settings.fair_preempt_ms) or self.queue.tickets:
             return {}
         now = time.monotonic()
         if now < self.preempt_look_at or self.engine.stats.waiting:
             return {}
-        self.preempt_look_at = now + self.settings.busy_poll_ms / 1000
+        every = PREEMPT_LOOK_EVERY * self.settings.fair_preempt_ms / 1000
+        self.preempt_look_at = now + random.uniform(0.5 * every, 1.5 * every)
         bands = {band: Occupancy(counts) for band, counts in self.tenants_here().items() if band in self.fair.bands}
         return {band: here for band, here in bands.items() if here.over()}
 

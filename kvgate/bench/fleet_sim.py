@@ -137,8 +137,9 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
             lanes: int = 0, fair: bool = False) -> float:
     """XADD jobs in pipelined batches, each where the SDK would put it, in its shard (with `lanes`, its affinity lane;
     with `fair`, its tenant's stream in its band through the SDK's own enqueue script, which adds the tenant to the
-    band's backlog and rings its bell; one MULTI per batch and shard: a MULTI touches one slot); with `rate` (jobs/s)
-    paced as an open-loop arrival stream. Returns the time the last batch went in."""
+    band's backlog and rings its bell; one pipeline per batch and shard); with `rate` (jobs/s) paced as an open-loop
+    arrival stream. Returns the time the last batch went in."""
+    from kvgate.producer.cluster import run_script
     from kvgate.producer.submission import FAIR_ENQUEUE, stream_for
 
     fair_enqueue = client.register_script(FAIR_ENQUEUE) if fair else None
@@ -156,11 +157,11 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
             pipe.execute()
             continue
         for group in keys.by_shard(jobs[lo:lo + batch], lambda job: fair_band(keys, job)):
-            pipe = client.pipeline(transaction=True)
+            pipe = client.pipeline(transaction=False)  # each script is atomic, as the SDK's enqueue is
             for job in group:
                 band = fair_band(keys, job)
-                fair_enqueue(keys=[Keys.tenant_jobs(band, job.tenant), *Keys.fair_keys(band)],
-                             args=[FIELD, encode(job), job.tenant], client=pipe)
+                run_script(fair_enqueue, [Keys.tenant_jobs(band, job.tenant), *Keys.fair_keys(band)],
+                           [FIELD, encode(job), job.tenant], pipe)
             pipe.execute()
     return time.time()
 

@@ -13,8 +13,9 @@ from kvgate.bench.fair import add_arguments, run
 from kvgate.bench.fleet_cluster import cluster_unavailable
 from kvgate.producer.protocol import FIELD, Keys, decode_job
 
-# 4 workers, 5 ms steps: A's backlog 200 jobs, B and C 50 each, share backlogs 100 a tenant, 1 s windows (~70 s here)
-TINY = ["--scale", "0.01", "--workers", "4", "--cost-jobs", "1000", "--window-s", "1", "--step-ms", "5"]
+# 4 workers, 5 ms steps: A's backlog 200 jobs, B and C 50 each, share backlogs 100 a tenant, 0.5 s windows (~70 s
+# here; 100 jobs a tenant drain in 2-3 s, and the first window is not counted)
+TINY = ["--scale", "0.01", "--workers", "4", "--cost-jobs", "1000", "--window-s", "0.5", "--step-ms", "5"]
 
 
 def _bench(tmp_path, *flags: str) -> dict:
