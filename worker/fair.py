@@ -12,10 +12,11 @@ Strict priority between bands stays: a band is read only once the bands above it
 Latency beside a flood (`fair_preempt_ms`): the order alone gives a waiting tenant the next room anywhere in the
 fleet, but when one tenant's backlog has just filled every worker that room is seconds away. So a job of a tenant
 that had few jobs waiting (the read script marks it: Entry.may_preempt) and runs fewer than its share of a full
-worker's jobs (`Occupancy`), once it has waited fair_preempt_ms, makes room for itself: the youngest jobs of the tenants over their share there step aside (preempted by recompute, they resume
-first; Engine.make_room). A full worker looks for such a job (the read script's preempting look) about every two
-fair_preempt_ms, jittered, one at a time. Between backlogged tenants of equal shares nothing moves: a share is crossed by more
-than one job each way before a job steps aside.
+worker's jobs (`Occupancy`), once it has waited fair_preempt_ms, makes room for itself: the youngest jobs of the
+tenants over their share there step aside (preempted by recompute, they resume first; Engine.make_room). A full
+worker looks for such a job (the read script's preempting look) about every two fair_preempt_ms, jittered, one at a
+time. Between backlogged tenants of equal shares nothing moves: a share is crossed by more than one job each way
+before a job steps aside.
 
 Tenants' streams a worker has read sit in `<band>:fair:pending` (scored when first read, and when last looked at),
 so a reclaim finds a dead worker's entries there without scanning every tenant's stream. Tenants' streams that

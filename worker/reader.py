@@ -61,14 +61,17 @@ if (home < last_key and (steal_age > 0 or overdue_age > 0)) or nfair > 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function ripe(key, n, cutoff)  -- how many of the next n new entries are at least as old as the cutoff
-  if n <= 0 then return 0 end
-  local last = nil
+local function delivered(key)  -- the group's last delivered id in this stream, or nil where it has no group
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
     local f = {}
     for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
-    if f['name'] == group then last = f['last-delivered-id'] end
+    if f['name'] == group then return f['last-delivered-id'] end
   end
+  return nil
+end
+local function ripe(key, n, cutoff)  -- how many of the next n new entries are at least as old as the cutoff
+  if n <= 0 then return 0 end
+  local last = delivered(key)
   if not last then return 0 end
   local k = 0
   for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', n)) do
@@ -138,17 +141,9 @@ end
 local QUANTUM = 4  -- jobs a turn may take past the next counter: fewer turns per job, shares off by 4 jobs at most
 local PREEMPT_LOOK, PREEMPT_BACKLOG = 4, 32
 local function waited(key, cutoff)  -- a few new entries only, the next at least as old as the cutoff?
-  local last = '0-0'
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', key)
+  local ok, last = pcall(delivered, key)  -- no stream: nothing waits; no group yet: every entry is new
   if not ok then return false end
-  for _, g in ipairs(groups) do
-    for i = 1, #g, 2 do
-      if g[i] == 'name' and g[i + 1] == group then
-        for k = 1, #g, 2 do if g[k] == 'last-delivered-id' then last = g[k + 1] end end
-      end
-    end
-  end
-  local next = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', PREEMPT_BACKLOG + 1)
+  local next = redis.call('XRANGE', key, '(' .. (last or '0-0'), '+', 'COUNT', PREEMPT_BACKLOG + 1)
   return #next > 0 and #next <= PREEMPT_BACKLOG and tonumber(string.match(next[1][1], '^(%d+)')) <= cutoff
 end
 local looked = false  -- a preempting look is over once a band with backlogged tenants was seen
