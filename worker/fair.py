@@ -11,12 +11,12 @@ Strict priority between bands stays: a band is read only once the bands above it
 
 Latency beside a flood (`fair_preempt_ms`): the order alone gives a waiting tenant the next room anywhere in the
 fleet, but when one tenant's backlog has just filled every worker that room is seconds away. So a job of a tenant
-that had few jobs waiting (the read script marks it: Entry.may_preempt) and runs fewer than its share of a full
-worker's jobs (`Occupancy`), once it has waited fair_preempt_ms, makes room for itself: the youngest jobs of the
-tenants over their share there step aside (preempted by recompute, they resume first; Engine.make_room). A full
-worker looks for such a job (the read script's preempting look) about every two fair_preempt_ms, jittered, one at a
-time. Between backlogged tenants of equal shares nothing moves: a share is crossed by more than one job each way
-before a job steps aside.
+that had few jobs waiting (the read script marks it: Entry.may_preempt) and would stay within its share of a full
+worker's running jobs (`Occupancy`), once it has waited fair_preempt_ms, makes room for itself: the youngest jobs of
+the tenants that give way there (a backlogged tenant at its share, any tenant above it) step aside, as many as it
+needs (preempted by recompute, they resume first; Engine.make_room). A full worker looks for such a job (the read
+script's preempting look) about every two fair_preempt_ms, jittered, while no job it read waits for room. A backlogged
+tenant never makes room, and between tenants with few jobs waiting at their share nothing moves.
 
 Tenants' streams a worker has read sit in `<band>:fair:pending` (scored when first read, and when last looked at),
 so a reclaim finds a dead worker's entries there without scanning every tenant's stream. Tenants' streams that
@@ -220,26 +220,41 @@ class Fair:
 
 @dataclass(slots=True)
 class Occupancy:
-    """The jobs a worker runs, by tenant, and who holds more than a share of them. A tenant's share is the running
-    jobs over the tenants running plus one (one not running here yet)."""
+    """The jobs a worker runs now in one band (not those stepped aside), by tenant, and who holds more than a share
+    of them. A tenant's share, for one more of its jobs: the jobs running plus that one over the tenants running
+    (counting it). Its job may make room when it stays within that share (`room`), and only tenants at or above it
+    give way: a backlogged tenant's jobs (read from a backlog, not few: Entry.may_preempt unset) once it holds its
+    share, a tenant with few jobs waiting only above it. So a job that made room never gives it back to the jobs it
+    displaced, and between tenants with few jobs waiting at their share nothing moves. Shares count jobs: the ones
+    that step aside are as many as the job needs, the youngest first."""
 
-    counts: dict[str, int]
+    counts: dict[str, int] = field(default_factory=dict)
+    backlogged: set[str] = field(default_factory=set)  # tenants running a job here read from their backlog
 
-    @property
-    def share(self) -> float:
-        return sum(self.counts.values()) / (len(self.counts) + 1)
+    def add(self, tenant: str, backlogged: bool) -> None:
+        self.counts[tenant] = self.counts.get(tenant, 0) + 1
+        if backlogged:
+            self.backlogged.add(tenant)
 
-    @property
-    def cap(self) -> int:
-        """A tenant running fewer jobs than this here is under its share by more than one."""
-        return math.ceil(self.share - 1)
+    def share(self, tenant: str | None = None) -> float:
+        """Each tenant's share of the jobs here once one more of `tenant`'s runs (None: a tenant not running here)."""
+        tenants = len(self.counts) + (tenant not in self.counts)
+        return (sum(self.counts.values()) + 1) / tenants
 
-    def under(self, tenant: str) -> bool:
-        return self.counts.get(tenant, 0) < self.cap
+    def room(self, tenant: str | None = None) -> int:
+        """How many more of its jobs could run here within its share (None: a tenant not running here)."""
+        return math.floor(self.share(tenant)) - self.counts.get(tenant, 0)
 
     def over(self, tenant: str | None = None) -> tuple[str, ...]:
-        """The tenants other than this one over their share by more than one job: whose jobs may step aside."""
-        return tuple(t for t, n in self.counts.items() if t != tenant and n > self.share + 1)
+        """The tenants other than this one whose jobs may step aside for one more of its jobs."""
+        share = self.share(tenant)
+        return tuple(t for t, n in self.counts.items()
+                     if t != tenant and (n > share or (t in self.backlogged and n >= share)))
+
+    def makes_room(self, tenant: str | None = None) -> bool:
+        """Whether a job of this tenant (None: one not running here) may make room here: it stays within its share,
+        and some other tenant gives way."""
+        return self.room(tenant) > 0 and bool(self.over(tenant))
 
 
 def read_weights(path: str) -> dict[str, float]:

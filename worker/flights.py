@@ -18,6 +18,7 @@ from kvgate.producer.protocol import (DEFAULT_TENANT, PROTOCOL_VERSION, Delta, F
 from kvgate.producer.tool_calls import call_id, parse, parser_for
 from kvgate.worker.admission import Ticket
 from kvgate.worker.engine import Engine
+from kvgate.worker.fair import Occupancy
 from kvgate.worker.logprobs import TokenRenderer
 from kvgate.worker.tokenizer_jobs import Tokenized
 
@@ -34,6 +35,7 @@ class Flight:
     undecoded: list[TokenLogprob] = field(default_factory=list)  # rendered, their text not yet decoded
     ending: str | None = None  # cancelled in the engine; the status to answer once its last text is decoded
     prompt_logprobs: list[TokenLogprob] | None = None  # rendered when it finishes, when the job asked
+    aside: bool = False  # stepped aside for a fair-share job (Worker._make_room) and not stepped again since
 
 
 @dataclass(slots=True)
@@ -163,21 +165,27 @@ class Flights:
     def tickets(self) -> list[Ticket]:
         return [f.ticket for f in self.running.values()]
 
-    def tenants(self, band_of: Callable[[str], str]) -> dict[str, dict[str, int]]:
-        """Jobs running here by band (`band_of` a job's stream) and tenant."""
-        counts: dict[str, dict[str, int]] = {}
+    def occupancy(self, band_of: Callable[[str], str]) -> dict[str, Occupancy]:
+        """Jobs running here by band (`band_of` a job's stream) and tenant; not those stepped aside."""
+        bands: dict[str, Occupancy] = {}
         for f in self.running.values():
-            band = counts.setdefault(band_of(f.ticket.stream), {})
-            tenant = f.ticket.job.tenant or DEFAULT_TENANT
-            band[tenant] = band.get(tenant, 0) + 1
-        return counts
+            if not f.aside:
+                here = bands.setdefault(band_of(f.ticket.stream), Occupancy())
+                here.add(f.ticket.job.tenant or DEFAULT_TENANT, not f.ticket.may_preempt)
+        return bands
 
     def youngest_first(self, tenants: tuple[str, ...], band: str, band_of: Callable[[str], str]) -> list[str]:
         """The running jobs of these tenants in this band, the latest admitted first: who steps aside for a
         fair-share job that waited (the youngest lose the least work to recomputation)."""
         theirs = [f for f in self.running.values() if (f.ticket.job.tenant or DEFAULT_TENANT) in tenants and
-                  band_of(f.ticket.stream) == band and f.ending is None and f.ticket.pooling is None]
+                  band_of(f.ticket.stream) == band and f.ending is None and not f.aside and f.ticket.pooling is None]
         return [f.ticket.key for f in sorted(theirs, key=lambda f: f.admitted_at, reverse=True)]
+
+    def stepped_aside(self, keys: list[str]) -> None:
+        """These jobs stepped aside (preempted on purpose): not counted as running here until they step again."""
+        for key in keys:
+            if (flight := self.running.get(key)) is not None:
+                flight.aside = True
 
     def start(self, ticket: Ticket, ahead: bool = False) -> Ended | None:
         """Hand the job to the engine (`ahead`: at the head of its waiting queue, room having been made for it);
@@ -202,6 +210,8 @@ class Flights:
         each text delta then takes those of its own tokens, in order."""
         for out in outputs:
             flight = self.running.get(out.request_id)
+            if flight is not None:
+                flight.aside = False  # it runs again
             if flight is not None and flight.logprobs is not None and out.logprobs:
                 flight.undecoded += self.renderer.tokens(out.new_token_ids, out.logprobs,
                                                          flight.ticket.params.logprobs)

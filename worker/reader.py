@@ -28,7 +28,8 @@ from kvgate.worker.fair import Occupancy
 # of owners that said they are full: their entries are taken without waiting the steal age.
 # With fair share, ARGV[11..]: how many bands are fair, the charge per job, the preempting look's wait in ms (0: a
 # plain read; else only that look, below), how many triples follow and the triples (a band's index in KEYS, a tenant,
-# the jobs the worker runs of it in that band; the tenant '' gives the band's cap), the bands' indexes in KEYS, then
+# 1 if a job of it may make room in the worker in that band, else 0; the tenant '' for a tenant not running there:
+# worker/fair.py's Occupancy.makes_room), the bands' indexes in KEYS, then
 # tenant/weight pairs. Each stream's reply is {stream, new entries, taken-over entries}, and from a tenant's stream
 # a 1 or 0: whether its jobs may make room for themselves (below).
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
@@ -42,13 +43,11 @@ local steal_max = tonumber(ARGV[9] or want)
 local urgent = home + tonumber(ARGV[10] or 0)
 local nfair, charge = tonumber(ARGV[11] or 0), math.max(tonumber(ARGV[12] or 1), 1)
 local preempt_ms, ntriples = tonumber(ARGV[13] or 0), tonumber(ARGV[14] or 0)
-local running, caps = {}, {}  -- a preempting look: band index -> tenant -> jobs the worker runs; band index -> cap
+local rooms = {}  -- a preempting look: band index -> tenant ('' for any other) -> 1 if its job may make room there
 for j = 0, ntriples - 1 do
   local index, tenant, n = tonumber(ARGV[15 + 3 * j]), ARGV[16 + 3 * j], tonumber(ARGV[17 + 3 * j])
-  if tenant == '' then caps[index] = n else
-    running[index] = running[index] or {}
-    running[index][tenant] = n
-  end
+  rooms[index] = rooms[index] or {}
+  rooms[index][tenant] = n
 end
 local after = 14 + 3 * ntriples
 local fair_at, weights = {}, {}  -- band stream's index in KEYS -> its fair keys' position; tenant -> weight
@@ -135,9 +134,9 @@ end
 -- A job may make room for itself on a full worker (worker/fair.py) only when its tenant had at most PREEMPT_BACKLOG
 -- jobs waiting, all of them read (a long backlog's wait is its own doing, and backlogged tenants share by counters):
 -- such entries are marked. A full worker's preempting look (preempt_ms > 0) reads at most one job, in the first band
--- (by priority) with backlogged tenants, and only if the worker gave that band a cap: of the PREEMPT_LOOK lowest
--- counters, the first tenant that runs fewer than the cap's jobs there and has at most PREEMPT_BACKLOG jobs waiting,
--- the next of which has waited preempt_ms.
+-- (by priority) with backlogged tenants, and only if the worker gave that band rooms: of the PREEMPT_LOOK lowest
+-- counters, the first tenant whose job may make room there with at most PREEMPT_BACKLOG jobs waiting, the next of
+-- which has waited preempt_ms.
 local QUANTUM = 4  -- jobs a turn may take past the next counter: fewer turns per job, shares off by 4 jobs at most
 local PREEMPT_LOOK, PREEMPT_BACKLOG = 4, 32
 local function waited(key, cutoff)  -- a few new entries only, the next at least as old as the cutoff?
@@ -167,7 +166,8 @@ local function fair_take(index, band, backlog, pending)
     if type(reply) == 'table' and not reply.err and reply[1] then entries = reply[1][2] end
     if #entries > 0 then
       want = want - #entries
-      few = few or (#entries < n and #entries <= PREEMPT_BACKLOG)
+      few = few or (#entries <= PREEMPT_BACKLOG and (#entries < n or
+                    redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1][1] == entries[#entries][1]))  -- drained
       table.insert(out, {key, entries, {}, few and 1 or 0})
       if redis.call('DECRBY', backlog .. ':queued', #entries) < 0 then redis.call('SET', backlog .. ':queued', 0) end
       redis.call('ZADD', pending, 'NX', now, tenant)
@@ -182,10 +182,10 @@ local function fair_take(index, band, backlog, pending)
   if preempt_ms > 0 then
     local low = redis.call('ZRANGE', backlog, 0, PREEMPT_LOOK - 1, 'WITHSCORES')
     looked = #low > 0
-    local cap, mine = caps[index], running[index] or {}
+    local room = rooms[index]
     for i = 1, #low, 2 do
-      if not cap then break end
-      if (mine[low[i]] or 0) < cap and waited(band .. ':t:' .. low[i], now - preempt_ms) then
+      if not room then break end
+      if (room[low[i]] or room['']) > 0 and waited(band .. ':t:' .. low[i], now - preempt_ms) then
         serve(low[i], counter(low[i + 1]), 1, true)
         break
       end
@@ -343,8 +343,8 @@ class Reader:
             elif bands:
                 args += [len(keys), 0, 0, 0, count, 0]
             if bands:
-                triples = [(i, t, n) for i in bands if (here := plan.occupancy.get(keys[i - 1])) is not None
-                           for t, n in (("", here.cap), *here.counts.items())]
+                triples = [(i, t or "", int(here.makes_room(t))) for i in bands if (here := plan.occupancy.get(keys[i - 1]))
+                           is not None for t in (None, *here.counts)]
                 args += [len(bands), plan.charge, plan.preempt_ms, len(triples), *(x for t in triples for x in t),
                          *bands, *(x for t, w in plan.weights.items() for x in (t, w))]
                 others = others + [k for i in bands for k in (Keys.fair_backlog(keys[i - 1]),

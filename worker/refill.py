@@ -91,7 +91,7 @@ class Refill:
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, streams: list[str], settings: WorkerSettings,
                  engine: Engine, queue: AdmissionQueue, affinity: Affinity, lane_prefixes: LanePrefixes,
                  leases: Leases, clock: ServerClock, metrics: Any, per_priority: int, fair: Fair | None = None,
-                 tenants_here: Callable[[], dict[str, dict[str, int]]] = dict) -> None:
+                 occupancy: Callable[[], dict[str, Occupancy]] = dict) -> None:
         self.client, self.keys, self.worker_id, self.settings = client, keys, worker_id, settings
         self.engine, self.queue, self.affinity, self.lane_prefixes = engine, queue, affinity, lane_prefixes
         self.leases, self.clock, self.metrics = leases, clock, metrics
@@ -107,7 +107,7 @@ class Refill:
         self.backlog_seen_at = -1  # fair share: empty_reads when a wait last found a band's backlog (-1: none)
         self.tenant_streams: dict[str, None] = {}  # fair share: tenants' streams we read lately, oldest first
         self.preempt_look_at = 0.0  # fair share, full: the next preempting look, not before
-        self.tenants_here = tenants_here  # fair share: the jobs we run by band and tenant
+        self.occupancy = occupancy  # fair share: the jobs we run by band and tenant
 
     def use_queue(self, queue: AdmissionQueue) -> None:
         self.queue = queue  # the local queue whose room and estimates size our reads
@@ -264,18 +264,18 @@ class Refill:
     def _preempt_look_due(self) -> dict[str, Occupancy]:
         """Full, with fair share: the bands in which to look for a job of a tenant under its share here that
         waited fair_preempt_ms (it makes room for itself: Worker._make_room), with what we run in each: those where
-        tenants are over their share. Only while nothing waits here or in the engine (one at a time), and about every
-        PREEMPT_LOOK_EVERY fair_preempt_ms, jittered: any full worker's look may take such a job, so a fleet of n
-        full workers looks n times as often, and one look per step each cost a flood alone 4-5% of its jobs/s."""
+        tenants are over their share. Only while no job we read waits here for room (one at a time: the jobs that
+        stepped aside wait in the engine, and do not stop it), and about every PREEMPT_LOOK_EVERY fair_preempt_ms,
+        jittered: any full worker's look may take such a job, so a fleet of n full workers looks n times as often, and
+        one look per step each cost a flood alone 4-5% of its jobs/s."""
         if not (self.fair.active and self.settings.fair_preempt_ms) or self.queue.tickets:
             return {}
         now = time.monotonic()
-        if now < self.preempt_look_at or self.engine.stats.waiting:
+        if now < self.preempt_look_at:
             return {}
         every = PREEMPT_LOOK_EVERY * self.settings.fair_preempt_ms / 1000
         self.preempt_look_at = now + random.uniform(0.5 * every, 1.5 * every)
-        bands = {band: Occupancy(counts) for band, counts in self.tenants_here().items() if band in self.fair.bands}
-        return {band: here for band, here in bands.items() if here.over()}
+        return {band: here for band, here in self.occupancy().items() if band in self.fair.bands and here.over()}
 
     def _held_lanes(self, count: int, adm: Admission) -> tuple[list[Lane], int]:
         """Lanes whose prefix running sequences hold, and how many of their jobs fit as tails in the room that

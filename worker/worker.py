@@ -97,7 +97,7 @@ class Worker:
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
                              len(self.served.names), self.fair,
-                             lambda: self.flights.tenants(self.fair.band_of_job))
+                             lambda: self.flights.occupancy(self.fair.band_of_job))
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics,
                              s.embeddings, s.tool_call_parser)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
@@ -270,20 +270,21 @@ class Worker:
 
     def _make_room(self, ticket: Ticket) -> bool:
         """Fair share: a job that waited fair_preempt_ms (server clock), of a tenant that had few jobs waiting
-        (Entry.may_preempt) and runs under its share of our jobs, starts now, the youngest jobs of the tenants over theirs stepping aside (preempted by recompute;
-        they resume first), rather than waiting for room anywhere in the fleet (worker/fair.py)."""
+        (Entry.may_preempt) and would stay within its share of the jobs running here, starts now, the youngest jobs of
+        the tenants above theirs stepping aside down to it (preempted by recompute; they resume first), rather than
+        waiting for room anywhere in the fleet (worker/fair.py)."""
         wait_ms = self.settings.fair_preempt_ms
         if not (wait_ms and self.fair.active and ticket.may_preempt) or \
                 self.clock.now() * 1000 - entry_ms(ticket.entry_id) < wait_ms:
             return False
         band, tenant = self.fair.band_of_job(ticket.stream), ticket.job.tenant or DEFAULT_TENANT
-        here = Occupancy(self.flights.tenants(self.fair.band_of_job).get(band, {}))
-        over = here.over(tenant)
-        if not over or not here.under(tenant):
+        here = self.flights.occupancy(self.fair.band_of_job).get(band, Occupancy())
+        if not here.makes_room(tenant):
             return False
-        victims = self.flights.youngest_first(over, band, self.fair.band_of_job)
+        victims = self.flights.youngest_first(here.over(tenant), band, self.fair.band_of_job)
         made = self.engine.make_room(len(ticket.prompt_ids), ticket.budget, self._shared(ticket), victims)
         if made:
+            self.flights.stepped_aside(made)
             log.debug("%d jobs stepped aside for tenant %r's job %s", len(made), ticket.job.tenant, ticket.key)
         return made is not None
 

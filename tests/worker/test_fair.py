@@ -246,12 +246,79 @@ def test_the_preempting_look_takes_a_waited_job_of_a_tenant_under_its_share_and_
     flood, small = enqueue(queue, "flood", 3), enqueue(queue, "small", 2)
     time.sleep(0.08)
     assert preempt_look(queue, {"normal": {"flood": 4}}, preempt_ms=10_000) == []  # not waited long enough
-    assert preempt_look(queue, {"normal": {"flood": 4, "small": 2}}) == []  # small holds its share here
+    assert preempt_look(queue, {"normal": {"flood": 3, "small": 3}}) == []  # small holds its share here
     got = preempt_look(queue, {"normal": {"flood": 4}})
     assert [e.stream for e in got] == [Keys.tenant_jobs(band(queue), "small")]  # one job: the lowest under its cap
     assert preempt_look(queue, {}) == []  # a band we did not say we are full in is not looked at
     assert len(flood) == 3 and len(small) == 2
 
+
+
+def occupancy(counts: dict[str, int], backlogged: tuple[str, ...] = ()):
+    from kvgate.worker.fair import Occupancy
+
+    return Occupancy(dict(counts), set(backlogged))
+
+
+def test_a_job_makes_room_within_its_share_and_backlogged_tenants_give_way_at_theirs():
+    """Shares count the jobs running plus the one that would start. A newcomer beside two flood jobs may make room
+    (it ends one of two); a tenant with few jobs waiting is displaced only above its share; a backlogged one also
+    at it, since it never makes room back; and a tenant at its share makes no room."""
+    assert occupancy({"flood": 2}, ("flood",)).makes_room("b")
+    assert occupancy({"flood": 2}, ("flood",)).makes_room()  # what the preempting look asks for one not here
+    assert occupancy({"flood": 1}, ("flood",)).makes_room("b")  # one seat (a small worker): the newcomer's half
+    assert not occupancy({"c": 1}).makes_room("b")  # c has few waiting and holds no more than its share
+    assert occupancy({"flood": 3, "c": 2}, ("flood",)).makes_room("c")  # the flood holds its share: 3 of 6
+    assert not occupancy({"b": 3, "c": 2}).makes_room("c")  # b has few jobs waiting: not above its share
+    assert occupancy({"b": 4, "c": 2}).makes_room("c") and occupancy({"b": 4, "c": 2}).over("c") == ("b",)
+    assert not occupancy({"flood": 3, "c": 3}, ("flood",)).makes_room("c")  # c at its share already
+    assert occupancy({"flood": 61, "b": 4, "c": 1}, ("flood",)).over("b") == ("flood",)
+
+
+def test_a_job_that_made_room_is_never_displaced_by_those_it_displaced():
+    """Whatever the counts, once a job of `t` made room (one more of t's, one fewer of a victim's), no job of that
+    victim may make room against t: no ping-pong, whoever has few jobs waiting."""
+    for a in range(1, 12):
+        for b in range(0, 12):
+            for backlogged in ((), ("a",)):
+                here = occupancy({"a": a, **({"b": b} if b else {})}, backlogged)
+                if not here.makes_room("b"):
+                    continue
+                after = occupancy({"a": a - 1, "b": b + 1} if a > 1 else {"b": b + 1}, backlogged)
+                assert "b" not in after.over("a") or not after.makes_room("a"), (a, b, backlogged)
+
+
+def test_a_light_tenants_second_job_makes_room_while_the_first_ones_victim_waits(queue, thread_worker):
+    """Beside a flood that fills every seat, each job of a tenant with few waiting makes room in turn: the look that
+    finds the second is not held back by the flood job that stepped aside for the first (it waits in the engine)."""
+    from kvgate.engine.simulated import SimulatedEngine
+
+    queue.r.set(queue.keys.fair(), 1)
+    flood = enqueue(queue, "flood", 8, max_tokens=600, ignore_eos=True)
+    engine = SimulatedEngine(num_blocks=512, block_size=16, max_num_seqs=4, step_overhead_s=0.01, per_token_s=0.0)
+    with thread_worker(engine=engine, fair_preempt_ms=30):
+        wait_for(lambda: engine.stats.running == 4, 10, "the flood filling every seat")
+        small = enqueue(queue, "small", 1, max_tokens=400, ignore_eos=True)
+        wait_for(lambda: engine.stats.stepped_aside >= 1, 10, "the first job making room")
+        small += enqueue(queue, "small", 1, max_tokens=4, ignore_eos=True)
+        wait_for(lambda: done(queue, small[1:]) == 1, 30, "the second job answered")
+        before = done(queue, flood + small[:1])  # nothing else ended: the second did not wait for a seat to free
+        queue.wait_finals(10, timeout=120)
+    assert before == 0 and engine.stats.stepped_aside >= 2
+    assert sorted(f.job_id for f in queue.finals()) == sorted(flood + small)  # each once
+
+
+def test_a_read_that_drains_a_tenants_stream_marks_its_jobs_few_whatever_it_asked(queue):
+    """A full worker refills one seat at a time: a read of 1 that takes a tenant's only job drained the stream, so
+    that job may make room; a read of 1 of 2 did not."""
+    enqueue(queue, "solo", 1)
+    stream = band(queue)
+    queue.r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+    got = Reader(queue.r, "w1", ReadPlan([stream], fair={stream}, charge=16)).read(1)
+    assert [(e.stream, e.may_preempt) for e in got] == [(Keys.tenant_jobs(stream, "solo"), True)]
+    enqueue(queue, "pair", 2)
+    got = Reader(queue.r, "w1", ReadPlan([stream], fair={stream}, charge=16)).read(1)
+    assert [(e.stream, e.may_preempt) for e in got] == [(Keys.tenant_jobs(stream, "pair"), False)]
 
 
 def test_only_a_tenant_with_few_jobs_waiting_may_make_room(queue):
