@@ -1,9 +1,12 @@
 """W-FAIR: fair share across tenants on the simulated fleet of W-FLEET (16 mixed workers, one real Redis).
 
-Two contestants in the same run, each on its own namespace and fleet: today's FIFO per priority, and the fair
+Two contestants in the same run, each on its own namespaces and fleets: today's FIFO per priority, and the fair
 reader (`{ns}:fair` set: each tenant's stream, weighted virtual token counters; worker/fair.py). Phases, in turn:
-- A alone: A's backlog with nobody else; jobs/s from its first admission to its last finish (the fair reader's
-  over FIFO's: work-conserving, target >= 0.95x), and the fleet's capacity the next phases' rate is 20% of.
+- A alone: A's backlog with nobody else, on a fleet of its own; jobs/s from its first admission to its last finish
+  (the fair reader's over FIFO's: work-conserving, target >= 0.95x), and the fleet's capacity the next phases' rate
+  is 20% of. `--alone-rounds` passes per contestant, taking turns (fifo, fair, fair, fifo), before the phases below:
+  the machine's load drifts over a run of half an hour, and a contestant measured only at its start or only at its
+  end would carry that drift in the ratio.
 - alone: tenants B and C each send `--bc-jobs` open-loop at 20% of the fleet's capacity; their queue wait.
 - flood: tenant A enqueues `--a-jobs` at once, then B and C as above; B's and C's p99 queue wait over their wait
   alone (target <= 2x).
@@ -152,100 +155,154 @@ def window_shares(finals: dict, by_tenant: dict[str, list], window_s: float) -> 
     return shares
 
 
-def run_contestant(url: str, name: str, args) -> dict:
-    """One contestant's phases: `fifo`, `fair`, or `fair-wait` (the fair reader without making room for a job that
-    waited: fair_preempt_ms 0)."""
+@dataclass(slots=True)
+class Arena:
+    """One contestant's fleet on a fresh namespace, and where its producers send jobs."""
+
+    client: object
+    keys: Keys
+    fleet: object
+    route: dict  # fleet_sim.enqueue's fair= and lanes=
+    lanes: int  # the ring's lanes (affinity on), whether the contestant's producers route into them or not
+
+
+@contextlib.contextmanager
+def arena(url: str, name: str, args):
+    """A fresh namespace (fair share set unless `name` is fifo) and a fleet of the contestant's workers on it;
+    lanes on: every worker in the ring before the first job. FIFO's producers route into the lanes, the fair
+    contestant's send to tenants' streams whatever the lanes (the SDK's rule)."""
     from kvgate.bench import fleet_sim
-    from kvgate.bench.fleet import fleet_capacity
     from kvgate.bench.prefix import wait_for_ring
-    from kvgate.producer.redis_url import connect
 
     fair = name != "fifo"
     client, keys = namespace(url, f"wfair-{name}")
     if fair:
         client.set(keys.fair(), 1)
-    specs, mix = fleet_sim.mixed_fleet(args.workers), fleet_sim.JobMix()
-    capacity = fleet_capacity(specs, mix, args.step_ms / 1000, args.per_token_ms / 1000)
+    specs = fleet_sim.mixed_fleet(args.workers)
     fleet = fleet_sim.start_fleet(url, keys.ns, specs, "capacity", step_overhead_s=args.step_ms / 1000,
                                   per_token_s=args.per_token_ms / 1000, seed=args.seed,
                                   **worker_settings(args, name))
-    n_a, n_bc = max(50, int(args.a_jobs * args.scale)), max(50, int(args.bc_jobs * args.scale))
-    n_share = max(100, int(args.share_jobs * args.scale))
-    rate = 0.2 * capacity
-    every: list = []
-    out: dict = {"contestant": name, "capacity_jobs_per_s": round(capacity, 1), "bc_rate_jobs_per_s": round(rate, 1)}
     try:
-        # lanes on: every worker in the ring before the first job; FIFO's producers route into the lanes, the fair
-        # contestant's send to tenants' streams whatever the lanes (the SDK's rule)
         lanes = wait_for_ring(client, keys, len(specs)) if args.affinity == "on" else 0
-        out["lanes"], out["shards"] = lanes, len(keys.parts)
-        route = dict(fair=fair, lanes=0 if fair else lanes)
-
-        def open_loop(phase: str) -> tuple[list, list]:
-            b, c = jobs_of("b", phase, n_bc, args.seed + 1), jobs_of("c", phase, n_bc, args.seed + 2)
-            threads = [threading.Thread(target=fleet_sim.enqueue, args=(connect(url), keys, js),
-                                        kwargs=dict(rate=rate, batch=1, **route)) for js in (b, c)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-            return b, c
-
-        a = jobs_of("a", "solo", n_a, args.seed + 3)
-        fleet_sim.enqueue(client, keys, a, rate=None, batch=500, **route)
-        wait_answered(client, keys, a, 900)
-        finals = finals_of(client, keys, a)
-        firsts = [finals[j.job_id][0] for j in a]
-        span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
-        out["a_alone_jobs_per_s"] = round(len(a) / span, 1)
-        every.append(a)
-        if args.rate_from == "measured":  # 20% of what this fleet does on this machine, not of the cost model's
-            rate = out["bc_rate_jobs_per_s"] = round(0.2 * out["a_alone_jobs_per_s"], 1)
-
-        b, c = open_loop("alone")
-        wait_answered(client, keys, b + c, 300)
-        finals = finals_of(client, keys, b + c)
-        out["alone_p99_wait_s"] = {"b": p99_wait(finals, b), "c": p99_wait(finals, c)}
-        every += [b, c]
-
-        a = jobs_of("a", "flood", n_a, args.seed)
-        fleet_sim.enqueue(client, keys, a, rate=None, batch=500, **route)
-        b, c = open_loop("flood")
-        wait_answered(client, keys, b + c, 600)
-        finals = finals_of(client, keys, b + c)
-        out["flood_p99_wait_s"] = {"b": p99_wait(finals, b), "c": p99_wait(finals, c)}
-        out["flood_wait_ratio"] = {t: round(out["flood_p99_wait_s"][t] / max(out["alone_p99_wait_s"][t], 1e-3), 2)
-                                   for t in ("b", "c")}
-        wait_answered(client, keys, a, 900)
-        every += [a, b, c]
-
-        for label, weights in (("equal", {}), ("weighted_2_1_1", {"a": 2})):
-            if weights:
-                client.hset(keys.tenants(), mapping=weights)
-                time.sleep(2.5)  # workers read weights with their heartbeat
-            by = {t: jobs_of(t, label, n_share * (2 if t == "a" and weights else 1), args.seed + 4 + i)
-                  for i, t in enumerate("abc")}
-            for t in "abc":  # one tenant after another, as three producers' bulk submits land
-                fleet_sim.enqueue(client, keys, by[t], rate=None, batch=500, **route)
-            all_jobs = [j for js in by.values() for j in js]
-            wait_answered(client, keys, all_jobs, 900)
-            shares = window_shares(finals_of(client, keys, all_jobs), by, args.window_s)
-            if weights:
-                worst = max((abs(s["a"] - 0.5) / 0.5 for s in shares), default=None)
-            else:
-                worst = max((abs(v * 3 - 1) for s in shares for v in s.values()), default=None)
-            out[label] = {"windows": len(shares), "worst_deviation": round(worst, 3) if worst is not None else None,
-                          "shares": shares}
-            every += list(by.values())
+        yield Arena(client, keys, fleet, dict(fair=fair, lanes=0 if fair else lanes), lanes)
     finally:
-        out["stepped_aside"] = sum(w.engine.stats.stepped_aside for w in fleet.workers)  # made room for a waited job
         fleet.stop()
+
+
+def a_jobs(args) -> int:
+    return max(50, int(args.a_jobs * args.scale))
+
+
+def a_alone(url: str, name: str, args) -> dict:
+    """A's backlog with nobody else, on a fleet of its own: jobs/s from its first admission to its last finish, and
+    whether every job was answered once. The same jobs in every pass."""
+    from kvgate.bench import fleet_sim
+
+    with arena(url, name, args) as ar:
+        a = jobs_of("a", "solo", a_jobs(args), args.seed + 3)
+        fleet_sim.enqueue(ar.client, ar.keys, a, rate=None, batch=500, **ar.route)
+        wait_answered(ar.client, ar.keys, a, 900)
+        finals = finals_of(ar.client, ar.keys, a)
+    firsts = [finals[j.job_id][0] for j in a]
+    span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
+    out = {"contestant": name, "jobs_per_s": round(len(a) / span, 1),
+           "answered_once": len(finals) == len(a) and all(len(f) == 1 for f in finals.values())}
+    print(json.dumps({"a_alone": out}), file=sys.stderr, flush=True)
+    return out
+
+
+def alone_order(names: list[str], rounds: int) -> list[str]:
+    """The A-alone passes in turn, each round the reverse of the one before (fifo, fair, fair, fifo for two rounds),
+    so a machine whose load drifts during the run weighs on every contestant alike."""
+    return [name for r in range(rounds) for name in (names if r % 2 == 0 else names[::-1])]
+
+
+def run_contestant(url: str, name: str, args, alone: list[dict]) -> dict:
+    """One contestant's phases after its A-alone passes (`alone`): `fifo`, `fair`, or `fair-wait` (the fair reader
+    without making room for a job that waited: fair_preempt_ms 0)."""
+    from kvgate.bench import fleet_sim
+    from kvgate.bench.fleet import fleet_capacity
+
+    capacity = fleet_capacity(fleet_sim.mixed_fleet(args.workers), fleet_sim.JobMix(), args.step_ms / 1000,
+                              args.per_token_ms / 1000)
+    n_a, n_bc = a_jobs(args), max(50, int(args.bc_jobs * args.scale))
+    n_share = max(100, int(args.share_jobs * args.scale))
+    passes = [p["jobs_per_s"] for p in alone]
+    out: dict = {"contestant": name, "capacity_jobs_per_s": round(capacity, 1),
+                 "a_alone_passes_jobs_per_s": passes, "a_alone_jobs_per_s": round(sum(passes) / len(passes), 1)}
+    # 20% of what this fleet does on this machine (its A-alone passes), or of the cost model's estimate
+    rate = out["bc_rate_jobs_per_s"] = round(0.2 * (out["a_alone_jobs_per_s"] if args.rate_from == "measured"
+                                                     else capacity), 1)
+    every: list = []
+    with arena(url, name, args) as ar:
+        client, keys, route = ar.client, ar.keys, ar.route
+        out["lanes"], out["shards"] = ar.lanes, len(keys.parts)
+        try:
+            run_phases(url, ar, args, out, every, n_a, n_bc, n_share, rate)
+        finally:
+            out["stepped_aside"] = sum(w.engine.stats.stepped_aside for w in ar.fleet.workers)  # made room
     jobs = [j for js in every for j in js]
     finals = finals_of(client, keys, jobs)
-    out["answered_once"] = len(finals) == len(jobs) and all(len(f) == 1 for f in finals.values())
+    out["answered_once"] = len(finals) == len(jobs) and all(len(f) == 1 for f in finals.values()) and \
+        all(p["answered_once"] for p in alone)
     print(json.dumps({k: v for k, v in out.items() if k not in ("equal", "weighted_2_1_1")}), file=sys.stderr,
           flush=True)
     return out
+
+
+def run_phases(url: str, ar: Arena, args, out: dict, every: list, n_a: int, n_bc: int, n_share: int,
+               rate: float) -> None:
+    """The phases with B and C: alone, beside A's flood, and the share backlogs; each phase's jobs go to `every`."""
+    from kvgate.bench import fleet_sim
+    from kvgate.producer.redis_url import connect
+
+    client, keys, route = ar.client, ar.keys, ar.route
+
+    def open_loop(phase: str) -> tuple[list, list]:
+        b, c = jobs_of("b", phase, n_bc, args.seed + 1), jobs_of("c", phase, n_bc, args.seed + 2)
+        threads = [threading.Thread(target=fleet_sim.enqueue, args=(connect(url), keys, js),
+                                    kwargs=dict(rate=rate, batch=1, **route)) for js in (b, c)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return b, c
+
+    b, c = open_loop("alone")
+    wait_answered(client, keys, b + c, 300)
+    finals = finals_of(client, keys, b + c)
+    out["alone_p99_wait_s"] = {"b": p99_wait(finals, b), "c": p99_wait(finals, c)}
+    every += [b, c]
+
+    a = jobs_of("a", "flood", n_a, args.seed)
+    fleet_sim.enqueue(client, keys, a, rate=None, batch=500, **route)
+    b, c = open_loop("flood")
+    wait_answered(client, keys, b + c, 600)
+    finals = finals_of(client, keys, b + c)
+    out["flood_p99_wait_s"] = {"b": p99_wait(finals, b), "c": p99_wait(finals, c)}
+    out["flood_wait_ratio"] = {t: round(out["flood_p99_wait_s"][t] / max(out["alone_p99_wait_s"][t], 1e-3), 2)
+                               for t in ("b", "c")}
+    wait_answered(client, keys, a, 900)
+    every += [a, b, c]
+
+    for label, weights in (("equal", {}), ("weighted_2_1_1", {"a": 2})):
+        if weights:
+            client.hset(keys.tenants(), mapping=weights)
+            time.sleep(2.5)  # workers read weights with their heartbeat
+        by = {t: jobs_of(t, label, n_share * (2 if t == "a" and weights else 1), args.seed + 4 + i)
+              for i, t in enumerate("abc")}
+        for t in "abc":  # one tenant after another, as three producers' bulk submits land
+            fleet_sim.enqueue(client, keys, by[t], rate=None, batch=500, **route)
+        all_jobs = [j for js in by.values() for j in js]
+        wait_answered(client, keys, all_jobs, 900)
+        shares = window_shares(finals_of(client, keys, all_jobs), by, args.window_s)
+        if weights:
+            worst = max((abs(s["a"] - 0.5) / 0.5 for s in shares), default=None)
+        else:
+            worst = max((abs(v * 3 - 1) for s in shares for v in s.values()), default=None)
+        out[label] = {"windows": len(shares), "worst_deviation": round(worst, 3) if worst is not None else None,
+                      "shares": shares}
+        every += list(by.values())
 
 
 def _drain_child(url: str, namespace: str, first: int, settings: dict, ready, stop) -> None:
@@ -323,6 +380,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workers with prefix-affinity lanes (default off); FIFO's jobs go into the lanes, "
                              "fair share's into tenants' streams")
     parser.add_argument("--lanes", type=int, default=32, help="lanes with --affinity on (default 32, as W-PREFIX)")
+    parser.add_argument("--alone-rounds", type=int, default=2,
+                        help="rounds of A-alone passes, each contestant once a round on a fleet of its own, every "
+                             "round in the reverse order of the one before (default 2: fifo, fair, fair, fifo)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -334,13 +394,18 @@ def variant_of(args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.alone_rounds < 1:
+        raise SystemExit(f"--alone-rounds {args.alone_rounds}: give 1 or more (2: each contestant twice, ABBA)")
     if args.cluster_primaries < 0:
         raise SystemExit(f"--cluster-primaries {args.cluster_primaries}: give 0 (one Redis) or the primaries, e.g. 3")
     with redis_target(args.cluster_primaries) as target:
         names = [name for name in args.contestants.split(",") if name.strip()]
         cost = {name: run_cost(target, name != "fifo", args) for name in names if name != "fair-wait"} \
             if args.cost_jobs else {}
-        runs = {name: run_contestant(target.url, name, args) for name in names}
+        alone: dict[str, list[dict]] = {name: [] for name in names}
+        for name in alone_order(names, args.alone_rounds):
+            alone[name].append(a_alone(target.url, name, args))
+        runs = {name: run_contestant(target.url, name, args, alone[name]) for name in names}
         redis_version = target.version
     fair, fifo = runs.get("fair"), runs.get("fifo")
     headline = {}

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvgate.bench import fleet_sim
-from kvgate.bench.fair import add_arguments, run
+from kvgate.bench.fair import add_arguments, alone_order, run
 from kvgate.bench.fleet_cluster import cluster_unavailable
 from kvgate.producer.protocol import FIELD, Keys, decode_job
 
@@ -31,6 +31,9 @@ def _every_phase_measured(r: dict) -> None:
     for name, c in r["runs"].items():
         assert c["contestant"] == name and c["answered_once"] is True
         assert c["a_alone_jobs_per_s"] > 0 and c["bc_rate_jobs_per_s"] > 0
+        passes = c["a_alone_passes_jobs_per_s"]  # two rounds by default: fifo, fair, fair, fifo
+        assert len(passes) == 2 and all(p > 0 for p in passes), passes
+        assert c["a_alone_jobs_per_s"] == pytest.approx(sum(passes) / 2, abs=0.06)
         for phase in ("alone_p99_wait_s", "flood_p99_wait_s", "flood_wait_ratio"):
             assert set(c[phase]) == {"b", "c"} and all(v > 0 for v in c[phase].values()), (name, phase, c[phase])
         for label in ("equal", "weighted_2_1_1"):
@@ -56,6 +59,13 @@ def test_kvgate_bench_fair_answers_every_job_once_and_the_fair_reader_keeps_b_an
                                                                            fifo["flood_p99_wait_s"])
     # the fair reader serves all three tenants side by side while they are backlogged: windows to measure
     assert fair["equal"]["windows"] >= 1 and fair["weighted_2_1_1"]["windows"] >= 1
+
+
+def test_a_alone_passes_take_turns_each_round_reversed_so_load_drift_weighs_on_every_contestant_alike():
+    assert alone_order(["fifo", "fair"], 2) == ["fifo", "fair", "fair", "fifo"]
+    assert alone_order(["fifo", "fair", "fair-wait"], 3) == ["fifo", "fair", "fair-wait", "fair-wait", "fair", "fifo",
+                                                             "fifo", "fair", "fair-wait"]
+    assert alone_order(["fair"], 1) == ["fair"]
 
 
 @pytest.mark.slow
