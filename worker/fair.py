@@ -7,7 +7,10 @@ the band's backlog `<band>:fair`, a sorted set scored by virtual token counters,
 its tokens (prompt plus output budget: the worker's running estimate) over the tenant's weight, lifting a tenant
 that was idle to the band's virtual time so it is owed nothing for its idle time (VTC, "Fairness in Serving Large
 Language Models", OSDI '24). The counters live in Redis, so every worker of the fleet advances one virtual clock.
-Strict priority between bands stays: a band is read only once the bands above it gave what they had.
+On a Redis Cluster a band is one shard's: each shard's counters are its own (a script touches one slot), and a worker
+adds what a tenant's jobs took in one shard to its counters in the others (`Fair.flush`), so each shard orders the
+tenants by what they took in the whole fleet, and a tenant whose backlog ran out in one shard first is served the more
+in the others. Strict priority between bands stays: a band is read only once the bands above it gave what they had.
 
 Latency beside a flood (`fair_preempt_ms`): the order alone gives a waiting tenant the next room anywhere in the
 fleet, but when one tenant's backlog has just filled every worker that room is seconds away. So a job of a tenant
@@ -45,7 +48,7 @@ from kvgate.producer.protocol import ID_AFTER_LUA, Keys, ProtocolError, as_text,
 log = logging.getLogger("kvgate.worker")
 MAX_WEIGHTS = 1000
 MAX_CHARGED = 100_000
-FAIR_FLUSH_S = 0.2  # counters' corrections go out this often (one pipeline; none when there are none)  # tenants with a weight passed to each read; the rest weigh 1
+FAIR_FLUSH_S = 0.2  # what tenants were served goes onto their counters this often (one pipeline; none when nothing was)
 FAIR_BLOCK_MS = 50  # an idle worker's wait while a band's backlog still has tenants (a race with another's read)
 
 
@@ -125,39 +128,88 @@ class Fair:
     active: bool = False  # we read tenants' streams: fair share is on, or a band still has backlogged tenants
     weights: dict[str, float] = field(default_factory=dict)
     charged: dict[str, float] = field(default_factory=dict)  # `stream|entry id` -> tokens its read charged
-    corrections: dict[tuple[str, str], float] = field(default_factory=dict)  # (backlog, tenant) -> tokens to add
+    # (band, tenant) -> weighted tokens to add to the tenant's counters: [charged by reads in that band (on a cluster,
+    # for the other shards' counters), corrected when jobs ended (for every shard's)]
+    served: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    siblings: dict[str, tuple[str, ...]] = field(default_factory=dict)  # band -> the same band in every shard
+    charged_here: bool = False  # a cluster: reads charged counters of one shard that the others lack yet
     script: object = None  # the pruning pass's (SWEEP_LUA), registered at its first use
 
     def read(self, entries, charge: float) -> None:
-        """Remember what each job read from a tenant's stream was charged (a takeover is not charged again)."""
+        """Remember what each job read from a tenant's stream was charged (a takeover is not charged again), and on
+        a cluster what its tenant's counters in the other shards are to be charged for it."""
         for e in entries:
-            if e.deliveries == 1 and self.band_of(e.stream) is not None:
+            band = self.band_of(e.stream) if e.deliveries == 1 else None
+            if band is not None:
                 self.charged[f"{e.stream}|{e.entry_id}"] = charge
+                if len(self.keys.parts) > 1:  # the read script charged its own shard's counter as READ_LUA does
+                    tenant = e.stream[len(band) + 3:]
+                    self._serve(band, tenant)[0] += max(charge, 1.0) / self.weights.get(tenant, 1.0)
+                    self.charged_here = True
         if len(self.charged) > MAX_CHARGED:  # jobs lost to a takeover never finish here: forget the oldest
             for key in list(self.charged)[:len(self.charged) - MAX_CHARGED]:
                 del self.charged[key]
 
     def finished(self, stream: str, entry_id: str, tenant: str | None, tokens: int) -> None:
-        """A job ended: its tenant's counter moves by what it really took (prompt plus generated tokens) minus what
+        """A job ended: its tenant's counters move by what it really took (prompt plus generated tokens) minus what
         its read charged, over its weight, as VTC counts. Sent with the next `flush`."""
         charge = self.charged.pop(f"{stream}|{entry_id}", None)
         band = self.band_of(stream)
         if charge is None or band is None:
             return
         tenant = stream[len(band) + 3:]
-        key = (Keys.fair_backlog(band), tenant)
-        self.corrections[key] = self.corrections.get(key, 0.0) + (tokens - charge) / self.weights.get(tenant, 1.0)
+        self._serve(band, tenant)[1] += (tokens - charge) / self.weights.get(tenant, 1.0)
+
+    def _serve(self, band: str, tenant: str) -> list[float]:
+        return self.served.setdefault((band, tenant), [0.0, 0.0])
 
     def flush(self) -> None:
-        """The counters' corrections, each only while its tenant is backlogged (XX): one that left comes back at
-        the band's virtual time anyway."""
-        if not self.corrections:
+        """What tenants were served since the last flush, onto their counters, each only where its tenant is
+        backlogged (XX: one that left comes back at the band's virtual time anyway). Corrections go to the counters
+        of the band in every shard, and on a Redis Cluster so does a read's charge (the read script charged its own
+        shard): each shard's counters count what a tenant took in the whole fleet, so where its backlog ran out
+        first its other shards serve it the more, and its share of the fleet holds (README, Fair share). One
+        command per tenant and shard a flush, whatever the jobs."""
+        if not self.served:
+            return
+        deltas: dict[tuple[str, str], float] = {}
+        for (band, tenant), (charged, corrected) in self.served.items():
+            for sibling in self._siblings(band):
+                delta = corrected + (charged if sibling != band else 0.0)
+                if delta:
+                    key = (Keys.fair_backlog(sibling), tenant)
+                    deltas[key] = deltas.get(key, 0.0) + delta
+        self.served, self.charged_here = {}, False
+        if not deltas:
             return
         pipe = self.client.pipeline(transaction=False)
-        for (backlog, tenant), delta in self.corrections.items():
+        for (backlog, tenant), delta in deltas.items():
             pipe.zadd(backlog, {tenant: delta}, xx=True, incr=True)
-        self.corrections = {}
         pipe.execute(raise_on_error=False)
+
+    def queue_spread(self, pipe) -> int:
+        """On a Redis Cluster, queue on the step's pipeline what reads charged tenants in one shard onto their
+        counters in the other shards (the rest waits for `flush`); how many commands. It cannot wait for the flush:
+        a tenant that joins another shard's backlog meanwhile starts where the counters are there, below what the
+        others took, and is owed it (the idle fleet's first fill takes hundreds of jobs at once)."""
+        n = 0
+        for (band, tenant), served in self.served.items():
+            if served[0]:
+                for sibling in self._siblings(band)[1:]:
+                    pipe.zadd(Keys.fair_backlog(sibling), {tenant: served[0]}, xx=True, incr=True)
+                    n += 1
+                served[0] = 0.0
+        self.charged_here = False
+        return n
+
+    def _siblings(self, band: str) -> tuple[str, ...]:
+        """The band (one model's shared stream of one priority) in every shard we serve, its own shard's first."""
+        if band not in self.siblings:
+            part = self.keys.of_stream(band)
+            suffix = band[len(part.prefix):]
+            others = (p.prefix + suffix for p in self.keys.parts if p is not part)
+            self.siblings[band] = (band, *(b for b in others if b in self.bands))
+        return self.siblings[band]
 
     def sweep(self, min_idle_ms: int, consumer: str) -> Swept:
         """Delete the tenants' streams left empty and the departed consumers of the others, a bounded slice of each

@@ -128,7 +128,9 @@ if min_idle > 0 then  -- every stream's orphans before any new entry: our own la
 end
 -- Fair share (worker/fair.py): the band's backlogged tenants, lowest virtual token counter first. A tenant is
 -- charged `charge` tokens per job over its weight when read; one newly backlogged (producers add it at -inf) is
--- placed at the band's virtual time, the counter last served: no credit for the time it was idle. Taken from the
+-- placed at the band's virtual time, the counter last served, or at the lowest counter of the tenants backlogged if
+-- that is higher (on a cluster workers add what tenants took in the other shards to this shard's counters, which
+-- moves no virtual time here): no credit for the time it was idle. Taken from the
 -- lowest up to the point where it would pass the next one (QUANTUM jobs at least). Each turn takes a job or drops a
 -- tenant, at most 64 turns: a read costs the same with 3 tenants or 100,000.
 -- A job may make room for itself on a full worker (worker/fair.py) only when its tenant had at most PREEMPT_BACKLOG
@@ -150,9 +152,15 @@ local function fair_take(index, band, backlog, pending)
   local vt_key = backlog .. ':vt'
   local vt = tonumber(redis.call('GET', vt_key) or 0) or 0
   local moved = false
-  local function counter(raw)  -- a score of -inf: newly backlogged, placed at the band's virtual time
-    if raw == '-inf' then return vt end
-    return tonumber(raw)
+  local floor = nil
+  local function counter(raw)  -- a score of -inf: newly backlogged, placed where the others are (below)
+    if raw ~= '-inf' then return tonumber(raw) end
+    if not floor then  -- the band's virtual time, or the lowest counter of the tenants backlogged if that is higher
+      local low = redis.call('ZRANGEBYSCORE', backlog, '(-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      floor = vt
+      if #low > 0 then floor = math.max(vt, tonumber(low[2])) end
+    end
+    return floor
   end
   local function serve(tenant, score, n, few)  -- read up to n of its jobs, charge it, drop it once it has none
     local w = weights[tenant] or 1

@@ -177,7 +177,10 @@ class Refill:
             replies = iter(pipe.execute())
             for slot in slots:
                 slot.take(replies)
-        return self.took(entries, count, reclaim_ms, len(entries) < count)
+        got = self.took(entries, count, reclaim_ms, len(entries) < count)
+        if self.fair.charged_here:  # on a cluster: onto the other shards' counters before the step that runs them
+            self.fair.flush()
+        return got
 
     def read_blocking(self, count: int) -> list[Entry]:
         """Wait for the next job (with lanes: on the shared streams and our own lanes). COUNT 1 per stream, on at

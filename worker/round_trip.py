@@ -56,10 +56,13 @@ class RoundTrip:
         told = 0
         if self.affinity.enabled and self.affinity.lanes:
             told = slots.add(Ignored(self.affinity.tell(pipe, self.refill.has_room(capacity, draining)))).n
+        spread = 0
+        if self.refill.fair.charged_here:  # on a cluster: what the last reads charged, onto the other shards' counters
+            spread = slots.add(Ignored(self.refill.fair.queue_spread(pipe))).n
         request = self.refill.request(capacity, draining)
         reads = slots.add(self.refill.queue_reads(pipe, request)) if request else None
         polled = slots.add(self.cancellation.queue(pipe, holding)) if holding else None
-        if not (slots.outbox.n or told or reads or polled):
+        if not (slots.outbox.n or told or spread or reads or polled):
             return False
         self.sent = Sent(self.io.submit(self.publisher.round_trip, pipe), slots, reads, polled)
         return True

@@ -224,3 +224,87 @@ def test_each_tenants_backlog_is_summed_over_the_bands_of_every_shard(cluster, n
             assert len({keys.shard_of(h.job_id) for h in handles}) > 1 or n < 10
     view = read_queue_stats(r, keys).tenant_view
     assert view.backlog_by_tenant and [(t.tenant, t.backlog) for t in view.top] == [("a", 40), ("b", 10)]
+
+
+def _fair_put(r, band: str, tenant: str, n: int) -> None:
+    """n jobs of `tenant` in its stream of `band`, through the SDK's fair enqueue script (joins the band's backlog)."""
+    from kvgate.producer.cluster import run_script
+    from kvgate.producer.submission import FAIR_ENQUEUE
+
+    script = r.register_script(FAIR_ENQUEUE)
+    for i in range(n):
+        job = Job(v=PROTOCOL_VERSION, job_id=uuid.uuid4().hex, client_id="c", enqueued_at=0.0, prompt=f"{tenant} {i}",
+                  tenant=tenant)
+        run_script(script, [Keys.tenant_jobs(band, tenant), *Keys.fair_keys(band)], [FIELD, encode(job), tenant], r)
+
+
+def test_a_tenant_keeps_its_share_of_the_fleet_when_its_backlog_runs_out_in_one_shard_first(cluster, namespace):
+    """Issue 27, fair share on a cluster: each shard's band keeps its own counters, so when A's backlog ran out in
+    the shard where it had had the fleet alone for a moment, that shard served only B while A's other shard served
+    them in turn: B took 20 more jobs than A in 120 while both still waited. Workers now add what a tenant took in
+    one shard to its counters in the others, so A's other shard serves A the more and the two stay within a few jobs
+    of each other while both wait anywhere."""
+    from kvgate.worker.fair import Fair
+    from kvgate.worker.reader import Reader, ReadPlan
+
+    r = connect(cluster.url)
+    keys = keys_for(cluster.url, r, namespace)
+    r.set(keys.fair(), 1)
+    bands = [keys.jobs(None, "normal", shard=k) for k in (0, 1)]
+    for band in bands:  # as a worker makes its shared streams' group at start
+        r.xgroup_create(band, Keys.GROUP, id="0", mkstream=True)
+    fair = Fair(r, keys, "keep", set(bands))
+    reader = Reader(r, "w1", ReadPlan(bands), keys=keys)
+    taken = {"a": 0, "b": 0}
+
+    def read(shard: int) -> int:
+        got = reader.read(2, ReadPlan([bands[shard]], fair={bands[shard]}, charge=10))
+        fair.read(got, 10)  # as the worker's refill does with every read, then its flush (every 0.2 s)
+        fair.flush()
+        for e in got:
+            taken[e.stream.rsplit(":t:", 1)[1]] += 1
+        return len(got)
+
+    for shard in (0, 1):
+        _fair_put(r, bands[shard], "a", 40)
+    for _ in range(10):  # A alone for a moment: the fleet fills from the shard its bulk submit reached first
+        assert read(0) == 2
+    for shard in (0, 1):
+        _fair_put(r, bands[shard], "b", 40)
+    taken.update(a=0, b=0)  # from here both wait: A's 20 left in shard 0 and 40 in shard 1, B's 40 and 40
+    worst = 0
+    while taken["a"] < 60:
+        assert read(0) + read(1) > 0
+        worst = max(worst, abs(taken["a"] - taken["b"]))
+    assert worst <= 6, (worst, taken)
+    while read(0) + read(1):
+        pass
+    assert taken == {"a": 60, "b": 80}  # every job read once
+
+
+def test_what_a_read_charged_goes_onto_the_other_shards_counters_once_and_corrections_onto_all(cluster, namespace):
+    """The step's pipeline carries a read's charge to the tenant's counters in the other shards (its own shard's the
+    read script charged); the flush then adds only the corrections of jobs that ended, to every shard's."""
+    from kvgate.worker.fair import Fair
+    from kvgate.worker.reader import Reader, ReadPlan
+
+    r = connect(cluster.url)
+    keys = keys_for(cluster.url, r, namespace)
+    bands = [keys.jobs(None, "normal", shard=k) for k in (0, 1)]
+    for band in bands:
+        r.xgroup_create(band, Keys.GROUP, id="0", mkstream=True)
+        _fair_put(r, band, "a", 5)
+    r.zadd(Keys.fair_backlog(bands[1]), {"a": 0})  # read there before: a real counter, not a newcomer's -inf
+    fair = Fair(r, keys, "keep", set(bands))
+    got = Reader(r, "w1", ReadPlan(bands), keys=keys).read(2, ReadPlan([bands[0]], fair={bands[0]}, charge=10))
+    fair.read(got, 10)
+    pipe = r.pipeline(transaction=False)
+    assert fair.queue_spread(pipe) == 1 and not fair.charged_here
+    pipe.execute()
+    scores = lambda: [r.zscore(Keys.fair_backlog(band), "a") for band in bands]  # noqa: E731
+    assert scores() == [20, 20]
+    fair.flush()
+    assert scores() == [20, 20]  # the charge went once
+    fair.finished(got[0].stream, got[0].entry_id, "a", 15)  # it took 15 tokens, charged 10
+    fair.flush()
+    assert scores() == [25, 25]

@@ -83,6 +83,20 @@ def test_a_new_tenant_is_not_owed_credit_for_its_idle_time(queue, thread_worker)
     assert gained >= 30, f"the old tenant got {gained} jobs while the new one got 60"
 
 
+def test_a_new_tenant_starts_at_the_lowest_counter_backlogged_when_that_is_above_the_virtual_time(queue):
+    """Counters also move where no read moves the band's virtual time: corrections, and on a cluster what tenants
+    took in the other shards (Fair.flush). A tenant that joins then starts where the backlogged tenants are, not at
+    the virtual time below them, or it would be owed what they took elsewhere."""
+    r, stream = queue.r, band(queue)
+    r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+    enqueue(queue, "a", 10)
+    r.zadd(Keys.fair_backlog(stream), {"a": 500})  # a took 5 jobs of 100 tokens elsewhere; no read here yet
+    enqueue(queue, "b", 10)
+    got = Reader(r, "w1", ReadPlan([stream], fair={stream}, charge=100)).read(8)
+    tenants = [e.stream.rsplit(":t:", 1)[1] for e in got]
+    assert tenants.count("a") == 4 and tenants.count("b") == 4, tenants  # b at a's 500: a quantum each
+
+
 def test_priority_bands_stay_strict_under_fair_share(queue, thread_worker):
     queue.r.set(queue.keys.fair(), 1)
     low = enqueue(queue, "a", 100, priority="low", max_tokens=8, ignore_eos=True)
