@@ -174,7 +174,7 @@ class Fair:
             return
         deltas: dict[tuple[str, str], float] = {}
         for (band, tenant), (charged, corrected) in self.served.items():
-            for sibling in self._siblings(band):
+            for sibling in self.siblings_of(band):
                 delta = corrected + (charged if sibling != band else 0.0)
                 if delta:
                     key = (Keys.fair_backlog(sibling), tenant)
@@ -195,20 +195,21 @@ class Fair:
         n = 0
         for (band, tenant), served in self.served.items():
             if served[0]:
-                for sibling in self._siblings(band)[1:]:
+                for sibling in (b for b in self.siblings_of(band) if b != band):
                     pipe.zadd(Keys.fair_backlog(sibling), {tenant: served[0]}, xx=True, incr=True)
                     n += 1
                 served[0] = 0.0
         self.charged_here = False
         return n
 
-    def _siblings(self, band: str) -> tuple[str, ...]:
-        """The band (one model's shared stream of one priority) in every shard we serve, its own shard's first."""
+    def siblings_of(self, band: str) -> tuple[str, ...]:
+        """The band (one model's shared stream of one priority) in every shard we serve, shard by shard: on one
+        Redis, the band alone."""
         if band not in self.siblings:
             part = self.keys.of_stream(band)
             suffix = band[len(part.prefix):]
-            others = (p.prefix + suffix for p in self.keys.parts if p is not part)
-            self.siblings[band] = (band, *(b for b in others if b in self.bands))
+            self.siblings[band] = tuple(b for p in self.keys.parts
+                                        if (b := p.prefix + suffix) == band or b in self.bands)
         return self.siblings[band]
 
     def sweep(self, min_idle_ms: int, consumer: str) -> Swept:
@@ -232,8 +233,11 @@ class Fair:
         return band if sep and band in self.bands else None
 
     def band_of_job(self, stream: str) -> str:
-        """The band a job read from this stream waits in: its tenant's band, else the stream itself."""
-        return self.band_of(stream) or stream
+        """The band a job read from this stream counts in for shares of a worker's jobs (Occupancy): its tenant's
+        band, else the stream itself; on a Redis Cluster a band's first shard stands for it in every shard, so a job
+        of one shard may make room among the jobs a worker read from the others."""
+        band = self.band_of(stream) or stream
+        return self.siblings_of(band)[0] if band in self.bands else band
 
     def write_weights(self, weights: dict[str, float]) -> None:
         """A weights file's tenants become the namespace's `{ns}:tenants`, replacing it in one step, so every
@@ -272,8 +276,8 @@ class Fair:
 
 @dataclass(slots=True)
 class Occupancy:
-    """The jobs a worker runs now in one band (not those stepped aside), by tenant, and who holds more than a share
-    of them. A tenant's share, for one more of its jobs: the jobs running plus that one over the tenants running
+    """The jobs a worker runs now in one band (on a Redis Cluster, its jobs of that model and priority from every
+    shard: Fair.band_of_job; not those stepped aside), by tenant, and who holds more than a share of them. A tenant's share, for one more of its jobs: the jobs running plus that one over the tenants running
     (counting it). Its job may make room when it stays within that share (`room`), and only tenants at or above it
     give way: a backlogged tenant's jobs (read from a backlog, not few: Entry.may_preempt unset) once it holds its
     share, a tenant with few jobs waiting only above it. So a job that made room never gives it back to the jobs it

@@ -308,9 +308,16 @@ class Refill:
             new = self.reader.queue(pipe, request.count, self._plan(request.reclaim_ms), request.reclaim_ms)
         elif request.preempt:
             plan = self._plan(0)
-            plan.preempt_ms, plan.occupancy = self.settings.fair_preempt_ms, request.preempt
+            # a band's shares count the jobs of every shard (Fair.band_of_job): the look may take from any of them
+            plan.preempt_ms = self.settings.fair_preempt_ms
+            plan.occupancy = {b: here for band, here in request.preempt.items() for b in self.fair.siblings_of(band)}
             new = self.reader.queue(pipe, 1, plan)
         return QueuedReads(request, held, new, FullOwners(self.affinity, self.affinity.look(pipe)))
+
+    def queue_spread(self, pipe) -> int:
+        """On a Redis Cluster, what the last reads charged tenants in one shard, queued onto their counters in the
+        others (Fair.queue_spread); how many commands."""
+        return self.fair.queue_spread(pipe) if self.fair.charged_here else 0
 
     def settle(self, sent: QueuedReads) -> list[Entry]:
         """The entries the round trip's reads took, to accept."""

@@ -56,9 +56,7 @@ class RoundTrip:
         told = 0
         if self.affinity.enabled and self.affinity.lanes:
             told = slots.add(Ignored(self.affinity.tell(pipe, self.refill.has_room(capacity, draining)))).n
-        spread = 0
-        if self.refill.fair.charged_here:  # on a cluster: what the last reads charged, onto the other shards' counters
-            spread = slots.add(Ignored(self.refill.fair.queue_spread(pipe))).n
+        spread = slots.add(Ignored(self.refill.queue_spread(pipe))).n
         request = self.refill.request(capacity, draining)
         reads = slots.add(self.refill.queue_reads(pipe, request)) if request else None
         polled = slots.add(self.cancellation.queue(pipe, holding)) if holding else None

@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 import uuid
 
 from kvgate.producer import AsyncClient, Client
@@ -226,16 +227,20 @@ def test_each_tenants_backlog_is_summed_over_the_bands_of_every_shard(cluster, n
     assert view.backlog_by_tenant and [(t.tenant, t.backlog) for t in view.top] == [("a", 40), ("b", 10)]
 
 
-def _fair_put(r, band: str, tenant: str, n: int) -> None:
-    """n jobs of `tenant` in its stream of `band`, through the SDK's fair enqueue script (joins the band's backlog)."""
+def _fair_put(r, band: str, tenant: str, n: int, max_tokens: int = 16) -> list[str]:
+    """n jobs of `tenant` in its stream of `band`, through the SDK's fair enqueue script (joins the band's backlog);
+    their ids."""
     from kvgate.producer.cluster import run_script
+    from kvgate.producer.protocol import Sampling
     from kvgate.producer.submission import FAIR_ENQUEUE
 
-    script = r.register_script(FAIR_ENQUEUE)
+    script, ids = r.register_script(FAIR_ENQUEUE), []
     for i in range(n):
         job = Job(v=PROTOCOL_VERSION, job_id=uuid.uuid4().hex, client_id="c", enqueued_at=0.0, prompt=f"{tenant} {i}",
-                  tenant=tenant)
+                  tenant=tenant, sampling=Sampling(max_tokens=max_tokens, ignore_eos=True))
         run_script(script, [Keys.tenant_jobs(band, tenant), *Keys.fair_keys(band)], [FIELD, encode(job), tenant], r)
+        ids.append(job.job_id)
+    return ids
 
 
 def test_a_tenant_keeps_its_share_of_the_fleet_when_its_backlog_runs_out_in_one_shard_first(cluster, namespace):
@@ -308,3 +313,27 @@ def test_what_a_read_charged_goes_onto_the_other_shards_counters_once_and_correc
     fair.finished(got[0].stream, got[0].entry_id, "a", 15)  # it took 15 tokens, charged 10
     fair.flush()
     assert scores() == [25, 25]
+
+
+def test_a_job_of_one_shard_makes_room_on_a_worker_full_of_jobs_read_from_another(cluster, namespace, tmp_path):
+    """Issue 27, latency beside a flood on a cluster: a worker's shares counted each shard's band apart, so a worker
+    full of A's jobs from shard 0 ran nothing "in" shard 1's band, had no tenant over its share there, and neither
+    looked for nor made room for B's job waiting in shard 1: it waited for one of A's jobs to end (a minute here).
+    Shares now count a model's priority whatever shard its jobs came from."""
+    procs = workers(cluster, namespace, 1, "--fair-share", "on", "--max-num-seqs", "4", "--sim-step-ms", "20",
+                    "--sim-num-blocks", "4096", tmp_path=tmp_path)
+    try:
+        r = connect(cluster.url)
+        keys = keys_for(cluster.url, r, namespace)
+        wait_for(lambda: r.exists(keys.fair()), 30, "the namespace's fair-share switch")
+        bands = [keys.jobs(None, "normal", shard=k) for k in (0, 1)]
+        flood = _fair_put(r, bands[0], "a", 4, max_tokens=3000)  # 3,000 steps of 20 ms each: a minute
+        a_stream = Keys.tenant_jobs(bands[0], "a")
+        wait_for(lambda: r.xinfo_groups(a_stream) and r.xinfo_groups(a_stream)[0]["pending"] == 4, 30,
+                 "the worker full of A's jobs")
+        time.sleep(0.5)  # they run
+        b = _fair_put(r, bands[1], "b", 1, max_tokens=4)
+        wait_for(lambda: r.exists(keys.at(1).result(b[0])), 20, "B's job answered while A's still run")
+        assert not any(r.exists(keys.at(0).result(job_id)) for job_id in flood)
+    finally:
+        stop_all(procs)
