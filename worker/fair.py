@@ -1,16 +1,17 @@
 """Fair share across tenants through the queue: what a worker knows of it, without I/O in the read itself.
 
 With `{ns}:fair` set (`kvgate worker --fair-share on`), producers send each job to its tenant's stream in its band
-(`<band>:t:<tenant>`, a band being one model's shared stream of one priority in one shard) and add the tenant to
-the band's backlog `<band>:fair`, a sorted set scored by virtual token counters, in one script. The read script
+(`<band>:t:<tenant>`, a band being one model's shared stream of one priority in one shard) and add the tenant to the
+band's backlog `<band>:fair`, a sorted set scored by virtual token counters, in one script. The read script
 (reader.py) serves a band after its shared stream: the lowest counter first, charging each job read an estimate of
 its tokens (prompt plus output budget: the worker's running estimate) over the tenant's weight, lifting a tenant
-that was idle to the band's virtual time so it is owed nothing for its idle time (VTC, "Fairness in Serving Large
-Language Models", OSDI '24). The counters live in Redis, so every worker of the fleet advances one virtual clock.
-On a Redis Cluster a band is one shard's: each shard's counters are its own (a script touches one slot), and a worker
-adds what a tenant's jobs took in one shard to its counters in the others (`Fair.flush`), so each shard orders the
-tenants by what they took in the whole fleet, and a tenant whose backlog ran out in one shard first is served the more
-in the others. Strict priority between bands stays: a band is read only once the bands above it gave what they had.
+that was idle to the band's virtual time (or to the lowest counter waiting, if that is higher) so it is owed nothing
+for its idle time (VTC, "Fairness in Serving Large Language Models", OSDI '24). The counters live in Redis, so every
+worker of the fleet advances one virtual clock. On a Redis Cluster a band is one shard's: each shard's counters are
+its own (a script touches one slot), and a worker adds what a tenant's jobs took in one shard to its counters in the
+others (`Fair.queue_spread`, `Fair.flush`), so each shard orders the tenants by what they took in the whole fleet,
+and a tenant whose backlog ran out in one shard first is served the more in the others. Strict priority between
+bands stays: a band is read only once the bands above it gave what they had.
 
 Latency beside a flood (`fair_preempt_ms`): the order alone gives a waiting tenant the next room anywhere in the
 fleet, but when one tenant's backlog has just filled every worker that room is seconds away. So a job of a tenant
@@ -277,10 +278,11 @@ class Fair:
 @dataclass(slots=True)
 class Occupancy:
     """The jobs a worker runs now in one band (on a Redis Cluster, its jobs of that model and priority from every
-    shard: Fair.band_of_job; not those stepped aside), by tenant, and who holds more than a share of them. A tenant's share, for one more of its jobs: the jobs running plus that one over the tenants running
-    (counting it). Its job may make room when it stays within that share (`room`), and only tenants at or above it
-    give way: a backlogged tenant's jobs (read from a backlog, not few: Entry.may_preempt unset) once it holds its
-    share, a tenant with few jobs waiting only above it. So a job that made room never gives it back to the jobs it
+    shard: Fair.band_of_job; not those stepped aside), by tenant, and who holds more than a share of them. A
+    tenant's share, for one more of its jobs: the jobs running plus that one over the tenants running (counting it).
+    Its job may make room when it stays within that share (`room`), and only tenants at or above it give way: a
+    backlogged tenant's jobs (read from a backlog, not few: Entry.may_preempt unset) once it holds its share, a
+    tenant with few jobs waiting only above it. So a job that made room never gives it back to the jobs it
     displaced, and between tenants with few jobs waiting at their share nothing moves. Shares count jobs: the ones
     that step aside are as many as the job needs, the youngest first."""
 
