@@ -111,6 +111,11 @@ return {deleted, gone}
 """
 
 
+def tenant_of(stream: str, band: str) -> str:
+    """The tenant whose stream in `band` this is (Keys.tenant_jobs)."""
+    return stream.removeprefix(Keys.tenant_jobs(band, ""))
+
+
 @dataclass(slots=True, frozen=True)
 class Swept:
     """What one pruning pass over the tenants' streams deleted."""
@@ -144,7 +149,7 @@ class Fair:
             if band is not None:
                 self.charged[f"{e.stream}|{e.entry_id}"] = charge
                 if len(self.keys.parts) > 1:  # the read script charged its own shard's counter as READ_LUA does
-                    tenant = e.stream[len(band) + 3:]
+                    tenant = tenant_of(e.stream, band)
                     self._serve(band, tenant)[0] += max(charge, 1.0) / self.weights.get(tenant, 1.0)
                     self.charged_here = True
         if len(self.charged) > MAX_CHARGED:  # jobs lost to a takeover never finish here: forget the oldest
@@ -158,7 +163,7 @@ class Fair:
         band = self.band_of(stream)
         if charge is None or band is None:
             return
-        tenant = stream[len(band) + 3:]
+        tenant = tenant_of(stream, band)
         self._serve(band, tenant)[1] += (tokens - charge) / self.weights.get(tenant, 1.0)
 
     def _serve(self, band: str, tenant: str) -> list[float]:

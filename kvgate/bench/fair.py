@@ -136,6 +136,18 @@ def tokens(final) -> int:
     return final.usage.prompt_tokens + final.usage.completion_tokens
 
 
+def answered_once(finals: dict, n: int) -> bool:
+    """Every one of the n jobs got exactly one final event."""
+    return len(finals) == n and all(len(f) == 1 for f in finals.values())
+
+
+def jobs_per_s(finals: dict) -> float:
+    """Jobs over the span from the first admission to the last finish (by each job's first final event)."""
+    firsts = [f[0] for f in finals.values()]
+    span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
+    return round(len(firsts) / span, 1)
+
+
 def window_shares(finals: dict, by_tenant: dict[str, list], window_s: float) -> list[dict[str, float]]:
     """Each tenant's share of the tokens of the jobs the fleet admitted in every full window while all of them were
     backlogged (up to the first tenant's last admission). By admission, the scheduler's decision: a job's finish
@@ -203,10 +215,7 @@ def a_alone(url: str, name: str, args) -> dict:
         fleet_sim.enqueue(ar.client, ar.keys, a, rate=None, batch=500, **ar.route)
         wait_answered(ar.client, ar.keys, a, 900)
         finals = finals_of(ar.client, ar.keys, a)
-    firsts = [finals[j.job_id][0] for j in a]
-    span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
-    out = {"contestant": name, "jobs_per_s": round(len(a) / span, 1),
-           "answered_once": len(finals) == len(a) and all(len(f) == 1 for f in finals.values())}
+    out = {"contestant": name, "jobs_per_s": jobs_per_s(finals), "answered_once": answered_once(finals, len(a))}
     print(json.dumps({"a_alone": out}), file=sys.stderr, flush=True)
     return out
 
@@ -225,38 +234,33 @@ def run_contestant(url: str, name: str, args, alone: list[dict]) -> dict:
 
     capacity = fleet_capacity(fleet_sim.mixed_fleet(args.workers), fleet_sim.JobMix(), args.step_ms / 1000,
                               args.per_token_ms / 1000)
-    n_a, n_bc = a_jobs(args), max(50, int(args.bc_jobs * args.scale))
-    n_share = max(100, int(args.share_jobs * args.scale))
     passes = [p["jobs_per_s"] for p in alone]
     out: dict = {"contestant": name, "capacity_jobs_per_s": round(capacity, 1),
                  "a_alone_passes_jobs_per_s": passes, "a_alone_jobs_per_s": round(sum(passes) / len(passes), 1)}
     # 20% of what this fleet does on this machine (its A-alone passes), or of the cost model's estimate
     rate = out["bc_rate_jobs_per_s"] = round(0.2 * (out["a_alone_jobs_per_s"] if args.rate_from == "measured"
                                                      else capacity), 1)
-    every: list = []
     with arena(url, name, args) as ar:
-        client, keys, route = ar.client, ar.keys, ar.route
-        out["lanes"], out["shards"] = ar.lanes, len(keys.parts)
-        try:
-            run_phases(url, ar, args, out, every, n_a, n_bc, n_share, rate)
-        finally:
-            out["stepped_aside"] = sum(w.engine.stats.stepped_aside for w in ar.fleet.workers)  # made room
-    jobs = [j for js in every for j in js]
-    finals = finals_of(client, keys, jobs)
-    out["answered_once"] = len(finals) == len(jobs) and all(len(f) == 1 for f in finals.values()) and \
-        all(p["answered_once"] for p in alone)
+        out["lanes"], out["shards"] = ar.lanes, len(ar.keys.parts)
+        phases, jobs = run_phases(url, ar, args, rate)
+        out.update(phases, stepped_aside=sum(w.engine.stats.stepped_aside for w in ar.fleet.workers))  # made room
+    finals = finals_of(ar.client, ar.keys, jobs)
+    out["answered_once"] = answered_once(finals, len(jobs)) and all(p["answered_once"] for p in alone)
     print(json.dumps({k: v for k, v in out.items() if k not in ("equal", "weighted_2_1_1")}), file=sys.stderr,
           flush=True)
     return out
 
 
-def run_phases(url: str, ar: Arena, args, out: dict, every: list, n_a: int, n_bc: int, n_share: int,
-               rate: float) -> None:
-    """The phases with B and C: alone, beside A's flood, and the share backlogs; each phase's jobs go to `every`."""
+def run_phases(url: str, ar: Arena, args, rate: float) -> tuple[dict, list]:
+    """The phases with B and C (alone, beside A's flood, and the share backlogs), B and C at `rate` jobs/s each:
+    their measures, and every job they enqueued."""
     from kvgate.bench import fleet_sim
     from kvgate.producer.redis_url import connect
 
     client, keys, route = ar.client, ar.keys, ar.route
+    n_bc, n_share = max(50, int(args.bc_jobs * args.scale)), max(100, int(args.share_jobs * args.scale))
+    out: dict = {}
+    every: list = []
 
     def open_loop(phase: str) -> tuple[list, list]:
         b, c = jobs_of("b", phase, n_bc, args.seed + 1), jobs_of("c", phase, n_bc, args.seed + 2)
@@ -274,7 +278,7 @@ def run_phases(url: str, ar: Arena, args, out: dict, every: list, n_a: int, n_bc
     out["alone_p99_wait_s"] = {"b": p99_wait(finals, b), "c": p99_wait(finals, c)}
     every += [b, c]
 
-    a = jobs_of("a", "flood", n_a, args.seed)
+    a = jobs_of("a", "flood", a_jobs(args), args.seed)
     fleet_sim.enqueue(client, keys, a, rate=None, batch=500, **route)
     b, c = open_loop("flood")
     wait_answered(client, keys, b + c, 600)
@@ -303,6 +307,7 @@ def run_phases(url: str, ar: Arena, args, out: dict, every: list, n_a: int, n_bc
         out[label] = {"windows": len(shares), "worst_deviation": round(worst, 3) if worst is not None else None,
                       "shares": shares}
         every += list(by.values())
+    return out, [j for js in every for j in js]
 
 
 def _drain_child(url: str, namespace: str, first: int, settings: dict, ready, stop) -> None:
@@ -342,12 +347,10 @@ def run_cost(target: Target, fair: bool, args) -> dict:
                        600, lambda: f"{len(jobs)} jobs not drained within 600 s")
     redis_cpu = target.cpu_seconds() - cpu0
     finals = fleet_sim.collect_finals(client, keys, clients)
-    firsts = [f[0] for f in finals.values()]
-    span = max(f.timings.finished for f in firsts) - min(f.timings.admitted for f in firsts if f.timings.admitted)
     out = {"contestant": "fair" if fair else "fifo", "jobs": len(jobs), "tenants": args.cost_tenants,
-           "jobs_per_s": round(len(jobs) / span, 1), "redis_cpu_s": round(redis_cpu, 2),
+           "jobs_per_s": jobs_per_s(finals), "redis_cpu_s": round(redis_cpu, 2),
            "jobs_per_redis_cpu_s": round(len(jobs) / max(redis_cpu, 1e-9), 1),
-           "answered_once": len(finals) == len(jobs) and all(len(f) == 1 for f in finals.values())}
+           "answered_once": answered_once(finals, len(jobs))}
     print(json.dumps({"cost": out}), file=sys.stderr, flush=True)
     return out
 
