@@ -181,11 +181,15 @@ def test_affinity_lanes_work_in_every_shard(cluster, namespace, tmp_path):
     try:
         with Client(cluster.url, namespace) as client:
             wait_for(lambda: run(client._lanes()) == 8, 30, "the producer to see the lanes")
-            handles = [client.submit(f"job {i}", max_tokens=6, prefix_key=f"tenant-{i % 4}") for i in range(48)]
+            # idempotency keys place the jobs: fixed keys that cover every shard (random job ids left one empty once)
+            ikeys = [f"lanes-{i}" for i in range(48)]
+            assert {client.keys.shard_of(k) for k in ikeys} == set(range(6))
+            handles = [client.submit(f"job {i}", max_tokens=6, prefix_key=f"tenant-{i % 4}", idempotency_key=k)
+                       for i, k in enumerate(ikeys)]
             assert [h.result(timeout=60).status for h in handles] == ["done"] * 48
-            streams = {client.router.entry(h.job_id)[0] for h in handles}
+            streams = [client.router.entry(h.job_id)[0] for h in handles]
         assert all(st.rsplit(":", 1)[1].isdigit() for st in streams), streams  # every job in a lane stream
-        assert len({client.keys.of_stream(st).shard for st in streams}) == 6
+        assert [client.keys.of_stream(st).shard for st in streams] == [client.keys.shard_of(k) for k in ikeys]
     finally:
         stop_all(procs)
 
