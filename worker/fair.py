@@ -44,16 +44,13 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pypro
 import redis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import ID_AFTER_LUA, PRIORITIES, Keys, ProtocolError, as_text, check_tenant_name
+from kvgate.producer.protocol import ID_AFTER_LUA, Keys, ProtocolError, as_text, check_tenant_name
 
 log = logging.getLogger("kvgate.worker")
 MAX_WEIGHTS = 1000
 MAX_CHARGED = 100_000
 FAIR_FLUSH_S = 0.2  # what tenants were served goes onto their counters this often (one pipeline; none when nothing was)
 FAIR_BLOCK_MS = 50  # an idle worker's wait while a band's backlog still has tenants (a race with another's read)
-VIEW_EVERY_S = 0.5  # on a cluster: a look at every shard's lowest counters this often (ShardView), besides the reads'
-TIE_JOBS = 4  # shards whose lowest counters differ by less than this many jobs' charge keep their turn
-STEER_OF = 4  # of this many reads on a cluster, all but one take the shard with the lowest counter first
 
 
 SWEEP_TENANTS = 64  # tenants' streams one pruning pass looks at per band, the longest unseen first
@@ -128,49 +125,6 @@ class Swept:
 
 
 @dataclass(slots=True)
-class ShardView:
-    """On a Redis Cluster with fair share: per band (one shard's), the lowest virtual token counter of its
-    backlogged tenants (-inf: a newcomer not yet placed), as this worker last saw it: from each read's reply (the
-    shard it read, after the read) and from a look at every shard each VIEW_EVERY_S (Fair.look). A read takes first
-    the shard whose highest band with backlogged tenants has the lowest counter: counters count what a tenant took
-    in the whole fleet (Fair.flush), so a tenant whose jobs wait in few shards is served there as its counter says.
-    Before, the shards took turns, and a tenant left in k of S shards got at most k/S of the reads, however far
-    behind it was. Shards within TIE_JOBS jobs' charge of each other keep their turn (so does one read in STEER_OF):
-    the view cannot see jobs in a band's shared stream (from before fair share was on), and those must not wait
-    for the tenants' backlogs to run dry."""
-
-    lows: dict[str, float] = field(default_factory=dict)  # band -> its lowest counter waiting; absent: none waits
-    reads: int = 0
-
-    def saw(self, lows) -> None:
-        """Band, lowest counter ('' for no tenant backlogged), band, counter, ...: the read script's and the look's."""
-        for band, low in zip(lows[::2], lows[1::2]):
-            band, low = as_text(band), as_text(low)
-            if low:
-                self.lows[band] = float(low)
-            else:
-                self.lows.pop(band, None)
-
-    def steers(self) -> bool:
-        """Whether this read takes the shards in the view's order (else in their turn)."""
-        self.reads += 1
-        return self.reads % STEER_OF != 0
-
-    def rank(self, streams: list[str], charge: float) -> tuple[int, float]:
-        """Where a shard (its streams in a read) comes: by its highest priority with backlogged tenants, then by
-        its lowest counter there, in steps of TIE_JOBS jobs' charge (equal steps keep the shards' turn); a shard
-        where no tenant waits comes last."""
-        best = (len(PRIORITIES), math.inf)
-        for stream in streams:
-            low = self.lows.get(stream)
-            if low is not None:
-                priority = stream.rpartition(":")[2]
-                step = low if math.isinf(low) else math.floor(low / (TIE_JOBS * max(charge, 1.0)))
-                best = min(best, (PRIORITIES.index(priority) if priority in PRIORITIES else len(PRIORITIES), step))
-        return best
-
-
-@dataclass(slots=True)
 class Fair:
     client: redis.Redis
     keys: Keys
@@ -185,7 +139,6 @@ class Fair:
     served: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     siblings: dict[str, tuple[str, ...]] = field(default_factory=dict)  # band -> the same band in every shard
     charged_here: bool = False  # a cluster: reads charged counters of one shard that the others lack yet
-    view: ShardView = field(default_factory=ShardView)  # a cluster: every shard's lowest counters, as last seen
     script: object = None  # the pruning pass's (SWEEP_LUA), registered at its first use
 
     def read(self, entries, charge: float) -> None:
@@ -254,19 +207,6 @@ class Fair:
                 served[0] = 0.0
         self.charged_here = False
         return n
-
-    def look(self) -> None:
-        """On a Redis Cluster: every shard's bands' lowest counters into the view, in one pipeline (one command per
-        band and shard), so a shard this worker has not read lately is seen as it is now."""
-        bands = sorted(self.bands)
-        pipe = self.client.pipeline(transaction=False)
-        for band in bands:
-            pipe.zrange(Keys.fair_backlog(band), 0, 0, withscores=True)
-        lows = []
-        for band, low in zip(bands, pipe.execute(raise_on_error=False)):
-            if not isinstance(low, Exception):
-                lows += [band, repr(low[0][1]) if low else ""]
-        self.view.saw(lows)
 
     def siblings_of(self, band: str) -> tuple[str, ...]:
         """The band (one model's shared stream of one priority) in every shard we serve, shard by shard: on one

@@ -17,7 +17,7 @@ import redis
 
 from kvgate.producer.cluster import run_script
 from kvgate.producer.protocol import Keys, as_text
-from kvgate.worker.fair import Occupancy, ShardView
+from kvgate.worker.fair import Occupancy
 
 # KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none), and with
 # affinity lanes: how many leading streams are ours (the rest are other workers' lanes, in a rotating order), the age
@@ -27,13 +27,11 @@ from kvgate.worker.fair import Occupancy, ShardView
 # and the most entries a read may take from their lanes in all; and how many of the streams right after ours are lanes
 # of owners that said they are full: their entries are taken without waiting the steal age.
 # With fair share, ARGV[11..]: how many bands are fair, the charge per job, the preempting look's wait in ms (0: a
-# plain read; else only that look, below), how many triples follow, 1 to have each fair band's lowest counter after the
-# read returned (on a cluster: worker/fair.py's ShardView) else 0, and the triples (a band's index in KEYS, a tenant,
+# plain read; else only that look, below), how many triples follow and the triples (a band's index in KEYS, a tenant,
 # 1 if a job of it may make room in the worker in that band, else 0; the tenant '' for a tenant not running there:
 # worker/fair.py's Occupancy.makes_room), the bands' indexes in KEYS, then
-# tenant/weight pairs. The reply is {rows, lows}: each stream's row is {stream, new entries, taken-over entries}, and
-# from a tenant's stream a 1 or 0: whether its jobs may make room for themselves (below); lows, when asked, is band,
-# lowest counter of its backlogged tenants ('' for none), band, counter, ...
+# tenant/weight pairs. Each stream's reply is {stream, new entries, taken-over entries}, and from a tenant's stream
+# a 1 or 0: whether its jobs may make room for themselves (below).
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 READ_LUA = """
@@ -45,14 +43,13 @@ local steal_max = tonumber(ARGV[9] or want)
 local urgent = home + tonumber(ARGV[10] or 0)
 local nfair, charge = tonumber(ARGV[11] or 0), math.max(tonumber(ARGV[12] or 1), 1)
 local preempt_ms, ntriples = tonumber(ARGV[13] or 0), tonumber(ARGV[14] or 0)
-local want_lows = tonumber(ARGV[15] or 0) == 1
 local rooms = {}  -- a preempting look: band index -> tenant ('' for any other) -> 1 if its job may make room there
 for j = 0, ntriples - 1 do
-  local index, tenant, n = tonumber(ARGV[16 + 3 * j]), ARGV[17 + 3 * j], tonumber(ARGV[18 + 3 * j])
+  local index, tenant, n = tonumber(ARGV[15 + 3 * j]), ARGV[16 + 3 * j], tonumber(ARGV[17 + 3 * j])
   rooms[index] = rooms[index] or {}
   rooms[index][tenant] = n
 end
-local after = 15 + 3 * ntriples
+local after = 14 + 3 * ntriples
 local fair_at, weights = {}, {}  -- band stream's index in KEYS -> its fair keys' position; tenant -> weight
 for j = 1, nfair do fair_at[tonumber(ARGV[after + j])] = j end
 for i = after + 1 + nfair, #ARGV - 1, 2 do weights[ARGV[i]] = math.max(tonumber(ARGV[i + 1]) or 1, 0.001) end
@@ -242,15 +239,7 @@ for index = 1, last_key do
   local j = fair_at[index]
   if j and want > 0 and not looked then fair_take(index, key, KEYS[total + 2 * j - 1], KEYS[total + 2 * j]) end
 end
-local lows = {}
-if want_lows then
-  for index, j in pairs(fair_at) do
-    local low = redis.call('ZRANGE', KEYS[total + 2 * j - 1], 0, 0, 'WITHSCORES')
-    lows[#lows + 1] = KEYS[index]
-    lows[#lows + 1] = low[2] or ''
-  end
-end
-return {out, lows}
+return out
 """
 
 class Entry(NamedTuple):
@@ -279,7 +268,6 @@ class ReadPlan:
     preempt_ms: int = 0  # fair share, >0: a full worker's preempting look, for a job waiting this long (worker/fair.py)
     # fair share, that look: per band, what the worker runs there (worker/fair.py), for the bands it may preempt in
     occupancy: dict[str, Occupancy] = field(default_factory=dict)
-    view: ShardView | None = None  # fair share on a cluster: the shards' lowest counters, which order the shards
 
     def urgent_streams(self) -> list[str]:
         return self.streams[self.home:self.home + self.urgent] if self.home is not None else []
@@ -287,14 +275,12 @@ class ReadPlan:
 
 @dataclass(slots=True)
 class ReadSlot:
-    """A read queued on a shared pipeline: its one reply parsed into entries when the round trip settles (and what
-    it saw of its shard's counters, into the plan's view)."""
+    """A read queued on a shared pipeline: its one reply parsed into entries when the round trip settles."""
 
     entries: list[Entry] = field(default_factory=list)
-    view: ShardView | None = None
 
     def take(self, replies: Iterator) -> None:
-        self.entries = Reader.parse(next(replies), self.view)
+        self.entries = Reader.parse(next(replies))
 
 
 @dataclass(slots=True)
@@ -332,7 +318,7 @@ class Reader:
         out: list[Entry] = []
         for streams, args in self._scripts(count, plan, reclaim_idle_ms):
             args[2] = count - len(out)
-            out += self.parse(run_script(self.script, streams, args, self.client), self.plan.view)
+            out += self.parse(run_script(self.script, streams, args, self.client))
             if len(out) >= count:
                 break
         return out
@@ -342,7 +328,7 @@ class Reader:
         and the shards take turns."""
         streams, args = self._scripts(count, plan, reclaim_idle_ms)[0]
         run_script(self.script, streams, args, pipe)
-        return ReadSlot(view=plan.view)
+        return ReadSlot()
 
     def _scripts(self, count: int, plan: ReadPlan | None, reclaim_idle_ms: int) -> list[tuple[list[str], list]]:
         """Each shard's script call (KEYS, ARGV), in the order this read takes the shards."""
@@ -355,11 +341,9 @@ class Reader:
             streams, overdue, self.turn = self.order(), [], self.turn + 1
         groups = self._by_shard(plan, streams, overdue)
         self.shard_turn += 1
-        turn = [groups[(self.shard_turn + i) % len(groups)] for i in range(len(groups))]
-        if plan.view is not None and len(turn) > 1 and plan.view.steers():
-            turn.sort(key=lambda group: plan.view.rank(group[0], plan.charge))  # ties keep their turn
         calls = []
-        for keys, home, urgent, others in turn:
+        for i in range(len(groups)):
+            keys, home, urgent, others = groups[(self.shard_turn + i) % len(groups)]
             args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
             bands = [i + 1 for i, st in enumerate(keys) if st in plan.fair]
             if plan.home is not None:
@@ -369,8 +353,7 @@ class Reader:
             if bands:
                 triples = [(i, t or "", int(here.makes_room(t))) for i in bands if (here := plan.occupancy.get(keys[i - 1]))
                            is not None for t in (None, *here.counts)]
-                args += [len(bands), plan.charge, plan.preempt_ms, len(triples), int(plan.view is not None),
-                         *(x for t in triples for x in t),
+                args += [len(bands), plan.charge, plan.preempt_ms, len(triples), *(x for t in triples for x in t),
                          *bands, *(x for t, w in plan.weights.items() for x in (t, w))]
                 others = others + [k for i in bands for k in (Keys.fair_backlog(keys[i - 1]),
                                                                    Keys.fair_pending(keys[i - 1]))]
@@ -395,13 +378,9 @@ class Reader:
         return [(keys, n[0], n[1], others) for _, (keys, n, others) in sorted(groups.items())]
 
     @staticmethod
-    def parse(reply, view: ShardView | None = None) -> list[Entry]:
-        """A read script's reply as entries; what it saw of its shard's counters goes into `view`."""
-        rows, lows = reply
-        if view is not None:
-            view.saw(lows)
+    def parse(reply) -> list[Entry]:
         out: list[Entry] = []
-        for stream, entries, claimed, *few in rows:
+        for stream, entries, claimed, *few in reply:
             stream, may_preempt = as_text(stream), few == [1]
             out += [Entry(stream, as_text(i), _pairs(f), n) for i, f, n in claimed]
             out += [Entry(stream, as_text(i), _pairs(f), 1, may_preempt) for i, f in entries]

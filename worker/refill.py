@@ -341,8 +341,6 @@ class Refill:
         plan.steal_max = 0 if self.queue.tickets else 1
         if self.fair.active:  # tenants' streams after each band's shared stream, by virtual token counters
             plan.fair, plan.charge, plan.weights = self.fair.bands, self.queue.tokens_per_job, self.fair.weights
-            if len(self.keys.parts) > 1:  # a cluster: the shard with the lowest counters first (ShardView)
-                plan.view = self.fair.view
         return plan
 
     def _reclaim_ms(self) -> int:

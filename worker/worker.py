@@ -27,7 +27,7 @@ from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
-from kvgate.worker.fair import FAIR_FLUSH_S, VIEW_EVERY_S, Fair, Occupancy, read_weights
+from kvgate.worker.fair import FAIR_FLUSH_S, Fair, Occupancy, read_weights
 from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
@@ -362,8 +362,6 @@ class Worker:
             self._beat()
         if self._every("fair", FAIR_FLUSH_S):
             self.fair.flush()  # tenants' counters corrected by what their finished jobs really took
-        if self.fair.active and len(self.keys.parts) > 1 and self._every("fair view", VIEW_EVERY_S):
-            self.fair.look()  # every shard's lowest counters: which shard a read takes first
         if self._every("trim", s.trim_interval_s):
             self.trims += 1
             # Only streams with entries we acknowledged can have more to trim; all of them now and then, for

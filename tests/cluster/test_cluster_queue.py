@@ -291,54 +291,6 @@ def test_a_tenant_keeps_its_share_of_the_fleet_when_its_backlog_runs_out_in_one_
     assert taken == {"a": 60, "b": 80}  # every job read once
 
 
-def _tail_shares(r, keys, steered: bool) -> tuple[int, dict[str, int]]:
-    """A fleet's reads (one reader, each read followed by the worker's spread and flush) over three shards where A's
-    jobs wait in all three and B's in one: the widest gap between A's and B's jobs taken while both wait."""
-    from kvgate.worker.fair import Fair
-    from kvgate.worker.reader import Reader, ReadPlan
-
-    bands = [keys.jobs(None, "normal", shard=k) for k in (0, 1, 2)]
-    for band in bands:
-        r.xgroup_create(band, Keys.GROUP, id="0", mkstream=True)
-        _fair_put(r, band, "a", 40)
-    _fair_put(r, bands[2], "b", 40)
-    fair = Fair(r, keys, "keep", set(bands))
-    fair.look()  # as the worker does every VIEW_EVERY_S on a cluster
-    plan = ReadPlan(bands, fair=set(bands), charge=10, view=fair.view if steered else None)
-    reader, taken, worst = Reader(r, "w1", plan, keys=keys), {"a": 0, "b": 0}, 0
-    while taken["b"] < 40:
-        got = reader.read(2, plan)
-        assert got
-        fair.read(got, 10)
-        fair.flush()
-        for e in got:
-            taken[e.stream.rsplit(":t:", 1)[1]] += 1
-        worst = max(worst, abs(taken["a"] - taken["b"]))
-    return worst, taken
-
-
-def test_a_tenant_whose_jobs_wait_in_one_shard_gets_its_share_not_that_shards_turn(cluster, namespace):
-    """Issue 27, the cluster's tail: once B's jobs waited in one shard of three and A's in all, the shards' turns
-    gave B one read in three however far behind its counters were: A took 80 jobs while B took 40. A read now
-    takes first the shard with the lowest counter (ShardView), so B's shard is read while B is behind, and the
-    two take turns within a few jobs."""
-    r = connect(cluster.url)
-    keys = keys_for(cluster.url, r, namespace)
-    r.set(keys.fair(), 1)
-    worst, taken = _tail_shares(r, keys, steered=True)
-    # the widest gap is A's head start: four reads before B's first, the newcomer starting level with A's counter
-    assert worst <= 12 and taken["a"] <= 48, (worst, taken)
-
-
-def test_shards_in_turn_left_a_tenant_in_one_shard_a_third_of_the_reads(cluster, namespace):
-    """The same reads with the shards in turn (no view): what the test above guards against, so it can fail."""
-    r = connect(cluster.url)
-    keys = keys_for(cluster.url, r, namespace)
-    r.set(keys.fair(), 1)
-    worst, taken = _tail_shares(r, keys, steered=False)
-    assert taken["a"] >= 70 and worst >= 30, (worst, taken)
-
-
 def test_what_a_read_charged_goes_onto_the_other_shards_counters_once_and_corrections_onto_all(cluster, namespace):
     """The step's pipeline carries a read's charge to the tenant's counters in the other shards (its own shard's the
     read script charged); the flush then adds only the corrections of jobs that ended, to every shard's."""
