@@ -376,3 +376,17 @@ def smollm2_client(url: str, ns: str, *args: str, worker_id: str):
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def fair_enqueue(client, band: str, jobs: list[Job], pipe=None) -> list[str]:
+    """Jobs as the SDK enqueues them with fair share on (its FAIR_ENQUEUE script): each in its tenant's stream of
+    `band`, the tenant joining the band's backlog; on `pipe` if given (queued: the caller executes it), else at
+    once. `client` (one Redis or a cluster) registers the script. Their ids."""
+    from kvgate.producer.cluster import run_script
+    from kvgate.producer.submission import FAIR_ENQUEUE
+
+    script = client.register_script(FAIR_ENQUEUE)
+    for job in jobs:
+        run_script(script, [Keys.tenant_jobs(band, job.tenant), *Keys.fair_keys(band)],
+                   [FIELD, encode(job), job.tenant], pipe if pipe is not None else client)
+    return [job.job_id for job in jobs]

@@ -16,7 +16,7 @@ from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, decode_
 from kvgate.producer.redis_url import connect, keys_for
 from kvgate.producer.steps import run
 from tests.reliability.chaos_harness import stop_all
-from tests.support import spawn_worker, wait_for
+from tests.support import fair_enqueue, spawn_worker, wait_for
 
 SIM = ("--simulated", "--sim-step-ms", "2", "--sim-per-token-ms", "0.01", "--max-num-seqs", "16")
 
@@ -232,19 +232,12 @@ def test_each_tenants_backlog_is_summed_over_the_bands_of_every_shard(cluster, n
 
 
 def _fair_put(r, band: str, tenant: str, n: int, max_tokens: int = 16) -> list[str]:
-    """n jobs of `tenant` in its stream of `band`, through the SDK's fair enqueue script (joins the band's backlog);
-    their ids."""
-    from kvgate.producer.cluster import run_script
+    """n jobs of `tenant` in its stream of `band`, through the SDK's fair enqueue script; their ids."""
     from kvgate.producer.protocol import Sampling
-    from kvgate.producer.submission import FAIR_ENQUEUE
 
-    script, ids = r.register_script(FAIR_ENQUEUE), []
-    for i in range(n):
-        job = Job(v=PROTOCOL_VERSION, job_id=uuid.uuid4().hex, client_id="c", enqueued_at=0.0, prompt=f"{tenant} {i}",
-                  tenant=tenant, sampling=Sampling(max_tokens=max_tokens, ignore_eos=True))
-        run_script(script, [Keys.tenant_jobs(band, tenant), *Keys.fair_keys(band)], [FIELD, encode(job), tenant], r)
-        ids.append(job.job_id)
-    return ids
+    return fair_enqueue(r, band, [Job(v=PROTOCOL_VERSION, job_id=uuid.uuid4().hex, client_id="c", enqueued_at=0.0,
+                                      prompt=f"{tenant} {i}", tenant=tenant,
+                                      sampling=Sampling(max_tokens=max_tokens, ignore_eos=True)) for i in range(n)])
 
 
 def test_a_tenant_keeps_its_share_of_the_fleet_when_its_backlog_runs_out_in_one_shard_first(cluster, namespace):

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from kvgate import Client
-from kvgate.producer.protocol import FIELD, Keys, encode
+from kvgate.producer.protocol import FIELD, Keys
 from kvgate.worker.reader import Reader, ReadPlan
-from tests.support import wait_for
+from tests.support import fair_enqueue, wait_for
 
 SIM = ("--simulated", "--sim-num-blocks", "1024", "--sim-per-token-ms", "0.01", "--heartbeat-interval-s", "0.2")
 
@@ -23,14 +23,9 @@ def band(queue, priority: str = "normal") -> str:
 
 def enqueue(queue, tenant: str, n: int, priority: str = "normal", **sampling) -> list[str]:
     """Jobs as the SDK enqueues them with fair share on: the tenant's stream, and the tenant in the backlog."""
-    from kvgate.producer.submission import FAIR_ENQUEUE
-
-    script, b = queue.r.register_script(FAIR_ENQUEUE), band(queue, priority)
-    ids, pipe = [], queue.r.pipeline(transaction=True)
-    for _ in range(n):
-        job = queue.job("same prompt", tenant=tenant, priority=priority, **sampling)
-        script(keys=[Keys.tenant_jobs(b, tenant), *Keys.fair_keys(b)], args=[FIELD, encode(job), tenant], client=pipe)
-        ids.append(job.job_id)
+    jobs = [queue.job("same prompt", tenant=tenant, priority=priority, **sampling) for _ in range(n)]
+    pipe = queue.r.pipeline(transaction=True)
+    ids = fair_enqueue(queue.r, band(queue, priority), jobs, pipe)
     pipe.execute()
     return ids
 
