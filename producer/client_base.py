@@ -27,6 +27,7 @@ from .quotas import Quota, QuotaLedger, Quotas, quotas_of, release, take, tenant
 from .redis_url import FAILOVER_BUDGET_S, Durability
 from .request import plain_messages
 from .result import Result
+from .spread import TenantSpread
 from .steps import Sleep, Steps, call
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, group_commands, group_exists,
                          new_models, owners, prepare, send_riding_failovers)
@@ -74,6 +75,7 @@ class ClientBase:
         self.client_id = check_client_id(client_id or secrets.token_urlsafe(16))
         self._gate = BacklogGate(max_backlog, backpressure)
         self._lane_count = LaneCount()
+        self._spreader: TenantSpread | None = None
         self.router = ReplyRouter(self._notify, self._ledger.finished)
         self._grouped: set[str] = set()  # models whose streams have the workers' group
         self._closed = False
@@ -93,8 +95,9 @@ class ClientBase:
         MULTI/EXEC; PartiallySubmitted when a later chunk is refused."""
         lanes = yield from self._lanes()
         fair = self._lane_count.fair
+        spread = self._spread()
         prepared = [prepare(self._own(plain_messages(r)), self.keys, self.client_id, where=f"requests[{i}].",
-                            lanes=lanes, fair=fair) for i, r in enumerate(requests)]
+                            lanes=lanes, fair=fair, spread=spread) for i, r in enumerate(requests)]
         handles: list = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
             for start in range(0, len(prepared), chunk_size):
@@ -109,8 +112,16 @@ class ClientBase:
 
     def _submit(self, args: dict[str, Any]) -> Steps:
         lanes = yield from self._lanes()
-        prepared = prepare(self._own(args), self.keys, self.client_id, lanes=lanes, fair=self._lane_count.fair)
+        prepared = prepare(self._own(args), self.keys, self.client_id, lanes=lanes, fair=self._lane_count.fair,
+                           spread=self._spread())
         return (yield from self._enqueue([prepared]))[0]
+
+    def _spread(self) -> TenantSpread | None:
+        """Fair share on a cluster deals each tenant's jobs out over the shards (producer/spread.py); made once the
+        client knows its shards."""
+        if self._spreader is None and len(self.keys.parts) > 1:
+            self._spreader = TenantSpread(len(self.keys.parts))
+        return self._spreader
 
     def _own(self, args: Any) -> Any:
         """A submit's arguments with this client's tenant, unless they name one (or are not a dict: validation

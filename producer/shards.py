@@ -5,7 +5,8 @@ primaries hold contiguous slot ranges (what `redis-cli --cluster create` makes) 
 A shard holds its job streams (every model, priority and lane), its reply streams (one per client and shard),
 results, cancel flags, idempotency claims and dead letters: a job's whole life is in one slot, so the finish
 script (result + reply + ack) stays atomic. A job's shard is the hash of its job id, or of its idempotency key
-when it has one (so a resubmission meets the claim), and then its job id is drawn to hash to the same shard.
+when it has one (so a resubmission meets the claim), and then its job id is drawn to hash to the same shard; with
+fair share on, a job without one goes to the shard its producer deals it to (spread.py), its id drawn to hash there.
 Names that describe the fleet (heartbeats, models, lanes, batches) live in shard 0.
 
 On one Redis there is one shard and no tag: key names are what they always were.

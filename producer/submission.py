@@ -13,7 +13,9 @@ from .idempotency import CLAIM_AND_ENQUEUE, FAIR_JOIN_LUA, IDEMPOTENCY_TTL_S, Cl
 from .lanes import lane_of, routing_key
 from .redis_url import FAILOVER_BUDGET_S, FAILOVER_ERRORS
 from .protocol import DEFAULT_MODEL, DEFAULT_TENANT, FIELD, Job, Keys, as_text
+from .quotas import estimate_tokens
 from .request import build_job, encode_job, new_job_id, validate_request
+from .spread import TenantSpread
 from .steps import Sleep, Steps
 
 CANCEL_TTL_S = 24 * 3600
@@ -36,10 +38,15 @@ class Prepared:
 
 
 def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "", lanes: int = 0,
-            fair: bool = False) -> Prepared:
+            fair: bool = False, spread: TenantSpread | None = None) -> Prepared:
+    """One request validated and made a job, and where it goes. With fair share on a cluster, `spread` deals the
+    jobs without an idempotency key out over the shards (producer/spread.py)."""
     req = validate_request(kwargs, where)
     job = build_job(req, client_id, job_id=job_id_for(keys, req.idempotency_key), where=where)
     model = req.model or DEFAULT_MODEL
+    if fair and spread is not None and req.idempotency_key is None:
+        tenant = job.tenant or DEFAULT_TENANT
+        job.job_id = job_id_in(keys, spread.shard_for(tenant, model, job.priority, estimate_tokens(job)))
     if fair:  # the tenant's stream in the band, which joins the band's backlog in the same script
         band = keys.jobs(model, job.priority, shard=keys.shard_of(job.job_id))
         prepared = Prepared(job, encode_job(job, where), Keys.tenant_jobs(band, job.tenant or DEFAULT_TENANT), model,
@@ -59,7 +66,11 @@ def job_id_for(keys: Keys, idempotency_key: str | None) -> str | None:
     its id is drawn until it hashes there too: every key of the job is then in one slot. None: any new id."""
     if idempotency_key is None or len(keys.parts) == 1:
         return None
-    shard = keys.shard_of(idempotency_key)
+    return job_id_in(keys, keys.shard_of(idempotency_key))
+
+
+def job_id_in(keys: Keys, shard: int) -> str:
+    """A new job id that hashes to `shard` (one try in as many as there are shards, on average)."""
     while keys.shard_of(job_id := new_job_id()) != shard:
         pass
     return job_id

@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Callable
 
 from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, Keys
+from kvgate.producer.spread import TenantSpread
 
+CONTESTANTS = ("fifo", "fair", "fair-wait", "fair-hashed")
 TARGET_WAIT_RATIO = 2.0
 TARGET_ALONE_RATIO = 0.95
 TARGET_SHARE_TOLERANCE = 0.15
@@ -95,11 +97,25 @@ def namespace(url: str, name: str):
     return client, keys_for(url, client, f"{name}-{time.time_ns()}")
 
 
+def spread_of(keys: Keys, fair: bool) -> TenantSpread | None:
+    """How the SDK deals a fair-share producer's jobs out over a cluster's shards; None on one Redis or not fair."""
+    return TenantSpread(len(keys.parts)) if fair and len(keys.parts) > 1 else None
+
+
 def worker_settings(args, contestant: str) -> dict:
     """Further WorkerSettings of every worker of the variant (affinity lanes on, as W-PREFIX's lanes contestant) and
     of the contestant (fair-wait: no room made for a job that waited)."""
     settings = {"affinity": "on", "affinity_lanes": args.lanes} if args.affinity == "on" else {}
     return settings | ({"fair_preempt_ms": 0} if contestant == "fair-wait" else {})
+
+
+def check_contestants(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(CONTESTANTS))
+    if unknown or not names:
+        raise SystemExit(f"--contestants {text!r}: {'unknown ' + ', '.join(unknown) if unknown else 'none given'}; "
+                         f"choose from {', '.join(CONTESTANTS)}, comma-separated")
+    return names
 
 
 def finals_of(client, keys: Keys, jobs: list) -> dict[str, list]:
@@ -174,7 +190,7 @@ class Arena:
     client: object
     keys: Keys
     fleet: object
-    route: dict  # fleet_sim.enqueue's fair= and lanes=
+    route: dict  # fleet_sim.enqueue's fair=, lanes= and spread=
     lanes: int  # the ring's lanes (affinity on), whether the contestant's producers route into them or not
 
 
@@ -182,12 +198,14 @@ class Arena:
 def arena(url: str, name: str, args):
     """A fresh namespace (fair share set unless `name` is fifo) and a fleet of the contestant's workers on it;
     lanes on: every worker in the ring before the first job. FIFO's producers route into the lanes, the fair
-    contestant's send to tenants' streams whatever the lanes (the SDK's rule)."""
+    contestant's send to tenants' streams whatever the lanes (the SDK's rule); on a cluster, dealt out over the
+    shards as the SDK deals them (producer/spread.py), but fair-hashed's each in the shard its job id hashes to."""
     from kvgate.bench import fleet_sim
     from kvgate.bench.prefix import wait_for_ring
 
     fair = name != "fifo"
     client, keys = namespace(url, f"wfair-{name}")
+    spread = spread_of(keys, fair and name != "fair-hashed")
     if fair:
         client.set(keys.fair(), 1)
     specs = fleet_sim.mixed_fleet(args.workers)
@@ -196,7 +214,7 @@ def arena(url: str, name: str, args):
                                   **worker_settings(args, name))
     try:
         lanes = wait_for_ring(client, keys, len(specs)) if args.affinity == "on" else 0
-        yield Arena(client, keys, fleet, dict(fair=fair, lanes=0 if fair else lanes), lanes)
+        yield Arena(client, keys, fleet, dict(fair=fair, lanes=0 if fair else lanes, spread=spread), lanes)
     finally:
         fleet.stop()
 
@@ -340,7 +358,7 @@ def run_cost(target: Target, fair: bool, args) -> dict:
         client.set(keys.lanes(), args.lanes, nx=True)
     lanes = int(client.get(keys.lanes())) if settings and not fair else 0
     cpu0 = target.cpu_seconds()
-    fleet_sim.enqueue(client, keys, jobs, rate=None, batch=1000, fair=fair, lanes=lanes)
+    fleet_sim.enqueue(client, keys, jobs, rate=None, batch=1000, fair=fair, lanes=lanes, spread=spread_of(keys, fair))
     streams = sorted({Keys.tenant_jobs(fleet_sim.fair_band(keys, j), j.tenant) if fair
                       else stream_for(j, DEFAULT_MODEL, keys, lanes) for j in jobs})
     drain_in_processes(client, streams, args.procs, _drain_child, lambda p: (target.url, keys.ns, p * 4, settings),
@@ -376,7 +394,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default), or of the cost model's estimate (a loaded machine runs below it)")
     parser.add_argument("--contestants", default="fifo,fair",
                         help="comma-separated: fifo, fair, fair-wait (the fair reader that never makes room for a "
-                             "job that waited: fair_preempt_ms 0) (default fifo,fair)")
+                             "job that waited: fair_preempt_ms 0), fair-hashed (on a cluster, each job in the shard "
+                             "its id hashes to, as before the SDK dealt them out) (default fifo,fair)")
     parser.add_argument("--cluster-primaries", type=int, default=0,
                         help="run on a Redis Cluster of this many primaries, two shards each (default 0: one Redis)")
     parser.add_argument("--affinity", choices=("on", "off"), default="off",
@@ -401,9 +420,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--alone-rounds {args.alone_rounds}: give 1 or more (2: each contestant twice, ABBA)")
     if args.cluster_primaries < 0:
         raise SystemExit(f"--cluster-primaries {args.cluster_primaries}: give 0 (one Redis) or the primaries, e.g. 3")
+    names = check_contestants(args.contestants)
     with redis_target(args.cluster_primaries) as target:
-        names = [name for name in args.contestants.split(",") if name.strip()]
-        cost = {name: run_cost(target, name != "fifo", args) for name in names if name != "fair-wait"} \
+        cost = {name: run_cost(target, name != "fifo", args) for name in names if name in ("fifo", "fair")} \
             if args.cost_jobs else {}
         alone: dict[str, list[dict]] = {name: [] for name in names}
         for name in alone_order(names, args.alone_rounds):

@@ -19,6 +19,7 @@ import redis
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, decode_event, encode
 from kvgate.worker.admission import AdmissionQueue
+from kvgate.producer.spread import TenantSpread
 from kvgate.redis_server import EmbeddedRedis
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.worker import Worker
@@ -134,13 +135,15 @@ def make_jobs(n: int, mix: JobMix, *, seed: int, clients: int) -> list[Job]:
 
 
 def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | None, batch: int = 200,
-            lanes: int = 0, fair: bool = False) -> float:
+            lanes: int = 0, fair: bool = False, spread: TenantSpread | None = None) -> float:
     """XADD jobs in pipelined batches, each where the SDK would put it, in its shard (with `lanes`, its affinity lane;
     with `fair`, its tenant's stream in its band through the SDK's own enqueue script, which adds the tenant to the
-    band's backlog and rings its bell; one pipeline per batch and shard); with `rate` (jobs/s) paced as an open-loop
-    arrival stream. Returns the time the last batch went in."""
+    band's backlog and rings its bell; one pipeline per batch and shard; with `spread` on a cluster, in the shard the
+    SDK deals it to, its job id drawn anew to hash there); with `rate` (jobs/s) paced as an open-loop arrival stream.
+    Returns the time the last batch went in."""
     from kvgate.producer.cluster import run_script
-    from kvgate.producer.submission import FAIR_ENQUEUE, stream_for
+    from kvgate.producer.quotas import estimate_tokens
+    from kvgate.producer.submission import FAIR_ENQUEUE, job_id_in, stream_for
 
     fair_enqueue = client.register_script(FAIR_ENQUEUE) if fair else None
     started = time.time()
@@ -150,6 +153,9 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
         now = time.time()
         for job in jobs[lo:lo + batch]:
             job.enqueued_at = now
+            if fair and spread is not None:
+                model = job.model or DEFAULT_MODEL
+                job.job_id = job_id_in(keys, spread.shard_for(job.tenant, model, job.priority, estimate_tokens(job)))
         if not fair:
             pipe = client.pipeline(transaction=False)
             for job in jobs[lo:lo + batch]:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvgate.bench import fleet_sim
-from kvgate.bench.fair import add_arguments, alone_order, run
+from kvgate.bench.fair import add_arguments, alone_order, check_contestants, run, spread_of
 from kvgate.bench.fleet_cluster import cluster_unavailable
 from kvgate.producer.protocol import FIELD, Keys, decode_job
 
@@ -61,6 +61,14 @@ def test_kvgate_bench_fair_answers_every_job_once_and_the_fair_reader_keeps_b_an
     assert fair["equal"]["windows"] >= 1 and fair["weighted_2_1_1"]["windows"] >= 1
 
 
+def test_an_unknown_contestant_is_refused_by_name_before_anything_runs():
+    with pytest.raises(SystemExit, match="unknown fair-turns; choose from fifo, fair, fair-wait, fair-hashed"):
+        check_contestants("fifo,fair-turns")
+    with pytest.raises(SystemExit, match="none given"):
+        check_contestants(" , ")
+    assert check_contestants("fifo, fair-hashed") == ["fifo", "fair-hashed"]
+
+
 def test_a_alone_passes_take_turns_each_round_reversed_so_load_drift_weighs_on_every_contestant_alike():
     assert alone_order(["fifo", "fair"], 2) == ["fifo", "fair", "fair", "fifo"]
     assert alone_order(["fifo", "fair", "fair-wait"], 3) == ["fifo", "fair", "fair-wait", "fair-wait", "fair", "fifo",
@@ -81,9 +89,13 @@ def test_kvgate_bench_fair_on_a_three_primary_cluster_with_affinity_lanes_answer
     assert r["runs"]["fair"]["equal"]["windows"] >= 1 and r["runs"]["fair"]["weighted_2_1_1"]["windows"] >= 1
 
 
-def test_fair_share_jobs_go_to_their_tenants_stream_in_their_own_shards_band_on_a_cluster(tmp_path):
+@pytest.mark.parametrize("dealt", [False, True], ids=["hashed", "dealt"])
+def test_fair_share_jobs_go_to_their_tenants_stream_in_their_own_shards_band_on_a_cluster(tmp_path, dealt):
+    """Each job in its tenant's stream of the band of the shard its id hashes to; dealt out as the SDK deals them
+    (the fair contestant), every tenant's jobs weigh the same in every shard to within one job."""
     if why := cluster_unavailable():
         pytest.skip(why)
+    from kvgate.producer.quotas import estimate_tokens
     from kvgate.producer.redis_url import connect, keys_for
     from kvgate.redis_cluster import ClusterGroup
 
@@ -94,7 +106,12 @@ def test_fair_share_jobs_go_to_their_tenants_stream_in_their_own_shards_band_on_
         jobs = fleet_sim.make_jobs(60, fleet_sim.JobMix(max_tokens=(2, 2)), seed=0, clients=1)
         for i, job in enumerate(jobs):
             job.job_id, job.tenant = f"place-{i}", "ab"[i % 2]
-        fleet_sim.enqueue(client, keys, jobs, rate=None, batch=25, fair=True)
+        fleet_sim.enqueue(client, keys, jobs, rate=None, batch=25, fair=True, spread=spread_of(keys, dealt))
+        if dealt:
+            for tenant in "ab":
+                weights = [sum(estimate_tokens(j) for j in jobs if j.tenant == tenant and keys.shard_of(j.job_id) == k)
+                           for k in range(len(keys.parts))]
+                assert max(weights) - min(weights) <= max(estimate_tokens(j) for j in jobs), (tenant, weights)
         bands = {keys.jobs(None, "normal", shard=k) for k in range(len(keys.parts))}
         placed = {}
         for band in bands:

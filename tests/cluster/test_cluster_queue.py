@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import time
@@ -214,6 +215,46 @@ def test_fair_share_serves_several_tenants_in_every_shard(cluster, namespace, tm
         assert r.exists(Keys.tenant_jobs(band, "a"))  # they went to the tenants' streams
     finally:
         stop_all(procs)
+
+
+def test_the_sdks_deal_a_tenants_jobs_out_so_every_shard_holds_the_same_tokens_of_it(cluster, namespace):
+    """Issue 27, fair share on a cluster: the shards are read in turn, so a tenant whose backlog ran dry in one
+    shard first gets less than its share for the rest of it. Both SDKs deal a tenant's jobs out by their estimated
+    tokens (producer/spread.py): its tenant stream in every shard holds the same to within one job. A job with an
+    idempotency key stays in its key's shard."""
+    from kvgate.producer.quotas import estimate_tokens
+
+    r = connect(cluster.url)
+    keys = keys_for(cluster.url, r, namespace)
+    r.set(keys.fair(), 1)  # as `kvgate worker --fair-share on` sets it
+    rng = random.Random(7)
+    requests = [dict(prompt="x" * rng.randint(10, 2000), max_tokens=rng.randint(1, 400)) for _ in range(300)]
+    with Client(cluster.url, namespace, tenant="a") as client:
+        handles = client.submit_many(requests, progress=False)
+        keyed = [client.submit(prompt=f"k{i}", idempotency_key=f"spread-{i}") for i in range(12)]
+
+    async def submit_async():
+        async with AsyncClient(cluster.url, namespace, tenant="b") as client:
+            return [await client.submit(**req) for req in requests[:60]]
+
+    async_handles = asyncio.run(submit_async())
+    assert all(keys.shard_of(h.job_id) == keys.shard_of(f"spread-{i}") for i, h in enumerate(keyed))
+    for tenant, handles_, reqs in (("a", handles, requests), ("b", async_handles, requests[:60])):
+        tokens = [0] * len(keys.parts)
+        for h, req in zip(handles_, reqs):
+            tokens[keys.shard_of(h.job_id)] += estimate_tokens(client_job(req))
+        largest = max(estimate_tokens(client_job(req)) for req in reqs)
+        assert max(tokens) - min(tokens) <= largest, (tenant, tokens, largest)
+        in_streams = handles_ + (keyed if tenant == "a" else [])  # they sit in the tenant's stream of their shard
+        queued = [r.xlen(Keys.tenant_jobs(keys.at(k).jobs(None, "normal"), tenant)) for k in range(len(keys.parts))]
+        assert queued == [sum(1 for h in in_streams if keys.shard_of(h.job_id) == k) for k in range(len(keys.parts))]
+
+
+def client_job(req: dict) -> Job:
+    """The job a request makes, for its token estimate."""
+    from kvgate.producer.request import build_job, validate_request
+
+    return build_job(validate_request(req), "c" * 16)
 
 
 def test_each_tenants_backlog_is_summed_over_the_bands_of_every_shard(cluster, namespace):
