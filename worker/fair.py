@@ -284,7 +284,9 @@ class Fair:
 class Occupancy:
     """The jobs a worker runs now in one band (on a Redis Cluster, its jobs of that model and priority from every
     shard: Fair.band_of_job; not those stepped aside), by tenant, and who holds more than a share of them. A
-    tenant's share, for one more of its jobs: the jobs running plus that one over the tenants running (counting it).
+    tenant's share, for one more of some tenant's jobs: the jobs running plus that one, times its weight over the
+    weights of the tenants running (counting that one), so a tenant of weight 2 beside one of weight 1 holds two
+    thirds before it gives way.
     Its job may make room when it stays within that share (`room`), and only tenants at or above it give way: a
     backlogged tenant's jobs (read from a backlog, not few: Entry.may_preempt unset) once it holds its share, a
     tenant with few jobs waiting only above it. So a job that made room never gives it back to the jobs it
@@ -293,16 +295,19 @@ class Occupancy:
 
     counts: dict[str, int] = field(default_factory=dict)
     backlogged: set[str] = field(default_factory=set)  # tenants running a job here read from their backlog
+    weights: dict[str, float] = field(default_factory=dict)  # Fair.weights: the tenants whose weight is not 1
 
     def add(self, tenant: str, backlogged: bool) -> None:
         self.counts[tenant] = self.counts.get(tenant, 0) + 1
         if backlogged:
             self.backlogged.add(tenant)
 
-    def share(self, tenant: str | None = None) -> float:
-        """Each tenant's share of the jobs here once one more of `tenant`'s runs (None: a tenant not running here)."""
-        tenants = len(self.counts) + (tenant not in self.counts)
-        return (sum(self.counts.values()) + 1) / tenants
+    def share(self, tenant: str | None = None, of: str | None = None) -> float:
+        """`of`'s share (by default `tenant`'s) of the jobs here once one more of `tenant`'s runs (None: a tenant
+        not running here, of weight 1)."""
+        weight = lambda t: 1.0 if t is None else self.weights.get(t, 1.0)  # noqa: E731
+        weights = sum(weight(t) for t in {*self.counts, tenant})
+        return (sum(self.counts.values()) + 1) * weight(tenant if of is None else of) / weights
 
     def room(self, tenant: str | None = None) -> int:
         """How many more of its jobs could run here within its share (None: a tenant not running here)."""
@@ -310,9 +315,8 @@ class Occupancy:
 
     def over(self, tenant: str | None = None) -> tuple[str, ...]:
         """The tenants other than this one whose jobs may step aside for one more of its jobs."""
-        share = self.share(tenant)
-        return tuple(t for t, n in self.counts.items()
-                     if t != tenant and (n > share or (t in self.backlogged and n >= share)))
+        return tuple(t for t, n in self.counts.items() if t != tenant and
+                     (n > (share := self.share(tenant, of=t)) or (t in self.backlogged and n >= share)))
 
     def makes_room(self, tenant: str | None = None) -> bool:
         """Whether a job of this tenant (None: one not running here) may make room here: it stays within its share,

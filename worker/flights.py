@@ -165,12 +165,13 @@ class Flights:
     def tickets(self) -> list[Ticket]:
         return [f.ticket for f in self.running.values()]
 
-    def occupancy(self, band_of: Callable[[str], str]) -> dict[str, Occupancy]:
-        """Jobs running here by band (`band_of` a job's stream) and tenant; not those stepped aside."""
+    def occupancy(self, band_of: Callable[[str], str], weights: dict[str, float]) -> dict[str, Occupancy]:
+        """Jobs running here by band (`band_of` a job's stream) and tenant, shares by the tenants' `weights`; not
+        those stepped aside."""
         bands: dict[str, Occupancy] = {}
         for f in self.running.values():
             if not f.aside:
-                here = bands.setdefault(band_of(f.ticket.stream), Occupancy())
+                here = bands.setdefault(band_of(f.ticket.stream), Occupancy(weights=weights))
                 here.add(f.ticket.job.tenant or DEFAULT_TENANT, not f.ticket.may_preempt)
         return bands
 

@@ -97,7 +97,7 @@ class Worker:
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
                              len(self.served.names), self.fair,
-                             lambda: self.flights.occupancy(self.fair.band_of_job))
+                             lambda: self.flights.occupancy(self.fair.band_of_job, self.fair.weights))
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics,
                              s.embeddings, s.tool_call_parser)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
@@ -278,7 +278,8 @@ class Worker:
                 self.clock.now() * 1000 - entry_ms(ticket.entry_id) < wait_ms:
             return False
         band, tenant = self.fair.band_of_job(ticket.stream), ticket.job.tenant or DEFAULT_TENANT
-        here = self.flights.occupancy(self.fair.band_of_job).get(band, Occupancy())
+        weights = self.fair.weights
+        here = self.flights.occupancy(self.fair.band_of_job, weights).get(band, Occupancy(weights=weights))
         if not here.makes_room(tenant):
             return False
         victims = self.flights.youngest_first(here.over(tenant), band, self.fair.band_of_job)

@@ -263,10 +263,22 @@ def test_the_preempting_look_takes_a_waited_job_of_a_tenant_under_its_share_and_
 
 
 
-def occupancy(counts: dict[str, int], backlogged: tuple[str, ...] = ()):
+def occupancy(counts: dict[str, int], backlogged: tuple[str, ...] = (), weights: dict[str, float] | None = None):
     from kvgate.worker.fair import Occupancy
 
-    return Occupancy(dict(counts), set(backlogged))
+    return Occupancy(dict(counts), set(backlogged), dict(weights or {}))
+
+
+def test_shares_of_a_workers_jobs_follow_the_weights_so_a_heavier_tenant_does_not_give_way_at_an_equal_share():
+    """W-FAIR at 2:1:1 on a cluster: near the end of the phase B's and C's few waiting jobs made room by displacing
+    A's, whose share was counted as an equal third, and A's share of the fleet fell from a half to a third."""
+    weighted = {"a": 2.0}
+    assert occupancy({"a": 4, "b": 2}, ("a",)).makes_room("b")  # equal weights: a above a half
+    assert not occupancy({"a": 4, "b": 2}, ("a",), weighted).makes_room("b")  # a's two thirds: b at its own
+    assert occupancy({"a": 4, "b": 2}, ("a",), weighted).share("b", of="a") == 7 * 2 / 3
+    assert occupancy({"a": 5, "b": 1}, ("a",), weighted).over("b") == ("a",)  # 5 of 7 is above two thirds
+    assert occupancy({"a": 4, "b": 2}, ("a",), weighted).over("c") == ("a", "b")  # with c: a 3.5 of 7, b 1.75
+    assert not occupancy({"a": 1, "b": 4}, (), {"b": 4.0}).makes_room("a")  # b's 4 of 6 are within its 4/5
 
 
 def test_a_job_makes_room_within_its_share_and_backlogged_tenants_give_way_at_theirs():
