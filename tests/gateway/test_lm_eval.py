@@ -186,8 +186,10 @@ def run_lm_eval(tmp_path: Path, base_url: str, model: str, tokenizer: Path, runs
                       "batch_size": run.batch_size} for run in runs]}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf-home"), "TOKENIZERS_PARALLELISM": "false", "OPENAI_API_KEY": "unused"}
+    # run outside the checkout: from its root, its kernels/ folder would stand in for Hugging Face's `kernels`, which
+    # transformers >= 5.25 imports by that name (tests/engine/test_checkout_imports.py)
     done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(spec)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, cwd=tmp_path)
     assert done.returncode == 0, f"lm-eval exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return json.loads(out.read_text())
 
