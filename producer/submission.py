@@ -45,8 +45,7 @@ def prepare(kwargs: dict[str, Any], keys: Keys, client_id: str, where: str = "",
     job = build_job(req, client_id, job_id=job_id_for(keys, req.idempotency_key), where=where)
     model = req.model or DEFAULT_MODEL
     if fair and spread is not None and req.idempotency_key is None:
-        tenant = job.tenant or DEFAULT_TENANT
-        job.job_id = job_id_in(keys, spread.shard_for(tenant, model, job.priority, estimate_tokens(job)))
+        job.job_id = dealt_job_id(keys, spread, job, model)
     if fair:  # the tenant's stream in the band, which joins the band's backlog in the same script
         band = keys.jobs(model, job.priority, shard=keys.shard_of(job.job_id))
         prepared = Prepared(job, encode_job(job, where), Keys.tenant_jobs(band, job.tenant or DEFAULT_TENANT), model,
@@ -67,6 +66,13 @@ def job_id_for(keys: Keys, idempotency_key: str | None) -> str | None:
     if idempotency_key is None or len(keys.parts) == 1:
         return None
     return job_id_in(keys, keys.shard_of(idempotency_key))
+
+
+def dealt_job_id(keys: Keys, spread: TenantSpread, job: Job, model: str) -> str:
+    """A new id for `job` that hashes to the shard `spread` deals it to: its tenant's band's fewest estimated tokens
+    from this producer."""
+    shard = spread.shard_for(job.tenant or DEFAULT_TENANT, model, job.priority, estimate_tokens(job))
+    return job_id_in(keys, shard)
 
 
 def job_id_in(keys: Keys, shard: int) -> str:

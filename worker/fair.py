@@ -302,12 +302,17 @@ class Occupancy:
         if backlogged:
             self.backlogged.add(tenant)
 
+    def weight(self, tenant: str | None) -> float:
+        return 1.0 if tenant is None else self.weights.get(tenant, 1.0)
+
+    def per_weight(self, tenant: str | None = None) -> float:
+        """The jobs here once one more of `tenant`'s runs, per unit of the weights of the tenants running (counting
+        it; None: a tenant not running here, of weight 1)."""
+        return (sum(self.counts.values()) + 1) / sum(self.weight(t) for t in {*self.counts, tenant})
+
     def share(self, tenant: str | None = None, of: str | None = None) -> float:
-        """`of`'s share (by default `tenant`'s) of the jobs here once one more of `tenant`'s runs (None: a tenant
-        not running here, of weight 1)."""
-        weight = lambda t: 1.0 if t is None else self.weights.get(t, 1.0)  # noqa: E731
-        weights = sum(weight(t) for t in {*self.counts, tenant})
-        return (sum(self.counts.values()) + 1) * weight(tenant if of is None else of) / weights
+        """`of`'s share (by default `tenant`'s) of the jobs here once one more of `tenant`'s runs."""
+        return self.per_weight(tenant) * self.weight(tenant if of is None else of)
 
     def room(self, tenant: str | None = None) -> int:
         """How many more of its jobs could run here within its share (None: a tenant not running here)."""
@@ -315,8 +320,9 @@ class Occupancy:
 
     def over(self, tenant: str | None = None) -> tuple[str, ...]:
         """The tenants other than this one whose jobs may step aside for one more of its jobs."""
+        per_weight = self.per_weight(tenant)
         return tuple(t for t, n in self.counts.items() if t != tenant and
-                     (n > (share := self.share(tenant, of=t)) or (t in self.backlogged and n >= share)))
+                     (n > (share := per_weight * self.weight(t)) or (t in self.backlogged and n >= share)))
 
     def makes_room(self, tenant: str | None = None) -> bool:
         """Whether a job of this tenant (None: one not running here) may make room here: it stays within its share,

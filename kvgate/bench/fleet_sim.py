@@ -142,8 +142,7 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
     SDK deals it to, its job id drawn anew to hash there); with `rate` (jobs/s) paced as an open-loop arrival stream.
     Returns the time the last batch went in."""
     from kvgate.producer.cluster import run_script
-    from kvgate.producer.quotas import estimate_tokens
-    from kvgate.producer.submission import FAIR_ENQUEUE, job_id_in, stream_for
+    from kvgate.producer.submission import FAIR_ENQUEUE, dealt_job_id, stream_for
 
     fair_enqueue = client.register_script(FAIR_ENQUEUE) if fair else None
     started = time.time()
@@ -154,8 +153,7 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
         for job in jobs[lo:lo + batch]:
             job.enqueued_at = now
             if fair and spread is not None:
-                model = job.model or DEFAULT_MODEL
-                job.job_id = job_id_in(keys, spread.shard_for(job.tenant, model, job.priority, estimate_tokens(job)))
+                job.job_id = dealt_job_id(keys, spread, job, job.model or DEFAULT_MODEL)
         if not fair:
             pipe = client.pipeline(transaction=False)
             for job in jobs[lo:lo + batch]:
