@@ -50,6 +50,16 @@ log = logging.getLogger("kvgate.worker")
 MAX_WEIGHTS = 1000
 MAX_CHARGED = 100_000
 FAIR_FLUSH_S = 0.2  # what tenants were served goes onto their counters this often (one pipeline; none when nothing was)
+# On a Redis Cluster, what a read charged a tenant in one shard goes onto its counters in every other shard, and
+# this much more onto its counter in the shard it was read from. Without it the shards specialise: each tenant's
+# counters rise alike everywhere, so the few jobs' worth by which its counter in one shard started above the others
+# (where it joined that shard's backlog) holds forever, and that shard never serves it while others do. Its backlog
+# there waits to the end, when it sits in one or two shards and those shards' turns of the fleet's reads are less
+# than its share (W-FAIR's equal phase on a cluster: one tenant at 0.23 in the last window). With it a shard that
+# served a tenant leans to the others and each shard drains its tenants together: a start x tokens apart is made up
+# after x / LOCAL_CHARGE tokens of that shard's serving. The price: a tenant left in k of n shards gets
+# (1 + LOCAL_CHARGE / n) / (1 + LOCAL_CHARGE / k) of its share there (0.93 in 2 of 6), not all of it.
+LOCAL_CHARGE = 0.25
 FAIR_BLOCK_MS = 50  # an idle worker's wait while a band's backlog still has tenants (a race with another's read)
 
 
@@ -109,6 +119,12 @@ for b = 1, #ARGV - 5 do
 end
 return {deleted, gone}
 """
+
+
+def spread_factor(sibling: str, band: str) -> float:
+    """How much of what a read in `band` charged goes onto the same band's counters in shard `sibling` (a Redis
+    Cluster): all of it in every other shard, LOCAL_CHARGE more in its own (where the read script charged it once)."""
+    return LOCAL_CHARGE if sibling == band else 1.0
 
 
 def tenant_of(stream: str, band: str) -> str:
@@ -181,7 +197,7 @@ class Fair:
         deltas: dict[tuple[str, str], float] = {}
         for (band, tenant), (charged, corrected) in self.served.items():
             for sibling in self.siblings_of(band):
-                delta = corrected + (charged if sibling != band else 0.0)
+                delta = corrected + charged * spread_factor(sibling, band)
                 if delta:
                     key = (Keys.fair_backlog(sibling), tenant)
                     deltas[key] = deltas.get(key, 0.0) + delta
@@ -201,8 +217,9 @@ class Fair:
         n = 0
         for (band, tenant), served in self.served.items():
             if served[0]:
-                for sibling in (b for b in self.siblings_of(band) if b != band):
-                    pipe.zadd(Keys.fair_backlog(sibling), {tenant: served[0]}, xx=True, incr=True)
+                for sibling in self.siblings_of(band):
+                    pipe.zadd(Keys.fair_backlog(sibling), {tenant: served[0] * spread_factor(sibling, band)}, xx=True,
+                              incr=True)
                     n += 1
                 served[0] = 0.0
         self.charged_here = False

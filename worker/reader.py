@@ -314,13 +314,27 @@ class Reader:
         plan's).
 
         On a Redis Cluster a script touches one shard (one slot): a read looks at the shards in turn, starting
-        one further each time, until `count` are taken."""
+        one further each time, each asked for an even part of what is still wanted (the last for all of it), then
+        once more at those that gave their whole part, until `count` are taken. An idle fleet's first fill takes
+        hundreds of jobs at once: taken from the first shard that had them, one tenant's backlog was left uneven
+        over the shards, and in the end sat in a few of them, whose turns of the fleet's reads were less than its
+        share (W-FAIR on a cluster)."""
         out: list[Entry] = []
-        for streams, args in self._scripts(count, plan, reclaim_idle_ms):
-            args[2] = count - len(out)
-            out += self.parse(run_script(self.script, streams, args, self.client))
+        calls = self._scripts(count, plan, reclaim_idle_ms)
+        again = []
+        for i, (streams, args) in enumerate(calls):
             if len(out) >= count:
                 break
+            args[2] = -(-(count - len(out)) // (len(calls) - i))
+            got = self.parse(run_script(self.script, streams, args, self.client))
+            out += got
+            if len(got) == args[2] and i < len(calls) - 1:
+                again.append((streams, args))
+        for streams, args in again:
+            if len(out) >= count:
+                break
+            args[2] = count - len(out)
+            out += self.parse(run_script(self.script, streams, args, self.client))
         return out
 
     def queue(self, pipe, count: int, plan: ReadPlan, reclaim_idle_ms: int = 0) -> ReadSlot:

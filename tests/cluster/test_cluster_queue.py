@@ -17,6 +17,7 @@ from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, decode_
 from kvgate.producer.redis_url import connect, keys_for
 from kvgate.producer.steps import run
 from tests.reliability.chaos_harness import stop_all
+from kvgate.worker.fair import LOCAL_CHARGE
 from tests.support import fair_enqueue, spawn_worker, wait_for
 
 SIM = ("--simulated", "--sim-step-ms", "2", "--sim-per-token-ms", "0.01", "--max-num-seqs", "16")
@@ -281,6 +282,36 @@ def _fair_put(r, band: str, tenant: str, n: int, max_tokens: int = 16) -> list[s
                                       sampling=Sampling(max_tokens=max_tokens, ignore_eos=True)) for i in range(n)])
 
 
+def test_a_big_read_takes_an_even_part_of_it_from_every_shard(cluster, namespace):
+    """Issue 27, W-FAIR on a cluster: an idle fleet's first fill reads hundreds of jobs at once, and a read took
+    them from the first shard in its turn that had them, so a tenant alone for a moment was left with a backlog
+    uneven over the shards, and in the end sat in a few of them. A read now asks every shard for an even part of
+    what it wants, then once more those that gave all of theirs, so it still takes all it can."""
+    from kvgate.worker.reader import Reader, ReadPlan
+
+    r = connect(cluster.url)
+    keys = keys_for(cluster.url, r, namespace)
+    bands = [keys.jobs(None, "normal", shard=k) for k in (0, 1)]
+    for band in bands:
+        r.xgroup_create(band, Keys.GROUP, id="0", mkstream=True)
+        for i in range(40):
+            r.xadd(band, {"i": i})
+    reader = Reader(r, "w1", ReadPlan(bands), keys=keys)
+    taken = [e.stream for e in reader.read(40)]
+    assert [taken.count(band) for band in bands] == [20, 20]
+    taken = [e.stream for e in reader.read(30)]  # 20 left in each: the shard read first gives its 15, the other 15
+    assert [taken.count(band) for band in bands] == [15, 15]
+    taken = [e.stream for e in reader.read(30)]  # 5 left in each: all of both
+    assert [taken.count(band) for band in bands] == [5, 5]
+    r.xadd(bands[1], {"i": 40})
+    assert [e.stream for e in reader.read(30)] == [bands[1]]  # one shard empty: the other's one
+    for i in range(40):
+        r.xadd(bands[0], {"i": i})
+    r.xadd(bands[1], {"i": 41})
+    taken = [e.stream for e in reader.read(30)]  # one shard short of its part: the other gives the rest
+    assert [taken.count(band) for band in bands] == [29, 1]
+
+
 def test_a_tenant_keeps_its_share_of_the_fleet_when_its_backlog_runs_out_in_one_shard_first(cluster, namespace):
     """Issue 27, fair share on a cluster: each shard's band keeps its own counters, so when A's backlog ran out in
     the shard where it had had the fleet alone for a moment, that shard served only B while A's other shard served
@@ -326,8 +357,9 @@ def test_a_tenant_keeps_its_share_of_the_fleet_when_its_backlog_runs_out_in_one_
 
 
 def test_what_a_read_charged_goes_onto_the_other_shards_counters_once_and_corrections_onto_all(cluster, namespace):
-    """The step's pipeline carries a read's charge to the tenant's counters in the other shards (its own shard's the
-    read script charged); the flush then adds only the corrections of jobs that ended, to every shard's."""
+    """The step's pipeline carries a read's charge to the tenant's counters in the other shards, and LOCAL_CHARGE of
+    it more to its own shard's (the read script charged it there once); the flush then adds only the corrections of
+    jobs that ended, to every shard's."""
     from kvgate.worker.fair import Fair
     from kvgate.worker.reader import Reader, ReadPlan
 
@@ -342,15 +374,53 @@ def test_what_a_read_charged_goes_onto_the_other_shards_counters_once_and_correc
     got = Reader(r, "w1", ReadPlan(bands), keys=keys).read(2, ReadPlan([bands[0]], fair={bands[0]}, charge=10))
     fair.read(got, 10)
     pipe = r.pipeline(transaction=False)
-    assert fair.queue_spread(pipe) == 1 and not fair.charged_here
+    assert fair.queue_spread(pipe) == 2 and not fair.charged_here
     pipe.execute()
     scores = lambda: [r.zscore(Keys.fair_backlog(band), "a") for band in bands]  # noqa: E731
-    assert scores() == [20, 20]
+    assert scores() == [20 * (1 + LOCAL_CHARGE), 20]
     fair.flush()
-    assert scores() == [20, 20]  # the charge went once
+    assert scores() == [20 * (1 + LOCAL_CHARGE), 20]  # the charge went once
     fair.finished(got[0].stream, got[0].entry_id, "a", 15)  # it took 15 tokens, charged 10
     fair.flush()
-    assert scores() == [25, 25]
+    assert scores() == [20 * (1 + LOCAL_CHARGE) + 5, 25]
+
+
+def test_each_shard_serves_every_tenant_backlogged_there_not_only_the_one_whose_counter_started_lowest(
+        cluster, namespace):
+    """Issue 27, W-FAIR's equal phase on a cluster: a tenant's counters rise alike in every shard (what it took
+    anywhere goes onto all of them), so the few jobs' worth by which B's counter in shard 0 started above A's (where
+    each joined that shard's backlog) held: shard 0 served only A, shard 1 mostly B, and B's backlog in shard 0
+    waited to the end, when it sat in one shard and that shard's turns of the fleet's reads were less than its share
+    (one tenant at 0.23 in the last window). A read now charges its own shard's counter LOCAL_CHARGE more than the
+    others', so shard 0 turns to B once it has served A that much more: each shard drains both backlogs together."""
+    from kvgate.worker.fair import Fair
+    from kvgate.worker.reader import Reader, ReadPlan
+
+    r = connect(cluster.url)
+    keys = keys_for(cluster.url, r, namespace)
+    r.set(keys.fair(), 1)
+    bands = [keys.jobs(None, "normal", shard=k) for k in (0, 1)]
+    for band in bands:
+        r.xgroup_create(band, Keys.GROUP, id="0", mkstream=True)
+        for tenant in "ab":
+            _fair_put(r, band, tenant, 40)
+    r.zadd(Keys.fair_backlog(bands[0]), {"a": 0, "b": 30})  # B joined shard 0 three jobs' charge above A
+    r.zadd(Keys.fair_backlog(bands[1]), {"a": 0, "b": 0})
+    fair = Fair(r, keys, "keep", set(bands))
+    reader = Reader(r, "w1", ReadPlan(bands), keys=keys)
+    left = {(shard, tenant): 40 for shard in (0, 1) for tenant in "ab"}
+    while all(left.values()):  # until one tenant's backlog runs out in one shard
+        for shard in (0, 1):
+            got = reader.read(2, ReadPlan([bands[shard]], fair={bands[shard]}, charge=10))
+            fair.read(got, 10)  # as the worker's refill does with every read, then the step's pipeline
+            pipe = r.pipeline(transaction=False)
+            fair.queue_spread(pipe)
+            pipe.execute()
+            for e in got:
+                left[shard, e.stream.rsplit(":t:", 1)[1]] -= 1
+    # what is left of either backlog in either shard: no more than the 12 jobs (30 tokens / LOCAL_CHARGE, at 10
+    # a job) by which shard 0 served A first (before: B's 40 in shard 0 and A's 40 in shard 1, untouched)
+    assert max(left.values()) <= 30 / LOCAL_CHARGE / 10, left
 
 
 def test_a_job_of_one_shard_makes_room_on_a_worker_full_of_jobs_read_from_another(cluster, namespace, tmp_path):
