@@ -11,12 +11,12 @@ a killed owner's lanes waited for its ring beat to expire (issue 26.7).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import redis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import Keys, as_text
+from kvgate.producer.protocol import PRIORITIES, Keys, as_text
 from kvgate.worker.fair import Occupancy
 
 # KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none), and with
@@ -34,6 +34,7 @@ from kvgate.worker.fair import Occupancy
 # a 1 or 0: whether its jobs may make room for themselves (below).
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
+# Returns {those streams' replies, and per fair band its index in KEYS and its jobs still queued (ShardTurns)}.
 READ_LUA = """
 local group, consumer = ARGV[1], ARGV[2]
 local want, min_idle = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -239,7 +240,12 @@ for index = 1, last_key do
   local j = fair_at[index]
   if j and want > 0 and not looked then fair_take(index, key, KEYS[total + 2 * j - 1], KEYS[total + 2 * j]) end
 end
-return out
+local queued = {}  -- each fair band's jobs still queued after this read (its index in KEYS, then the count)
+for index, j in pairs(fair_at) do
+  queued[#queued + 1] = index
+  queued[#queued + 1] = math.max(tonumber(redis.call('GET', KEYS[total + 2 * j - 1] .. ':queued') or 0) or 0, 0)
+end
+return {out, queued}
 """
 
 class Entry(NamedTuple):
@@ -274,13 +280,64 @@ class ReadPlan:
 
 
 @dataclass(slots=True)
+class ShardCall:
+    """One shard's read script call: its KEYS and ARGV (ARGV[3], the jobs wanted, set per call)."""
+
+    shard: int
+    keys: list[str]
+    args: list
+
+
+@dataclass(slots=True)
 class ReadSlot:
-    """A read queued on a shared pipeline: its one reply parsed into entries when the round trip settles."""
+    """A read queued on a shared pipeline: its one reply parsed into entries when the round trip settles (and on
+    a cluster, what its shard's fair bands still hold told to the reader's ShardTurns)."""
 
     entries: list[Entry] = field(default_factory=list)
+    seen: Callable[[list], None] | None = None  # told the reply's queued counts
 
     def take(self, replies: Iterator) -> None:
-        self.entries = Reader.parse(next(replies))
+        reply = next(replies)
+        self.entries = Reader.parse(reply)
+        if self.seen is not None:
+            self.seen(reply)
+
+
+@dataclass(slots=True)
+class ShardTurns:
+    """On a Redis Cluster with fair share, which shard the next one-shard read looks at: in turn, each as often as
+    the jobs queued in its fair bands of the highest priority that has any (as the last read of it saw them; one
+    never read counts as the fullest), by smooth weighted round robin, so the shards run dry together. Read in equal
+    turns, a shard that held more (a tenant alone for a moment drained the others first; a tenant served the more in
+    the shards where its backlog was, once it ran out in others) kept its tenants' jobs to the end, when they sat in
+    a few shards whose turns of the fleet's reads were less than their share (W-FAIR's last window on a cluster).
+    Each shard gets at least a quarter of an equal turn, so a job that lands in an emptier shard waits at most
+    about four times the turn it would have had."""
+
+    queued: dict[int, dict[str, int]] = field(default_factory=dict)  # shard -> priority -> jobs queued there
+    credit: dict[int, float] = field(default_factory=dict)
+
+    def saw(self, shard: int, by_priority: dict[str, int]) -> None:
+        self.queued[shard] = by_priority
+
+    def weights(self, shards: list[int]) -> dict[int, float]:
+        top = next((p for p in PRIORITIES if any(self.queued.get(s, {}).get(p) for s in shards)), None)
+        if top is None:
+            return {s: 1.0 for s in shards}
+        known = {s: self.queued[s].get(top, 0) for s in shards if s in self.queued}
+        fullest = max(known.values())
+        each = {s: known.get(s, fullest) for s in shards}
+        floor = max(1.0, sum(each.values()) / (4 * len(shards)))
+        return {s: max(float(n), floor) for s, n in each.items()}
+
+    def next(self, shards: list[int]) -> int:
+        """The shard to read next among `shards` (in the order that breaks ties)."""
+        weights = self.weights(shards)
+        for s in shards:
+            self.credit[s] = self.credit.get(s, 0.0) + weights[s]
+        pick = max(shards, key=lambda s: self.credit[s])
+        self.credit[pick] -= sum(weights.values())
+        return pick
 
 
 @dataclass(slots=True)
@@ -298,6 +355,7 @@ class Reader:
     steal_age_ms: int = 0
     keys: Keys | None = None  # on a Redis Cluster: tells which shard each stream is in
     shard_turn: int = 0
+    turns: ShardTurns = field(default_factory=ShardTurns)  # a cluster, fair share: the shards' turns by their backlog
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(READ_LUA)
@@ -322,30 +380,46 @@ class Reader:
         out: list[Entry] = []
         calls = self._scripts(count, plan, reclaim_idle_ms)
         again = []
-        for i, (streams, args) in enumerate(calls):
+        for i, call in enumerate(calls):
             if len(out) >= count:
                 break
-            args[2] = -(-(count - len(out)) // (len(calls) - i))
-            got = self.parse(run_script(self.script, streams, args, self.client))
+            call.args[2] = -(-(count - len(out)) // (len(calls) - i))
+            got = self._run(call)
             out += got
-            if len(got) == args[2] and i < len(calls) - 1:
-                again.append((streams, args))
-        for streams, args in again:
+            if len(got) == call.args[2] and i < len(calls) - 1:
+                again.append(call)
+        for call in again:
             if len(out) >= count:
                 break
-            args[2] = count - len(out)
-            out += self.parse(run_script(self.script, streams, args, self.client))
+            call.args[2] = count - len(out)
+            out += self._run(call)
         return out
+
+    def _run(self, call: ShardCall) -> list[Entry]:
+        reply = run_script(self.script, call.keys, call.args, self.client)
+        self._seen(call, reply)
+        return self.parse(reply)
+
+    def _seen(self, call: ShardCall, reply) -> None:
+        """What the read's shard still queues in its fair bands, per priority, for the shards' turns."""
+        if len(self.keys.parts if self.keys else ()) > 1:
+            flat = reply[1]
+            by_priority: dict[str, int] = {}
+            for index, n in zip(flat[::2], flat[1::2]):
+                priority = call.keys[int(index) - 1].rsplit(":", 1)[1]
+                by_priority[priority] = by_priority.get(priority, 0) + int(n)
+            self.turns.saw(call.shard, by_priority)
 
     def queue(self, pipe, count: int, plan: ReadPlan, reclaim_idle_ms: int = 0) -> ReadSlot:
         """The same read queued on `pipe`; on a cluster it looks at one shard, so priority holds within a shard
         and the shards take turns."""
-        streams, args = self._scripts(count, plan, reclaim_idle_ms)[0]
-        run_script(self.script, streams, args, pipe)
-        return ReadSlot()
+        call = self._scripts(count, plan, reclaim_idle_ms)[0]
+        run_script(self.script, call.keys, call.args, pipe)
+        return ReadSlot(seen=lambda reply: self._seen(call, reply))
 
-    def _scripts(self, count: int, plan: ReadPlan | None, reclaim_idle_ms: int) -> list[tuple[list[str], list]]:
-        """Each shard's script call (KEYS, ARGV), in the order this read takes the shards."""
+    def _scripts(self, count: int, plan: ReadPlan | None, reclaim_idle_ms: int) -> list[ShardCall]:
+        """Each shard's script call, in the order this read takes the shards: in turn, one further each time; with
+        fair share (but for a preempting look), the first by the shards' backlogs (ShardTurns)."""
         if plan is not None:
             self.plan = plan
         plan = self.plan
@@ -355,9 +429,12 @@ class Reader:
             streams, overdue, self.turn = self.order(), [], self.turn + 1
         groups = self._by_shard(plan, streams, overdue)
         self.shard_turn += 1
+        order = [groups[(self.shard_turn + i) % len(groups)] for i in range(len(groups))]
+        if plan.fair and not plan.preempt_ms and len(order) > 1:
+            first = self.turns.next([g[0] for g in order])
+            order.sort(key=lambda g: g[0] != first)
         calls = []
-        for i in range(len(groups)):
-            keys, home, urgent, others = groups[(self.shard_turn + i) % len(groups)]
+        for shard, keys, home, urgent, others in order:
             args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
             bands = [i + 1 for i, st in enumerate(keys) if st in plan.fair]
             if plan.home is not None:
@@ -371,16 +448,16 @@ class Reader:
                          *bands, *(x for t, w in plan.weights.items() for x in (t, w))]
                 others = others + [k for i in bands for k in (Keys.fair_backlog(keys[i - 1]),
                                                                    Keys.fair_pending(keys[i - 1]))]
-            calls.append((keys + others, args))
+            calls.append(ShardCall(shard, keys + others, args))
         return calls
 
     def _by_shard(self, plan: ReadPlan, streams: list[str],
-                  overdue: list[str]) -> list[tuple[list[str], int, int, list[str]]]:
-        """(streams in plan order, how many lead as ours, how many follow those as full owners' lanes, others'
+                  overdue: list[str]) -> list[tuple[int, list[str], int, int, list[str]]]:
+        """(shard, streams in plan order, how many lead as ours, how many follow those as full owners' lanes, others'
         lanes to check for overdue entries) per shard."""
         home = len(streams) if plan.home is None else plan.home
         if self.keys is None or len(self.keys.parts) == 1:
-            return [(streams, home, plan.urgent, overdue)]
+            return [(0, streams, home, plan.urgent, overdue)]
         groups: dict[int, tuple[list[str], list[int], list[str]]] = {}
         for i, stream in enumerate(streams):
             g = groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))
@@ -389,12 +466,12 @@ class Reader:
             g[1][1] += home <= i < home + plan.urgent
         for stream in overdue:
             groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))[2].append(stream)
-        return [(keys, n[0], n[1], others) for _, (keys, n, others) in sorted(groups.items())]
+        return [(shard, keys, n[0], n[1], others) for shard, (keys, n, others) in sorted(groups.items())]
 
     @staticmethod
     def parse(reply) -> list[Entry]:
         out: list[Entry] = []
-        for stream, entries, claimed, *few in reply:
+        for stream, entries, claimed, *few in reply[0]:
             stream, may_preempt = as_text(stream), few == [1]
             out += [Entry(stream, as_text(i), _pairs(f), n) for i, f, n in claimed]
             out += [Entry(stream, as_text(i), _pairs(f), 1, may_preempt) for i, f in entries]

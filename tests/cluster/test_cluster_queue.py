@@ -312,6 +312,31 @@ def test_a_big_read_takes_an_even_part_of_it_from_every_shard(cluster, namespace
     assert [taken.count(band) for band in bands] == [29, 1]
 
 
+def test_a_workers_one_shard_reads_take_the_shards_by_their_backlogs_so_they_run_dry_together(cluster, namespace):
+    """Issue 27, W-FAIR on a cluster: a step's read looks at one shard, and the shards took equal turns, so a shard
+    that held three times another's backlog still held two thirds of it when the other ran dry, and a tenant whose
+    jobs were left there got that shard's turns only. The reply now says what the shard's fair bands still queue,
+    and the next shard is picked by those (worker/reader.py ShardTurns)."""
+    from kvgate.worker.reader import Reader, ReadPlan
+
+    r = connect(cluster.url)
+    keys = keys_for(cluster.url, r, namespace)
+    r.set(keys.fair(), 1)
+    bands = [keys.jobs(None, "normal", shard=k) for k in (0, 1)]
+    for band, n in zip(bands, (60, 20)):
+        r.xgroup_create(band, Keys.GROUP, id="0", mkstream=True)
+        _fair_put(r, band, "a", n)
+    reader = Reader(r, "w1", ReadPlan(bands), keys=keys)
+    left = [60, 20]
+    while min(left):
+        pipe = r.pipeline(transaction=False)
+        slot = reader.queue(pipe, 2, ReadPlan(bands, fair=set(bands), charge=10))
+        slot.take(iter(pipe.execute()))
+        for e in slot.entries:
+            left[bands.index(e.stream.rsplit(":t:", 1)[0])] -= 1
+    assert left[0] <= 8, left  # in equal turns: 40 of shard 0's 60 left when shard 1's 20 were gone
+
+
 def test_a_tenant_keeps_its_share_of_the_fleet_when_its_backlog_runs_out_in_one_shard_first(cluster, namespace):
     """Issue 27, fair share on a cluster: each shard's band keeps its own counters, so when A's backlog ran out in
     the shard where it had had the fleet alone for a moment, that shard served only B while A's other shard served
