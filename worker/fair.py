@@ -51,8 +51,8 @@ MAX_WEIGHTS = 1000
 MAX_CHARGED = 100_000
 FAIR_FLUSH_S = 0.2  # what tenants were served goes onto their counters this often (one pipeline; none when nothing was)
 # On a Redis Cluster, what a read charged a tenant in one shard goes onto its counters in every other shard, and
-# this much more onto its counter in the shard it was read from. Without it the shards specialise: each tenant's
-# counters rise alike everywhere, so the few jobs' worth by which its counter in one shard started above the others
+# this much more onto its counter in the shard it was read from (the read script charges it: Fair.read_charge).
+# Without it the shards specialise: each tenant's counters rise alike everywhere, so the few jobs' worth by which its counter in one shard started above the others
 # (where it joined that shard's backlog) holds forever, and that shard never serves it while others do. Its backlog
 # there waits to the end, when it sits in one or two shards and those shards' turns of the fleet's reads are less
 # than its share (W-FAIR's equal phase on a cluster: one tenant at 0.23 in the last window). With it a shard that
@@ -121,12 +121,6 @@ return {deleted, gone}
 """
 
 
-def spread_factor(sibling: str, band: str) -> float:
-    """How much of what a read in `band` charged goes onto the same band's counters in shard `sibling` (a Redis
-    Cluster): all of it in every other shard, LOCAL_CHARGE more in its own (where the read script charged it once)."""
-    return LOCAL_CHARGE if sibling == band else 1.0
-
-
 def tenant_of(stream: str, band: str) -> str:
     """The tenant whose stream in `band` this is (Keys.tenant_jobs)."""
     return stream.removeprefix(Keys.tenant_jobs(band, ""))
@@ -156,6 +150,11 @@ class Fair:
     siblings: dict[str, tuple[str, ...]] = field(default_factory=dict)  # band -> the same band in every shard
     charged_here: bool = False  # a cluster: reads charged counters of one shard that the others lack yet
     script: object = None  # the pruning pass's (SWEEP_LUA), registered at its first use
+
+    def read_charge(self, tokens_per_job: float) -> float:
+        """What the read script charges a job's tenant in the shard it was read from: the estimate, and on a Redis
+        Cluster LOCAL_CHARGE more (the other shards' counters get the estimate: `read`, `queue_spread`)."""
+        return tokens_per_job * (1 + LOCAL_CHARGE) if len(self.keys.parts) > 1 else tokens_per_job
 
     def read(self, entries, charge: float) -> None:
         """Remember what each job read from a tenant's stream was charged (a takeover is not charged again), and on
@@ -197,7 +196,7 @@ class Fair:
         deltas: dict[tuple[str, str], float] = {}
         for (band, tenant), (charged, corrected) in self.served.items():
             for sibling in self.siblings_of(band):
-                delta = corrected + charged * spread_factor(sibling, band)
+                delta = corrected + (charged if sibling != band else 0.0)
                 if delta:
                     key = (Keys.fair_backlog(sibling), tenant)
                     deltas[key] = deltas.get(key, 0.0) + delta
@@ -217,9 +216,8 @@ class Fair:
         n = 0
         for (band, tenant), served in self.served.items():
             if served[0]:
-                for sibling in self.siblings_of(band):
-                    pipe.zadd(Keys.fair_backlog(sibling), {tenant: served[0] * spread_factor(sibling, band)}, xx=True,
-                              incr=True)
+                for sibling in (b for b in self.siblings_of(band) if b != band):
+                    pipe.zadd(Keys.fair_backlog(sibling), {tenant: served[0]}, xx=True, incr=True)
                     n += 1
                 served[0] = 0.0
         self.charged_here = False

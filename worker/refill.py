@@ -340,7 +340,8 @@ class Refill:
         # and none while jobs wait here already.
         plan.steal_max = 0 if self.queue.tickets else 1
         if self.fair.active:  # tenants' streams after each band's shared stream, by virtual token counters
-            plan.fair, plan.charge, plan.weights = self.fair.bands, self.queue.tokens_per_job, self.fair.weights
+            plan.fair, plan.weights = self.fair.bands, self.fair.weights
+            plan.charge = self.fair.read_charge(self.queue.tokens_per_job)
         return plan
 
     def _reclaim_ms(self) -> int:

@@ -12,7 +12,8 @@ reader (`{ns}:fair` set: each tenant's stream, weighted virtual token counters; 
   alone (target <= 2x).
 - shares: A, B and C each enqueue a backlog at once; tokens served per tenant over every `--window-s` window while
   all three are backlogged, at equal weights (target: each within +-15% of their mean) and at 2:1:1 (A's share
-  within +-15% of half).
+  within +-15% of half). On a cluster also, per tenant, how long its backlog lasted in some shards after it ran dry
+  in the first (`shard_tail_s`): its last jobs in a few shards get only those shards' turns of the reads.
 Every job must get exactly one final event, or the run fails. `--scale` shrinks every job count for a quick run.
 
 Variants, one a command: `--cluster-primaries N` runs everything on a Redis Cluster of N primaries (the namespace in
@@ -183,6 +184,21 @@ def window_shares(finals: dict, by_tenant: dict[str, list], window_s: float) -> 
     return shares
 
 
+def shard_tails(finals: dict, by_tenant: dict[str, list], keys: Keys) -> dict[str, float]:
+    """On a Redis Cluster, per tenant: seconds from its backlog's last admission in the shard where it ran out first
+    to its last admission anywhere (each job sits in the shard its id hashes to). Long, its last jobs sat in a few
+    shards, whose turns of the fleet's reads can be less than its share."""
+    tails = {}
+    for tenant, jobs in by_tenant.items():
+        last: dict[int, float] = {}
+        for j in jobs:
+            if (f := finals.get(j.job_id)) and f[0].timings.admitted:
+                shard = keys.shard_of(j.job_id)
+                last[shard] = max(last.get(shard, 0.0), f[0].timings.admitted)
+        tails[tenant] = round(max(last.values()) - min(last.values()), 2) if last else 0.0
+    return tails
+
+
 @dataclass(slots=True)
 class Arena:
     """One contestant's fleet on a fresh namespace, and where its producers send jobs."""
@@ -317,13 +333,16 @@ def run_phases(url: str, ar: Arena, args, rate: float) -> tuple[dict, list]:
             fleet_sim.enqueue(client, keys, by[t], rate=None, batch=500, **route)
         all_jobs = [j for js in by.values() for j in js]
         wait_answered(client, keys, all_jobs, 900)
-        shares = window_shares(finals_of(client, keys, all_jobs), by, args.window_s)
+        finals = finals_of(client, keys, all_jobs)
+        shares = window_shares(finals, by, args.window_s)
         if weights:
             worst = max((abs(s["a"] - 0.5) / 0.5 for s in shares), default=None)
         else:
             worst = max((abs(v * 3 - 1) for s in shares for v in s.values()), default=None)
         out[label] = {"windows": len(shares), "worst_deviation": round(worst, 3) if worst is not None else None,
                       "shares": shares}
+        if len(keys.parts) > 1:
+            out[label]["shard_tail_s"] = shard_tails(finals, by, keys)
         every += list(by.values())
     return out, [j for js in every for j in js]
 

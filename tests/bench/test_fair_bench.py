@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvgate.bench import fleet_sim
-from kvgate.bench.fair import add_arguments, alone_order, check_contestants, run, spread_of
+from kvgate.bench.fair import add_arguments, alone_order, check_contestants, run, shard_tails, spread_of
 from kvgate.bench.fleet_cluster import cluster_unavailable
 from kvgate.producer.protocol import FIELD, Keys, decode_job
 
@@ -69,6 +69,19 @@ def test_an_unknown_contestant_is_refused_by_name_before_anything_runs():
     assert check_contestants("fifo, fair-hashed") == ["fifo", "fair-hashed"]
 
 
+def test_a_tenants_shard_tail_is_from_its_first_shard_running_dry_to_its_last_admission():
+    from types import SimpleNamespace
+
+    keys = Keys("t", shards=2, cluster=True)
+    ids = {k: [f"j{i}" for i in range(40) if keys.shard_of(f"j{i}") == k][:2] for k in (0, 1)}
+    admitted = {ids[0][0]: 10.0, ids[0][1]: 12.5, ids[1][0]: 11.0, ids[1][1]: 19.0}
+    finals = {i: [SimpleNamespace(timings=SimpleNamespace(admitted=at))] for i, at in admitted.items()}
+    jobs = [SimpleNamespace(job_id=i) for i in admitted]
+    # shard 0 ran dry at 12.5 s, shard 1 at 19.0 s; a job never admitted (nor answered) counts nowhere
+    assert shard_tails(finals, {"a": jobs + [SimpleNamespace(job_id="lost")], "b": jobs[:1]}, keys) == {"a": 6.5,
+                                                                                                     "b": 0.0}
+
+
 def test_a_alone_passes_take_turns_each_round_reversed_so_load_drift_weighs_on_every_contestant_alike():
     assert alone_order(["fifo", "fair"], 2) == ["fifo", "fair", "fair", "fifo"]
     assert alone_order(["fifo", "fair", "fair-wait"], 3) == ["fifo", "fair", "fair-wait", "fair-wait", "fair", "fifo",
@@ -87,6 +100,9 @@ def test_kvgate_bench_fair_on_a_three_primary_cluster_with_affinity_lanes_answer
     for c in r["runs"].values():
         assert c["shards"] == 6 and c["lanes"] == 8  # two shards a primary; the workers set the namespace's lanes
     assert r["runs"]["fair"]["equal"]["windows"] >= 1 and r["runs"]["fair"]["weighted_2_1_1"]["windows"] >= 1
+    for label in ("equal", "weighted_2_1_1"):
+        tails = r["runs"]["fair"][label]["shard_tail_s"]
+        assert set(tails) == {"a", "b", "c"} and all(t >= 0 for t in tails.values()), tails
 
 
 @pytest.mark.parametrize("dealt", [False, True], ids=["hashed", "dealt"])

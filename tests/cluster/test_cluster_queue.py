@@ -357,7 +357,7 @@ def test_a_tenant_keeps_its_share_of_the_fleet_when_its_backlog_runs_out_in_one_
     taken = {"a": 0, "b": 0}
 
     def read(shard: int) -> int:
-        got = reader.read(2, ReadPlan([bands[shard]], fair={bands[shard]}, charge=10))
+        got = reader.read(2, ReadPlan([bands[shard]], fair={bands[shard]}, charge=fair.read_charge(10)))
         fair.read(got, 10)  # as the worker's refill does with every read, then its flush (every 0.2 s)
         fair.flush()
         for e in got:
@@ -382,9 +382,9 @@ def test_a_tenant_keeps_its_share_of_the_fleet_when_its_backlog_runs_out_in_one_
 
 
 def test_what_a_read_charged_goes_onto_the_other_shards_counters_once_and_corrections_onto_all(cluster, namespace):
-    """The step's pipeline carries a read's charge to the tenant's counters in the other shards, and LOCAL_CHARGE of
-    it more to its own shard's (the read script charged it there once); the flush then adds only the corrections of
-    jobs that ended, to every shard's."""
+    """The step's pipeline carries a read's charge to the tenant's counters in the other shards (the read script
+    charged its own shard's, LOCAL_CHARGE more); the flush then adds only the corrections of jobs that ended, to
+    every shard's."""
     from kvgate.worker.fair import Fair
     from kvgate.worker.reader import Reader, ReadPlan
 
@@ -396,10 +396,11 @@ def test_what_a_read_charged_goes_onto_the_other_shards_counters_once_and_correc
         _fair_put(r, band, "a", 5)
     r.zadd(Keys.fair_backlog(bands[1]), {"a": 0})  # read there before: a real counter, not a newcomer's -inf
     fair = Fair(r, keys, "keep", set(bands))
-    got = Reader(r, "w1", ReadPlan(bands), keys=keys).read(2, ReadPlan([bands[0]], fair={bands[0]}, charge=10))
+    plan = ReadPlan([bands[0]], fair={bands[0]}, charge=fair.read_charge(10))  # as the worker's refill plans it
+    got = Reader(r, "w1", ReadPlan(bands), keys=keys).read(2, plan)
     fair.read(got, 10)
     pipe = r.pipeline(transaction=False)
-    assert fair.queue_spread(pipe) == 2 and not fair.charged_here
+    assert fair.queue_spread(pipe) == 1 and not fair.charged_here
     pipe.execute()
     scores = lambda: [r.zscore(Keys.fair_backlog(band), "a") for band in bands]  # noqa: E731
     assert scores() == [20 * (1 + LOCAL_CHARGE), 20]
@@ -417,7 +418,8 @@ def test_each_shard_serves_every_tenant_backlogged_there_not_only_the_one_whose_
     each joined that shard's backlog) held: shard 0 served only A, shard 1 mostly B, and B's backlog in shard 0
     waited to the end, when it sat in one shard and that shard's turns of the fleet's reads were less than its share
     (one tenant at 0.23 in the last window). A read now charges its own shard's counter LOCAL_CHARGE more than the
-    others', so shard 0 turns to B once it has served A that much more: each shard drains both backlogs together."""
+    others' (Fair.read_charge), so shard 0 turns to B once it has served A that much more: each shard drains both
+    backlogs together."""
     from kvgate.worker.fair import Fair
     from kvgate.worker.reader import Reader, ReadPlan
 
@@ -436,16 +438,16 @@ def test_each_shard_serves_every_tenant_backlogged_there_not_only_the_one_whose_
     left = {(shard, tenant): 40 for shard in (0, 1) for tenant in "ab"}
     while all(left.values()):  # until one tenant's backlog runs out in one shard
         for shard in (0, 1):
-            got = reader.read(2, ReadPlan([bands[shard]], fair={bands[shard]}, charge=10))
+            got = reader.read(2, ReadPlan([bands[shard]], fair={bands[shard]}, charge=fair.read_charge(10)))
             fair.read(got, 10)  # as the worker's refill does with every read, then the step's pipeline
             pipe = r.pipeline(transaction=False)
             fair.queue_spread(pipe)
             pipe.execute()
             for e in got:
                 left[shard, e.stream.rsplit(":t:", 1)[1]] -= 1
-    # what is left of either backlog in either shard: no more than the 12 jobs (30 tokens / LOCAL_CHARGE, at 10
-    # a job) by which shard 0 served A first (before: B's 40 in shard 0 and A's 40 in shard 1, untouched)
-    assert max(left.values()) <= 30 / LOCAL_CHARGE / 10, left
+    # what is left of either backlog in either shard: no more than the 12 jobs (30 tokens / LOCAL_CHARGE 0.25, at
+    # 10 a job) by which shard 0 served A first (before: B's 40 in shard 0 and A's 40 in shard 1, untouched)
+    assert max(left.values()) <= 12, left
 
 
 def test_a_job_of_one_shard_makes_room_on_a_worker_full_of_jobs_read_from_another(cluster, namespace, tmp_path):
