@@ -52,13 +52,14 @@ MAX_CHARGED = 100_000
 FAIR_FLUSH_S = 0.2  # what tenants were served goes onto their counters this often (one pipeline; none when nothing was)
 # On a Redis Cluster, what a read charged a tenant in one shard goes onto its counters in every other shard, and
 # this much more onto its counter in the shard it was read from (the read script charges it: Fair.read_charge).
-# Without it the shards specialise: each tenant's counters rise alike everywhere, so the few jobs' worth by which its counter in one shard started above the others
-# (where it joined that shard's backlog) holds forever, and that shard never serves it while others do. Its backlog
-# there waits to the end, when it sits in one or two shards and those shards' turns of the fleet's reads are less
-# than its share (W-FAIR's equal phase on a cluster: one tenant at 0.23 in the last window). With it a shard that
-# served a tenant leans to the others and each shard drains its tenants together: a start x tokens apart is made up
-# after x / LOCAL_CHARGE tokens of that shard's serving. The price: a tenant left in k of n shards gets
-# (1 + LOCAL_CHARGE / n) / (1 + LOCAL_CHARGE / k) of its share there (0.93 in 2 of 6), not all of it.
+# Without it the shards specialise: each tenant's counters rise alike everywhere, so the few jobs' worth by which
+# its counter in one shard started above the others (where it joined that shard's backlog) holds forever, and that
+# shard never serves it while others do. Its backlog there waits to the end, when it sits in one or two shards and
+# those shards' turns of the fleet's reads are less than its share (W-FAIR's equal phase on a cluster: one tenant at
+# 0.23 in the last window). With it a shard that served a tenant leans to the others and each shard drains its
+# tenants together: a start x tokens apart is made up after x / LOCAL_CHARGE tokens of that shard's serving. The
+# price: a tenant left in k of n shards gets (1 + LOCAL_CHARGE / n) / (1 + LOCAL_CHARGE / k) of its share there
+# (0.93 in 2 of 6), not all of it.
 LOCAL_CHARGE = 0.25
 FAIR_BLOCK_MS = 50  # an idle worker's wait while a band's backlog still has tenants (a race with another's read)
 
