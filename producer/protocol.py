@@ -657,6 +657,11 @@ class Keys:
         return f"{band}:t:{tenant}"
 
     @staticmethod
+    def band_priority(band: str) -> str:
+        """A band's priority: its shared stream's name ends in it (`jobs()`)."""
+        return band.rsplit(":", 1)[1]
+
+    @staticmethod
     def fair_backlog(band: str) -> str:
         """Sorted set of the band's backlogged tenants, scored by their virtual token counters (weighted tokens
         served); `<band>:fair:vt` holds the band's virtual time (the counter last served) and

@@ -289,6 +289,17 @@ class ShardCall:
 
 
 @dataclass(slots=True)
+class ShardGroup:
+    """A plan's streams in one shard, as one read script there looks at them."""
+
+    shard: int
+    streams: list[str]  # in plan order
+    home: int  # how many lead as ours
+    urgent: int = 0  # how many follow those as full owners' lanes
+    overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries
+
+
+@dataclass(slots=True)
 class ReadSlot:
     """A read queued on a shared pipeline: its one reply parsed into entries when the round trip settles (and on
     a cluster, what its shard's fair bands still hold told to the reader's ShardTurns)."""
@@ -406,7 +417,7 @@ class Reader:
             flat = reply[1]
             by_priority: dict[str, int] = {}
             for index, n in zip(flat[::2], flat[1::2]):
-                priority = call.keys[int(index) - 1].rsplit(":", 1)[1]
+                priority = Keys.band_priority(call.keys[int(index) - 1])
                 by_priority[priority] = by_priority.get(priority, 0) + int(n)
             self.turns.saw(call.shard, by_priority)
 
@@ -431,14 +442,15 @@ class Reader:
         self.shard_turn += 1
         order = [groups[(self.shard_turn + i) % len(groups)] for i in range(len(groups))]
         if plan.fair and not plan.preempt_ms and len(order) > 1:
-            first = self.turns.next([g[0] for g in order])
-            order.sort(key=lambda g: g[0] != first)
+            first = self.turns.next([g.shard for g in order])
+            order.sort(key=lambda g: g.shard != first)
         calls = []
-        for shard, keys, home, urgent, others in order:
+        for group in order:
+            keys, others = group.streams, group.overdue
             args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
             bands = [i + 1 for i, st in enumerate(keys) if st in plan.fair]
             if plan.home is not None:
-                args += [home, self.steal_age_ms, plan.overdue_ms, len(others), plan.steal_max, urgent]
+                args += [group.home, self.steal_age_ms, plan.overdue_ms, len(others), plan.steal_max, group.urgent]
             elif bands:
                 args += [len(keys), 0, 0, 0, count, 0]
             if bands:
@@ -448,25 +460,25 @@ class Reader:
                          *bands, *(x for t, w in plan.weights.items() for x in (t, w))]
                 others = others + [k for i in bands for k in (Keys.fair_backlog(keys[i - 1]),
                                                                    Keys.fair_pending(keys[i - 1]))]
-            calls.append(ShardCall(shard, keys + others, args))
+            calls.append(ShardCall(group.shard, keys + others, args))
         return calls
 
-    def _by_shard(self, plan: ReadPlan, streams: list[str],
-                  overdue: list[str]) -> list[tuple[int, list[str], int, int, list[str]]]:
-        """(shard, streams in plan order, how many lead as ours, how many follow those as full owners' lanes, others'
-        lanes to check for overdue entries) per shard."""
+    def _by_shard(self, plan: ReadPlan, streams: list[str], overdue: list[str]) -> list[ShardGroup]:
+        """The plan's streams shard by shard (one group on a single Redis)."""
         home = len(streams) if plan.home is None else plan.home
         if self.keys is None or len(self.keys.parts) == 1:
-            return [(0, streams, home, plan.urgent, overdue)]
-        groups: dict[int, tuple[list[str], list[int], list[str]]] = {}
+            return [ShardGroup(0, streams, home, plan.urgent, overdue)]
+        groups: dict[int, ShardGroup] = {}
         for i, stream in enumerate(streams):
-            g = groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))
-            g[0].append(stream)
-            g[1][0] += i < home
-            g[1][1] += home <= i < home + plan.urgent
+            shard = self.keys.of_stream(stream).shard
+            g = groups.setdefault(shard, ShardGroup(shard, [], 0))
+            g.streams.append(stream)
+            g.home += i < home
+            g.urgent += home <= i < home + plan.urgent
         for stream in overdue:
-            groups.setdefault(self.keys.of_stream(stream).shard, ([], [0, 0], []))[2].append(stream)
-        return [(shard, keys, n[0], n[1], others) for shard, (keys, n, others) in sorted(groups.items())]
+            shard = self.keys.of_stream(stream).shard
+            groups.setdefault(shard, ShardGroup(shard, [], 0)).overdue.append(stream)
+        return [groups[k] for k in sorted(groups)]
 
     @staticmethod
     def parse(reply) -> list[Entry]:
