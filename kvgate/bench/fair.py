@@ -131,13 +131,21 @@ def finals_of(client, keys: Keys, jobs: list) -> dict[str, list]:
     return finals
 
 
-def wait_answered(client, keys: Keys, jobs: list, timeout: float) -> None:
+def wait_answered(client, keys: Keys, jobs: list, timeout: float, what: str, every_s: float = 30.0) -> None:
+    """Until every one of `jobs` is answered; a line on stderr every `every_s` says how far `what` has come (a
+    phase at the issue's counts runs for minutes)."""
     from kvgate.bench.fleet_sim import count_results
 
-    deadline = time.monotonic() + timeout
-    while count_results(client, keys, jobs) < len(jobs):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {count_results(client, keys, jobs)} of {len(jobs)} jobs answered")
+    start = time.monotonic()
+    deadline, told = start + timeout, start
+    while (done := count_results(client, keys, jobs)) < len(jobs):
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError(f"{what}: only {done} of {len(jobs)} jobs answered in {timeout:.0f} s")
+        if now - told >= every_s:
+            told = now
+            print(f"{what}: {done} of {len(jobs)} jobs answered after {now - start:.0f} s", file=sys.stderr,
+                  flush=True)
         time.sleep(0.2)
 
 
@@ -167,14 +175,15 @@ def jobs_per_s(finals: dict) -> float:
 
 def window_shares(finals: dict, by_tenant: dict[str, list], window_s: float) -> list[dict[str, float]]:
     """Each tenant's share of the tokens of the jobs the fleet admitted in every full window while all of them were
-    backlogged (up to the first tenant's last admission). By admission, the scheduler's decision: a job's finish
-    trails it by its run time, seconds here, which would smear windows of a few seconds."""
+    backlogged: from the last tenant's first job queued (until then the others share the fleet, as they should) up
+    to the first tenant's last admission. By admission, the scheduler's decision: a job's finish trails it by its
+    run time, seconds here, which would smear windows of a few seconds."""
     done = {t: sorted((f[0].timings.admitted, tokens(f[0])) for j in jobs if (f := finals.get(j.job_id))
                       and f[0].timings.admitted) for t, jobs in by_tenant.items()}
-    start = min(d[0][0] for d in done.values())
+    start = max(min(f[0].timings.queued for j in jobs if (f := finals.get(j.job_id))) for jobs in by_tenant.values())
     end = min(d[-1][0] for d in done.values())
     shares = []
-    t = start + window_s  # the first window: the fleet filling up
+    t = start
     while t + window_s <= end:
         served = {tenant: sum(n for at, n in d if t <= at < t + window_s) for tenant, d in done.items()}
         total = sum(served.values())
@@ -208,6 +217,7 @@ class Arena:
     fleet: object
     route: dict  # fleet_sim.enqueue's fair=, lanes= and spread=
     lanes: int  # the ring's lanes (affinity on), whether the contestant's producers route into them or not
+    name: str  # the contestant's
 
 
 @contextlib.contextmanager
@@ -230,7 +240,7 @@ def arena(url: str, name: str, args):
                                   **worker_settings(args, name))
     try:
         lanes = wait_for_ring(client, keys, len(specs)) if args.affinity == "on" else 0
-        yield Arena(client, keys, fleet, dict(fair=fair, lanes=0 if fair else lanes, spread=spread), lanes)
+        yield Arena(client, keys, fleet, dict(fair=fair, lanes=0 if fair else lanes, spread=spread), lanes, name)
     finally:
         fleet.stop()
 
@@ -247,7 +257,7 @@ def a_alone(url: str, name: str, args) -> dict:
     with arena(url, name, args) as ar:
         a = jobs_of("a", "solo", a_jobs(args), args.seed + 3)
         fleet_sim.enqueue(ar.client, ar.keys, a, rate=None, batch=500, **ar.route)
-        wait_answered(ar.client, ar.keys, a, 900)
+        wait_answered(ar.client, ar.keys, a, 900, f"{name}: A alone")
         finals = finals_of(ar.client, ar.keys, a)
     out = {"contestant": name, "jobs_per_s": jobs_per_s(finals), "answered_once": answered_once(finals, len(a))}
     print(json.dumps({"a_alone": out}), file=sys.stderr, flush=True)
@@ -307,7 +317,7 @@ def run_phases(url: str, ar: Arena, args, rate: float) -> tuple[dict, list]:
         return b, c
 
     b, c = open_loop("alone")
-    wait_answered(client, keys, b + c, 300)
+    wait_answered(client, keys, b + c, 300, f"{ar.name}: B and C alone")
     finals = finals_of(client, keys, b + c)
     out["alone_p99_wait_s"] = {"b": p99_wait(finals, b), "c": p99_wait(finals, c)}
     every += [b, c]
@@ -315,12 +325,12 @@ def run_phases(url: str, ar: Arena, args, rate: float) -> tuple[dict, list]:
     a = jobs_of("a", "flood", a_jobs(args), args.seed)
     fleet_sim.enqueue(client, keys, a, rate=None, batch=500, **route)
     b, c = open_loop("flood")
-    wait_answered(client, keys, b + c, 600)
+    wait_answered(client, keys, b + c, 600, f"{ar.name}: B and C beside A's flood")
     finals = finals_of(client, keys, b + c)
     out["flood_p99_wait_s"] = {"b": p99_wait(finals, b), "c": p99_wait(finals, c)}
     out["flood_wait_ratio"] = {t: round(out["flood_p99_wait_s"][t] / max(out["alone_p99_wait_s"][t], 1e-3), 2)
                                for t in ("b", "c")}
-    wait_answered(client, keys, a, 900)
+    wait_answered(client, keys, a, 900, f"{ar.name}: A's flood")
     every += [a, b, c]
 
     for label, weights in (("equal", {}), ("weighted_2_1_1", {"a": 2})):
@@ -332,7 +342,7 @@ def run_phases(url: str, ar: Arena, args, rate: float) -> tuple[dict, list]:
         for t in "abc":  # one tenant after another, as three producers' bulk submits land
             fleet_sim.enqueue(client, keys, by[t], rate=None, batch=500, **route)
         all_jobs = [j for js in by.values() for j in js]
-        wait_answered(client, keys, all_jobs, 900)
+        wait_answered(client, keys, all_jobs, 900, f"{ar.name}: shares, {label}")
         finals = finals_of(client, keys, all_jobs)
         shares = window_shares(finals, by, args.window_s)
         if weights:

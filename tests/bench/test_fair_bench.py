@@ -9,7 +9,8 @@ import json
 import pytest
 
 from kvgate.bench import fleet_sim
-from kvgate.bench.fair import add_arguments, alone_order, check_contestants, run, shard_tails, spread_of
+from kvgate.bench.fair import (add_arguments, alone_order, check_contestants, run, shard_tails, spread_of,
+                               wait_answered, window_shares)
 from kvgate.bench.fleet_cluster import cluster_unavailable
 from kvgate.producer.protocol import FIELD, Keys, decode_job
 
@@ -80,6 +81,38 @@ def test_a_tenants_shard_tail_is_from_its_first_shard_running_dry_to_its_last_ad
     # shard 0 ran dry at 12.5 s, shard 1 at 19.0 s; a job never admitted (nor answered) counts nowhere
     assert shard_tails(finals, {"a": jobs + [SimpleNamespace(job_id="lost")], "b": jobs[:1]}, keys) == {"a": 6.5,
                                                                                                      "b": 0.0}
+
+
+def test_share_windows_start_once_every_tenant_has_jobs_queued_not_at_the_first_tenants_first_job():
+    """W-FAIR on a cluster enqueues A's 6,000 jobs (2:1:1) before B's and C's, 10-20 s through the SDK's dealing:
+    until C's first job lands, A and B rightly share the fleet, and a window that counted those seconds read C's
+    lateness as unfairness (2026-12-04 07:19: A 0.61, C 0.07)."""
+    from types import SimpleNamespace
+
+    def job(tenant: str, i: int, queued: float, admitted: float):
+        usage = SimpleNamespace(prompt_tokens=6, completion_tokens=4)
+        return SimpleNamespace(job_id=f"{tenant}{i}"), [SimpleNamespace(
+            timings=SimpleNamespace(queued=queued, admitted=admitted), usage=usage)]
+
+    by, finals = {}, {}
+    for tenant, joins in (("a", 0.0), ("b", 1.0), ("c", 12.0)):  # one job a second each from when it joins
+        made = [job(tenant, i, joins, joins + i) for i in range(int(41 - joins))]
+        by[tenant] = [j for j, _ in made]
+        finals.update({j.job_id: f for j, f in made})
+    shares = window_shares(finals, by, 10.0)
+    assert shares == [{"a": 0.3333, "b": 0.3333, "c": 0.3333}] * 2  # [12, 22) and [22, 32); [32, 42) ends past 40
+
+
+def test_a_long_phase_says_how_far_it_has_come_and_a_stuck_one_names_itself(monkeypatch, capsys):
+    answered = iter([0, 1, 2, 3])
+    monkeypatch.setattr(fleet_sim, "count_results", lambda client, keys, jobs: next(answered))
+    wait_answered(None, Keys("t"), [1, 2, 3], 60, "fair: A alone", every_s=0)
+    err = capsys.readouterr().err
+    assert "fair: A alone: 1 of 3 jobs answered after" in err and "2 of 3" in err and "3 of 3" not in err
+
+    monkeypatch.setattr(fleet_sim, "count_results", lambda client, keys, jobs: 1)
+    with pytest.raises(TimeoutError, match="fifo: A's flood: only 1 of 3 jobs answered in 0 s"):
+        wait_answered(None, Keys("t"), [1, 2, 3], 0, "fifo: A's flood")
 
 
 def test_a_alone_passes_take_turns_each_round_reversed_so_load_drift_weighs_on_every_contestant_alike():
