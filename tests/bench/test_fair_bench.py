@@ -86,7 +86,7 @@ def test_a_tenants_shard_tail_is_from_its_first_shard_running_dry_to_its_last_ad
 def test_share_windows_start_once_every_tenant_has_jobs_queued_not_at_the_first_tenants_first_job():
     """W-FAIR on a cluster enqueues A's 6,000 jobs (2:1:1) before B's and C's, 10-20 s through the SDK's dealing:
     until C's first job lands, A and B rightly share the fleet, and a window that counted those seconds read C's
-    lateness as unfairness (2026-12-04 07:19: A 0.61, C 0.07)."""
+    lateness as unfairness (BENCHMARKS.md, W-FAIR, 2026-12-04 06:51: A 0.61, C 0.07)."""
     from types import SimpleNamespace
 
     def job(tenant: str, i: int, queued: float, admitted: float):
