@@ -159,11 +159,19 @@ class Fair:
 
     def read(self, entries, charge: float) -> None:
         """Remember what each job read from a tenant's stream was charged (a takeover is not charged again), and on
-        a cluster what its tenant's counters in the other shards are to be charged for it."""
+        a cluster what its tenant's counters in the other shards are to be charged for it.
+
+        A job read while its tenant was the only one backlogged in its band (Entry.alone) keeps its charge: while
+        alone, a tenant's counter only says where a newcomer starts, and the newcomer starts there owed nothing. Its
+        correction when the job ends would land after the newcomer joined and move the tenant by the estimate's
+        error on every job it had in flight: an idle fleet's first fill read a flood's hundreds of jobs at the cold
+        estimate (512 tokens against 376 in W-FAIR's mix), and the refund, after B and C joined, gave A 0.51 of
+        the first 5 s window at equal weights."""
         for e in entries:
             band = self.band_of(e.stream) if e.deliveries == 1 else None
             if band is not None:
-                self.charged[f"{e.stream}|{e.entry_id}"] = charge
+                if not e.alone:
+                    self.charged[f"{e.stream}|{e.entry_id}"] = charge
                 if len(self.keys.parts) > 1:  # the read script charged its own shard's counter as READ_LUA does
                     tenant = tenant_of(e.stream, band)
                     self._serve(band, tenant)[0] += max(charge, 1.0) / self.weights.get(tenant, 1.0)

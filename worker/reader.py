@@ -31,7 +31,8 @@ from kvgate.worker.fair import Occupancy
 # 1 if a job of it may make room in the worker in that band, else 0; the tenant '' for a tenant not running there:
 # worker/fair.py's Occupancy.makes_room), the bands' indexes in KEYS, then
 # tenant/weight pairs. Each stream's reply is {stream, new entries, taken-over entries}, and from a tenant's stream
-# a 1 or 0: whether its jobs may make room for themselves (below).
+# a 1 or 0: whether its jobs may make room for themselves (below), then a 1 or 0: whether its tenant was the only one
+# backlogged in the band when they were read (their charge then stands: Fair.read).
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
 # with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
 # Returns {those streams' replies, and per fair band its index in KEYS and its jobs still queued (ShardTurns)}.
@@ -163,7 +164,7 @@ local function fair_take(index, band, backlog, pending)
     end
     return floor
   end
-  local function serve(tenant, score, n, few)  -- read up to n of its jobs, charge it, drop it once it has none
+  local function serve(tenant, score, n, few, alone)  -- read up to n of its jobs, charge it, drop it once it has none
     local w = weights[tenant] or 1
     local key = band .. ':t:' .. tenant
     local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
@@ -177,7 +178,7 @@ local function fair_take(index, band, backlog, pending)
       want = want - #entries
       few = few or (#entries <= PREEMPT_BACKLOG and (#entries < n or
                     redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1][1] == entries[#entries][1]))  -- drained
-      table.insert(out, {key, entries, {}, few and 1 or 0})
+      table.insert(out, {key, entries, {}, few and 1 or 0, alone and 1 or 0})
       if redis.call('DECRBY', backlog .. ':queued', #entries) < 0 then redis.call('SET', backlog .. ':queued', 0) end
       redis.call('ZADD', pending, 'NX', now, tenant)
       if score ~= vt then vt, moved = score, true end  -- the lowest counter served: where newcomers start
@@ -195,7 +196,7 @@ local function fair_take(index, band, backlog, pending)
     for i = 1, #low, 2 do
       if not room then break end
       if (room[low[i]] or room['']) > 0 and waited(band .. ':t:' .. low[i], now - preempt_ms) then
-        serve(low[i], counter(low[i + 1]), 1, true)
+        serve(low[i], counter(low[i + 1]), 1, true, #low == 2)
         break
       end
     end
@@ -211,7 +212,7 @@ local function fair_take(index, band, backlog, pending)
         local gap = (counter(low[4]) - score) * (weights[tenant] or 1) / charge
         n = math.min(want, math.max(QUANTUM, math.floor(gap) + 1))
       end
-      serve(tenant, score, n, false)
+      serve(tenant, score, n, false, #low == 2)
     end
   end
   if moved then redis.call('SET', vt_key, tostring(vt)) end
@@ -256,6 +257,7 @@ class Entry(NamedTuple):
     fields: dict | None  # None: gone (deleted or trimmed while pending)
     deliveries: int
     may_preempt: bool = False  # fair share: its tenant had few jobs waiting, so it may make room (worker/fair.py)
+    alone: bool = False  # fair share: its tenant was the only one backlogged in its band: its charge stands (Fair.read)
 
 
 @dataclass(slots=True)
@@ -483,10 +485,11 @@ class Reader:
     @staticmethod
     def parse(reply) -> list[Entry]:
         out: list[Entry] = []
-        for stream, entries, claimed, *few in reply[0]:
-            stream, may_preempt = as_text(stream), few == [1]
+        for stream, entries, claimed, *fair in reply[0]:
+            stream = as_text(stream)
+            may_preempt, alone = (bool(fair[0]), bool(fair[1])) if fair else (False, False)
             out += [Entry(stream, as_text(i), _pairs(f), n) for i, f, n in claimed]
-            out += [Entry(stream, as_text(i), _pairs(f), 1, may_preempt) for i, f in entries]
+            out += [Entry(stream, as_text(i), _pairs(f), 1, may_preempt, alone) for i, f in entries]
         return out
 
 

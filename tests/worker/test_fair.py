@@ -92,6 +92,31 @@ def test_a_new_tenant_starts_at_the_lowest_counter_backlogged_when_that_is_above
     assert tenants.count("a") == 4 and tenants.count("b") == 4, tenants  # b at a's 500: a quantum each
 
 
+def test_jobs_read_while_their_tenant_was_alone_keep_their_charge_so_a_newcomer_is_owed_nothing(queue):
+    """A tenant alone in a band is read at the estimate; one that joins starts at its counter. When those jobs end
+    smaller than charged, the refund lands after the newcomer joined: it must not put the first tenant ahead of it
+    (W-FAIR at 0.1 scale: an idle fleet's first fill of a flood at the cold estimate, refunded after B and C joined,
+    gave A 0.51 of the first 5 s window at equal weights). Jobs read while others were backlogged still are."""
+    from kvgate.worker.fair import Fair
+
+    r, stream = queue.r, band(queue)
+    r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+    reader = Reader(r, "w1", ReadPlan([stream], fair={stream}, charge=512))
+    enqueue(queue, "a", 40)
+    first = reader.read(8)
+    assert len(first) == 8 and all(e.alone for e in first)
+    enqueue(queue, "b", 40)
+    second = reader.read(2)  # b joins at a's counter, charged as it goes
+    assert [e.stream.rsplit(":t:", 1)[1] for e in second] == ["b", "b"] and not any(e.alone for e in second)
+    fair = Fair(r, queue.keys, "keep", bands={stream})
+    fair.read(first + second, 512)
+    for e in first + second:  # each took 16 tokens of the 512 charged
+        fair.finished(e.stream, e.entry_id, e.stream.rsplit(":t:", 1)[1], 16)
+    fair.flush()
+    tenants = [e.stream.rsplit(":t:", 1)[1] for e in reader.read(8)]
+    assert tenants.count("a") == 4 and tenants.count("b") == 4, tenants  # b refunded its 2, a none: b 2 jobs ahead
+
+
 def test_priority_bands_stay_strict_under_fair_share(queue, thread_worker):
     queue.r.set(queue.keys.fair(), 1)
     low = enqueue(queue, "a", 100, priority="low", max_tokens=8, ignore_eos=True)
