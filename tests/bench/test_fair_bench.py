@@ -10,7 +10,7 @@ import pytest
 
 from kvgate.bench import fleet_sim
 from kvgate.bench.fair import (add_arguments, alone_order, check_contestants, run, shard_tails, spread_of,
-                               wait_answered, window_shares)
+                               wait_answered, wait_first_answer, window_shares)
 from kvgate.bench.fleet_cluster import cluster_unavailable
 from kvgate.producer.protocol import FIELD, Keys, decode_job
 
@@ -35,6 +35,7 @@ def _every_phase_measured(r: dict) -> None:
         passes = c["a_alone_passes_jobs_per_s"]  # two rounds by default: fifo, fair, fair, fifo
         assert len(passes) == 2 and all(p > 0 for p in passes), passes
         assert c["a_alone_jobs_per_s"] == pytest.approx(sum(passes) / 2, abs=0.06)
+        assert c["flood_bc_start_s"] > 0  # B and C start once A's flood has a job answered
         for phase in ("alone_p99_wait_s", "flood_p99_wait_s", "flood_wait_ratio"):
             assert set(c[phase]) == {"b", "c"} and all(v > 0 for v in c[phase].values()), (name, phase, c[phase])
         for label in ("equal", "weighted_2_1_1"):
@@ -113,6 +114,20 @@ def test_a_long_phase_says_how_far_it_has_come_and_a_stuck_one_names_itself(monk
     monkeypatch.setattr(fleet_sim, "count_results", lambda client, keys, jobs: 1)
     with pytest.raises(TimeoutError, match="fifo: A's flood: only 1 of 3 jobs answered in 0 s"):
         wait_answered(None, Keys("t"), [1, 2, 3], 0, "fifo: A's flood")
+
+
+def test_b_and_c_join_the_flood_once_one_of_its_jobs_is_answered_past_the_fleets_first_fill(redis_server):
+    """An idle fleet's first fill of a flood runs long prefill steps that any job landing then waits out; B and C
+    join the flood's steady state: the wait returns at the first answer in any of A's clients' reply streams, and
+    a flood that nobody answers fails by name."""
+    import redis
+
+    client, keys = redis.Redis.from_url(redis_server.url), Keys("wfair-t")
+    a = fleet_sim.make_jobs(4, fleet_sim.JobMix(), seed=0, clients=2)
+    with pytest.raises(TimeoutError, match="fair: A's flood's first answer: none of 4 jobs answered in 0 s"):
+        wait_first_answer(client, keys, a, 0, "fair: A's flood's first answer")
+    client.xadd(keys.replies(a[1].client_id)[0], {FIELD: b"final"})
+    wait_first_answer(client, keys, a, 5, "fair: A's flood's first answer")
 
 
 def test_a_alone_passes_take_turns_each_round_reversed_so_load_drift_weighs_on_every_contestant_alike():
