@@ -395,9 +395,13 @@ def test_what_a_read_charged_goes_onto_the_other_shards_counters_once_and_correc
         r.xgroup_create(band, Keys.GROUP, id="0", mkstream=True)
         _fair_put(r, band, "a", 5)
     r.zadd(Keys.fair_backlog(bands[1]), {"a": 0})  # read there before: a real counter, not a newcomer's -inf
+    # another tenant backlogged in shard 0, far above: a's jobs are read beside it, not alone (alone, a read's
+    # charge stands uncorrected: Fair.read)
+    r.zadd(Keys.fair_backlog(bands[0]), {"a": 0, "z": 1000})
     fair = Fair(r, keys, "keep", set(bands))
     plan = ReadPlan([bands[0]], fair={bands[0]}, charge=fair.read_charge(10))  # as the worker's refill plans it
     got = Reader(r, "w1", ReadPlan(bands), keys=keys).read(2, plan)
+    assert len(got) == 2 and not any(e.alone for e in got)
     fair.read(got, 10)
     pipe = r.pipeline(transaction=False)
     assert fair.queue_spread(pipe) == 1 and not fair.charged_here
