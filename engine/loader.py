@@ -180,18 +180,19 @@ def safetensors_weights(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str,
 
 def random_weights(config: PretrainedConfig, dtype: torch.dtype, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Seeded normal(0, initializer_range) weights, norms at 1; each tensor seeded by its own name, so the
-    values do not depend on the order anyone reads them in."""
+    values do not depend on the order anyone reads them in. Made on the host whatever default device is active
+    (the seeded generator is a CPU one: W-GPU's HF baseline reads them inside `with torch.device("cuda")`)."""
     import torch
 
     std = getattr(config, "initializer_range", 0.02)
     generator = torch.Generator()
     for name, shape in parameter_shapes(config).items():
         if "norm" in name.rsplit(".", 2)[-2]:
-            yield name, torch.ones(shape, dtype=dtype)
+            yield name, torch.ones(shape, dtype=dtype, device="cpu")
             continue
         # The CPU generator keeps only 32 bits of its seed, so the run seed is hashed in with the name.
         generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-        yield name, torch.randn(shape, generator=generator).mul_(std).to(dtype)
+        yield name, torch.randn(shape, generator=generator, device="cpu").mul_(std).to(dtype)
 
 
 def parameter_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:

@@ -105,6 +105,17 @@ def test_random_weights_cast_to_the_requested_dtype():
     assert {t.dtype for _, t in tiny_random_source().weights(torch.bfloat16)} == {torch.bfloat16}
 
 
+def test_random_weights_are_made_on_the_host_whatever_default_device_is_active():
+    """W-GPU's HF baseline builds its model inside `with torch.device("cuda")`; the seeded CPU generator then met
+    a CUDA default device and the first GPU run's baseline died (RuntimeError: Expected a 'cuda' device type for
+    generator but found 'cpu'). A meta default device shows the same thing on a CPU: the weights were meta."""
+    with torch.device("meta"):
+        weights = dict(tiny_random_source(0).weights(torch.float32))
+    plain = dict(tiny_random_source(0).weights(torch.float32))
+    assert {t.device.type for t in weights.values()} == {"cpu"}
+    assert all(torch.equal(weights[n], plain[n]) for n in plain)
+
+
 def test_hf_reference_model_of_a_random_source_holds_exactly_its_weights():
     source = tiny_random_source()
     model = hf_reference_model(source, torch.float32)
