@@ -97,7 +97,7 @@ def test_jobs_read_while_their_tenant_was_alone_keep_their_charge_so_a_newcomer_
     smaller than charged, the refund lands after the newcomer joined: it must not put the first tenant ahead of it
     (W-FAIR at 0.1 scale: an idle fleet's first fill of a flood at the cold estimate, refunded after B and C joined,
     gave A 0.51 of the first 5 s window at equal weights). Jobs read while others were backlogged still are."""
-    from kvgate.worker.fair import Fair
+    from kvgate.worker.fair import Fair, tenant_of
 
     r, stream = queue.r, band(queue)
     r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
@@ -107,13 +107,13 @@ def test_jobs_read_while_their_tenant_was_alone_keep_their_charge_so_a_newcomer_
     assert len(first) == 8 and all(e.alone for e in first)
     enqueue(queue, "b", 40)
     second = reader.read(2)  # b joins at a's counter, charged as it goes
-    assert [e.stream.rsplit(":t:", 1)[1] for e in second] == ["b", "b"] and not any(e.alone for e in second)
+    assert [tenant_of(e.stream, stream) for e in second] == ["b", "b"] and not any(e.alone for e in second)
     fair = Fair(r, queue.keys, "keep", bands={stream})
     fair.read(first + second, 512)
     for e in first + second:  # each took 16 tokens of the 512 charged
-        fair.finished(e.stream, e.entry_id, e.stream.rsplit(":t:", 1)[1], 16)
+        fair.finished(e.stream, e.entry_id, tenant_of(e.stream, stream), 16)
     fair.flush()
-    tenants = [e.stream.rsplit(":t:", 1)[1] for e in reader.read(8)]
+    tenants = [tenant_of(e.stream, stream) for e in reader.read(8)]
     assert tenants.count("a") == 4 and tenants.count("b") == 4, tenants  # b refunded its 2, a none: b 2 jobs ahead
 
 
