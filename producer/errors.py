@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .quoting import shown
+
 
 class KvgateError(Exception):
     """Base class of every error the SDK raises on purpose."""
@@ -15,9 +17,10 @@ class FieldError:
     reason: str
 
     def __str__(self) -> str:
-        shown = repr(self.value)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        return f"{self.field}={shown}: {self.reason}"
+        return f"{self.field}={shown(self.value)}: {self.reason}"
+
+
+LISTED_ERRORS = 5  # of an InvalidRequest's errors, in its message
 
 
 class InvalidRequest(KvgateError, ValueError):
@@ -27,16 +30,20 @@ class InvalidRequest(KvgateError, ValueError):
         self.errors = errors
         first = errors[0]
         self.field, self.value, self.reason = first.field, first.value, first.reason
-        listed = "; ".join(str(e) for e in errors)
+        # a few, each value shown short: 200,000 bad logit_bias values made an 11 MB message (issue 45.7)
+        listed = "; ".join(str(e) for e in errors[:LISTED_ERRORS])
+        if len(errors) > LISTED_ERRORS:
+            listed += f"; and {len(errors) - LISTED_ERRORS:,} more in .errors"
         super().__init__(f"invalid request ({listed}); fix the argument and submit again, nothing was enqueued")
 
 
 class Backpressure(KvgateError):
-    """The fleet's backlog is at or over the client's max_backlog."""
+    """The fleet's backlog, with the `requested` jobs of this admission, would pass the client's max_backlog."""
 
-    def __init__(self, backlog: int, max_backlog: int):
-        self.backlog, self.max_backlog = backlog, max_backlog
-        super().__init__(f"backlog of {backlog} jobs is at or over max_backlog={max_backlog}; retry later, "
+    def __init__(self, backlog: int, max_backlog: int, requested: int = 1):
+        self.backlog, self.max_backlog, self.requested = backlog, max_backlog, requested
+        over = "is at or over" if requested <= 1 else f"plus the {requested} of this call would pass"
+        super().__init__(f"backlog of {backlog} jobs {over} max_backlog={max_backlog}; retry later, "
                          "add workers, or create the Client with backpressure='wait'")
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .bounded_json import BadJson, parse_json
 from .fields import Entries, Items, Range, Shape, specs
 from .shards import check_shards, shard_of, shard_tags
 from .urls import split_url
@@ -171,11 +172,13 @@ class Tools(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 
 def schema_problem(text: str, what: str) -> str | None:
-    """Why `text`, named `what` in the answer, is not a JSON schema object, or None."""
+    """Why `text`, named `what` in the answer, is not a JSON schema object, or None. The text is a producer's: parsed
+    within the same depth budget as a request body (a schema nested 1,000 deep raised RecursionError here, in every
+    worker that read the job)."""
     try:
-        schema = msgspec.json.decode(text)
-    except msgspec.DecodeError as e:
-        return f"{what} is not valid JSON: {e}"
+        schema = parse_json(text)
+    except BadJson as e:
+        return f"{what} is not JSON a worker takes: {e}"
     if not isinstance(schema, dict):
         return f"{what} must be a JSON schema object, got {type(schema).__name__}"
     return None
@@ -423,8 +426,15 @@ def decode_job(data: bytes) -> Job:
         job = _job_decoder.decode(data)
     except msgspec.DecodeError as e:
         raise ProtocolError(f"malformed job payload: {e}") from None
+    except RecursionError:
+        raise ProtocolError("malformed job payload: nested too deeply") from None
     _check_version(job.v)
-    validate_job(job)
+    try:
+        validate_job(job)
+    except ProtocolError:
+        raise
+    except Exception as e:  # total: whatever a check trips on in a producer's job is that job's error, not the worker's
+        raise ProtocolError(f"invalid job: {type(e).__name__}: {str(e)[:200]}") from None
     return job
 
 
@@ -578,7 +588,7 @@ def as_text(value) -> str:
 
 
 class Keys:
-    """Redis key names for one namespace (see README.md, Architecture, 'Redis keys'). On a Redis Cluster (`cluster=True`) the
+    """Redis key names for one namespace (see docs/architecture.md, 'Redis keys'). On a Redis Cluster (`cluster=True`) the
     namespace is split into `shards`, each under its own hash tag (producer/shards.py): this root object names a
     job's keys in the job's shard (by its id, or its idempotency key), lists streams of every shard, and puts the
     fleet's own keys (heartbeats, models, lanes) in shard 0; `at(k)` and `of_stream` name one shard's keys."""
@@ -697,6 +707,12 @@ class Keys:
         """The keys a producer's fair enqueue touches besides the tenant's stream, in the scripts' order: the
         backlog, its queued count, the streams index and the bell."""
         return [Keys.fair_backlog(band), Keys.fair_queued(band), Keys.fair_streams(band), Keys.fair_bell(band)]
+
+    def handed_back(self, shard: int = 0) -> str:
+        """Sorted set of the shard's job entries a worker read but could not fit and handed back (worker/hand_back.py),
+        scored by when (server ms): `giver\\nentry id\\nstream`; any worker's next read takes them before new entries.
+        Outside `jobs:*`, which producers may write: only workers may make an entry move."""
+        return f"{self.parts[shard].prefix}:handed"
 
     def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
         """One model's streams, highest priority first, each priority's shared stream before its lanes."""

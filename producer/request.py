@@ -20,6 +20,7 @@ from pydantic import (AfterValidator, model_validator, BaseModel, BeforeValidato
                       create_model)
 
 from . import protocol as wire
+from .bounded_json import MAX_DEPTH
 from .errors import FieldError, InvalidRequest
 from .fields import Entries, Items, Range, Shape, Spec
 from .tool_calls import closed
@@ -96,7 +97,26 @@ def _idempotency_key(key: str) -> str:
 
 def _arguments(value: Any) -> Any:
     """A call's arguments as OpenAI sends them (JSON text), or as a dict, which is sent as its JSON text."""
-    return msgspec.json.encode(value).decode() if isinstance(value, dict) else value
+    return json_text(value, "arguments") if isinstance(value, dict) else value
+
+
+def _schema_dict(value: Any) -> Any:
+    """response_format as given, once it is known to encode (named here, where a model validator's error names no
+    field)."""
+    if isinstance(value, dict):
+        json_text(value, "the schema")
+    return value
+
+
+def json_text(value: Any, what: str) -> str:
+    """A caller's dict (a schema, a call's arguments) as the JSON text the wire carries. msgspec raises
+    RecursionError for one nested past the interpreter's limit: a ValueError naming it, as a worker refuses text nested
+    past bounded_json's limit."""
+    try:
+        return msgspec.json.encode(value).decode()
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply: more than {MAX_DEPTH} arrays or objects inside one another "
+                         "is refused; send a flatter schema") from None
 
 
 class FunctionCall(BaseModel):
@@ -179,7 +199,7 @@ def structured_of(response_format: Any = None, regex: str | None = None, choice:
         return None
     if _is_model_class(response_format):
         schema = closed(response_format.model_json_schema())
-        return wire.Structured("json_schema", msgspec.json.encode(schema).decode())
+        return wire.Structured("json_schema", json_text(schema, "response_format"))
     if not isinstance(response_format, dict):
         raise ValueError(f"response_format must be OpenAI's dict, a JSON schema dict or a pydantic model class, "
                          f"got {type(response_format).__name__}")
@@ -192,8 +212,8 @@ def structured_of(response_format: Any = None, regex: str | None = None, choice:
         schema = response_format["json_schema"].get("schema")
         if not isinstance(schema, dict):
             raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
-        return wire.Structured("json_schema", msgspec.json.encode(schema).decode())
-    return wire.Structured("json_schema", msgspec.json.encode(response_format).decode())  # a JSON schema itself
+        return wire.Structured("json_schema", json_text(schema, "response_format"))
+    return wire.Structured("json_schema", json_text(response_format, "response_format"))  # a JSON schema itself
 
 
 def _function(tool: Any) -> wire.Function:
@@ -220,7 +240,7 @@ def _function(tool: Any) -> wire.Function:
     if tool.get("strict") not in (None, True, False):
         raise ValueError("function strict must be true or false")
     _utf8(description)
-    return wire.Function(name, description, "" if params is None else msgspec.json.encode(params).decode())
+    return wire.Function(name, description, "" if params is None else json_text(params, f"function {name!r} parameters"))
 
 
 def _tools(value: Any) -> Any:
@@ -316,8 +336,8 @@ class SubmitRequest(_PromptAndSampling):
     # fill-in-the-middle (a text prompt only): the text after the hole, for a model with FIM tokens to write the middle
     suffix: Annotated[Text, Field(max_length=wire.MAX_PROMPT_CHARS)] | None = None
     # the conveniences that make `structured` (structured_of); a pydantic model class also makes Result.parsed
-    response_format: Annotated[Any, PlainSerializer(lambda v: v.model_json_schema() if _is_model_class(v) else v)] \
-        = None
+    response_format: Annotated[Any, AfterValidator(_schema_dict),
+                               PlainSerializer(lambda v: v.model_json_schema() if _is_model_class(v) else v)] = None
     regex: Annotated[Text, Field(min_length=1, max_length=wire.MAX_STRUCTURED_CHARS)] | None = None
     choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=wire.MAX_CHOICES)] \
         | None = None
@@ -461,6 +481,11 @@ def _check_tools(req: SubmitRequest, where: str) -> None:
         field = "tool_choice" if problem.startswith("tool choice") else "tools"
         raise InvalidRequest([FieldError(f"{where}{field}", req.tool_choice if field == "tool_choice" else names,
                                          problem)])
+    if tools.choice != "auto" and req.structured is not None:  # the wire refuses it too, naming no field (45.11)
+        raise InvalidRequest([FieldError(f"{where}tool_choice", req.tool_choice,
+                                         f"constrains the answer to a tool call (choice {tools.choice!r}), so it "
+                                         "cannot also follow response_format (or structured, regex, choice, "
+                                         "grammar): give one of them, or tool_choice 'auto'")])
 
 
 def _check_combination(req: SubmitRequest, where: str) -> None:

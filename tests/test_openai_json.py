@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvgate.openai.batch import BadLine, custom_id_of, parse_line
-from kvgate.openai.json_body import BadJson, parse_json
+from kvgate.producer.bounded_json import BadJson, parse_json
 
 DEEP = "[" * 100_000 + "]" * 100_000
 HUGE_INT = '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"max_tokens": ' + "9" * 5000 + "}}"
@@ -27,7 +27,7 @@ def test_parse_json_names_what_is_wrong(text, says):
 def test_the_nesting_limit_is_the_same_on_every_python():
     """Before: msgspec's depth limit follows the interpreter's, so 5,000 deep was 'nested too deeply' on 3.11 and a
     decoded document on 3.13 (make test-pythons caught it)."""
-    from kvgate.openai.json_body import MAX_DEPTH
+    from kvgate.producer.bounded_json import MAX_DEPTH
 
     assert parse_json("[" * MAX_DEPTH + "]" * MAX_DEPTH) is not None
     assert parse_json(b'{"messages": [' + b'{"content": "x"},' * 2000 + b'{"content": "y"}]}')["messages"][-1] == {

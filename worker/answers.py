@@ -40,7 +40,7 @@ class Answers:
             self.answer(Ended(r.ticket, r.status, error=r.error or None, dead_reason=r.dead_reason,
                               tokenized=r.tokenized))
             return
-        self.metrics.on_dead_letter("invalid")
+        self.metrics.on_dead_letter(r.dead_label)
         ident = identify(r.payload) if r.payload is not None else None
         if ident is None:
             self.publisher.dead_letter(r.stream, r.entry_id, r.error, r.payload)

@@ -54,6 +54,14 @@ def identify(payload: bytes | None) -> tuple[str, str, float] | None:
     return (ident.job_id, ident.client_id, queued) if ok else None
 
 
+def _undecodable(payload: bytes | None, error: Exception) -> str:
+    if payload is None:
+        return "entry has no payload (deleted or malformed stream fields)"
+    if isinstance(error, ProtocolError):
+        return str(error)
+    return f"malformed job payload: {type(error).__name__}: {str(error)[:200]}"
+
+
 def sampling_params(s: Sampling) -> SamplingParams:
     """The engine's settings for a decoded (and validated) job: every wire sampling field by its name, which the
     engine's SamplingParams shares (tests/producer/test_field_agreement.py)."""
@@ -89,6 +97,7 @@ class Rejection:
     ticket: Ticket | None = None  # None: the payload did not decode; whoever `identify` finds in it is told
     payload: bytes | None = None
     dead_reason: str = ""  # also dead-lettered, with this reason
+    dead_label: str = "invalid"  # the dead letter's metric label when the payload is not decoded (ticket None)
     tokenized: Tokenized | None = None
 
 
@@ -120,16 +129,19 @@ class Intake:
         payload = payload_of(e.fields)
         if e.deliveries > 1:
             self.metrics.on_redelivery()
+        if e.deliveries > self.max_deliveries:
+            # Before decoding: Redis counted this delivery when it handed the entry over, so an entry whose decoding
+            # ever took a worker down is dead-lettered here, undecoded, instead of taking down every worker it reaches.
+            reason = f"delivered {e.deliveries} times, over max_deliveries={self.max_deliveries}"
+            return Rejection(e.stream, e.entry_id, "error", reason, payload=payload, dead_reason=reason,
+                             dead_label="max_deliveries")
         try:
             job = decode_job(payload)
-        except ProtocolError as error:
-            reason = str(error) if payload is not None else "entry has no payload (deleted or malformed stream fields)"
+        except Exception as error:  # ProtocolError names the defect; anything else is still this entry's, not ours
+            reason = _undecodable(payload, error)
             return Rejection(e.stream, e.entry_id, "error", reason, payload=payload, dead_reason=reason)
         ticket = Ticket(job, e.stream, e.entry_id, [], None, payload, attempt=max(1, e.deliveries),
                         may_preempt=e.may_preempt)
-        if e.deliveries > self.max_deliveries:
-            reason = f"delivered {e.deliveries} times, over max_deliveries={self.max_deliveries}"
-            return Rejection(e.stream, e.entry_id, "error", reason, ticket, dead_reason=reason)
         if self.clock.expired(job, e.entry_id):
             return Rejection(e.stream, e.entry_id, "expired", "deadline passed before the job started", ticket)
         if job.task in ("tokenize", "detokenize"):

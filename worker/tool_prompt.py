@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate.producer.bounded_json import parse_json
 from kvgate.producer.protocol import Job, Message, Structured, Tools
 from kvgate.producer.tool_calls import CLOSE, OPEN, call_schema, closed, fallback_system_prompt, parameters_of
 
@@ -29,7 +30,7 @@ def template_tools(tools: Tools) -> list[dict[str, Any]]:
 def _arguments(text: str) -> Any:
     """A call's arguments as templates want them: a dict where the text is a JSON object (Qwen's writes `| tojson`)."""
     try:
-        value = json.loads(text)
+        value = parse_json(text)  # a producer's text: nested 100,000 deep it raised RecursionError from json.loads
     except ValueError:
         return text
     return value if isinstance(value, dict) else text

@@ -6,20 +6,43 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 import math
+import re
 
+from kvgate.producer.quoting import clipped, shown
 from kvgate.producer import Backpressure, ConnectionFailed, InvalidRequest, QuotaExceeded, ResultTimeout
 
 INVALID = "invalid_request_error"
+PARAM_CHARS = 200  # a param names a field; a longer one is a caller's key quoted back
+# the SDK's place of a request in a submit_many call: the gateway sends one body's choices, so it names no body field
+SUBMIT_MANY_PLACE = re.compile(r"^requests\[\d+\]\.")
 
 
 class ApiError(Exception):
-    """What a route raises to answer with an error; the handler below renders it."""
+    """What a route raises to answer with an error; the handler below renders it. Its message and param are clipped
+    whenever they are set: whatever built them and whatever they quote, an error stays short on its way out (an HTTP
+    answer, a stream's error event, a batch's error line)."""
 
     def __init__(self, status: int, message: str, *, type: str = INVALID, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
+        super().__init__(clipped(message))
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
+
+    @property
+    def message(self) -> str:
+        return self._message
+
+    @message.setter
+    def message(self, text: str) -> None:
+        self._message = clipped(text)
+
+    @property
+    def param(self) -> str | None:
+        return self._param
+
+    @param.setter
+    def param(self, name: str | None) -> None:
+        self._param = None if name is None else clipped(name, PARAM_CHARS)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -30,22 +53,21 @@ def invalid(param: str, message: str, code: str | None = None) -> ApiError:
 
 
 def unsupported(param: str, value: object, what: str = "") -> ApiError:
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return ApiError(400, f"{param}={shown} is not supported by this kvgate gateway{what}; leave it out",
+    return ApiError(400, f"{param}={shown(value)} is not supported by this kvgate gateway{what}; leave it out",
                     param=param, code="unsupported_parameter")
 
 
 def from_sdk(e: Exception, names: dict[str, str], retry_after_s: int) -> ApiError:
     """An SDK error as the HTTP error a client expects; `names` maps SDK argument names back to body fields."""
     if isinstance(e, InvalidRequest):
-        field = e.field.split(".", 1)
+        field = SUBMIT_MANY_PLACE.sub("", e.field, count=1).split(".", 1)
         param = ".".join([names.get(field[0], field[0]), *field[1:]])
-        return ApiError(400, f"{param}: {e.reason} (got {e.value!r})", param=param, code="invalid_value")
+        return ApiError(400, f"{param}: {e.reason} (got {shown(e.value)})", param=param, code="invalid_value")
     if isinstance(e, QuotaExceeded):
         return rate_limited(e, retry_after_s)
     if isinstance(e, Backpressure):
-        return ApiError(429, f"the queue holds {e.backlog} waiting jobs, at or over this gateway's limit of "
+        adds = "" if e.requested <= 1 else f" and this request adds {e.requested}"
+        return ApiError(429, f"the queue holds {e.backlog} waiting jobs{adds}, at or over this gateway's limit of "
                              f"{e.max_backlog}; retry after {retry_after_s} s", type="rate_limit_error",
                         code="queue_full", headers={"Retry-After": str(retry_after_s)})
     if isinstance(e, ResultTimeout):

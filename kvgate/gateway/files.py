@@ -9,7 +9,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from kvgate.openai.json_body import BadJson, parse_json
+from kvgate.producer.bounded_json import BadJson, parse_json
+from kvgate.producer.quoting import shown
 
 from .auth import ApiKeys, Caller
 from .errors import ApiError, invalid
@@ -44,7 +45,7 @@ class FilesApi:
         async with request.form(max_files=1, max_fields=8) as form:
             purpose, upload = form.get("purpose"), form.get("file")
             if purpose not in PURPOSES:
-                raise invalid("purpose", f"purpose={purpose!r} is not supported; this gateway stores files for "
+                raise invalid("purpose", f"purpose={shown(purpose)} is not supported; this gateway stores files for "
                                          f"purpose 'batch' only", code="invalid_purpose")
             if not isinstance(upload, UploadFile):
                 raise invalid("file", "no file in the upload: send it as the multipart field `file`")
@@ -59,7 +60,7 @@ class FilesApi:
         limit, after = limit_of(request, 10_000, 10_000), request.query_params.get("after")
         purpose, order = request.query_params.get("purpose"), request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
-            raise invalid("order", f"order={order!r} must be asc or desc")
+            raise invalid("order", f"order={shown(order)} must be asc or desc")
         files = [f for f in await asyncio.to_thread(self.store.list)
                  if caller.sees(f.tenant) and (purpose is None or f.purpose == purpose)]
         files = files if order == "desc" else files[::-1]
@@ -104,7 +105,7 @@ class FilesApi:
 
 
 def not_found(file_id: str, param: str | None = None) -> ApiError:
-    return ApiError(404, f"no file with id {file_id!r}", param=param, code="file_not_found")
+    return ApiError(404, f"no file with id {shown(file_id)}", param=param, code="file_not_found")
 
 
 def check_jsonl(data: bytes) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvgate.producer.quoting import shown
+
 from .errors import invalid, unsupported
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -28,7 +30,7 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         raise unsupported(f"{where}.role", role, " (deprecated: answer a tool call with role tool and its "
                                                  "tool_call_id)")
     if role not in ROLES:
-        raise invalid(f"{where}.role", f"{where}.role={role!r} must be one of {sorted(ROLES)}")
+        raise invalid(f"{where}.role", f"{where}.role={shown(role)} must be one of {sorted(ROLES)}")
     out: dict[str, Any] = {"role": ROLES[role]}
     for key, value in m.items():
         if key in ("role", "content"):

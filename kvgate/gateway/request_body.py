@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvgate.openai.json_body import SMALL, BadJson, parse_json
+from kvgate.producer.bounded_json import SMALL, BadJson, parse_json
 
 from .errors import ApiError, invalid
 
@@ -36,7 +36,11 @@ class BodyTooLarge(ApiError):
 class BodyLimit:
     """ASGI middleware: a body over its path's limit is refused with a 413 in OpenAI's shape as soon as that is
     known, from its Content-Length before any of it is read, else (chunked transfer) once the bytes read so far
-    pass the limit; the route then stops reading it. `limits` maps exact paths to their limit, others get `default`."""
+    pass the limit; the route then stops reading it. `limits` maps exact paths to their limit, others get `default`.
+
+    An answer sent while the body is still unread (that 413, or any other answer a route gives before reading its
+    body) closes the connection: on a kept-alive one the server would read the rest only to drop it, so a client
+    could make the gateway drain a 64 MiB upload, or gigabytes, after its refusal."""
 
     def __init__(self, app: ASGIApp, default: SizeLimit, limits: dict[str, SizeLimit] | None = None):
         self.app, self.default, self.limits = app, default, limits or {}
@@ -46,22 +50,29 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         path = scope["path"]
         limit = self.limits.get(path, self.default)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > limit.bytes:
-            error = BodyTooLarge(int(declared), path, limit)
-            return await _send_error(scope, receive, send, error)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
+        unread = declared.strip(b"0") != b"" or b"transfer-encoding" in headers  # a body is coming
         read = 0
 
         async def limited() -> Message:
-            nonlocal read
+            nonlocal read, unread
             message = await receive()
             if message["type"] == "http.request":
                 read += len(message.get("body", b""))
                 if read > limit.bytes:
                     raise BodyTooLarge(read, path, limit)  # rendered by the app's ApiError handler
+                unread = message.get("more_body", False)
             return message
 
-        await self.app(scope, limited, send)
+        async def answer(message: Message) -> None:
+            if message["type"] == "http.response.start" and unread:
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        if declared.isdigit() and int(declared) > limit.bytes:
+            return await _send_error(scope, receive, answer, BodyTooLarge(int(declared), path, limit))
+        await self.app(scope, limited, answer)
 
 
 async def _send_error(scope: Scope, receive: Receive, send: Send, error: ApiError) -> None:

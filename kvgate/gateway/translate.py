@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from kvgate.producer import InvalidRequest
+from kvgate.producer.quoting import shown
 from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, logit_bias_of,
                                   requested_logprobs, structured_of_body)
 from kvgate.producer.protocol import SAMPLING_FIELDS, Tools
@@ -161,7 +162,7 @@ def _refuse_unknown(kind: Kind, body: dict) -> None:
 def _suffix(body: dict) -> str | None:
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
-        raise invalid("suffix", f"suffix={suffix!r} must be a string: the text after the completion")
+        raise invalid("suffix", f"suffix={shown(suffix)} must be a string: the text after the completion")
     return suffix
 
 
@@ -170,11 +171,11 @@ def _choices(body: dict, max_n: int, prompts: int) -> tuple[int, int]:
     n = body.get("n", 1)
     n = 1 if n is None else n
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise invalid("n", f"n={n!r} must be a positive integer")
+        raise invalid("n", f"n={shown(n)} must be a positive integer")
     best_of = body.get("best_of")
     best_of = n if best_of is None else best_of
     if not isinstance(best_of, int) or isinstance(best_of, bool) or best_of < n:
-        raise invalid("best_of", f"best_of={best_of!r} must be an integer >= n ({n})")
+        raise invalid("best_of", f"best_of={shown(best_of)} must be an integer >= n ({n})")
     if best_of * prompts > max_n:
         name = "best_of" if best_of > n else "n"
         raise invalid(name, f"{name}={best_of} for {prompts} prompt(s) asks for {best_of * prompts} choices, over "
@@ -185,7 +186,7 @@ def _choices(body: dict, max_n: int, prompts: int) -> tuple[int, int]:
 def _flag(body: dict, name: str) -> bool:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise invalid(name, f"{name}={value!r} must be true or false")
+        raise invalid(name, f"{name}={shown(value)} must be true or false")
     return bool(value)
 
 
@@ -206,7 +207,7 @@ def _streaming(body: dict) -> tuple[bool, bool, bool]:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise invalid("stream", f"stream={stream!r} must be true or false")
+        raise invalid("stream", f"stream={shown(stream)} must be true or false")
     if options is None:
         return stream, False, False
     if not stream:
@@ -220,7 +221,7 @@ def _streaming(body: dict) -> tuple[bool, bool, bool]:
     for key in ("include_usage", "continuous_usage_stats"):
         value = options.get(key, False)
         if not isinstance(value, bool):
-            raise invalid(f"stream_options.{key}", f"stream_options.{key}={value!r} must be a boolean")
+            raise invalid(f"stream_options.{key}", f"stream_options.{key}={shown(value)} must be a boolean")
         flags.append(value)
     return stream, *flags
 
@@ -241,7 +242,7 @@ def _sampling(kind: Kind, body: dict, settings: GatewaySettings) -> dict[str, An
     user = body.get("user")
     if user is not None:
         if not isinstance(user, str):
-            raise invalid("user", f"user={user!r} must be a string")
+            raise invalid("user", f"user={shown(user)} must be a string")
         metadata = {**(metadata or {}), "user": user}  # kept with the job's result, for audit
     if metadata:
         args["metadata"] = metadata

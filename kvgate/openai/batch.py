@@ -20,7 +20,8 @@ from typing import Any
 import msgspec
 
 from kvgate.openai.embeddings import EMBEDDINGS, BadEmbeddings, EmbeddingsBody, parse_body, response_body, submit_args
-from kvgate.openai.json_body import BadJson, parse_json
+from kvgate.producer.bounded_json import BadJson, parse_json
+from kvgate.producer.quoting import VALUE_CHARS, clipped, shown
 from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, choice, logit_bias_of,
                                   requested_logprobs, structured_of_body)
 from kvgate.producer import protocol as wire
@@ -77,10 +78,10 @@ def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
     if not isinstance(custom_id, str) or not custom_id:
         raise BadLine("invalid_request", f"line {line_no}: custom_id must be a non-empty string")
     if data.get("method", "POST") != "POST":
-        raise BadLine("invalid_request", f"method {data.get('method')!r} is not supported; use POST")
+        raise BadLine("invalid_request", f"method {shown(data.get('method'))} is not supported; use POST")
     url, body = data.get("url"), data.get("body")
     if url not in (CHAT, COMPLETIONS, EMBEDDINGS):
-        raise BadLine("invalid_url", f"url {url!r} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}")
+        raise BadLine("invalid_url", f"url {shown(url)} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}")
     if not isinstance(body, dict):
         raise BadLine("invalid_request", "body must be a JSON object")
     embeddings = _embeddings_body(body) if url == EMBEDDINGS else None
@@ -113,7 +114,7 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported")
     if body.get("n", 1) != 1:
-        raise BadLine("unsupported_parameter", f"n={body['n']!r}: only n=1 is supported")
+        raise BadLine("unsupported_parameter", f"n={shown(body['n'])}: only n=1 is supported")
     key = "messages" if url == CHAT else "prompt"
     if key not in body:
         raise BadLine("invalid_request", f"{url} needs body.{key}")
@@ -193,15 +194,15 @@ def file_problems(lines: list[tuple[int, str]], endpoint: str | None = None) -> 
                                                                  "non-empty string", n))
         url = data.get("url")
         if endpoint is not None and isinstance(url, str) and url != endpoint:
-            problems.append(FileProblem("mismatched_endpoint", f"line {n}: url {url!r} differs from the batch's "
+            problems.append(FileProblem("mismatched_endpoint", f"line {n}: url {shown(url)} differs from the batch's "
                                                                f"endpoint {endpoint!r}; every line of a batch must "
                                                                "use its endpoint", n, "url"))
     for custom_id, line_nos in where.items():
         if len(line_nos) > 1:
-            problems.append(FileProblem("duplicate_custom_id", f"custom_id {custom_id.decode()} appears on lines "
-                                                               f"{', '.join(map(str, line_nos))}; every custom_id in a "
-                                                               "batch file must be unique: rename the repeats and run "
-                                                               "again", line_nos[1]))
+            named, listed = clipped(custom_id.decode(), VALUE_CHARS), clipped(", ".join(map(str, line_nos)), 200)
+            problems.append(FileProblem("duplicate_custom_id", f"custom_id {named} appears on lines {listed}; every "
+                                                               "custom_id in a batch file must be unique: rename the "
+                                                               "repeats and run again", line_nos[1]))
     return problems
 
 
@@ -254,7 +255,9 @@ def success_line(req: BatchRequest, results: list[Result], model: str | None = N
 
 
 def error_line(row_id: str, custom_id: str, code: str, message: str) -> dict[str, Any]:
-    return {"id": row_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+    """A line's error; its message clipped, as an HTTP error's is, whatever built it."""
+    return {"id": row_id, "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": clipped(message)}}
 
 
 def failed_result_line(req: BatchRequest, part: int, result: Result) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvgate.producer.quoting import shown
+from kvgate.producer.bounded_json import BadJson, parse_json
 from kvgate.producer.protocol import MAX_LOGPROBS, TokenLogprob, ToolCall, TopLogprob
 from kvgate.producer.result import Result
 
@@ -32,18 +34,18 @@ def requested_logprobs(chat: bool, body: dict[str, Any]) -> int | None:
         return None if wanted is None else _count("logprobs", wanted)
     top = body.get("top_logprobs")
     if wanted is not None and not isinstance(wanted, bool):
-        raise BadLogprobs("logprobs", f"logprobs={wanted!r} must be true or false (top_logprobs sets how many "
+        raise BadLogprobs("logprobs", f"logprobs={shown(wanted)} must be true or false (top_logprobs sets how many "
                                       "alternatives)")
     if top is not None:
         _count("top_logprobs", top)
         if top and not wanted:
-            raise BadLogprobs("top_logprobs", f"top_logprobs={top!r} needs logprobs=true")
+            raise BadLogprobs("top_logprobs", f"top_logprobs={shown(top)} needs logprobs=true")
     return (top or 0) if wanted else None
 
 
 def _count(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
-        raise BadLogprobs(name, f"{name}={value!r} must be an integer from 0 to {MAX_LOGPROBS}")
+        raise BadLogprobs(name, f"{name}={shown(value)} must be an integer from 0 to {MAX_LOGPROBS}")
     return value
 
 
@@ -145,10 +147,10 @@ class BadStructured(ValueError):
 
 
 def _schema_text(param: str, schema: Any) -> str:
-    if isinstance(schema, str):  # vLLM takes a schema as JSON text too
+    if isinstance(schema, str):  # vLLM takes a schema as JSON text too: parsed within the body's own limits
         try:
-            schema = json.loads(schema)
-        except ValueError as e:
+            schema = parse_json(schema)
+        except BadJson as e:
             raise BadStructured(param, f"{param} is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise BadStructured(param, f"{param} must be a JSON schema object, got {type(schema).__name__}")

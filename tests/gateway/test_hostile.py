@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -240,3 +241,195 @@ def test_the_limits_and_cors_origins_come_from_flags_and_variables(monkeypatch):
     assert s.cors_origins == ["https://a.example", "https://b.example", "http://localhost:5173"]
     with pytest.raises(ValueError, match=r"--cors-origin .*'https://a.example/app' must be scheme://host\[:port\]"):
         serve_settings("--cors-origin", "https://a.example/app")
+
+
+# ---- issue 45.7: a refusal quotes at most a short prefix of the refused value --------------------------------------
+
+HUGE = 7_700_000  # characters: a 7.7 MB body, within --max-body-size
+SHORT_ERROR = 4096  # bytes an error body may have, whatever it refuses
+
+
+@pytest.fixture(scope="module")
+def bare_gateway(shared_redis):
+    """A gateway with no worker behind it: a refusal is answered before any job is made."""
+    from tests.gateway.conftest import start_gateway
+
+    gw = start_gateway(shared_redis.url, f"bare{abs(hash(time.monotonic())) % 10**8}")
+    yield gw
+    gw.stop()
+
+
+def _short_error(r: httpx.Response, status: int = 400) -> dict:
+    assert r.status_code == status, r.text[:300]
+    assert len(r.content) < SHORT_ERROR, f"a {len(r.content):,}-byte {status} answered: {r.content[:300]!r}..."
+    return _error(r, status)
+
+
+@pytest.mark.parametrize("route, body, param, marker", [
+    # the SDK's check (pydantic's string_too_long, whose error holds the whole input)
+    ("completions", {"prompt": "x" * HUGE}, "prompt", f"{HUGE:,} characters"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x" * 600_000}]}, "messages.0.content",
+     "600,000 characters"),
+    # the gateway's own checks
+    ("chat/completions", {"messages": [{"role": "x" * HUGE, "content": "hi"}]}, "messages[0].role",
+     f"{HUGE:,} characters"),
+    ("completions", {"prompt": "hi", "n": "x" * HUGE}, "n", f"{HUGE:,} characters"),
+    ("completions", {"prompt": "hi", "stop": [{"x": "y" * HUGE}]}, "stop.0", ""),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "audio": "x" * HUGE}, "audio",
+     f"{HUGE:,} characters"),
+])
+def test_a_refused_huge_value_is_quoted_as_a_short_prefix_with_its_length(bare_gateway, route, body, param,
+                                                                          marker):
+    r = httpx.post(f"{bare_gateway.base_url}/{route}", json={"model": "simulated", "max_tokens": 1} | body, timeout=60)
+    err = _short_error(r)
+    assert err["param"] == param and err["message"].startswith(param), err
+    if marker:  # a short prefix of the value, and how long it was
+        assert marker in err["message"] and "'xxxxxxxx" in err["message"], err
+
+
+def test_a_huge_unknown_field_name_or_model_name_is_named_by_a_short_prefix(bare_gateway):
+    name = "x" * HUGE
+    r = httpx.post(f"{bare_gateway.base_url}/completions", json={"model": "simulated", "prompt": "hi", name: 1},
+                   timeout=60)
+    err = _short_error(r)
+    assert err["param"].startswith("xxxxxxxx") and err["code"] == "unsupported_parameter", err
+    r = httpx.post(f"{bare_gateway.base_url}/completions", json={"model": name, "prompt": "hi"}, timeout=60)
+    err = _short_error(r)
+    assert err["param"] == "model" and f"{HUGE:,} characters" in err["message"], err
+
+
+def test_a_batch_file_problem_and_error_line_quote_a_short_prefix():
+    from kvgate.openai.batch import error_line, file_problems
+
+    line = json.dumps({"custom_id": "c" * HUGE, "method": "POST", "url": "/v1/" + "u" * HUGE, "body": {}})
+    problems = file_problems([(1, line), (2, line)], endpoint="/v1/chat/completions")
+    assert {p.code for p in problems} == {"mismatched_endpoint", "duplicate_custom_id"}, problems
+    assert all(len(p.message) < 1000 for p in problems), [p.message[:300] for p in problems]
+    assert len(error_line("r", "c", "invalid_request", "m" * HUGE)["error"]["message"]) <= 1000
+
+
+def test_every_error_message_is_cut_to_a_short_prefix_on_its_way_out():
+    """Whatever path built it: an ApiError's message and param, however long, leave as a bounded text that keeps the
+    start (what was wrong), the end (what to do) and says how much was cut between."""
+    from kvgate.gateway.errors import ApiError, invalid
+
+    text = "field: is wrong (got '" + "x" * HUGE + "'); send a shorter one"
+    e = ApiError(400, text, param="p" * HUGE)
+    assert len(json.dumps(e.body())) < SHORT_ERROR, len(json.dumps(e.body()))
+    message = e.body()["error"]["message"]
+    assert message.startswith("field: is wrong (got 'xxx") and message.endswith("xxx'); send a shorter one"), message
+    marker = re.search(r"\.\.\.\(([\d,]+) characters cut\)\.\.\.", message)
+    assert marker and len(message) <= 1000, message
+    cut = int(marker[1].replace(",", ""))
+    assert len(message) - len(marker[0]) + cut == len(text), "the marker counts what was cut"
+    assert e.body()["error"]["param"].startswith("ppp") and len(e.body()["error"]["param"]) <= 200
+    later = invalid("prompt", "ok")
+    later.message = "prompt[3]" + "y" * HUGE  # a message rewritten after the fact is cut as well
+    assert len(later.message) <= 1000 and str(later) == "ok"
+
+
+def test_the_sdks_invalid_request_lists_a_few_errors_each_quoted_short():
+    """The SDK's InvalidRequest, which the gateway turns into its 400s, quoted every bad value: 200,000 of them made
+    an 11 MB message."""
+    from kvgate.producer import InvalidRequest
+    from kvgate.producer.request import validate_request
+
+    with pytest.raises(InvalidRequest) as refused:
+        validate_request({"prompt": "hi", "logit_bias": {i: "x" * 1000 for i in range(200_000)}})
+    assert len(refused.value.errors) == 200_000, "every error is kept, for a caller that reads them all"
+    message = str(refused.value)
+    assert len(message) < 2000 and "199,995 more" in message, message[:300]
+
+
+# ---- issue 45.11: tool_choice required with response_format names one of them --------------------------------------
+
+def test_tool_choice_required_with_response_format_is_a_400_naming_one_of_them(bare_gateway):
+    from kvgate.producer.request import validate_request
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"model": "simulated", "max_tokens": 8, "messages": [{"role": "user", "content": "weather?"}],
+            "tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}}
+    err = _short_error(httpx.post(f"{bare_gateway.base_url}/chat/completions", json=body, timeout=30))
+    assert err["param"] in ("tool_choice", "response_format"), err
+    assert "tool_choice" in err["message"] and "response_format" in err["message"], err
+    named = body | {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    err = _short_error(httpx.post(f"{bare_gateway.base_url}/chat/completions", json=named, timeout=30))
+    assert err["param"] in ("tool_choice", "response_format"), err
+    # auto: the model decides, and may answer in JSON instead of calling
+    validate_request({"messages": body["messages"], "tools": tools, "tool_choice": "auto",
+                      "response_format": {"type": "json_object"}})
+
+
+# ---- issue 45, also: an upload refused with a 413 closes its connection ---------------------------------------------
+
+UPLOAD = 64 * MiB
+
+
+def _bytes_sent_before_close(root: str, head: bytes, body_part: bytes, parts: int) -> tuple[int, int]:
+    """Send `head`, then `body_part` `parts` times for as long as the server takes them; the answer's status, and how
+    many body bytes the client could send before the server closed the connection. Fails when the server keeps the
+    connection open after its answer."""
+    host, port = root.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 * 1024)  # the client's own buffer counts little
+    sock.settimeout(60)
+    sent = 0
+
+    def send():
+        nonlocal sent
+        try:
+            sock.sendall(head)
+            for _ in range(parts):
+                sock.sendall(body_part)
+                sent += len(body_part)
+        except OSError:
+            pass  # the server closed the connection
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except ConnectionResetError:
+        pass  # closed with the client's bytes unread: a reset, after the answer
+    except socket.timeout:
+        pytest.fail(f"the connection stayed open 60 s after the answer {data[:200]!r}, {sent:,} body bytes sent")
+    sender.join(60)
+    sock.close()
+    assert data.startswith(b"HTTP/1.1 "), data[:200]
+    return int(data.split(b" ")[1]), sent
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_upload_over_max_file_size_closes_its_connection_after_the_413(shared_redis, namespace, gateway_factory,
+                                                                          chunked):
+    gw = gateway_factory(shared_redis.url, namespace, max_file_bytes=MiB)
+    form = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\n'
+            b'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+            b"Content-Type: application/octet-stream\r\n\r\n")
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+    part = line * (64 * 1024 // len(line))
+    parts = UPLOAD // len(part)
+    framing = {"Transfer-Encoding": "chunked"} if chunked else {"Content-Length": str(len(form) + len(part) * parts)}
+    head = _head("/v1/files", {"Content-Type": "multipart/form-data; boundary=B", **framing})
+    status, sent = _bytes_sent_before_close(gw.root, head + (_chunked(form)[0] if chunked else form),
+                                            _chunked(part)[0] if chunked else part, parts)
+    print(f"{sent:,} body bytes sent before the connection closed")
+    assert status == 413
+    assert sent < 8 * MiB, f"the client sent {sent:,} of {UPLOAD:,} bytes after its upload was refused"
+
+
+def test_an_openai_client_uploading_over_max_file_size_still_reads_its_413(shared_redis, namespace, gateway_factory):
+    """The connection closes under a client still sending: the openai client reads the 413 all the same."""
+    import openai
+
+    gw = gateway_factory(shared_redis.url, namespace, max_file_bytes=MiB)
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+    client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.files.create(file=("in.jsonl", line * (32 * MiB // len(line))), purpose="batch")
+    assert refused.value.status_code == 413 and "--max-file-size" in refused.value.message, refused.value

@@ -49,7 +49,7 @@ def test_every_sdk_spelling_makes_one_wire_field():
     ({"choice": []}, "choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "no schema"}}}, "json_schema.schema"),
     ({"grammar": "x" * (MAX_STRUCTURED_CHARS + 1)}, "grammar"),
-    ({"structured": {"kind": "json_schema", "spec": "[1, 2"}}, "not valid JSON"),
+    ({"structured": {"kind": "json_schema", "spec": "[1, 2"}}, "not JSON a worker takes"),
 ])
 def test_the_sdk_refuses_a_bad_constraint_naming_it(kwargs, says):
     with pytest.raises(InvalidRequest) as caught:

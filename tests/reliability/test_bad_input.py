@@ -37,6 +37,7 @@ def _depth_bomb(levels: int) -> bytes:
 
 
 DROP = object()
+NESTED_1000 = '{"a":' * 1000 + '{}' + '}' * 1000  # 6 KB of JSON text nested 1,001 objects deep
 
 # name -> (payload, job_id that can be answered, words the error must contain)
 def answerable_cases(q: RawQueue) -> dict[str, tuple[bytes, str]]:
@@ -82,6 +83,14 @@ def answerable_cases(q: RawQueue) -> dict[str, tuple[bytes, str]]:
         "metadata value not a string": (_raw(q, "md", metadata={"k": 1}), "$.metadata"),
         "depth bomb inside a typed field": (_raw(q, "bomb1", metadata=[[[[[[[[[[]]]]]]]]]]), "$.metadata"),
         "deadline in the past": (_raw(q, "late", deadline=time.time() - 60), "deadline passed"),
+        # issue 45.1: 2 KB of schema text nested 1,000 deep raised RecursionError out of the intake and killed
+        # every worker that read the job (again after each restart, as its pending entry came back)
+        "schema text nested 1,000 deep": (_sampling(q, "deep-schema", structured={
+            "kind": "json_schema", "spec": NESTED_1000}), "nested too deeply"),
+        "tool parameters nested 1,000 deep": (_raw(q, "deep-tool", prompt=None, messages=[{"role": "user",
+                                                                                       "content": "hi"}],
+                                                   tools={"functions": [{"name": "f", "parameters": NESTED_1000}]}),
+                                              "nested too deeply"),
     }
 
 

@@ -11,6 +11,16 @@ from kvgate.producer import Client, IdempotencyConflict, InvalidRequest
 from kvgate.producer.protocol import PRIORITIES
 
 USER = {"role": "user", "content": "x"}
+
+
+def _nested(levels: int) -> dict:
+    schema: dict = {}
+    for _ in range(levels):
+        schema = {"a": schema}
+    return schema
+
+
+DEEP_SCHEMA = _nested(1000)
 BAD = {
     "temperature above 100": ({"prompt": "x", "temperature": 101.0}, "temperature"),
     "top_p NaN": ({"prompt": "x", "top_p": math.nan}, "top_p"),
@@ -49,6 +59,10 @@ BAD = {
     "idempotency key with a newline": ({"prompt": "x", "idempotency_key": "a\nb"}, "idempotency_key"),
     "idempotency key with a NUL": ({"prompt": "x", "idempotency_key": "a\x00b"}, "idempotency_key"),
     "empty idempotency key": ({"prompt": "x", "idempotency_key": ""}, "idempotency_key"),
+    # issue 45.1: the SDK raised a bare RecursionError for these
+    "a schema dict nested 1,000 deep": ({"prompt": "x", "response_format": DEEP_SCHEMA}, "response_format"),
+    "tool parameters nested 1,000 deep": ({"messages": [USER], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": DEEP_SCHEMA}}]}, "tools"),
 }
 
 

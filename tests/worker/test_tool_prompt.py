@@ -77,3 +77,13 @@ def test_required_and_named_choices_constrain_the_answer_to_a_call():
     named = required_constraint(wire.Tools(TOOLS.functions, "function", "get_weather"))
     assert named.spec == ('{"type": "object", "properties": {"city": {"type": "string"}}, '
                           '"additionalProperties": false}')
+
+
+def test_a_history_calls_arguments_nested_100000_deep_render_as_text_not_a_recursion_error():
+    """Issue 45.1: a producer's text anywhere in a job is parsed within bounds; json.loads raised RecursionError."""
+    from kvgate.worker.tool_prompt import template_message
+
+    deep = "[" * 100_000 + "]" * 100_000
+    call = wire.ToolCall(id="c1", name="f", arguments=deep)
+    out = template_message(wire.Message(role="assistant", content="", tool_calls=[call]))
+    assert out["tool_calls"][0]["function"]["arguments"] == deep
