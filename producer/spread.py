@@ -4,7 +4,7 @@ placed it.
 Each shard's band keeps its own backlog of tenants and the workers read the shards in turn (worker/fair.py), so a
 tenant served fairly drains its backlog in every shard at about the same pace, and the shard that held the least of
 it runs dry first. From then on its jobs wait in fewer shards than the others' and the reads in turn give it less
-than its share: the tail of its backlog (README, Fair share). Placed by the hash of the job id, a tenant's 3,000
+than its share: the tail of its backlog (docs/tenants/fair-share.md). Placed by the hash of the job id, a tenant's 3,000
 jobs of mixed lengths differ by 9-14% in tokens between its fullest shard and its emptiest: W-FAIR's last windows.
 Dealt out by tokens instead, every shard holds the same to within one job.
 

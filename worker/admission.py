@@ -3,6 +3,7 @@ that did not fit yet. Redis stays the fleet's waiting room: a worker never holds
 admit plus this small queue (invariant 4)."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ class Ticket:
     pooling: Any = None  # an embedding job's PoolingParams: it generates nothing, so its budget is 0
     tool_parser: str | None = None  # a job with tools of choice auto: the format its calls are read in
     may_preempt: bool = False  # fair share: its tenant had few jobs waiting, so it may make room (worker/fair.py)
+    queued_at: float = 0.0  # when it entered the local queue (monotonic): one waiting long goes back (hand_back.py)
 
     @property
     def key(self) -> str:
@@ -90,6 +92,7 @@ class AdmissionQueue:
 
     def push(self, ticket: Ticket) -> None:
         self.observe(ticket)
+        ticket.queued_at = time.monotonic()
         self.tickets.append(ticket)
 
     def head(self) -> Ticket | None:

@@ -9,7 +9,9 @@ yet, or from before lanes existed): a job is never stranded by a lane nobody rea
 Ownership is per model, since a worker can hold the prefixes only of models it serves: workers with affinity on
 put themselves in the ring `{ns}:lanes:ring:<model>` of every model name they serve on every heartbeat (scored by
 the server's clock, so clocks of different machines never meet); members silent past the heartbeat TTL drop out,
-and a draining worker leaves at once. Each lane belongs to one member by weighted rendezvous (producer/lanes.py).
+and a draining worker leaves at once; one silent past the reclaim timeout owns no lanes even before that
+(lane_lapse_ms), so a killed owner's queued jobs restart as soon as its pending ones. Each lane belongs to one
+member by weighted rendezvous (producer/lanes.py).
 """
 from __future__ import annotations
 
@@ -30,13 +32,16 @@ STEAL_WINDOW = 8  # others' lanes per model and priority a read may steal from, 
 HELPED = 4  # others' lanes we remember stealing from, looked at first when we steal again
 RETELL_S = 2.0  # say again whether we are full this often, so a Redis restart or a lost write heals
 
-# KEYS[1] ring; ARGV: our member ('' when we only look), ttl ms. Server time: every member scored by one clock.
+# KEYS[1] ring; ARGV: our member ('' when we only look), ttl ms, lapse ms. Server time: every member scored by one
+# clock. Returns the members that beat within the lapse: the ones that own lanes. A member silent past it stays
+# listed until the ttl, but its lanes are the others' now, so the jobs queued there wait no longer than its pending
+# ones, which a reclaim takes once idle that long (issue 45.8: they waited for the ttl, up to 10.8 s).
 RING_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now, ARGV[1]) end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
-return redis.call('ZRANGE', KEYS[1], 0, -1)
+return redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[3]), '+inf')
 """
 
 
@@ -52,6 +57,7 @@ class Affinity:
     want_lanes: int  # the count this worker proposes when the namespace has none yet
     ring_ttl_ms: int
     weight: float = 1.0  # our share of lanes relative to other members: the KV blocks we hold
+    lapse_ms: int | None = None  # a member silent this long owns no lanes (lane_lapse_ms); None: the ring's ttl
     models: tuple[str, ...] = (DEFAULT_MODEL,)  # the names we serve, in the order the worker reads them
     lanes: int = 0  # the namespace's count once seen; never shrinks while we run
     own: dict[str, list[int]] = field(default_factory=dict)  # model -> the lanes of it we own
@@ -65,6 +71,7 @@ class Affinity:
     member: str = ""
     ring_seen: dict[str, tuple] = field(default_factory=dict)  # model -> (its ring and count, every lane's owner)
     full: set[str] = field(default_factory=set)  # other members that said they cannot take a job now
+    unowned: set[str] = field(default_factory=set)  # models we serve whose ring has no live member: lanes nobody owns
     told_full: bool | None = None  # what we last said of ourselves
     retell_at: float = 0.0
     turn: int = 0  # rotates the start of each group of lanes, so no lane is always read last
@@ -86,19 +93,23 @@ class Affinity:
         pipe = self.client.pipeline(transaction=False)
         if self.enabled:
             pipe.set(self.keys.lanes(), self.want_lanes, nx=True)
-            for model in self.models:
-                run_script(self.script, [self.keys.lane_ring(model)], [self.member, self.ring_ttl_ms], pipe)
+        lapse_ms = min(self.lapse_ms or self.ring_ttl_ms, self.ring_ttl_ms)
+        for model in self.models:  # without affinity we only look: a model nobody owns has lanes nobody waits on
+            run_script(self.script, [self.keys.lane_ring(model)],
+                       [self.member if self.enabled else "", self.ring_ttl_ms, lapse_ms], pipe)
         pipe.get(self.keys.lanes())
         replies = pipe.execute()
         grew = self._see_count(replies[-1])
+        rings = {m: decode_members(ring) for m, ring in zip(self.models, replies[-1 - len(self.models):-1])}
+        self.unowned = {m for m in self.models if not rings[m]}
         if self.enabled:
-            rings = {m: decode_members(ring) for m, ring in zip(self.models, replies[1:-1])}
             self._own({m: self._owned(m, rings[m]) for m in self.models})
             self._forget_departed(rings)
         return grew
 
     def _forget_departed(self, rings: dict[str, dict[str, float]]) -> None:
-        """A worker killed while full stays in the full sets: drop members that left every ring we see."""
+        """A worker killed while full stays in the full sets: drop members that left (or went silent in) every ring
+        we see."""
         gone = self.full - {w for members in rings.values() for w in members}
         if gone:
             pipe = self.client.pipeline(transaction=False)
@@ -274,14 +285,27 @@ class Affinity:
     def home(self) -> list[str]:
         """What an idle worker blocks on: per priority, each model's shared stream and our own lanes of it (others
         are looked at on each non-blocking read, so a job in a busy owner's lane waits at most one blocking
-        timeout for a thief). Models take turns at going first, as in read_plan."""
+        timeout for a thief); then the lanes of the models we serve that no live member owns (served only by
+        workers without affinity: nobody else waits on them, and each of their jobs waited a whole blocking timeout,
+        201 ms at the median against 4 ms in the shared stream, issue 45). They come last: a wait covers as many
+        streams as jobs fit, and the shared streams must stay in it. Models take turns at going first, as in
+        read_plan."""
         models = _rotated(list(self.models), self.turn)
-        return [st for p in PRIORITIES for m in models
+        ours = [st for p in PRIORITIES for m in models
                 for st in [*self._shared(m, p), *(s for lane in self.own.get(m, []) for s in self.names[m, p][lane])]]
+        return ours + self._lanes_of([m for m in models if m in self.unowned], lambda m: range(self.lanes))
 
     def stolen(self, stream: str) -> bool:
         """A lane stream we read although another worker owns it."""
         return self.enabled and stream in self.lane_streams and stream not in self.own_streams
+
+
+def lane_lapse_ms(reclaim_idle_ms: int, heartbeat_interval_s: float) -> int:
+    """How long a ring member may be silent before the others read its lanes as their own: the reclaim timeout,
+    after which its pending jobs are taken over too (a worker stalled that long has lost its jobs anyway), so its
+    queued jobs restart within the same bound; but at least two beats, so a live member never looks silent between
+    them."""
+    return max(reclaim_idle_ms, int(2000 * heartbeat_interval_s))
 
 
 def kv_weight(total_blocks: int) -> float:

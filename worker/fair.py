@@ -25,8 +25,9 @@ tenant never makes room, and between tenants with few jobs waiting at their shar
 Tenants' streams a worker has read sit in `<band>:fair:pending` (scored when first read, and when last looked at),
 so a reclaim finds a dead worker's entries there without scanning every tenant's stream. Tenants' streams that
 exist sit in `<band>:fair:streams`, which the pruning pass (`Fair.sweep`, SWEEP_LUA) walks a bounded slice at a
-time, oldest look first: it deletes streams left empty and the departed consumers of the others. An idle worker
-blocks on the bands' bells (`<band>:fair:bell`), which producers ring when a tenant joins a backlog (refill.py).
+time, oldest look first (again SWEEP_AGAIN_S later while slices come full, else every trim interval): it deletes
+streams left empty and the departed consumers of the others. An idle worker blocks on the bands' bells
+(`<band>:fair:bell`), which producers ring when a tenant joins a backlog (refill.py).
 """
 from __future__ import annotations
 
@@ -34,20 +35,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pyproject's dependencies)
-    import tomli as tomllib
 
 import redis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import ID_AFTER_LUA, Keys, ProtocolError, as_text, check_tenant_name
+from kvgate.producer.protocol import ID_AFTER_LUA, Keys, as_text
+from kvgate.worker.tenant_weights import RANGE, clamp_weight, parse_weights
 
 log = logging.getLogger("kvgate.worker")
-MAX_WEIGHTS = 1000
 MAX_CHARGED = 100_000
 FAIR_FLUSH_S = 0.2  # what tenants were served goes onto their counters this often (one pipeline; none when nothing was)
 # On a Redis Cluster, what a read charged a tenant in one shard goes onto its counters in every other shard, and
@@ -65,6 +60,12 @@ FAIR_BLOCK_MS = 50  # an idle worker's wait while a band's backlog still has ten
 
 
 SWEEP_TENANTS = 64  # tenants' streams one pruning pass looks at per band, the longest unseen first
+# After a pass whose slice was full in some band (more may be due now), the next pass comes this soon rather than a
+# trim interval later: a drain of 50,000 tenants left 48,465 emptied streams (84 MB) for an hour at one slice per
+# 5 s. It costs little more: a stream the pass keeps is looked at again only once min idle (the reclaim timeout) has
+# passed, so the fleet's looks stay at most one per stream and reclaim timeout, plus one per stream deleted; only a
+# full slice brings the next pass forward, so an idle namespace still costs one pass per trim interval.
+SWEEP_AGAIN_S = 0.1
 
 # KEYS: per band (one shard's bands) its streams index, backlog and pending index; ARGV: group, min idle ms, heartbeat
 # key prefix ('' on a cluster: see consumers.py), our own consumer, tenants per band, then the bands. Per band, the
@@ -73,16 +74,19 @@ SWEEP_TENANTS = 64  # tenants' streams one pruning pass looks at per band, the l
 # (in this script, in the band's slot, so a producer's XADD cannot slip in between the look and the DEL: its
 # next job makes the stream again and joins the index anew, and a reader makes the group on NOGROUP); in any other
 # its departed consumers (idle, nothing pending, no heartbeat) are deleted, as consumers.py does for the shared
-# streams, and it is looked at again once min idle has passed. Returns {streams deleted, consumers deleted}.
+# streams, and it is looked at again once min idle has passed. Returns {streams deleted, consumers deleted, 1 if some
+# band's slice was full (more may be due) else 0}.
 SWEEP_LUA = ID_AFTER_LUA + """
 local group, min_idle, prefix, me = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local limit = tonumber(ARGV[5])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local deleted, gone = 0, {}
+local deleted, gone, full = 0, {}, 0
 for b = 1, #ARGV - 5 do
   local band, known, backlog, pending = ARGV[5 + b], KEYS[3 * b - 2], KEYS[3 * b - 1], KEYS[3 * b]
-  for _, tenant in ipairs(redis.call('ZRANGEBYSCORE', known, '-inf', now - min_idle, 'LIMIT', 0, limit)) do
+  local slice = redis.call('ZRANGEBYSCORE', known, '-inf', now - min_idle, 'LIMIT', 0, limit)
+  if #slice >= limit then full = 1 end
+  for _, tenant in ipairs(slice) do
     local key = band .. ':t:' .. tenant
     local kind = redis.call('TYPE', key)['ok']
     if kind ~= 'stream' then
@@ -118,7 +122,7 @@ for b = 1, #ARGV - 5 do
     end
   end
 end
-return {deleted, gone}
+return {deleted, gone, full}
 """
 
 
@@ -133,6 +137,7 @@ class Swept:
 
     deleted: int = 0  # tenants' streams left empty
     consumers: list[str] = field(default_factory=list)  # departed consumers' names (each once)
+    more: bool = False  # some band's slice was full: more streams may be due now (SWEEP_AGAIN_S)
 
 
 @dataclass(slots=True)
@@ -143,7 +148,8 @@ class Fair:
     bands: set[str] = field(default_factory=set)  # the shared streams of the models we serve
     on: bool = False  # the namespace has fair share now
     active: bool = False  # we read tenants' streams: fair share is on, or a band still has backlogged tenants
-    weights: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)  # within the range (tenant_weights.py), not 1
+    odd_weights: dict[str, str] = field(default_factory=dict)  # `{ns}:tenants` entries clamped or taken as 1, logged
     charged: dict[str, float] = field(default_factory=dict)  # `stream|entry id` -> tokens its read charged
     # (band, tenant) -> weighted tokens to add to the tenant's counters: [charged by reads in that band (on a cluster,
     # for the other shards' counters), corrected when jobs ended (for every shard's)]
@@ -174,7 +180,7 @@ class Fair:
                     self.charged[f"{e.stream}|{e.entry_id}"] = charge
                 if len(self.keys.parts) > 1:  # the read script charged its own shard's counter as READ_LUA does
                     tenant = tenant_of(e.stream, band)
-                    self._serve(band, tenant)[0] += max(charge, 1.0) / self.weights.get(tenant, 1.0)
+                    self._serve(band, tenant)[0] += max(charge, 1.0) / self.weight(tenant)
                     self.charged_here = True
         if len(self.charged) > MAX_CHARGED:  # jobs lost to a takeover never finish here: forget the oldest
             for key in list(self.charged)[:len(self.charged) - MAX_CHARGED]:
@@ -188,7 +194,11 @@ class Fair:
         if charge is None or band is None:
             return
         tenant = tenant_of(stream, band)
-        self._serve(band, tenant)[1] += (tokens - charge) / self.weights.get(tenant, 1.0)
+        self._serve(band, tenant)[1] += (tokens - charge) / self.weight(tenant)
+
+    def weight(self, tenant: str) -> float:
+        """A tenant's weight, within the range whatever `weights` holds: counters move by numbers."""
+        return clamp_weight(self.weights.get(tenant, 1.0))
 
     def _serve(self, band: str, tenant: str) -> list[float]:
         return self.served.setdefault((band, tenant), [0.0, 0.0])
@@ -198,7 +208,7 @@ class Fair:
         backlogged (XX: one that left comes back at the band's virtual time anyway). Corrections go to the counters
         of the band in every shard, and on a Redis Cluster so does a read's charge (the read script charged its own
         shard): each shard's counters count what a tenant took in the whole fleet, so where its backlog ran out
-        first its other shards serve it the more, and its share of the fleet holds (README, Fair share). One
+        first its other shards serve it the more, and its share of the fleet holds (docs/tenants/fair-share.md). One
         command per tenant and shard a flush, whatever the jobs."""
         if not self.served:
             return
@@ -248,15 +258,15 @@ class Fair:
         if self.script is None:
             self.script = self.client.register_script(SWEEP_LUA)
         prefix = "" if self.keys.cluster else self.keys.worker("")
-        deleted, gone = 0, set()
+        deleted, gone, more = 0, set(), False
         for bands in self.keys.by_shard(sorted(self.bands)):
             keys = [k for band in bands
                     for k in (Keys.fair_streams(band), Keys.fair_backlog(band), Keys.fair_pending(band))]
             args = [Keys.GROUP, min_idle_ms, prefix, consumer, SWEEP_TENANTS, *bands]
-            n, names = run_script(self.script, keys, args, self.client)
-            deleted += int(n)
+            n, names, full = run_script(self.script, keys, args, self.client)
+            deleted, more = deleted + int(n), more or bool(full)
             gone |= {as_text(name) for name in names}
-        return Swept(deleted, sorted(gone))
+        return Swept(deleted, sorted(gone), more)
 
     def band_of(self, stream: str) -> str | None:
         band, sep, _ = stream.rpartition(":t:")  # tenant names hold no ':'
@@ -296,7 +306,13 @@ class Fair:
             backlogged = any(self._card(band) for band in self.bands)
         was = self.active
         self.on, self.active = bool(replies[0]), bool(replies[0]) or backlogged
-        self.weights = parse_weights(replies[1])
+        self.weights, odd = parse_weights(replies[1])
+        if odd != self.odd_weights:  # once per change, not every heartbeat
+            self.odd_weights = odd
+            if odd:
+                log.warning("tenant weights in %s taken otherwise than they read (a weight is %s; one that is no "
+                            "positive number counts as 1): %s; set them within the range", self.keys.tenants(),
+                            RANGE, ", ".join(f"{t}={v}" for t, v in odd.items()))
         if self.active != was:
             log.info("fair share across tenants %s", "on" if self.active else "off")
 
@@ -327,7 +343,9 @@ class Occupancy:
             self.backlogged.add(tenant)
 
     def weight(self, tenant: str | None) -> float:
-        return 1.0 if tenant is None else self.weights.get(tenant, 1.0)
+        """Within the range whatever `weights` holds, so the shares' sum of weights is 0.001 at least and a share
+        (jobs + 1) * 1e6 at most: `room`'s floor never meets inf or nan (tenant_weights.py)."""
+        return 1.0 if tenant is None else clamp_weight(self.weights.get(tenant, 1.0))
 
     def per_weight(self, tenant: str | None = None) -> float:
         """The jobs here once one more of `tenant`'s runs, per unit of the weights of the tenants running (counting
@@ -352,50 +370,3 @@ class Occupancy:
         """Whether a job of this tenant (None: one not running here) may make room here: it stays within its share,
         and some other tenant gives way."""
         return self.room(tenant) > 0 and bool(self.over(tenant))
-
-
-def read_weights(path: str) -> dict[str, float]:
-    """A tenant weights file (`kvgate worker --tenant-weights`): TOML with one table, `[weights]`, of tenant name =
-    weight. ValueError names the file and what is wrong in it: a worker must not start on weights it cannot keep."""
-    where = f"tenant weights file {path}"
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except OSError as e:
-        raise ValueError(f"{where}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{where}: not TOML ({e}); it holds one table: [weights] with lines like team-a = 2") from None
-    for name in data:
-        if name != "weights":
-            raise ValueError(f"{where}: unknown table [{name}]: the file has one table, [weights], of tenant = weight")
-    table = data.get("weights", {})
-    if not isinstance(table, dict):
-        raise ValueError(f"{where}: weights must be a table, [weights], of tenant = weight lines")
-    if len(table) > MAX_WEIGHTS:
-        raise ValueError(f"{where}: {len(table)} tenants; workers read {MAX_WEIGHTS} at most (name only those whose "
-                         f"weight is not 1)")
-    weights: dict[str, float] = {}
-    for tenant, weight in table.items():
-        try:
-            check_tenant_name(tenant)
-        except ProtocolError as e:
-            raise ValueError(f"{where}: {e}") from None
-        ok = isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < 1e6
-        if not ok:
-            raise ValueError(f"{where}: {tenant}: weight {weight!r} must be a number above 0 and below 1000000 "
-                             f"(1 is a tenant's share when it has no weight)")
-        weights[tenant] = float(weight)
-    return weights
-
-
-def parse_weights(raw: dict) -> dict[str, float]:
-    """`{ns}:tenants` -> the weights that are not 1; a value that is no positive number counts as 1 (the hash is
-    the operator's, but a typo there must not stop a worker)."""
-    out: dict[str, float] = {}
-    for tenant, value in list((raw or {}).items())[:MAX_WEIGHTS]:
-        try:
-            weight = float(as_text(value))
-        except ValueError:
-            continue
-        if weight > 0 and weight != 1 and weight == weight and weight < 1e6:
-            out[as_text(tenant)] = weight
-    return out

@@ -18,47 +18,51 @@ import redis
 from kvgate.producer.cluster import run_script
 from kvgate.producer.protocol import PRIORITIES, Keys, as_text
 from kvgate.worker.fair import Occupancy
+from kvgate.worker.hand_back import TAKE_HANDED_LUA
 
-# KEYS: job streams, highest priority first; ARGV: group, consumer, count, reclaim min-idle ms (0: none), and with
-# affinity lanes: how many leading streams are ours (the rest are other workers' lanes, in a rotating order), the age
+# KEYS: job streams, highest priority first (and last, with a grace of 0 or more, the shard's hand-back index); ARGV:
+# group, consumer, count, reclaim min-idle ms (0: none), the grace in ms in which entries we handed back are left to
+# others (-1: no index; worker/hand_back.py), and with affinity lanes: how many leading streams are ours (the rest
+# are other workers' lanes, in a rotating order), the age
 # in ms a new entry of theirs must reach before we take it (its owner gets the first chance; stream ids are server
 # ms), and an overdue age with how many trailing KEYS are lanes to check for it: their entries that old are taken
 # before our own (their owner is not keeping up; a few lanes per read keeps the cost flat in the number of lanes),
 # and the most entries a read may take from their lanes in all; and how many of the streams right after ours are lanes
 # of owners that said they are full: their entries are taken without waiting the steal age.
-# With fair share, ARGV[11..]: how many bands are fair, the charge per job, the preempting look's wait in ms (0: a
+# With fair share, ARGV[12..]: how many bands are fair, the charge per job, the preempting look's wait in ms (0: a
 # plain read; else only that look, below), how many triples follow and the triples (a band's index in KEYS, a tenant,
 # 1 if a job of it may make room in the worker in that band, else 0; the tenant '' for a tenant not running there:
 # worker/fair.py's Occupancy.makes_room), the bands' indexes in KEYS, then
-# tenant/weight pairs. Each stream's reply is {stream, new entries, taken-over entries}, and from a tenant's stream
-# a 1 or 0: whether its jobs may make room for themselves (below), then a 1 or 0: whether its tenant was the only one
-# backlogged in the band when they were read (their charge then stands: Fair.read).
-# A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none), and its payload is read
-# with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or deleted while pending.
+# tenant/weight pairs. Each stream's reply is a StreamReply (below, named there).
+# A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none; a handed-back entry's take counts
+# none), and its payload is read with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or
+# deleted while pending.
 # Returns {those streams' replies, and per fair band its index in KEYS and its jobs still queued (ShardTurns)}.
 READ_LUA = """
 local group, consumer = ARGV[1], ARGV[2]
 local want, min_idle = tonumber(ARGV[3]), tonumber(ARGV[4])
-local home, steal_age = tonumber(ARGV[5] or #KEYS), tonumber(ARGV[6] or 0)
-local overdue_age, overdue_lanes = tonumber(ARGV[7] or 0), tonumber(ARGV[8] or 0)
-local steal_max = tonumber(ARGV[9] or want)
-local urgent = home + tonumber(ARGV[10] or 0)
-local nfair, charge = tonumber(ARGV[11] or 0), math.max(tonumber(ARGV[12] or 1), 1)
-local preempt_ms, ntriples = tonumber(ARGV[13] or 0), tonumber(ARGV[14] or 0)
+local grace = tonumber(ARGV[5])
+local nfair, charge = tonumber(ARGV[12] or 0), math.max(tonumber(ARGV[13] or 1), 1)
+local handed = grace >= 0 and KEYS[#KEYS] or nil
+local total = #KEYS - 2 * nfair - (handed and 1 or 0)  -- after the streams: fair keys, the hand-back index
+local home, steal_age = tonumber(ARGV[6] or total), tonumber(ARGV[7] or 0)
+local overdue_age, overdue_lanes = tonumber(ARGV[8] or 0), tonumber(ARGV[9] or 0)
+local steal_max = tonumber(ARGV[10] or want)
+local urgent = home + tonumber(ARGV[11] or 0)
+local preempt_ms, ntriples = tonumber(ARGV[14] or 0), tonumber(ARGV[15] or 0)
 local rooms = {}  -- a preempting look: band index -> tenant ('' for any other) -> 1 if its job may make room there
 for j = 0, ntriples - 1 do
-  local index, tenant, n = tonumber(ARGV[15 + 3 * j]), ARGV[16 + 3 * j], tonumber(ARGV[17 + 3 * j])
+  local index, tenant, n = tonumber(ARGV[16 + 3 * j]), ARGV[17 + 3 * j], tonumber(ARGV[18 + 3 * j])
   rooms[index] = rooms[index] or {}
   rooms[index][tenant] = n
 end
-local after = 14 + 3 * ntriples
+local after = 15 + 3 * ntriples
 local fair_at, weights = {}, {}  -- band stream's index in KEYS -> its fair keys' position; tenant -> weight
 for j = 1, nfair do fair_at[tonumber(ARGV[after + j])] = j end
 for i = after + 1 + nfair, #ARGV - 1, 2 do weights[ARGV[i]] = math.max(tonumber(ARGV[i + 1]) or 1, 0.001) end
-local total = #KEYS - 2 * nfair  -- the fair bands' backlog and pending index close KEYS
 local last_key = total - overdue_lanes
 local now = nil
-if (home < last_key and (steal_age > 0 or overdue_age > 0)) or nfair > 0 then
+if (home < last_key and (steal_age > 0 or overdue_age > 0)) or nfair > 0 or handed then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
@@ -128,6 +132,7 @@ if min_idle > 0 then  -- every stream's orphans before any new entry: our own la
     end
   end
 end
+-- @TAKE_HANDED (worker/hand_back.py): jobs other workers handed back, before new ones
 -- Fair share (worker/fair.py): the band's backlogged tenants, lowest virtual token counter first. A tenant is
 -- charged `charge` tokens per job over its weight when read; one newly backlogged (producers add it at -inf) is
 -- placed at the band's virtual time, the counter last served, or at the lowest counter of the tenants backlogged if
@@ -247,7 +252,18 @@ for index, j in pairs(fair_at) do
   queued[#queued + 1] = math.max(tonumber(redis.call('GET', KEYS[total + 2 * j - 1] .. ':queued') or 0) or 0, 0)
 end
 return {out, queued}
-"""
+""".replace("-- @TAKE_HANDED (worker/hand_back.py): jobs other workers handed back, before new ones\n", TAKE_HANDED_LUA)
+
+class StreamReply(NamedTuple):
+    """One stream's part of the read script's reply, in its order: the one place it is taken apart."""
+
+    stream: bytes
+    new: list  # [id, fields] read new
+    taken: list  # [id, fields or False, deliveries] taken over from a dead worker
+    few: int = 0  # a tenant's stream: its jobs may make room for themselves (worker/fair.py)
+    alone: int = 0  # a tenant's stream: its tenant was the only one backlogged in the band (Fair.read)
+    handed: list = ()  # [id, fields or False, deliveries] another worker handed back (worker/hand_back.py)
+
 
 class Entry(NamedTuple):
     """A job stream's entry as a read hands it over."""
@@ -258,6 +274,7 @@ class Entry(NamedTuple):
     deliveries: int
     may_preempt: bool = False  # fair share: its tenant had few jobs waiting, so it may make room (worker/fair.py)
     alone: bool = False  # fair share: its tenant was the only one backlogged in its band: its charge stands (Fair.read)
+    handed_back: bool = False  # taken from the hand-back index: read (and charged) before, by another look
 
 
 @dataclass(slots=True)
@@ -274,6 +291,7 @@ class ReadPlan:
     charge: float = 1.0  # fair share: tokens a job read is charged (corrected when it ends)
     weights: dict[str, float] = field(default_factory=dict)  # fair share: tenant -> weight, where not 1
     preempt_ms: int = 0  # fair share, >0: a full worker's preempting look, for a job waiting this long (worker/fair.py)
+    handed: bool = True  # takes jobs workers handed back first (worker/hand_back.py); not a read of tails that fit
     # fair share, that look: per band, what the worker runs there (worker/fair.py), for the bands it may preempt in
     occupancy: dict[str, Occupancy] = field(default_factory=dict)
 
@@ -369,6 +387,7 @@ class Reader:
     keys: Keys | None = None  # on a Redis Cluster: tells which shard each stream is in
     shard_turn: int = 0
     turns: ShardTurns = field(default_factory=ShardTurns)  # a cluster, fair share: the shards' turns by their backlog
+    handed_grace_ms: int = 0  # with keys: how long entries we handed back are left to others (worker/hand_back.py)
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(READ_LUA)
@@ -449,7 +468,8 @@ class Reader:
         calls = []
         for group in order:
             keys, others = group.streams, group.overdue
-            args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms]
+            handed = self.keys is not None and plan.handed
+            args = [Keys.GROUP, self.consumer, count, reclaim_idle_ms, self.handed_grace_ms if handed else -1]
             bands = [i + 1 for i, st in enumerate(keys) if st in plan.fair]
             if plan.home is not None:
                 args += [group.home, self.steal_age_ms, plan.overdue_ms, len(others), plan.steal_max, group.urgent]
@@ -462,7 +482,8 @@ class Reader:
                          *bands, *(x for t, w in plan.weights.items() for x in (t, w))]
                 others = others + [k for i in bands for k in (Keys.fair_backlog(keys[i - 1]),
                                                                    Keys.fair_pending(keys[i - 1]))]
-            calls.append(ShardCall(group.shard, keys + others, args))
+            index = [self.keys.handed_back(group.shard)] if handed else []
+            calls.append(ShardCall(group.shard, keys + others + index, args))
         return calls
 
     def _by_shard(self, plan: ReadPlan, streams: list[str], overdue: list[str]) -> list[ShardGroup]:
@@ -485,11 +506,12 @@ class Reader:
     @staticmethod
     def parse(reply) -> list[Entry]:
         out: list[Entry] = []
-        for stream, entries, claimed, *fair in reply[0]:
-            stream = as_text(stream)
-            may_preempt, alone = (bool(fair[0]), bool(fair[1])) if fair else (False, False)
-            out += [Entry(stream, as_text(i), _pairs(f), n) for i, f, n in claimed]
-            out += [Entry(stream, as_text(i), _pairs(f), 1, may_preempt, alone) for i, f in entries]
+        for row in reply[0]:
+            r = StreamReply(*row)
+            stream = as_text(r.stream)
+            out += [Entry(stream, as_text(i), _pairs(f), n, handed_back=True) for i, f, n in r.handed]
+            out += [Entry(stream, as_text(i), _pairs(f), n) for i, f, n in r.taken]
+            out += [Entry(stream, as_text(i), _pairs(f), 1, bool(r.few), bool(r.alone)) for i, f in r.new]
         return out
 
 

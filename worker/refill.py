@@ -21,6 +21,7 @@ from kvgate.worker.affinity import Affinity, Lane
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.engine import Engine
 from kvgate.worker.fair import FAIR_BLOCK_MS, Fair, Occupancy
+from kvgate.worker.hand_back import grace_ms
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases
 from kvgate.worker.reader import Entry, Reader, ReadPlan, ReadSlot
@@ -97,7 +98,8 @@ class Refill:
         self.leases, self.clock, self.metrics = leases, clock, metrics
         self.fair = fair if fair is not None else Fair(client, keys, "keep")
         self.reader = Reader(client, worker_id, ReadPlan(list(streams)), per_priority,
-                             steal_age_ms=settings.affinity_steal_age_ms, keys=keys)
+                             steal_age_ms=settings.affinity_steal_age_ms, keys=keys,
+                             handed_grace_ms=grace_ms(settings.hand_back_ms))
         self.cursors: dict[str, str | None] = {st: "0" for st in streams}  # own pending first, then ">"
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
         self.held_dry_until = 0.0  # a read of the lanes whose prefix we hold found none: no such read till then
@@ -145,9 +147,11 @@ class Refill:
             entries = [(as_text(i), f) for i, f in found.get(stream, [])][:count]
             self.cursors[stream] = entries[-1][0] if entries else None
             fresh = [(i, f) for i, f in entries if not holds(stream, i)]
-            if fresh:
-                deliveries = self.leases.count_delivery(stream, [i for i, _ in fresh])
-                batches.append([Entry(stream, i, f, n) for (i, f), n in zip(fresh, deliveries)])
+            if entries:
+                deliveries = self.leases.count_delivery(stream, [i for i, _ in fresh],
+                                                        [i for i, _ in entries if holds(stream, i)])
+                if fresh:
+                    batches.append([Entry(stream, i, f, n) for (i, f), n in zip(fresh, deliveries)])
             count -= len(entries)
             if count <= 0:
                 break
@@ -183,22 +187,36 @@ class Refill:
         return got
 
     def read_blocking(self, count: int) -> list[Entry]:
-        """Wait for the next job (with lanes: on the shared streams and our own lanes). COUNT 1 per stream, on at
-        most `count` streams (the highest priorities): one entry per stream could arrive at once, and more than
-        `count` would break the local queue's bound. A stream left out of this wait is read by the next
-        non-blocking read, one block_ms later at most."""
+        """Wait for the next job (with lanes: on the shared streams, our own lanes and those nobody owns). COUNT 1
+        per stream, on at most `count` streams: one entry per stream could arrive at once, and more than `count`
+        would break the local queue's bound. Where more streams are ours to wait on, the wait only wakes us
+        (_wait_for_new) and the next read takes: left out of a wait, a lane nobody else waits on (a model that only
+        workers without affinity serve) held its jobs for a whole blocking timeout (issue 45)."""
         r = self.reader
         # with lanes, also on the lanes of owners that said they are full: their jobs are ours to take at once
         home = self.affinity.home() + r.plan.urgent_streams() if self.affinity.lanes else r.order()
         shards = self.keys.by_shard(home)  # on a cluster: wait on one shard, the next one each time
         self.block_turn += 1
-        shard = shards[self.block_turn % len(shards)][:count]
+        shard = shards[self.block_turn % len(shards)]
         if self.fair.active:
-            self._wait_for_bells(shard)
+            self._wait_for_bells(shard[:count])
+            return []
+        if len(shard) > count:
+            self._wait_for_new(shard)
             return []
         streams = {st: ">" for st in shard}
         reply = self.client.xreadgroup(Keys.GROUP, self.worker_id, streams, count=1, block=self._block_ms())
         return [Entry(as_text(st), as_text(i), f, 1) for st, entries in reply or [] for i, f in entries]
+
+    def _wait_for_new(self, streams: list[str]) -> None:
+        """Wait, taking nothing, for an entry no worker has taken in any of the streams (one shard's): XREAD past
+        each one's last delivered id (read first, in one round trip), so one that came before the wait wakes it at
+        once."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        ids = {st: _delivered(groups) for st, groups in zip(streams, pipe.execute(raise_on_error=False))}
+        self.client.xread(ids, count=1, block=self._block_ms())
 
     def _wait_for_bells(self, streams: list[str]) -> None:
         """Fair share: a blocking read cannot wait on a band's backlog (a sorted set) nor take a tenant's jobs by
@@ -303,6 +321,7 @@ class Refill:
         if request.held:
             plan = self.affinity.held_plan(request.lanes)
             plan.steal_max = request.held  # their jobs share a prefix in our cache: sized to fit as tails, to start now
+            plan.handed = False  # a job handed back is a whole one: the refill read takes it
             held = self.reader.queue(pipe, request.held, plan)
         if request.count:
             new = self.reader.queue(pipe, request.count, self._plan(request.reclaim_ms), request.reclaim_ms)
@@ -353,7 +372,7 @@ class Refill:
             self._observe_lanes(got, drained)
         self._took_fair(got)
         if reclaim_ms:
-            claimed = sum(1 for e in got if e.deliveries > 1 or e.fields is None)
+            claimed = sum(1 for e in got if not e.handed_back and (e.deliveries > 1 or e.fields is None))
             self.reclaim_due = claimed >= count  # a full take may have left more behind
             if claimed:
                 log.info("reclaimed %d entries idle past %d ms", claimed, reclaim_ms)
@@ -368,7 +387,7 @@ class Refill:
         """Remember what each job read from a tenant's stream was charged, and the tenants' streams read lately."""
         if not self.fair.active:
             return
-        self.fair.read(got, self.queue.tokens_per_job)
+        self.fair.read([e for e in got if not e.handed_back], self.queue.tokens_per_job)  # charged by the first read
         for e in got:
             if self.fair.band_of(e.stream) is not None:
                 self.tenant_streams.pop(e.stream, None)
@@ -377,7 +396,7 @@ class Refill:
             del self.tenant_streams[next(iter(self.tenant_streams))]
 
     def _observe_lanes(self, got: list[Entry], drained: bool) -> None:
-        fresh = [e for e in got if e.deliveries == 1]
+        fresh = [e for e in got if e.deliveries == 1 and not e.handed_back]
         stolen = [e for e in fresh if self.affinity.stolen(e.stream)]
         if stolen:
             self.metrics.on_steals(len(stolen))

@@ -61,6 +61,9 @@ class WorkerSettings(BaseSettings, EngineConfig):
     block_ms: int = _s(100, "XREADGROUP BLOCK while the engine is idle, milliseconds", ge=1)
     busy_poll_ms: float = _s(20.0, "while busy, look for new jobs at most this often after an empty look", ge=0)
     initial_tokens_per_job: int = _s(512, "prompt + output tokens assumed per job until jobs have been seen", ge=1)
+    hand_back_ms: int = _s(100, "a job read that turns out not to fit (nor to make room) goes back to Redis after "
+                           "waiting here this long, for another worker's next read to take at once (no delivery "
+                           "counted; at most once per job and worker); 0: it waits here for room", ge=0)
 
     # prefix affinity (producer/lanes.py, worker/affinity.py)
     affinity: Literal["on", "off"] = _s("off", "own prefix-affinity lanes: read jobs whose prompt prefix hashes to "
@@ -84,14 +87,15 @@ class WorkerSettings(BaseSettings, EngineConfig):
                               "resumed first); 0: never (a job waits for room anywhere in the fleet)", ge=0)
 
     tenant_weights: str | None = _s(
-        None, "a TOML file of tenants' fair-share weights, one table: [weights] with lines like team-a = 2; read at "
-        "start and written to {ns}:tenants, replacing it, so every worker serves by the same weights")
+        None, "a TOML file of tenants' fair-share weights, one table: [weights] with lines like team-a = 2 (a weight "
+        "from 0.001 to 1000); read at start and written to {ns}:tenants, replacing it, so every worker serves by the "
+        "same weights")
 
     @field_validator("tenant_weights")
     @classmethod
     def _weights_file(cls, path: str | None) -> str | None:
         if path is not None:
-            from kvgate.worker.fair import read_weights
+            from kvgate.worker.tenant_weights import read_weights
 
             read_weights(path)  # a bad file stops the start, saying what is wrong in it
         return path

@@ -21,14 +21,15 @@ from kvgate.producer.cluster import NodeLinks, is_noscript, scripts_lost
 from kvgate.producer.protocol import DEFAULT_TENANT, mask_url
 from kvgate.producer.redis_url import connect, keys_for
 from kvgate.worker.admission import AdmissionQueue, Ticket
-from kvgate.worker.affinity import Affinity, kv_weight
+from kvgate.worker.affinity import Affinity, kv_weight, lane_lapse_ms
 from kvgate.worker.answers import Answers
 from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
-from kvgate.worker.fair import FAIR_FLUSH_S, Fair, Occupancy, read_weights
+from kvgate.worker.fair import FAIR_FLUSH_S, SWEEP_AGAIN_S, Fair, Occupancy
 from kvgate.worker.flights import Ended, Flights
+from kvgate.worker.hand_back import HandBack
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
 from kvgate.worker.lane_prefixes import LanePrefixes
@@ -39,6 +40,7 @@ from kvgate.worker.round_trip import RoundTrip
 from kvgate.worker.served import served_models
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.tenant_load import TenantLoad
+from kvgate.worker.tenant_weights import read_weights
 from kvgate.worker.trim import trim
 
 log = logging.getLogger("kvgate.worker")
@@ -84,11 +86,13 @@ class Worker:
                                    links=NodeLinks(self.client, s.redis_url) if self.keys.cluster and
                                    s.replication.replicated else None)
         self.leases = Leases(self.client, self.worker_id)
+        self.hand_back = HandBack(self.client, self.keys, self.worker_id, s.hand_back_ms)
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.renewed_at = time.monotonic()
         self.clock = ServerClock(self.client)
         self.affinity = Affinity(self.client, self.keys, self.worker_id, s.affinity == "on", s.affinity_lanes,
                                  s.heartbeat_ttl_s * 1000, weight=kv_weight(engine.stats.total_blocks),
+                                 lapse_ms=lane_lapse_ms(s.reclaim_idle_ms, s.heartbeat_interval_s),
                                  models=self.served.names)
         self.lane_prefixes = LanePrefixes(engine.block_size)
         self.fair = Fair(self.client, self.keys, s.fair_share, set(self.streams))  # the bands: before lanes join
@@ -220,13 +224,14 @@ class Worker:
         # a busy engine is refilled by _exchange, in the same round trip as the step's publishing
 
     def _holds(self, stream: str, entry_id: str) -> bool:
-        key = f"{stream}|{entry_id}"
-        return key in self.flights or any(t.key == key for t in self.queue.tickets)
+        key = f"{stream}|{entry_id}"  # one we handed back is left to the read that takes it from the index
+        return key in self.flights or any(t.key == key for t in self.queue.tickets) or key in self.hand_back.waiting
 
     def _accept(self, entries: list) -> int:
         """Queue the jobs read (their number is returned); answer those that cannot run, and those their client
         cancelled while they waited in Redis."""
         got = len(entries)
+        self.hand_back.settle(f"{e.stream}|{e.entry_id}" for e in entries)  # ours handed back, taken back
         entries = [e for e in entries if not self._holds(e.stream, e.entry_id)]  # e.g. ours after a long stall
         tickets, rejections = self.intake.tickets(entries)
         for rejection in rejections:
@@ -248,15 +253,31 @@ class Worker:
                 continue
             ahead = False
             if self.engine.has_unfinished() and not self._fits(ticket):
-                if not self._make_room(ticket):
+                if self._make_room(ticket):
+                    ahead = True
+                elif self.hand_back.due(ticket) and self._give_back(ticket):  # another's next read takes it
+                    self.queue.pop()
+                    continue
+                else:
                     return
-                ahead = True
             self.queue.pop()
             if (refused := self.flights.start(ticket, ahead)) is not None:
                 self.answers.answer(refused)
             else:  # the wait on the server's clock: its entry id is when Redis took the job
                 self.tenant_load.admitted(ticket.job.tenant, self.clock.now() - entry_ms(ticket.entry_id) / 1000,
                                           time.monotonic())
+
+    def _give_back(self, ticket: Ticket) -> bool:
+        """Hand back a job that does not fit here (hand_back.py); False: Redis refused, so it waits here for room
+        (it is handed back at most once: no retry each pass)."""
+        try:
+            self.hand_back.give([ticket])
+        except redis.RedisError as e:
+            log.warning("could not hand back job %s (%s: %s); it waits here for room", ticket.key,
+                        e.__class__.__name__, e)
+            return False
+        log.debug("handed back job %s: it does not fit here", ticket.key)
+        return True
 
     def _fits(self, ticket: Ticket) -> bool:
         return self.engine.fits(len(ticket.prompt_ids), ticket.budget, self._shared(ticket))
@@ -369,17 +390,31 @@ class Worker:
             # entries others acknowledged before leaving.
             acked = self.answers.take_acked()
             trim(self.client, self.streams if self.trims % TRIM_ALL_EVERY == 0 else acked)
-            swept = self.fair.sweep(s.reclaim_idle_ms, self.worker_id)  # tenants' streams: a bounded slice
-            if gone := sorted(set(self.consumers.prune()) | set(swept.consumers)):
+            if gone := sorted(self.consumers.prune()):
                 log.info("deleted %d departed consumers: %s", len(gone), ", ".join(gone))
-            if swept.deleted:
-                log.info("deleted %d tenants' streams left empty", swept.deleted)
+        if self._every("sweep", s.trim_interval_s):
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Tenants' streams: a bounded slice per band. One that was full may leave more due now (a drain empties
+        every tenant's stream at once): the next pass comes SWEEP_AGAIN_S later, not a trim interval (fair.py)."""
+        swept = self.fair.sweep(self.settings.reclaim_idle_ms, self.worker_id)
+        if swept.more:
+            self.due["sweep"] = time.monotonic() + min(SWEEP_AGAIN_S, self.settings.trim_interval_s)
+        if swept.consumers:
+            log.info("deleted %d departed consumers of tenants' streams: %s", len(swept.consumers),
+                     ", ".join(swept.consumers))
+        if swept.deleted:
+            log.info("deleted %d tenants' streams left empty", swept.deleted)
 
     def _renew(self) -> None:
         """Renew our leases; a job whose lease is lost runs elsewhere now, so stop it and publish nothing more
         for it (a zombie resumed after a stall must not keep streaming for a job another worker finished)."""
         self.due["renew"] = time.monotonic() + self.settings.renew_interval_s
-        lost = self.leases.renew(entries_of(self.flights.tickets() + list(self.queue.tickets), self.streams))
+        held = entries_of(self.flights.tickets() + list(self.queue.tickets), self.streams)
+        for stream, ids in self.hand_back.entries().items():  # handed back, not yet taken: no reclaim counts them
+            held.setdefault(stream, []).extend(ids)
+        lost = self.hand_back.settle(self.leases.renew(held))  # one handed back and gone: another worker took it
         self.renewed_at = time.monotonic()
         if not lost:
             return
@@ -408,7 +443,10 @@ class Worker:
         self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
         log.info("draining: %d running, %d queued locally; up to %.0fs", len(self.flights), len(self.queue),
                  self.settings.drain_timeout_s)
-        self._hand_back(entries_of(self.queue.take_all(), self.streams))
+        handed = entries_of(self.queue.take_all(), self.streams)
+        for stream, ids in self.hand_back.take_all().items():  # reclaimable at once too
+            handed.setdefault(stream, []).extend(ids)
+        self._hand_back(handed)
 
     def _drained(self) -> bool:
         if self.flights and time.monotonic() < self.drain_deadline:

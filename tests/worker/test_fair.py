@@ -234,10 +234,10 @@ def test_stats_count_the_jobs_waiting_in_tenants_streams(queue, thread_worker):
 
 
 def test_weights_that_are_no_positive_number_count_as_one():
-    from kvgate.worker.fair import parse_weights
+    from kvgate.worker.tenant_weights import parse_weights
 
     raw = {b"a": b"2", b"b": b"zero", b"c": b"-1", b"d": b"nan", b"e": b"1", b"f": b"0.5", b"g": b"inf"}
-    assert parse_weights(raw) == {"a": 2.0, "f": 0.5}
+    assert parse_weights(raw)[0] == {"a": 2.0, "f": 0.5}
 
 
 def test_tenants_streams_are_served_by_a_worker_with_affinity_lanes(queue, thread_worker):
@@ -543,8 +543,8 @@ def test_tenant_weights_from_a_file_replace_the_namespaces_hash_at_start(queue, 
 
 
 @pytest.mark.parametrize("text, says", [
-    ("[weights]\nteam-a = 0\n", "team-a: weight 0 must be a number above 0 and below 1000000"),
-    ("[weights]\nteam-a = 'x'\n", "team-a: weight 'x' must be a number above 0 and below 1000000"),
+    ("[weights]\nteam-a = 0\n", "team-a: weight 0 must be a number from 0.001 to 1000"),
+    ("[weights]\nteam-a = 'x'\n", "team-a: weight 'x' must be a number from 0.001 to 1000"),
     ("[weights]\n'bad name!' = 2\n", "tenant 'bad name!' must be"),
     ("[weigths]\nteam-a = 2\n", "unknown table [weigths]: the file has one table, [weights]"),
     ("[weights\n", "not TOML"),
@@ -564,7 +564,7 @@ def test_a_bad_tenant_weights_file_stops_the_start_saying_what_is_wrong(tmp_path
 def test_a_tenant_weights_file_over_the_weights_a_worker_reads_is_refused(tmp_path):
     from pydantic import ValidationError
 
-    from kvgate.worker.fair import MAX_WEIGHTS
+    from kvgate.worker.tenant_weights import MAX_WEIGHTS
     from kvgate.worker.settings import WorkerSettings
 
     path = tmp_path / "weights.toml"
