@@ -215,9 +215,22 @@ def forced_tokens(matcher: Any, limit: int) -> list[int]:
     if limit <= 0:
         return []
     forced = list(matcher.compute_ff_tokens()[:limit])
+    if matcher.is_error():  # the tokens of a parser past its limits are no continuation (37,502 of `{"next": `)
+        return []
     if forced:
         matcher.consume_tokens(forced)
     return forced
+
+
+def matcher_error(matcher: Any, constraint: StructuredOutput, output_tokens: int) -> str:
+    """Why a request's matcher stopped in error while it generated, as the request's error: the grammar engine's
+    first line (the rest is a dump of its parser state and the grammar). Its parser limits end a constraint that has
+    no finite answer this way (a required recursive $ref: "Too many items"), and a masked sampler would then draw
+    the one token it still allows, EOS, as if the answer were complete."""
+    message = (matcher.get_error() or "no message").strip().splitlines()[0][:300]
+    return (f"structured {constraint.kind} failed at output token {output_tokens}: the grammar engine reports "
+            f"{message!r}; give the constraint a finite answer (no required recursive $ref, a grammar rule that can "
+            "end) or simplify it")
 
 
 @functools.cache

@@ -1,5 +1,6 @@
 """A runner without a model: a step costs `step_overhead_s + per_token_s * tokens computed` and each sampled
-token is a deterministic function of the seed, the request (or its params seed), the position and the prompt.
+token is a deterministic function of the seed, the request (or its params seed), the position and the prompt;
+a structured-output request's is one its grammar allows (engine/simulated_tokenizer.py gives the grammar real tokens).
 
 Tokens served from the prefix cache are never in the batch (the scheduler starts a sequence's first chunk
 after its cache hits), so they cost nothing here, as on a GPU. Torch-free."""
@@ -9,33 +10,11 @@ import math
 import struct
 import time
 import zlib
+from typing import Any
 
 from kvgate.engine.scheduler import ScheduledBatch
 from kvgate.engine.sequence import Sequence
-
-
-class SimulatedTokenizer:
-    """Deterministic words -> ids and ids -> ' t<id>' text; enough to count tokens and render output."""
-
-    chat_template = "<role> content ... <assistant>"
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [zlib.crc32(word.encode()) % self.vocab_size for word in text.split()]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f" t{i}" for i in ids)
-
-    def get_vocab(self) -> dict[str, int]:
-        return {}  # no named tokens: no fill-in-the-middle (engine/fim.py)
-
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, tools: list | None = None,
-                            **template_kwargs) -> str:  # renders no tools
-        turns = " ".join(f"<{m['role']}> {m['content']}" for m in messages)
-        return f"{turns} <assistant>" if add_generation_prompt else turns
+from kvgate.engine.simulated_tokenizer import SimulatedTokenizer, simulated_tokenizer  # noqa: F401 (tests take it here)
 
 
 class CostModelRunner:
@@ -46,11 +25,13 @@ class CostModelRunner:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1: give the simulated KV cache at least one block")
         if step_overhead_s < 0 or per_token_s < 0:
             raise ValueError(f"step_overhead_s={step_overhead_s} and per_token_s={per_token_s} must be >= 0")
-        self.num_blocks, self.max_model_len, self.vocab_size = num_blocks, max_model_len, vocab_size
+        self.num_blocks, self.max_model_len, self.words = num_blocks, max_model_len, vocab_size
         self.model_name, self.seed, self.sleep = model_name, seed, sleep
         self.step_overhead_s, self.per_token_s = step_overhead_s, per_token_s
-        self.tokenizer = SimulatedTokenizer(vocab_size)
-        self.eos_token_ids: set[int] = set()  # as ignore_eos: a simulated request ends by length or stop ids
+        self.tokenizer = simulated_tokenizer(vocab_size)
+        self.vocab_size = len(self.tokenizer)  # the words, then the bytes and end-of-text a grammar may need
+        # only a grammar draws the end-of-text token, so an unconstrained request still ends by length or stop ids
+        self.eos_token_ids: set[int] = {self.tokenizer.eos_token_id}
         self.embedding_size, self.pooling = 8, "last"
         self.tokens_computed = 0  # over all steps: what the cost model charged for
         self.busy_s = 0.0  # modelled compute time over all steps, slept or not
@@ -89,5 +70,21 @@ class CostModelRunner:
     def next_token(self, seq: Sequence) -> int:
         who = seq.request_id if seq.params.seed is None else seq.params.seed
         key = f"{self.seed}:{who}:{seq.num_output_tokens}".encode() + str(seq.prompt_token_ids[:8]).encode()
-        return zlib.crc32(key) % self.vocab_size
+        if seq.matcher is not None:
+            return self.allowed_token(seq.matcher, zlib.crc32(key))
+        return zlib.crc32(key) % self.words
+
+    def allowed_token(self, matcher: Any, draw: int) -> int:
+        """What a masked sampler would take: a token the grammar allows next, chosen by `draw`, and the end-of-text
+        token as soon as the grammar allows it (a simulated answer is as short as its constraint lets it be, so it
+        ends before max_tokens as a model's usually does). A matcher in error allows nothing but that token; the
+        engine then reads its error."""
+        import numpy as np
+
+        allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                                               bitorder="little"))
+        eos = self.tokenizer.eos_token_id
+        if not len(allowed) or eos in allowed:
+            return eos
+        return int(allowed[draw % len(allowed)])
 

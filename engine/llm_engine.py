@@ -12,15 +12,16 @@ import time
 from typing import Any, Protocol
 
 from kvgate.engine.block_manager import BlockManager
-from kvgate.engine.constraints import GrammarError, Grammars, forced_tokens
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import find_stop, held_back, take_increment
-from kvgate.engine.fim import FimFormat, fim_format, known_formats
+from kvgate.engine.fim import FimFormat
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
 from kvgate.engine.pooling_params import PoolingParams
+from kvgate.engine.prompts import Prompts
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import AllDecode, ScheduledBatch, Scheduler
-from kvgate.engine.sequence import Sequence, SequenceStatus
+from kvgate.engine.sequence import Sequence
+from kvgate.engine.structured_state import StructuredRequests
 
 EMBEDDING_PARAMS = SamplingParams(max_tokens=1)  # what an embedding request's sequence carries: it samples nothing
 RESERVE_RATIO_START, RESERVE_RATIO_FLOOR, RESERVE_RATIO_BUMP, RESERVE_RATIO_DECAY = 0.5, 0.25, 0.25, 0.995
@@ -64,7 +65,8 @@ class LLMEngine:
         self.runner = runner
         self.model_name: str = runner.model_name
         self.tokenizer = runner.tokenizer
-        self.fim: FimFormat | None = fim_format(self.tokenizer)  # found once: the tokenizer does not change
+        self.prompts = Prompts(runner.model_name, runner.tokenizer, runner.vocab_size, runner.max_model_len)
+        self.fim: FimFormat | None = self.prompts.fim
         self.vocab_size: int = runner.vocab_size
         self.max_model_len: int = runner.max_model_len
         self.eos_token_ids = runner.eos_token_ids
@@ -75,10 +77,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling)
         self.seqs: dict[str, Sequence] = {}
-        # structured output: compiled off this thread; a request waits here, holding no KV block, until it is
-        self.grammars = Grammars(runner.tokenizer, runner.vocab_size, runner.eos_token_ids,
-                                 threads=config.grammar_threads, timeout_s=config.grammar_compile_timeout_s)
-        self.compiling: dict[Sequence, Any] = {}  # sequence -> the future of its compiled grammar
+        self.structured = StructuredRequests(runner, config)  # structured output: compile wait, matchers
+        self.grammars = self.structured.grammars  # its compile cache, whose counts tell hits from compiles
         self.reserve_ratio = RESERVE_RATIO_START
         self.steps = self.prompt_tokens = self.generation_tokens = 0
         self._seen_preemptions = 0
@@ -101,7 +101,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise RequestRejected(f"stop strings {params.stop!r} need a tokenizer and model {self.model_name!r} "
                                   "has none: use stop_token_ids")
-        token_ids = self._prompt_ids(prompt)
+        token_ids = self.prompts.ids(prompt)
         n = len(token_ids)
         bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
@@ -123,20 +123,11 @@ class LLMEngine:
             seq.logprobs = []
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None] * n
-        if params.structured is not None:
-            if self.tokenizer is None:
-                raise RequestRejected(f"structured output needs a tokenizer and model {self.model_name!r} has none")
-            future = self.grammars.compile(params.structured)
-            try:
-                seq.matcher = self.grammars.ready(future)
-            except GrammarError as e:  # known bad from an earlier request with the same constraint
-                raise RequestRejected(str(e)) from None
-            if seq.matcher is None:
-                self.seqs[request_id] = seq
-                self.compiling[seq] = future
-                return n
+        if params.structured is not None and self.tokenizer is None:
+            raise RequestRejected(f"structured output needs a tokenizer and model {self.model_name!r} has none")
+        if params.structured is None or self.structured.start(seq):  # else it waits for its grammar to compile
+            self.scheduler.add(seq)
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
         return n
 
     def add_embedding_request(self, request_id: str, prompt: str | list[int], pooling: PoolingParams, *,
@@ -150,7 +141,7 @@ class LLMEngine:
         if pooling.dimensions is not None and pooling.dimensions > self.embedding_size:
             raise RequestRejected(f"dimensions={pooling.dimensions} is more than model {self.model_name!r} has: its "
                                   f"embeddings have {self.embedding_size}")
-        token_ids = self._prompt_ids(prompt)
+        token_ids = self.prompts.ids(prompt)
         needed = self.block_manager.blocks_for(len(token_ids))
         if needed > self.block_manager.num_blocks:
             raise RequestRejected(f"prompt of {len(token_ids)} tokens needs {needed} KV blocks but the whole cache has "
@@ -163,108 +154,61 @@ class LLMEngine:
         self.scheduler.add(seq)
         return len(token_ids)
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """A prompt's ids, checked against the vocabulary and max_model_len."""
-        token_ids = self._tokenize(prompt)
-        n = len(token_ids)
-        if n > self.max_model_len:
-            raise RequestRejected(f"prompt of {n} tokens is longer than max_model_len={self.max_model_len}: "
-                                  "shorten it or raise max_model_len")
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        return list(token_ids)
-
-    def _compiled(self) -> list[StepOutput]:
-        """Requests whose grammar is now compiled join the scheduler's queue; one that failed is answered with
-        finish_reason "error" naming the problem."""
-        failed = []
-        for seq, future in list(self.compiling.items()):
-            try:
-                seq.matcher = self.grammars.ready(future)
-            except GrammarError as e:
-                del self.compiling[seq]
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
-                self.seqs.pop(seq.request_id, None)
-                failed.append(StepOutput(seq.request_id, [], "", True, "error", seq.num_prompt_tokens, 0, 0,
-                                         token_ids=[], text="", error=str(e)))
-                continue
-            if seq.matcher is not None:
-                del self.compiling[seq]
-                self.scheduler.add(seq)
-        return failed
-
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected(f"model {self.model_name!r} has no tokenizer: send token ids, not text")
-            if not prompt:
-                raise RequestRejected("prompt is empty: send at least one token")
-            return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise RequestRejected("prompt is empty: send at least one token")
-            return list(prompt)
-        raise RequestRejected(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None
                     ) -> list[int]:
-        """The messages through the model's chat template; `template_kwargs`: more variables the template reads
-        (the wire bounds them and keeps apply_chat_template's own parameters out); `tools`: OpenAI's function tools,
-        as the chat template renders them (one that knows none ignores them)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestRejected(f"model {self.model_name!r} has no chat template: send a plain prompt")
-        try:
-            with_tools = {"tools": tools} if tools else {}  # the call without tools is what it always was
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False, **(template_kwargs or {}), **with_tools)
-        except Exception as e:  # template errors come in many types
-            raise RequestRejected(f"chat messages do not fit the chat template: {e}") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """The messages through the model's chat template (engine/prompts.py)."""
+        return self.prompts.chat(messages, add_generation_prompt, template_kwargs, tools)
 
     def encode_fim(self, prompt: str, suffix: str) -> list[int]:
-        """A fill-in-the-middle prompt: the text before the hole and after it, with the model's FIM tokens
-        (engine/fim.py), for the model to write the middle."""
-        if self.fim is None:
-            raise RequestRejected(f"suffix: model {self.model_name!r} has no fill-in-the-middle tokens in its "
-                                  f"tokenizer (recognised: {known_formats()}); send the prompt alone, or send "
-                                  "suffix to a model with FIM tokens")
-        return self.fim.render(list(self.tokenizer.encode(prompt, add_special_tokens=False)),
-                               list(self.tokenizer.encode(suffix, add_special_tokens=False)))
+        """A fill-in-the-middle prompt with the model's FIM tokens (engine/prompts.py)."""
+        return self.prompts.fill_in_middle(prompt, suffix)
 
     def abort(self, request_id: str) -> StepOutput | None:
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return None
-        if self.compiling.pop(seq, None) is not None:  # never scheduled
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-        else:
+        if not self.structured.abort(seq):  # one still waiting for its grammar was never scheduled
             self.scheduler.finish(seq, "abort")
         return self._finish_output(seq, [], None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.compiling) or self.scheduler.has_unfinished()
+        return bool(self.structured) or self.scheduler.has_unfinished()
 
     # ---- the loop -------------------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
         """One scheduler iteration; outputs only for requests that produced something."""
-        failed = self._compiled() if self.compiling else []
+        failed = self._compiled() if self.structured else []
         batch = self.scheduler.schedule()
         self.steps += 1
         self._adapt_reserve()
         if not batch:
-            if self.compiling and not failed:
+            if self.structured and not failed:
                 time.sleep(0.001)  # nothing to run until a grammar compiles: do not spin a core the compiler needs
             return failed
         seqs, tokens, logprobs = self.runner.run(batch)
         if isinstance(batch, AllDecode) and len(seqs) == len(batch.seqs):
             return failed + self._step_decode(batch.seqs, tokens, logprobs)
+        return failed + self._step_chunks(batch, seqs, tokens, logprobs)
+
+    def _compiled(self) -> list[StepOutput]:
+        """Requests whose grammar is now compiled join the scheduler's queue; those whose compile failed leave with
+        their final output."""
+        ready, failed = self.structured.compiled()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for out in failed:
+            self.seqs.pop(out.request_id, None)
+        return failed
+
+    def _step_chunks(self, batch: ScheduledBatch, seqs: list[Sequence], tokens: list[int], logprobs: list
+                     ) -> list[StepOutput]:
+        """The general step (prefill chunks, embeddings): each chunk accounted, then each sampled token appended."""
         bs, commit, outputs = self.block_size, self.block_manager.commit, []
         for seq, n in batch:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self._count_prefill(seq, n)
+                self.prompt_tokens += seq.prefilled(n)
             seq.num_computed_tokens += n
             if seq.pooling is not None:  # an embedding: its blocks never enter the prefix cache
                 if seq.num_computed_tokens == seq.num_prompt_tokens:
@@ -276,7 +220,7 @@ class LLMEngine:
             seq.first_token_time = seq.first_token_time or now
             outputs.append(self._append_token(seq, token, lp))
         self.generation_tokens += len(tokens)
-        return failed + outputs
+        return outputs
 
     def _step_decode(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> list[StepOutput]:
         """The pure-decode step: every sequence computed its last token and takes one more, accounted and appended
@@ -285,7 +229,7 @@ class LLMEngine:
         bs, commit, now, outputs = self.block_size, self.block_manager.commit, time.monotonic(), []
         for seq, token, lp in zip(seqs, tokens, logprobs):
             if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt's last token, after a cache hit
-                self._count_prefill(seq, 1)
+                self.prompt_tokens += seq.prefilled(1)
             computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
             if computed // bs > seq.num_committed_blocks:
                 commit(seq)
@@ -309,37 +253,18 @@ class LLMEngine:
         return StepOutput(seq.request_id, [], "", True, "stop", seq.num_prompt_tokens, 0, 0, token_ids=[], text="",
                           embedding=seq.embedding)
 
-    def _count_prefill(self, seq: Sequence, n: int) -> None:
-        """Each prompt token once: prefix-cache hits are never computed, and recomputation after a preemption
-        is not new prompt work."""
-        end = min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
-        start = max(seq.num_computed_tokens, seq.num_prefilled_tokens)
-        if end > start:
-            self.prompt_tokens += end - start
-            seq.num_prefilled_tokens = end
-
     def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> StepOutput:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        p, new_ids = seq.params, [token]
-        if seq.matcher is not None:
-            seq.matcher.consume_token(token)  # the mask allowed it, so the grammar accepts it
-        reason = self._stop_reason(seq, token)
-        if reason is None and seq.matcher is not None and self.config.jump_forward and p.logprobs is None:
-            # the tokens the grammar forces next join the sequence now (no logprobs: a forced token has none)
-            # the matcher has consumed them all, so it may be complete (stopped) before the last is appended
-            forced = forced_tokens(seq.matcher, seq.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens))
-            for k, token in enumerate(forced):
-                seq.token_ids.append(token)
-                new_ids.append(token)
-                if reason := self._stop_reason(seq, token, grammar=k == len(forced) - 1):
-                    break
-            self.generation_tokens += len(new_ids) - 1
-        new_text = ""
+        # a structured sequence's grammar may end it too, and force more tokens (jump-forward), counted as generated
+        new_ids, reason = self.structured.advance(seq, token) if seq.matcher is not None else \
+            ([token], seq.stop_reason(token))
+        self.generation_tokens += len(new_ids) - 1
+        p, new_text = seq.params, ""
         if seq.stream_text:
             seq.text += detokenize_increment(self.tokenizer, seq, final=reason is not None)
-            if p.stop and find_stop(seq, p.stop):
+            if reason != "error" and p.stop and find_stop(seq, p.stop):
                 reason = "stop"
             end = len(seq.text) if reason else len(seq.text) - held_back(seq.text, p.stop)
             new_text, seq.emitted = seq.text[seq.emitted:end], max(seq.emitted, end)
@@ -349,18 +274,6 @@ class LLMEngine:
             return self._finish_output(seq, new_ids, lps, new_text)
         return StepOutput(seq.request_id, new_ids, new_text, False, None, seq.num_prompt_tokens,
                           len(seq.token_ids) - seq.num_prompt_tokens, seq.num_cached_tokens, None, None, lps)
-
-    def _stop_reason(self, seq: Sequence, token: int, grammar: bool = True) -> str | None:
-        """Why the sequence ends with `token`, just appended, or None. `grammar`: whether the matcher's state is the
-        one after `token` (not after forced tokens still to be appended)."""
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if grammar and seq.matcher is not None and seq.matcher.is_stopped():
-            return "stop"  # the grammar is complete and allows nothing more: no step spent drawing its EOS
-        if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:
-            return "length"
-        return None
 
     def _finish_output(self, seq: Sequence, new_ids: list[int], lps, new_text: str = "") -> StepOutput:
         self.seqs.pop(seq.request_id, None)
@@ -372,7 +285,7 @@ class LLMEngine:
                 if self.tokenizer and seq.detokenize else ""
         return StepOutput(seq.request_id, new_ids, new_text, True, seq.finish_reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, seq.num_cached_tokens, token_ids=seq.output_token_ids, text=text,
-                          logprobs=lps, prompt_logprobs=seq.prompt_logprobs)
+                          logprobs=lps, error=self.structured.error(seq), prompt_logprobs=seq.prompt_logprobs)
 
     # ---- admission and stats --------------------------------------------------------------------------------
 
@@ -398,7 +311,7 @@ class LLMEngine:
     def admission(self) -> Admission:
         s = self.scheduler
         free_tokens = self.block_manager.num_free * self.block_size
-        held = len(s.running) + len(s.waiting) + len(self.compiling)  # a compiling request takes its seat already
+        held = len(s.running) + len(s.waiting) + len(self.structured)  # a compiling request takes its seat already
         return Admission(free_seqs=max(0, self.config.max_num_seqs - held),
                          admissible_tokens=max(0, free_tokens - self._reserved_tokens()), block_size=self.block_size)
 

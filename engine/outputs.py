@@ -26,7 +26,8 @@ class StepOutput:
     token_ids: list[int] | None = None  # all output ids, only on finish
     text: str | None = None  # full output text, only on finish
     logprobs: Logprobs | None = None  # for new_token_ids, only when asked
-    error: str | None = None  # finish_reason "error": why the request could not run (its constraint did not compile)
+    error: str | None = None  # finish_reason "error": why (its constraint did not compile, or its grammar engine
+    # stopped in error while it generated: engine/constraints.py's matcher_error)
     prompt_logprobs: PromptLogprobs | None = None  # only on finish, when asked
     embedding: bytes | None = None  # an embedding request's vector, float32 little-endian (engine/pooler.py)
 

@@ -94,3 +94,20 @@ class Sequence:
     def remaining_tokens(self) -> int:
         """Output tokens this sequence may still produce."""
         return self.max_tokens - self.num_output_tokens
+
+    def stop_reason(self, token: int) -> str | None:
+        """Why the sequence ends with `token`, just appended, or None; its grammar aside (engine/structured_state.py:
+        a complete grammar ends it too)."""
+        if token in self.stop_ids:
+            return "stop"
+        return "length" if self.num_output_tokens >= self.max_tokens else None
+
+    def prefilled(self, n: int) -> int:
+        """Of the `n` tokens about to be computed, the prompt tokens never counted before: each prompt token counts
+        once, as prefix-cache hits are never computed and recomputation after a preemption is not new prompt work."""
+        end = min(self.num_computed_tokens + n, self.num_prompt_tokens)
+        start = max(self.num_computed_tokens, self.num_prefilled_tokens)
+        if end <= start:
+            return 0
+        self.num_prefilled_tokens = end
+        return end - start

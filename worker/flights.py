@@ -253,7 +253,7 @@ class Flights:
             del flight.logprobs[len(d.output_ids or ()):]  # none for ids generated past a stop string
         del self.running[d.request_id]
         out = step.outputs[d.request_id]
-        if out.finish_reason == "error":  # the engine could not run it (its structured constraint did not compile)
+        if out.finish_reason == "error":  # its structured constraint did not compile, or failed as it generated
             got.ended.append(Ended(flight.ticket, "error", None, flight, error=f"rejected: {out.error}"))
             return
         if d.stopped:

@@ -2,9 +2,13 @@
 prefix cache and admission; only the model's compute is replaced by a cost model."""
 from __future__ import annotations
 
+import json
 import math
+import random
+import re
 import subprocess
 import sys
+import zlib
 
 import pytest
 
@@ -146,6 +150,7 @@ def test_tokens_are_a_function_of_seed_request_position_and_prompt():
 def test_building_and_stepping_a_simulated_engine_never_imports_torch():
     code = """
 import sys
+import zlib
 from kvgate.engine import SamplingParams
 from kvgate.engine.simulated import SimulatedEngine
 engine = SimulatedEngine(32, sleep=False)
@@ -158,3 +163,77 @@ import kvgate.engine.cost_model_runner
 assert "torch" not in sys.modules, "torch imported"
 """
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+RECORD = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "kind"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+                         "kind": {"enum": ["cat", "dog"]}}}
+
+
+def test_a_json_schema_job_on_the_simulated_engine_completes_with_output_that_follows_the_schema():
+    """Issue 45. Before: every constrained job answered "Only fast tokenizers are supported" (the simulated tokenizer
+    was no tokenizer the grammar engine could read). Its tokenizer is a real fast one now, and its cost model draws
+    only what the grammar allows, as a masked sampler does, so fleet tests and benchmarks can run constrained jobs."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    engine = SimulatedEngine(64, sleep=False)
+    schema = {"kind": "json_schema", "spec": json.dumps(RECORD)}
+    for i in range(4):
+        engine.add_request(f"r{i}", f"record {i}", SamplingParams(max_tokens=80, seed=i, structured=schema))
+    engine.add_request("date", "when", SamplingParams(max_tokens=20, structured={
+        "kind": "regex", "spec": "20[0-9]{2}-(0[1-9]|1[0-2])"}))
+    engine.add_request("free", "a b c", greedy(5))
+    done = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    for i in range(4):
+        out = done[f"r{i}"]
+        assert out.finish_reason == "stop", (out.finish_reason, out.error, out.text)
+        jsonschema.validate(json.loads(out.text), RECORD)
+    assert len({done[f"r{i}"].text for i in range(4)}) > 1  # a function of the seed, as unconstrained tokens are
+    assert done["date"].finish_reason == "stop" and re.fullmatch("20[0-9]{2}-(0[1-9]|1[0-2])", done["date"].text)
+    assert done["free"].finish_reason == "length" and done["free"].text == "".join(
+        f" t{t}" for t in done["free"].token_ids)  # unconstrained output is what it always was
+
+
+def test_the_plain_simulated_tokenizer_decodes_every_id_as_the_fast_one_does():
+    """The torch-free install's simulated workers use the plain twin; the same ids must read as the same text."""
+    pytest.importorskip("transformers")
+    from kvgate.engine.simulated_fast_tokenizer import FastSimulatedTokenizer
+    from kvgate.engine.simulated_tokenizer import SimulatedTokenizer
+
+    fast, plain = FastSimulatedTokenizer(1000), SimulatedTokenizer(1000)
+    assert len(fast) == len(plain) and fast.eos_token_id == plain.eos_token_id
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(plain)) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == plain.decode(ids, skip_special_tokens=skip), ids
+    text = 'x{"é": [1, 2]}'
+    assert plain.decode(fast(text, add_special_tokens=False)["input_ids"]) == text  # any text has real tokens
+    assert fast.encode("a b c") == plain.encode("a b c") == [zlib.crc32(w) % 1000 for w in (b"a", b"b", b"c")]
+
+
+def test_without_transformers_the_simulated_engine_serves_with_the_plain_tokenizer():
+    """The torch-free install (kvgate[gateway]) runs simulated workers in its tests: they must still serve, and a
+    structured job there is an error naming what is missing."""
+    code = """
+import sys
+sys.modules["transformers"] = None  # as if not installed
+from kvgate.engine import SamplingParams
+from kvgate.engine.simulated import SimulatedEngine
+from kvgate.engine.simulated_tokenizer import SimulatedTokenizer
+engine = SimulatedEngine(32, sleep=False)
+assert type(engine.tokenizer) is SimulatedTokenizer
+engine.add_request("r", "a prompt", SamplingParams(max_tokens=3))
+engine.add_request("s", "a prompt", SamplingParams(max_tokens=3, structured={"kind": "regex", "spec": "[a-z]+"}))
+done = {}
+while engine.has_unfinished():
+    done |= {o.request_id: o for o in engine.step() if o.finished}
+assert done["r"].finish_reason == "length" and done["r"].text.startswith(" t"), done["r"]
+assert done["s"].finish_reason == "error" and "transformers" in done["s"].error, done["s"]
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stdout[-1000:], run.stderr[-3000:])

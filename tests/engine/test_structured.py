@@ -243,3 +243,35 @@ def test_a_forced_ending_is_appended_whole_and_the_text_is_the_answer(tiny_with_
             "k": "company"}, (jump, tiny_with_vocab.tokenizer.decode(out.token_ids))
         if jump:  # the first token drawn, the rest forced in one go: one step output for all of them
             assert len(outputs) == 1 and outputs[0].new_token_ids == out.token_ids
+
+
+# issue 45, break 3: a matcher the grammar engine put in error (its parser limits) was read as a finished grammar
+ENDLESS = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}  # no finite instance
+NEVER_ENDS = 'start: "x" start'  # no finite derivation
+
+
+def test_a_schema_with_no_finite_instance_ends_with_an_error_naming_the_grammar_engines_message(smol_llm):
+    """Before: finish_reason stop with `{"` (the matcher had stopped in error: "Too many items"). Its neighbour in
+    the batch is served as ever, and its KV blocks go back as any finished sequence's."""
+    free = smol_llm.engine.block_manager.num_free
+    endless, color = smol_llm.chat([ask("Describe a linked list as JSON."), ask("Pick a color.")],
+                                   [SamplingParams(temperature=0, max_tokens=40,
+                                                   structured=structured("json_schema", ENDLESS)),
+                                    SamplingParams(temperature=0, max_tokens=6,
+                                                   structured=structured("choice", choices=COLORS))], use_tqdm=False)
+    assert endless.finish_reason == "error", (endless.finish_reason, endless.text)
+    assert "Too many items" in endless.error and "json_schema" in endless.error, endless.error
+    assert "<state>" not in endless.error  # the engine's first line, not its dump of the parser
+    assert color.text in COLORS and color.finish_reason == "stop"
+    assert smol_llm.engine.block_manager.num_free == free and not smol_llm.engine.seqs
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_a_grammar_that_never_terminates_ends_with_an_error_not_stop(smol_llm, jump_forward, monkeypatch):
+    """Before: finish_reason stop with `xxxx`, which the grammar does not accept as an answer."""
+    monkeypatch.setattr(smol_llm.engine.config, "jump_forward", jump_forward)
+    (out,) = smol_llm.generate(["Write x:"], SamplingParams(temperature=0, max_tokens=20,
+                                                           structured=structured("grammar", NEVER_ENDS)),
+                               use_tqdm=False)
+    assert out.finish_reason == "error", (out.finish_reason, out.text)
+    assert "Too many items" in out.error and "grammar" in out.error, out.error

@@ -80,3 +80,37 @@ def test_the_sdk_takes_a_pydantic_model_and_gives_the_parsed_object(smol):
                                max_tokens=48, response_format=City, model=model_of(smol))
         result = handle.result(timeout=240)
     assert result.ok and isinstance(result.parsed, City), (result.text, result.parse_error)
+
+
+def test_a_schema_with_no_finite_instance_is_a_400_naming_the_grammar_engines_message(smol):
+    """Issue 45, break 3. Before: 200, finish_reason stop, content `{"` (the grammar engine had stopped in error)."""
+    endless = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+    with pytest.raises(openai.BadRequestError) as caught:
+        out = smol.chat.completions.create(
+            model=model_of(smol), temperature=0, max_tokens=40,
+            messages=[{"role": "user", "content": "Describe a linked list as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "endless", "schema": endless}})
+        pytest.fail(f"answered {out.choices[0].finish_reason} with {out.choices[0].message.content!r}")
+    assert "Too many items" in str(caught.value) and "json_schema" in str(caught.value), str(caught.value)
+
+
+def test_a_simulated_worker_answers_a_json_schema_and_a_forced_tool_call(gateway):
+    """Issue 45. Before: a 400 for both, `structured output: Only fast tokenizers are supported` (the simulated
+    engine's tokenizer was none the grammar engine could read), so no fleet test or benchmark could run one."""
+    client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60)
+    model = model_of(client)
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "rank"],
+              "properties": {"city": {"type": "string", "maxLength": 12},
+                             "rank": {"type": "integer", "minimum": 1, "maximum": 9}}}
+    out = client.chat.completions.create(model=model, max_tokens=60, messages=[{"role": "user", "content": "x"}],
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "c", "schema": schema}})
+    assert out.choices[0].finish_reason == "stop", out.choices[0]
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    tool = {"type": "function", "function": {"name": "rank_city", "description": "Rank a city", "parameters": schema}}
+    called = client.chat.completions.create(model=model, max_tokens=80, tools=[tool], tool_choice="required",
+                                            parallel_tool_calls=False,  # one call: a list of them may run to length
+                                            messages=[{"role": "user", "content": "Rank Paris."}])
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "rank_city" and called.choices[0].finish_reason == "tool_calls", called.choices[0]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
