@@ -94,7 +94,7 @@ class AsyncClient(ClientBase):
         return await self._run(self._submit(submit_arguments(self, prompt, arguments)))
 
     async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
-                          chunk_size: int = CHUNK, quota: bool = True) -> list[AsyncJobHandle]:
+                          chunk_size: int | None = CHUNK, quota: bool = True) -> list[AsyncJobHandle]:
         """As Client.submit_many."""
         return await self._run(self._submit_many(requests, progress, chunk_size, quota))
 
@@ -104,7 +104,7 @@ class AsyncClient(ClientBase):
         """As Client.embed."""
         requests = self._embed_requests(inputs, {**arguments, "model": model, "pooling": pooling,
                                                  "normalize": normalize, "dimensions": dimensions})
-        handles = await self.submit_many(requests)
+        handles = await self.submit_many(requests, chunk_size=None)  # one call, one admission
         deadline = self._deadline(timeout)
         return self._vectors([await h.result(self._remaining(deadline)) for h in handles])
 

@@ -62,11 +62,15 @@ class Client(ClientBase):
         return self._run(self._submit(submit_arguments(self, prompt, arguments)))
 
     def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
-                    chunk_size: int = CHUNK, quota: bool = True) -> list[JobHandle]:
-        """Validate every request (InvalidRequest names requests[i].field), then enqueue them in chunks of
-        `chunk_size`, each one MULTI/EXEC: all of a chunk or none of it. A refusal (ServerRefused: Redis out of
-        memory or read-only) in the first chunk enqueued nothing; in a later one, PartiallySubmitted says which
-        requests were enqueued (with their handles) and which were not. quota=False: past the client's tenant
+                    chunk_size: int | None = CHUNK, quota: bool = True) -> list[JobHandle]:
+        """Validate every request (InvalidRequest names requests[i].field), then admit them in chunks of
+        `chunk_size` (at most max_backlog), each chunk whole or not at all: the backlog limit and the tenants'
+        quotas for all its jobs, then one MULTI/EXEC (on a Redis Cluster one per shard, the others taken back when
+        one fails). chunk_size=None: the whole call is one chunk. A chunk over a whole ceiling (more jobs than
+        max_backlog or a tenant's max_jobs, more tokens than its tokens_per_minute) is an InvalidRequest; one the
+        ceilings refuse for now a Backpressure or QuotaExceeded; Redis's refusal (ServerRefused: out of memory or
+        read-only) a ServerRefused. In the first chunk nothing was enqueued; in a later one, PartiallySubmitted says
+        which requests were enqueued (with their handles) and which were not. quota=False: past the client's tenant
         quotas (a caller that bounds its jobs otherwise, as the gateway's managed batches do with their window)."""
         return self._run(self._submit_many(requests, progress, chunk_size, quota))
 
@@ -79,7 +83,7 @@ class Client(ClientBase):
         JobFailed names the first job that did not finish done; ResultTimeout after `timeout` seconds."""
         requests = self._embed_requests(inputs, {**arguments, "model": model, "pooling": pooling,
                                                  "normalize": normalize, "dimensions": dimensions})
-        handles = self.submit_many(requests)
+        handles = self.submit_many(requests, chunk_size=None)  # one call, one admission: all its inputs or none
         deadline = self._deadline(timeout)
         return self._vectors([h.result(self._remaining(deadline)) for h in handles])
 

@@ -7,6 +7,7 @@ client only starts its reply readers, waits in its own way and says which handle
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from typing import Any, Iterable, Literal
@@ -23,7 +24,7 @@ from .lane_count import LaneCount
 from .mailbox import ReplyRouter
 from .protocol import Keys, check_tenant_name, decode_final
 from .queue_stats import backlog, queue_stats
-from .quotas import Quota, QuotaLedger, Quotas, quotas_of, release, take, tenant_of
+from .quotas import Quota, QuotaLedger, Quotas, over_whole_quota, quotas_of, release, take, tenant_of
 from .redis_url import FAILOVER_BUDGET_S, Durability
 from .request import plain_messages
 from .result import Result
@@ -31,9 +32,11 @@ from .spread import TenantSpread
 from .steps import Sleep, Steps, call
 from .submission import (CANCEL_TTL_S, BacklogGate, Prepared, check_group_replies, group_commands, group_exists,
                          new_models, owners, prepare, send_riding_failovers)
+from .take_back import spans_shards, take_back
 
 CHUNK = 256
 CLOSED_REPLY_TTL_S = 60  # replies still in flight at close may land; the stream goes soon after
+log = logging.getLogger(__name__)
 
 
 def check_client_id(client_id: str) -> str:
@@ -89,25 +92,31 @@ class ClientBase:
         raise NotImplementedError
 
     # -- submitting -------------------------------------------------------------------------------
-    def _submit_many(self, requests: Iterable[dict[str, Any]], progress: bool, chunk_size: int,
+    def _submit_many(self, requests: Iterable[dict[str, Any]], progress: bool, chunk_size: int | None,
                      quota: bool = True) -> Steps:
-        """Validate every request (InvalidRequest names requests[i].field), then enqueue them in chunks, each one
-        MULTI/EXEC; PartiallySubmitted when a later chunk is refused."""
+        """Validate every request (InvalidRequest names requests[i].field), then admit them a chunk at a time, each
+        chunk whole or not at all (`_enqueue`); chunk_size=None: the whole call is one chunk. A bulk call's chunks
+        are at most max_backlog, so each can pass the gate. PartiallySubmitted when a later chunk is refused."""
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be a positive number of jobs, or None for one admission")
         lanes = yield from self._lanes()
         fair = self._lane_count.fair
         spread = self._spread()
         prepared = [prepare(self._own(plain_messages(r)), self.keys, self.client_id, where=f"requests[{i}].",
                             lanes=lanes, fair=fair, spread=spread) for i, r in enumerate(requests)]
+        size = max(1, len(prepared)) if chunk_size is None else min(chunk_size, self._gate.max_backlog or chunk_size)
         handles: list = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
-            for start in range(0, len(prepared), chunk_size):
+            for start in range(0, len(prepared), size):
+                chunk = prepared[start:start + size]
                 try:
-                    handles += yield from self._enqueue(prepared[start:start + chunk_size], quota)
+                    handles += yield from self._enqueue(chunk, quota, [f"requests[{start + i}]." for i in
+                                                                       range(len(chunk))])
                 except KvgateError as e:
                     if handles:
                         raise PartiallySubmitted(handles, len(prepared), e) from None
                     raise
-                bar.update(min(chunk_size, len(prepared) - start))
+                bar.update(len(chunk))
         return handles
 
     def _submit(self, args: dict[str, Any]) -> Steps:
@@ -130,7 +139,12 @@ class ClientBase:
             return args
         return {**args, "tenant": self.tenant}
 
-    def _enqueue(self, prepared: list[Prepared], quota: bool = True) -> Steps:
+    def _enqueue(self, prepared: list[Prepared], quota: bool = True, wheres: list[str] | None = None) -> Steps:
+        """Admit the jobs as one: the backlog gate and their tenants' quotas for all of them, then one enqueue (a
+        MULTI; on a cluster one per shard, the earlier ones taken back when a later one fails), or none of it.
+        InvalidRequest when no wait can admit them (more than a whole ceiling), Backpressure or QuotaExceeded when
+        the ceilings are full for now. `wheres`: each job's argument prefix, for the errors."""
+        self._check_fits(prepared, quota, wheres or [""] * len(prepared))
         yield from self._admit(len(prepared))
         enqueued = False
         charged: list[str] = []
@@ -141,10 +155,7 @@ class ClientBase:
                 yield from self._ensure_groups(missing)
             if self._durable is not None:
                 prepared = [with_claim(p, self.keys) for p in prepared]
-                replies = yield from self._durable.send(self._script, prepared, self.keys)
-            else:
-                replies = yield from send_riding_failovers(self.redis, self._script, prepared, self.keys,
-                                                           self._failover_budget_s)
+            replies = yield from self._send(prepared)
             enqueued = True
         finally:
             self._gate.settle(len(prepared), enqueued)
@@ -155,6 +166,32 @@ class ClientBase:
         self._ledger.drop(p.job.job_id for p, c in zip(prepared, claims) if c.job_id != p.job.job_id)  # a resubmit
         return [self._handle(c.job_id, foreign=c.owner != mine, entry=(p.stream, c.entry) if c.entry else None,
                              parse_as=p.parse_as) for p, c in zip(prepared, claims)]
+
+    def _check_fits(self, prepared: list[Prepared], quota: bool, wheres: list[str]) -> None:
+        """InvalidRequest, before anything is counted or sent, for an admission over a whole ceiling: the backlog
+        limit, or a tenant's max_jobs or tokens per minute (retrying such a call can never help)."""
+        error = self._gate.never_fits(len(prepared))
+        if error is None and quota and self.quotas is not None:
+            error = over_whole_quota(self.quotas, [p.job for p in prepared], wheres)
+        if error is not None:
+            raise InvalidRequest([error])
+
+    def _send(self, prepared: list[Prepared]) -> Steps:
+        """The jobs' enqueue; when it fails after part of it may have landed (more than one shard), that part is
+        taken back (take_back.py) before the error goes on: the caller is told nothing of it was enqueued."""
+        replies: list = [None] * len(prepared)
+        try:
+            if self._durable is not None:
+                return (yield from self._durable.send(self._script, prepared, self.keys))
+            return (yield from send_riding_failovers(self.redis, self._script, prepared, self.keys,
+                                                     self._failover_budget_s, replies))
+        except Exception:
+            if spans_shards(prepared, self.keys):
+                try:
+                    yield from take_back(self.redis, prepared, replies, self.keys)
+                except Exception as e:  # Redis away: the error below is the caller's; the flags that landed hold
+                    log.warning("could not take back a refused admission's %d jobs: %r", len(prepared), e)
+            raise
 
     def _charge(self, prepared: list[Prepared]) -> Steps:
         """Admit the jobs under their tenants' quotas (all or none); QuotaExceeded names the first tenant over."""
@@ -196,7 +233,8 @@ class ClientBase:
         return self._lane_count.lanes
 
     def _admit(self, n: int) -> Steps:
-        """Pass the backlog gate with n jobs (reserved in it until their enqueue returns), or refuse / wait."""
+        """Pass the backlog gate with n jobs, all of them within the limit (reserved in it until their enqueue
+        returns), or refuse / wait."""
         delay = 0.02
         while True:
             if self._gate.claim_read():
@@ -206,11 +244,11 @@ class ClientBase:
                     self._gate.read_failed()
                     raise
                 self._gate.record(found)
-            if not self._gate.blocked():
+            if not self._gate.blocked(n):
                 self._gate.reserve(n)
                 return
             if self._gate.mode == "raise":
-                raise self._gate.refuse()
+                raise self._gate.refuse(n)
             yield Sleep(delay)
             delay = min(delay * 2, 1.0)
             self._gate.force()

@@ -6,6 +6,8 @@ Two ceilings per tenant, each optional:
 - `tokens_per_minute`: prompt plus generated tokens over a sliding minute. A job is charged an estimate at admission
   (its prompt's characters / 4, or its token ids, plus max_tokens) and the estimate is corrected to the job's usage
   when its final event arrives (a job cancelled or expired before it ran gives the estimate back).
+A tenant's managed batches, all together, have the same two ceilings of their own (`batch_max_jobs`,
+`batch_tokens_per_minute`; unset: the two above), counted apart in kvgate/gateway/batch_quota.py.
 
 Admission, release and pruning are Lua scripts over five keys of shard 0 (one slot on a Redis Cluster):
 `{ns}:quota:leases` (zset `tenant|job_id` -> lease end, server ms), `{ns}:quota:jobs` (zset tenant -> jobs in flight;
@@ -31,7 +33,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pypro
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import QuotaExceeded
+from .errors import FieldError, QuotaExceeded
 from .protocol import DEFAULT_TENANT, TOP_TENANTS, Final, Job, Keys, ProtocolError, as_text, check_tenant_name
 from .steps import Steps, call
 
@@ -57,6 +59,16 @@ end
 local function drop_job(tenant)
   redis.call('HINCRBY', KEYS[5], 'jobs', -1)
   if tonumber(redis.call('ZINCRBY', KEYS[2], -1, tenant)) <= 0 then redis.call('ZREM', KEYS[2], tenant) end
+end
+-- a token estimate corrected to what was used, in the minute it was charged in while that minute is in the window
+local function correct_tokens(tenant, charged, fix)
+  if fix ~= 0 and (charged == minute or charged == minute - 1) then
+    local key, total = KEYS[3], 'tokens'
+    if charged ~= minute then key, total = KEYS[4], 'tokens_prev' end
+    local left = tonumber(redis.call('ZINCRBY', key, fix, tenant))
+    if left < 0 then fix = fix - left; redis.call('ZADD', key, 0, tenant) end
+    redis.call('HINCRBY', KEYS[5], total, fix)
+  end
 end
 """
 
@@ -93,13 +105,7 @@ RELEASE = _CLOCK + """
 for i = 1, #ARGV, 4 do
   local tenant, charged, fix = ARGV[i], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   if redis.call('ZREM', KEYS[1], tenant .. '|' .. ARGV[i + 1]) == 1 then drop_job(tenant) end
-  if fix ~= 0 and (charged == minute or charged == minute - 1) then
-    local key, total = KEYS[3], 'tokens'
-    if charged ~= minute then key, total = KEYS[4], 'tokens_prev' end
-    local left = tonumber(redis.call('ZINCRBY', key, fix, tenant))
-    if left < 0 then fix = fix - left; redis.call('ZADD', key, 0, tenant) end
-    redis.call('HINCRBY', KEYS[5], total, fix)
-  end
+  correct_tokens(tenant, charged, fix)
 end
 return 1
 """
@@ -122,10 +128,31 @@ class Quota(BaseModel):
 
     max_jobs: int | None = Field(None, ge=1, description="jobs in flight (queued or running)")
     tokens_per_minute: int | None = Field(None, ge=1, description="prompt plus generated tokens per sliding minute")
+    batch_max_jobs: int | None = Field(None, ge=1, description="managed batches' jobs in flight, all of the tenant's "
+                                                               "batches together (unset: max_jobs)")
+    batch_tokens_per_minute: int | None = Field(None, ge=1, description="managed batches' tokens per sliding minute, "
+                                                                        "all of them together (unset: "
+                                                                        "tokens_per_minute)")
 
     @property
     def unlimited(self) -> bool:
-        return self.max_jobs is None and self.tokens_per_minute is None
+        return all(v is None for v in (self.max_jobs, self.tokens_per_minute, self.batch_max_jobs,
+                                         self.batch_tokens_per_minute))
+
+    @property
+    def batch(self) -> "Quota":
+        """The ceilings of the tenant's managed batches, all of them together, counted apart from its interactive jobs
+        (kvgate/gateway/batch_quota.py): their own where set, else the interactive ones, so that no number of batches
+        multiplies the tenant's share."""
+        return Quota(max_jobs=self.max_jobs if self.batch_max_jobs is None else self.batch_max_jobs,
+                     tokens_per_minute=self.tokens_per_minute if self.batch_tokens_per_minute is None
+                     else self.batch_tokens_per_minute)
+
+
+def _given(err: Mapping) -> str:
+    """The value a quotas file gave where it is one value (a table would be the whole table), shortened."""
+    value = err.get("input")
+    return "" if isinstance(value, (dict, list)) else f" (got {repr(value)[:40]})"
 
 
 class Quotas(BaseModel):
@@ -136,6 +163,7 @@ class Quotas(BaseModel):
         tokens_per_minute = 200000
         [tenants.team-a]
         max_jobs = 10
+        batch_max_jobs = 4   # its managed batches, all together (unset: its max_jobs)
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -160,12 +188,13 @@ class Quotas(BaseModel):
         try:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"quotas file {path}: {e}; see README, Quotas, for its format") from None
+            raise ValueError(f"quotas file {path}: {e}; see docs/tenants/quotas.md for its format") from None
         try:
             quotas = cls.model_validate(data)
         except ValidationError as e:
-            wrong = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors())
-            raise ValueError(f"quotas file {path}: {wrong}; see README, Quotas, for its format") from None
+            wrong = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}{_given(err)}"
+                              for err in e.errors())
+            raise ValueError(f"quotas file {path}: {wrong}; see docs/tenants/quotas.md for its format") from None
         if default is not None:
             given = data.get("default", {})
             quotas = quotas.model_copy(update={"default": default.model_copy(update=given)})
@@ -198,6 +227,55 @@ class Charge:
     job_id: str
     tokens: int
     minute: int
+
+
+def over_whole_quota(quotas: Quotas, jobs: list[Job], wheres: list[str]) -> FieldError | None:
+    """`never_fits` for each tenant's jobs of one admission: the first tenant's reason, or None."""
+    by_tenant: dict[str, list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_tenant.setdefault(tenant_of(job), []).append(i)
+    for tenant, at in by_tenant.items():
+        error = never_fits(tenant, quotas.of(tenant), [jobs[i] for i in at], [wheres[i] for i in at])
+        if error is not None:
+            return error
+    return None
+
+
+def never_fits(tenant: str, quota: Quota, jobs: list[Job], wheres: list[str]) -> FieldError | None:
+    """What makes one admission of these jobs of a tenant larger than its whole ceiling, so that no wait can admit it
+    (a 400, where a ceiling only full for now is a QuotaExceeded, a 429); None when it may fit. `wheres`: each job's
+    argument prefix (`requests[i].`)."""
+    if quota.max_jobs is not None and len(jobs) > quota.max_jobs:
+        return FieldError("requests", len(jobs), f"{len(jobs)} jobs of tenant {tenant!r} in one admission are over its "
+                                                 f"whole max_jobs={quota.max_jobs}, so no wait can admit them: send "
+                                                 f"at most {quota.max_jobs} at a time, or raise the tenant's quota")
+    tpm = quota.tokens_per_minute
+    if tpm is None:
+        return None
+    estimates = [estimate_tokens(j) for j in jobs]
+    for job, where, estimate in zip(jobs, wheres, estimates):
+        if estimate > tpm:
+            return _over_minute(tenant, tpm, job, where, estimate)
+    if sum(estimates) > tpm:
+        return FieldError("requests", len(jobs), f"these jobs of tenant {tenant!r} may use {sum(estimates)} tokens "
+                                                 f"together, over its whole tokens_per_minute={tpm}, so no wait can "
+                                                 "admit them: send fewer at a time, with a lower max_tokens or "
+                                                 "shorter prompts, or raise the tenant's quota")
+    return None
+
+
+def _over_minute(tenant: str, tpm: int, job: Job, where: str, estimate: int) -> FieldError:
+    """One job over the tenant's whole tokens per minute: named by its max_tokens when lowering that fits it."""
+    generated = 0 if job.task == "embed" else job.sampling.max_tokens
+    prompt = estimate - generated
+    ceiling = f"over tenant {tenant!r}'s whole tokens_per_minute={tpm}, so no wait can admit it"
+    if prompt < tpm:
+        return FieldError(f"{where}max_tokens", generated, f"with a prompt of about {prompt} tokens the job may use "
+                                                           f"{estimate} tokens, {ceiling}: ask for at most "
+                                                           f"{tpm - prompt}, or raise the tenant's quota")
+    name = "prompt_token_ids" if job.prompt_token_ids is not None else "messages" if job.messages else "prompt"
+    return FieldError(f"{where}{name}", f"about {prompt} tokens", f"the prompt alone is {ceiling}: shorten it, or "
+                                                                  "raise the tenant's quota")
 
 
 def take(r, script, keys: Keys, tenant: str, quota: Quota, jobs: list[Job], lease_s: float) -> Steps:

@@ -8,7 +8,7 @@ from typing import Any
 
 from .cluster import run_script
 from .connection import refusal_of
-from .errors import Backpressure
+from .errors import Backpressure, FieldError
 from .idempotency import CLAIM_AND_ENQUEUE, FAIR_JOIN_LUA, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .lanes import lane_of, routing_key
 from .redis_url import FAILOVER_BUDGET_S, FAILOVER_ERRORS
@@ -136,14 +136,16 @@ def enqueue_commands(pipe, script, prepared: list[Prepared]) -> Steps:
             yield lambda queued=queued: queued
 
 
-def send(r, script, prepared: list[Prepared], keys: Keys) -> Steps:
+def send(r, script, prepared: list[Prepared], keys: Keys, replies: list | None = None) -> Steps:
     """Enqueue in one MULTI: all or nothing. On a cluster, one MULTI per shard: all or nothing per shard (a refusal
-    in a later shard leaves the earlier shards' jobs enqueued, and raises)."""
+    in a later shard leaves the earlier shards' jobs enqueued, and raises: `replies`, when given, then holds those
+    jobs' replies and None for the others, for the caller to take them back)."""
+    replies = [None] * len(prepared) if replies is None else replies
     if len(keys.parts) == 1:
         pipe = r.pipeline(transaction=True)  # all or nothing: an OOM refusal aborts the whole EXEC
         yield from enqueue_commands(pipe, script, prepared)
-        return (yield pipe.execute)
-    replies: list = [None] * len(prepared)
+        replies[:] = yield pipe.execute
+        return replies
     for group in by_shard(prepared, keys):
         pipe = r.pipeline(transaction=True)
         yield from enqueue_commands(pipe, script, [prepared[i] for i in group])
@@ -152,13 +154,14 @@ def send(r, script, prepared: list[Prepared], keys: Keys) -> Steps:
     return replies
 
 
-def send_riding_failovers(r, script, prepared: list[Prepared], keys: Keys, budget_s: float) -> Steps:
+def send_riding_failovers(r, script, prepared: list[Prepared], keys: Keys, budget_s: float,
+                          replies: list | None = None) -> Steps:
     """`send`; on a cluster, sent again while a primary is down (its replica takes over within seconds), up to
     `budget_s`. Safe to repeat: an entry sent twice carries the same job id, and the finish script answers a job
     id once (a claim, when there is one, finds its own job)."""
     if not keys.cluster:
-        return (yield from send(r, script, prepared, keys))
-    return (yield from across_failover(lambda: send(r, script, prepared, keys), budget_s))
+        return (yield from send(r, script, prepared, keys, replies))
+    return (yield from across_failover(lambda: send(r, script, prepared, keys, replies), budget_s))
 
 
 def across_failover(steps_of, budget_s: float = FAILOVER_BUDGET_S, first_wait_s: float = 0.05) -> Steps:
@@ -265,8 +268,17 @@ class BacklogGate:
     def read_failed(self) -> None:
         self._reading = False
 
-    def blocked(self) -> bool:
-        return self.max_backlog is not None and self._backlog + self._reserved >= self.max_backlog
+    def blocked(self, n: int = 1) -> bool:
+        """Whether n more jobs would pass the limit: an admission is counted whole, never let in part."""
+        return self.max_backlog is not None and self._backlog + self._reserved + n > self.max_backlog
+
+    def never_fits(self, n: int) -> FieldError | None:
+        """An admission of more jobs than the whole limit: no wait can let it in."""
+        if self.max_backlog is None or n <= self.max_backlog:
+            return None
+        return FieldError("requests", n, f"{n} jobs in one admission are over the whole max_backlog="
+                                         f"{self.max_backlog}, so no wait can admit them: send at most "
+                                         f"{self.max_backlog} at a time, or raise max_backlog")
 
     def reserve(self, n: int) -> None:
         self._reserved += n
@@ -280,8 +292,8 @@ class BacklogGate:
             if self._reading:
                 self._added_while_reading += n
 
-    def refuse(self) -> Backpressure:
-        return Backpressure(self._backlog + self._reserved, self.max_backlog)
+    def refuse(self, n: int = 1) -> Backpressure:
+        return Backpressure(self._backlog + self._reserved, self.max_backlog, n)
 
     def force(self) -> None:
         self._checked_at = float("-inf")

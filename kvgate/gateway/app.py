@@ -156,10 +156,12 @@ class Gateway:
     # -- jobs -------------------------------------------------------------------------------------
     async def submit(self, p: Plan, caller: Caller) -> list[AsyncJobHandle]:
         """Enqueue the plan's jobs as the caller's tenant's."""
-        try:
-            return await self.client.submit_many([{**s, "tenant": caller.tenant} for s in p.submits], progress=False)
-        except KvgateError as e:
-            raise from_sdk(e, p.names, self.settings.retry_after_s) from None
+        try:  # one request, one admission: all its jobs (choices, prompts) or none (chunk_size=None)
+            return await self.client.submit_many([{**s, "tenant": caller.tenant} for s in p.submits], progress=False,
+                                                 chunk_size=None)
+        except KvgateError as e:  # an error about all its jobs names what made them many: prompts, or choices
+            many = {"requests": "prompt" if len(set(p.prompt_of)) > 1 else "n"}
+            raise from_sdk(e, many | p.names, self.settings.retry_after_s) from None
 
     async def wait(self, request: Request, handles: list[AsyncJobHandle]) -> list[Result]:
         """All results, or a 504 at the request timeout; jobs of a client that hung up are cancelled."""

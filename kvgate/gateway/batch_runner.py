@@ -23,6 +23,7 @@ from kvgate.producer import AsyncClient
 from kvgate.openai.batch import custom_id_of, is_success, request_lines, unrun_line
 
 from .batch_input import check_input
+from .batch_quota import BatchQuota
 from .batch_store import Batch, BatchStore
 from .batch_work import SUBMIT_CHUNK, ModelCheck, Work
 from .file_store import FileStore
@@ -42,6 +43,8 @@ class BatchRunner:
         self.client, self.store, self.files, self.models = client, store, files, models
         self.chunk = min(SUBMIT_CHUNK, max_backlog or SUBMIT_CHUNK)
         self.window, self.priority, self.lease_s, self.poll_s = window, priority, lease_s, poll_s
+        # the window bounds one batch; this, all of a tenant's batches together (its quotas' batch ceilings)
+        self.quota = BatchQuota(client.redis, client.keys, client.quotas, lease_s)
         self.token = secrets.token_hex(8)
         self.driving: dict[str, asyncio.Task] = {}
         self._loop: asyncio.Task | None = None
@@ -110,7 +113,8 @@ class BatchRunner:
                 return
 
     def _work(self, b: Batch) -> Work:
-        return Work(b, self.client, self.store, self.window, self.priority, self.chunk, self.models, self.files)
+        return Work(b, self.client, self.store, self.window, self.priority, self.chunk, self.models, self.files,
+                    ceiling=self.quota.of(b.tenant, b.id))
 
     async def _validate(self, b: Batch) -> None:
         data = await self._input(b)

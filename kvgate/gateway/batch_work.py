@@ -8,6 +8,8 @@ submitted at all. A line is recorded once, when every job it owns is final (`Lin
 The window counts jobs, per model (a line of more jobs than the window goes alone): lines for a model no worker
 serves yet (an operator's `--model` waiting for its autoscaler) fill only that model's window, so they wait without
 holding up the batch's other lines. A line for a model the gateway would answer 404 for is an error line at once.
+Under quotas, a line is also charged to its tenant's batch ceiling before it is submitted (batch_quota.py): all the
+tenant's batches share that ceiling, on every replica, where each has a window of its own.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from kvgate.producer import AsyncClient, Backpressure, JobLost, KvgateError, Par
 from kvgate.openai.batch import BatchRequest, is_success, plan_line, request_lines, unknown_model_line
 from kvgate.openai.batch_runs import LineRun, line_runs, submit_jobs
 
+from .batch_quota import BatchCeiling
 from .batch_store import Batch, BatchStore
 from .errors import ApiError
 from .file_store import FileStore
@@ -51,6 +54,7 @@ class Work:
     chunk: int = SUBMIT_CHUNK  # at most max_backlog, so one chunk cannot overshoot it
     known: ModelCheck | None = None  # None: every model is taken (lines wait for a worker)
     files: FileStore | None = None  # where the input lives; None: its deletion is not watched
+    ceiling: BatchCeiling | None = None  # its tenant's batch ceiling; None: no quotas, lines are not charged
     todo: dict[str, deque[BatchRequest]] = field(default_factory=dict)  # by the line's model ("" for none)
     pending: dict[asyncio.Task, LineRun] = field(default_factory=dict)  # each resolves to the line's results
     models: dict[str, str | None] = field(default_factory=dict)
@@ -76,6 +80,8 @@ class Work:
                     self.todo.setdefault(planned.model, deque()).append(planned)
         if rejected:
             await self.store.record_many(b.id, rejected)
+        if self.ceiling is not None:
+            await asyncio.to_thread(self.ceiling.estimate, [req for todo in self.todo.values() for req in todo])
 
     async def _refusal(self, model: str | None) -> str | None:
         """Why the gateway would answer 404 for the model (asked once per model), or None; a line without a model
@@ -101,12 +107,17 @@ class Work:
                     stop = await self._stop_reason()
                     if stop:
                         return stop
+                if self.ceiling is not None:
+                    await self.ceiling.renew()
                 await self._submit()
                 await self._collect()
             return "done"
         finally:
             for task in self.pending:
                 task.cancel()
+            if self.ceiling is not None:  # Redis away: the lines' leases lapse instead
+                with contextlib.suppress(Exception):
+                    await self.ceiling.end()
 
     async def cancel_jobs(self) -> None:
         """Ask the fleet to stop every job of this batch that has no answer yet, wherever it was submitted."""
@@ -145,18 +156,31 @@ class Work:
         for req in reversed(reqs):
             self.todo[req.model].appendleft(req)
 
-    async def _submit(self) -> None:
+    async def _admit(self) -> list[BatchRequest]:
+        """The lines to submit now: what the window takes, less what the tenant's batch ceiling has no room for."""
         chunk = self._take()
+        if not chunk or self.ceiling is None:
+            return chunk
+        admitted = await self.ceiling.admit(chunk)
+        kept = {id(req) for req in admitted}
+        self._put_back([req for req in chunk if id(req) not in kept])
+        if not admitted and not self.pending:  # the tenant's other batches hold the ceiling: look again later
+            await asyncio.sleep(RETRY_S)
+        return admitted
+
+    async def _submit(self) -> None:
+        chunk = await self._admit()
         if not chunk:
             return
-        try:
+        try:  # quota=False: _admit charged the lines to the tenant's batch ceiling, not to its interactive quota
             handles = await self.client.submit_many(submit_jobs(chunk, tenant=self.batch.tenant),
-                                                    chunk_size=self.chunk, quota=False)  # --batch-window bounds them
+                                                    chunk_size=self.chunk, quota=False)
         except PartiallySubmitted as e:
             handles = e.handles
         except (Backpressure, KvgateError) as e:  # the queue is full or Redis refuses: keep what we have, retry
             log.info("batch %s: submit deferred: %s", self.batch.id, e)
             self._put_back(chunk)
+            await self._unsent(chunk)
             if not self.pending:
                 await asyncio.sleep(RETRY_S)
             return
@@ -165,7 +189,10 @@ class Work:
         # reattach the jobs already queued
         await self.store.remember_jobs(self.batch.id, {run.request.custom_id: run.job_ids for run in runs})
         submitted = [run for run in runs if run.submitted]
+        if self.ceiling is not None:
+            self.ceiling.sent([run.request.custom_id for run in runs])  # a line cut short too: jobs of it are queued
         self._put_back(chunk[len(submitted):])  # none, unless the SDK returned fewer handles
+        await self._unsent(chunk[len(runs):])
         by_id = {h.job_id: h for h in handles}
         for run in submitted:
             self.pending[asyncio.ensure_future(asyncio.gather(*(by_id[j].result() for j in run.job_ids)))] = run
@@ -174,7 +201,7 @@ class Work:
         if not self.pending:
             return
         done, _ = await asyncio.wait(self.pending, timeout=CHECK_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
-        answers = []
+        answers, used = [], {}
         for task in done:
             run = self.pending.pop(task)
             try:
@@ -187,8 +214,15 @@ class Work:
             first = results[0]
             row = run.answer(first.model or await self._served_by(first.worker))
             answers.append((run.request.custom_id, row, is_success(row)))
+            used[run.request.custom_id] = sum(r.usage.prompt_tokens + r.usage.completion_tokens for r in results)
         if answers:
             await self.store.record_many(self.batch.id, answers)
+        if used and self.ceiling is not None:  # after the answers are kept: a crash between leaves a lease to lapse
+            await self.ceiling.answered(used)
+
+    async def _unsent(self, reqs: list[BatchRequest]) -> None:
+        if reqs and self.ceiling is not None:
+            await self.ceiling.unsent([req.custom_id for req in reqs])
 
     async def _served_by(self, worker_id: str | None) -> str | None:
         """The model the worker's heartbeat names (results carry only the worker id), as `kvgate batch` does."""

@@ -20,11 +20,23 @@ if TYPE_CHECKING:
     from .app import Gateway
 
 
-def checked_body(body: object) -> EmbeddingsBody:
+def checked_body(body: object, max_token_ids: int) -> EmbeddingsBody:
     try:
-        return parse_body(body)
+        parsed = parse_body(body)
     except BadEmbeddings as e:
         raise ApiError(400, str(e), param=e.param, code=e.code) from None
+    _token_id_budget(parsed, max_token_ids)
+    return parsed
+
+
+def _token_id_budget(body: EmbeddingsBody, limit: int) -> None:
+    """A request's token ids are bounded as chat's and completions' are: each is checked and encoded on the event
+    loop, and the whole request is one admission whose prefill a worker computes."""
+    ids = sum(len(x) for x in body.inputs if not isinstance(x, str))
+    if ids > limit:
+        raise ApiError(400, f"input holds {ids} token ids, over this gateway's limit of {limit} per request "
+                            "(--max-prompt-token-ids); send fewer or shorter inputs per request", param="input",
+                       code="invalid_value")
 
 
 class EmbeddingsApi:
@@ -39,13 +51,14 @@ class EmbeddingsApi:
 
         gw = self.gw
         tenant = gw.keys.caller(request).tenant
-        body = await sized(request, checked_body, await read_json(request))
+        body = await sized(request, checked_body, await read_json(request), gw.settings.max_prompt_token_ids)
         await gw.models.check(body.model)
         jobs = [{**args, "tenant": tenant, "ttl_s": gw.settings.request_timeout_s} for args in submit_args(body)]
-        try:
-            handles = await gw.client.submit_many(jobs, progress=False)
+        try:  # one request, one admission: every input's job or none (chunk_size=None)
+            handles = await gw.client.submit_many(jobs, progress=False, chunk_size=None)
         except KvgateError as e:
-            raise from_sdk(e, {"prompt": "input", "prompt_token_ids": "input"}, gw.settings.retry_after_s) from None
+            raise from_sdk(e, {"prompt": "input", "prompt_token_ids": "input", "requests": "input"},
+                           gw.settings.retry_after_s) from None
         results = await gw.wait(request, handles)
         for result in results:
             if (error := failure(result)) is not None:

@@ -67,7 +67,8 @@ class GatewaySettings(BaseSettings):
                            "repeatable. With none, the gateway accepts the models live workers serve and those the "
                            "fleet knows ({ns}:models); with some, only these and live ones", "--model", metavar="NAME",
                        joined=True)
-    max_backlog: int | None = _s(None, "answer 429 while this many jobs wait in the queue; unset: no limit", ge=1)
+    max_backlog: int | None = _s(None, "answer 429 to a request whose jobs would take the queue's waiting jobs past "
+                                       "this many (400 to one of more jobs than that); unset: no limit", ge=1)
     tenant_max_jobs: int | None = _s(None, "per tenant, answer 429 while this many of its jobs are queued or running, "
                                            "counted in Redis across every replica; unset: no ceiling (a "
                                            "--quotas-file entry wins)", ge=1)
@@ -75,7 +76,7 @@ class GatewaySettings(BaseSettings):
                                                     "over the last minute would pass this (estimated at admission, "
                                                     "corrected as jobs finish); unset: no ceiling", ge=1)
     quotas_file: str | None = _s(None, "a TOML file of tenant quotas: [default] and [tenants.NAME] tables of max_jobs "
-                                       "and tokens_per_minute (README, Quotas); read at start", metavar="PATH")
+                                       "and tokens_per_minute (docs/tenants/quotas.md); read at start", metavar="PATH")
     retry_after_s: int = _s(1, "seconds a 429's Retry-After asks clients to wait", "--retry-after")
     request_timeout_s: float = _s(600.0, "seconds before an unanswered job is cancelled (504); on a stream, the "
                                          "longest wait for the first token and between tokens, not the stream's "
@@ -88,9 +89,9 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: ByteSize = _s(8 * 1024 * 1024, "largest request body other than an upload (8MiB, 512KB or bytes): "
                                                    "a larger one is a 413, from its Content-Length or as it streams",
                                   "--max-body-size", ge=1024)
-    max_prompt_token_ids: int = _s(131_072, "most prompt token ids in one request, its n choices counted n times: "
-                                            "each is checked and encoded on the event loop (about 20 ms per 131,072 "
-                                            "on a loaded machine)", ge=1)
+    max_prompt_token_ids: int = _s(131_072, "most prompt token ids in one request (n choices counted n times, "
+                                            "embedding inputs summed): each is checked and encoded on the event "
+                                            "loop (20 ms per 131,072 on a loaded machine)", ge=1)
     cors_origins: Names = _s([], "let browser pages from this origin (https://app.example, or * for any) call the "
                                  "API (CORS); repeatable; none: no CORS headers", "--cors-origin", metavar="ORIGIN",
                              joined=True)
