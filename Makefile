@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-pythons install bench gpu-kit gpu-check gpu-rehearsal clean
+.PHONY: demo test test-pythons docs install bench gpu-kit gpu-check gpu-rehearsal clean
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ test: $(STAMP)
 # CI runs it after `make test`
 test-pythons: $(STAMP)
 	$(PY) .ci/test_pythons.py
+
+# The docs site (mkdocs.yml, docs/) into $(SITE_DIR), ignored by git; --strict fails on a broken link or a missing
+# page. CI runs it after `make test`.
+SITE_DIR ?= .site
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir $(SITE_DIR)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvgate bench engine --repeats 3 --json bench-engine.json
@@ -75,7 +81,7 @@ gpu-check:
 		echo "installing $(GPU_KIT)/wheels into $(GPU_KIT)/site (no index, no network)"; \
 		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target $(GPU_KIT)/site $(GPU_KIT)/wheels/*.whl && touch $(GPU_KIT)/site/.installed; fi
 	@if [ -f $(GPU_KIT)/triton-cache.tgz ]; then mkdir -p $(TRITON_CACHE_DIR) && tar xzf $(GPU_KIT)/triton-cache.tgz -C $(TRITON_CACHE_DIR); fi
-	PYTHONPATH=$(abspath $(GPU_KIT))/site KVGATE_DEVICE=$(KVGATE_DEVICE) TRITON_CACHE_DIR=$(TRITON_CACHE_DIR) $(GPU_PYTHON) -m kvgate.bench.gpu_check $(OUT) $(if $(ONLY),--only $(ONLY))
+	PYTHONPATH=$(abspath $(GPU_KIT))/site KVGATE_DEVICE=$(KVGATE_DEVICE) TRITON_CACHE_DIR=$(TRITON_CACHE_DIR) $(GPU_PYTHON) -m kvgate.bench.gpu_check_runner $(OUT) $(if $(ONLY),--only $(ONLY))
 
 gpu-rehearsal: gpu-kit
 	$(PY) -m kvgate.bench.gpu_kit image $(REHEARSAL)/image --python $(REHEARSAL_PYTHON)
@@ -83,4 +89,4 @@ gpu-rehearsal: gpu-kit
 	KVGATE_GPU_CHECK_LIMIT_SCALE=$(REHEARSAL_LIMIT_SCALE) $(MAKE) gpu-check GPU_PYTHON=$(abspath $(REHEARSAL))/image/bin/python KVGATE_DEVICE=cpu OUT=$(REHEARSAL)/out TRITON_CACHE_DIR=$(abspath $(REHEARSAL))/triton-cache
 
 clean:
-	rm -rf $(VENV) .venv-pythons *.egg-info .pytest_cache $(GPU_KIT) $(REHEARSAL)
+	rm -rf $(VENV) .venv-pythons *.egg-info .pytest_cache $(GPU_KIT) $(REHEARSAL) $(SITE_DIR)

@@ -10,7 +10,7 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 
-# A checkout run without an install (the offline GPU check: `python -m kvgate.bench.gpu_check` from the repository
+# A checkout run without an install (the offline GPU check: `python -m kvgate.bench.gpu_check_runner` from the
 # root, the image's python and no build): the layers live in the root's engine/, kernels/, producer/ and worker/,
 # which pyproject's package-dir installs as kvgate.<name>. With the root on this package's path they import under
 # the same names; an install (a wheel, or an editable one) finds them itself and leaves the path alone.

@@ -37,7 +37,8 @@ class Layer:
 # hashes to (lanes). They import only one another, never the rest of the SDK (client, handles, errors, queue
 # statistics), which the worker never reaches.
 SHARED_WITH_WORKERS = ("kvgate.producer.protocol", "kvgate.producer.redis_url", "kvgate.producer.cluster",
-                       "kvgate.producer.shards", "kvgate.producer.lanes", "kvgate.producer.tool_calls")
+                       "kvgate.producer.shards", "kvgate.producer.lanes", "kvgate.producer.tool_calls",
+                       "kvgate.producer.bounded_json")
 
 # First match wins. Everything else under kvgate/ (commands, gateway, bench) sits above every layer.
 LAYERS = (
@@ -52,8 +53,10 @@ LAYERS = (
                                       "kvgate.producer.steps", "kvgate.producer.urls"), HEAVY),
     Layer("kvgate.producer.lanes", ("kvgate.producer.protocol",), HEAVY),
     Layer("kvgate.producer.tool_calls", (), HEAVY),  # the parsers of tool calls, no I/O: worker, SDK and gateway
-    Layer("kvgate.producer.protocol", ("kvgate.producer.shards", "kvgate.producer.fields", "kvgate.producer.urls"),
-          HEAVY),
+    Layer("kvgate.producer.protocol", ("kvgate.producer.shards", "kvgate.producer.fields", "kvgate.producer.urls",
+                                       "kvgate.producer.bounded_json"), HEAVY),
+    # untrusted JSON text (bodies, batch lines, schema text inside a job) parsed within a depth and size budget
+    Layer("kvgate.producer.bounded_json", (), HEAVY),
     # Redis URLs split without urllib's netloc checks (several hosts, bracketed IPv6): the standard library only
     Layer("kvgate.producer.urls", (), HEAVY),
     # the declaration helpers of the wire's request fields (bounds beside types): msgspec and the standard library
@@ -159,13 +162,38 @@ def import_cycles(root: Path, package: str) -> list[list[str]]:
     return cycles
 
 
-def test_the_worker_package_imports_in_one_direction_without_a_cycle():
-    """Worker is composed of parts that each own their data (refill, intake, flights, the round trip...): a part
-    importing back up the part that composes it would make them one again."""
+# Packages composed of parts that each own their data (the worker's refill, intake, flights; a benchmark and the
+# fleet it starts; the gateway's handlers): a part importing back up the part that composes it would make them one
+# again. Issue 43 set this limit for each of them for good; where a cycle is still there the mark is strict, so the
+# test fails once the cycle is gone and the mark must go with it.
+ACYCLIC = (
+    pytest.param("kvgate.worker", id="worker"),
+    pytest.param("kvgate.bench", id="bench"),
+    pytest.param("kvgate.gateway", id="gateway", marks=pytest.mark.xfail(strict=True, reason=(
+        "app.py's Gateway builds the Responses, tokenize and embeddings handlers (responses_api.py, tokenize.py, "
+        "embeddings.py), and each names Gateway back (under TYPE_CHECKING; embeddings.py also imports app's "
+        "json_response): the handlers want a seam of their own (a Protocol of what they use), issue 43's gateway "
+        "part"))),
+    pytest.param("kvgate.producer", id="producer", marks=pytest.mark.xfail(strict=True, reason=(
+        "client.py <-> handle.py and async_client.py <-> async_handle.py: a handle names its client's class back "
+        "(under TYPE_CHECKING)"))),
+)
+
+
+@pytest.mark.parametrize("package", ACYCLIC)
+def test_each_package_of_parts_imports_in_one_direction_without_a_cycle(package):
     modules = source_modules(ROOT)
-    files = {p.resolve() for p in (ROOT / "worker").rglob("*.py")}
-    assert files == {p.resolve() for m, p in modules.items() if within(m, "kvgate.worker")}  # every file walked
-    assert import_cycles(ROOT, "kvgate.worker") == []
+    folder = modules[package].parent  # the package's __init__.py: worker/ for kvgate.worker, kvgate/bench/ ...
+    assert {p.resolve() for p in folder.rglob("*.py")} == \
+        {p.resolve() for m, p in modules.items() if within(m, package)}  # every file walked
+    assert import_cycles(ROOT, package) == []
+
+
+def test_no_module_sits_beside_its_own_plural():
+    """Two modules a letter apart (gpu_check beside gpu_checks) say nothing of which holds what: a reader, an import
+    and a `python -m` pick the wrong one."""
+    modules = set(source_modules(ROOT))
+    assert sorted(m for m in modules if m + "s" in modules) == []
 
 
 def test_the_cycle_checker_finds_a_cycle_through_three_modules(tmp_path):

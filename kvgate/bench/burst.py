@@ -1,5 +1,5 @@
 """W-BURST (`kvgate bench gateway --burst N`): N requests at the same moment through one `kvgate serve`, half of them
-streamed, with the simulated engine behind it (the worker and the gateway of W-GATEWAY, kvgate/bench/gateway.py).
+streamed, with the simulated engine behind it (the worker and the gateway of W-GATEWAY, kvgate/bench/gateway_fleet.py).
 
 Reported: requests that failed (target 0; Redis is healthy, so any failure is the gateway's own), by status and
 code; time to the first byte of each answer, p50 and p99 (a whole answer's first byte is its end; a stream's is its
@@ -64,7 +64,7 @@ def rss_kib(pid: int) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvgate.bench.gateway import Fleet
+    from kvgate.bench.gateway_fleet import Fleet
     from kvgate.bench.queue import environment, redis_for, server_version
 
     settings = {"burst": args.burst, "max_tokens": args.burst_max_tokens, "sim_step_ms": args.sim_step_ms,
@@ -155,7 +155,7 @@ def _failure(out: Outcome, raw: bytes) -> str:
 
 
 async def burst(fleet, n: int, max_tokens: int) -> dict:
-    from kvgate.bench.gateway import cpu_seconds
+    from kvgate.bench.gateway_fleet import cpu_seconds
     from kvgate.bench.queue import percentiles
 
     pid = fleet.gateway.pid

@@ -396,7 +396,7 @@ def run_cost(target: Target, fair: bool, args) -> dict:
     and Redis CPU per job (enqueue, reads, results, acks; on a cluster, of every primary), the queue path's cost with
     and without fair share. Lanes on: the drain waits for the ring first, and FIFO's jobs go into the lanes."""
     from kvgate.bench import fleet_sim
-    from kvgate.bench.fleet import backlog, drain_in_processes
+    from kvgate.bench.throughput_fleet import backlog, drain_in_processes
     from kvgate.producer.submission import stream_for
 
     client, keys = namespace(target.url, f"wfair-cost-{'fair' if fair else 'fifo'}")

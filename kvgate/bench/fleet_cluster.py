@@ -1,5 +1,6 @@
-"""W-FLEET on a Redis Cluster (issue #16): the throughput fleet of `kvgate bench fleet` (worker processes draining a
-backlog of one-token jobs) on one Redis and on a cluster of `--cluster-primaries` primaries, in turn.
+"""W-FLEET on a Redis Cluster (issue #16): the throughput fleet of `kvgate bench fleet` (throughput_fleet.py: worker
+processes draining a backlog of one-token jobs) on one Redis and on a cluster of `--cluster-primaries` primaries, in
+turn.
 
 Both run the same redis-server binary with the same settings (no append-only file; replicas only with
 `--cluster-replicas`). Wall-clock jobs/s cannot show scaling on a 2-core machine, so what this measures is the Redis
@@ -53,7 +54,7 @@ def idle_cpu_per_s(nodes: list[RedisServer], seconds: float = IDLE_S) -> dict[in
 def drain_on(url: str, nodes: list[RedisServer], owner_of, args) -> dict:
     """One backlog drained through `url`; Redis CPU per node and the jobs each node handled (`owner_of(keys, job)`
     is the port of the primary holding the job's shard)."""
-    from kvgate.bench.fleet import backlog, drain_backlog, drain_stats
+    from kvgate.bench.throughput_fleet import backlog, drain_backlog, drain_stats
     from kvgate.bench.fleet_sim import collect_finals
     from kvgate.producer.redis_url import connect, keys_for
 

@@ -1,6 +1,7 @@
-"""The in-process checks of `kvgate.bench.gpu_check` (each run as one step, in its own process): preflight, graphs,
-parity and the W-GPU figures. Each writes its JSON the moment it has a result (a step killed at its limit keeps what
-it finished), frees its engines before the next one sizes its KV cache, and gives that cache an explicit size.
+"""The in-process checks that the offline GPU check's runner (gpu_check_runner.py) runs, each as one step in its own
+process: preflight, graphs, parity and the W-GPU figures. Each writes its JSON the moment it has a result (a step
+killed at its limit keeps what it finished), frees its engines before the next one sizes its KV cache, and gives that
+cache an explicit size.
 
 `Scale` says how big each check is: full size on a GPU, 2-layer models and a few short requests for the CPU
 rehearsal (KVGATE_DEVICE=cpu), which runs the same code paths (CUDA graphs as their CPU twin)."""

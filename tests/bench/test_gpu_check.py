@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvgate.bench import gpu_check, gpu_checks
+from kvgate.bench import gpu_check_runner, gpu_checks
 from kvgate.bench.engine import CONTESTANTS
 from kvgate.bench.hf import cache_blocks
 from tests.support import ROOT
@@ -26,21 +26,21 @@ PY = sys.executable
 
 
 def test_plan_runs_every_check_within_480_s_and_returns_at_most_8_files(tmp_path):
-    steps = gpu_check.plan(tmp_path)
+    steps = gpu_check_runner.plan(tmp_path)
     assert [s.name for s in steps] == ["preflight", "pytest-kernels", "pytest-engine", "graphs", "parity",
                                        "w-gpu-qwen2.5", "w-gpu-others", "w-gpu-qwen2.5-hf", "kernels"]
-    assert sum(s.limit_s for s in steps) <= gpu_check.BUDGET_S <= 480
-    files = gpu_check.out_files(steps)
-    assert len(files) == len(set(files)) <= gpu_check.MAX_FILES_OUT <= 8
-    assert sum(s.limit_s for s in gpu_check.plan(tmp_path, rehearsal=True)) <= 480
+    assert sum(s.limit_s for s in steps) <= gpu_check_runner.BUDGET_S <= 480
+    files = gpu_check_runner.out_files(steps)
+    assert len(files) == len(set(files)) <= gpu_check_runner.MAX_FILES_OUT <= 8
+    assert sum(s.limit_s for s in gpu_check_runner.plan(tmp_path, rehearsal=True)) <= 480
 
 
 def test_gpu_tests_are_collected_from_the_files_that_hold_them_only(tmp_path):
     marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
               if re.search(r"pytest\.mark\.gpu|pytestmark\s*=.*gpu", p.read_text())}
-    planned = {f for files in gpu_check.GPU_TEST_FILES.values() for f in files}
+    planned = {f for files in gpu_check_runner.GPU_TEST_FILES.values() for f in files}
     assert planned == marked
-    for step in gpu_check.plan(tmp_path):
+    for step in gpu_check_runner.plan(tmp_path):
         if step.name.startswith("pytest-"):
             assert "tests" not in step.command and set(step.command) & planned
             assert ("-m", "gpu") in zip(step.command, step.command[1:])
@@ -48,7 +48,7 @@ def test_gpu_tests_are_collected_from_the_files_that_hold_them_only(tmp_path):
 
 def test_w_gpu_steps_cover_every_model_and_contestant_and_parse(tmp_path):
     covered = set()
-    for step in gpu_check.plan(tmp_path):
+    for step in gpu_check_runner.plan(tmp_path):
         if "w-gpu" not in step.command:
             continue
         args = vars(parse(step.command))
@@ -57,7 +57,7 @@ def test_w_gpu_steps_cover_every_model_and_contestant_and_parse(tmp_path):
     assert {c for m, c in covered if m == gpu_checks.RANDOM_MODELS[0]} == set(CONTESTANTS)
     assert {m for m, _ in covered} == set(gpu_checks.RANDOM_MODELS)
     # kvgate's figures never share a step (a process, a limit) with an HF baseline
-    for step in gpu_check.plan(tmp_path):
+    for step in gpu_check_runner.plan(tmp_path):
         if "w-gpu" in step.command:
             kinds = {c.split("_")[0] for c in vars(parse(step.command))["contestants"].split(",")}
             assert len(kinds) == 1, step.name
@@ -70,7 +70,15 @@ def parse(command):
     for flag in ("--check", "--work", "--models", "--contestants"):
         parser.add_argument(flag)
     parser.add_argument("--json", type=Path)
-    return parser.parse_args(command[command.index("kvgate.bench.gpu_check") + 1:])
+    return parser.parse_args(command[command.index("kvgate.bench.gpu_check_runner") + 1:])
+
+
+def test_make_gpu_check_runs_the_module_whose_plan_calls_itself_back(tmp_path):
+    """The runner's steps run it again (`--check`): the Makefile's target, the plan and the module agree on its name,
+    so a rename that misses one fails here and not on a lent GPU."""
+    (target,) = re.findall(r"^gpu-check:.*?-m (kvgate\.bench\.\w+)", (ROOT / "Makefile").read_text(), re.M | re.S)
+    assert target == gpu_check_runner.__name__
+    assert all(s.command[:3] == (PY, "-m", target) for s in gpu_check_runner.plan(tmp_path) if "--check" in s.command)
 
 
 @pytest.mark.parametrize("module", gpu_checks.ENTRY_POINTS)
@@ -93,9 +101,9 @@ def test_a_failed_preflight_stops_the_run_with_its_reason(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir(), work.mkdir()
     say = f"import json; open({str(work / 'preflight.json')!r}, 'w').write(json.dumps(dict(ok=False, reason='no GPU')))"
-    steps = [gpu_check.Step("preflight", (PY, "-c", say + "; raise SystemExit(1)"), 30),
-             gpu_check.Step("graphs", (PY, "-c", "pass"), 30, "graphs.json")]
-    assert gpu_check.Run(out, work, rehearsal=True).run(steps) == 1
+    steps = [gpu_check_runner.Step("preflight", (PY, "-c", say + "; raise SystemExit(1)"), 30),
+             gpu_check_runner.Step("graphs", (PY, "-c", "pass"), 30, "graphs.json")]
+    assert gpu_check_runner.Run(out, work, rehearsal=True).run(steps) == 1
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["steps"]) == ["preflight"]
     assert summary["steps"]["preflight"]["reason"] == "no GPU"
@@ -107,22 +115,22 @@ def test_a_step_killed_at_its_limit_returns_its_partial_json_and_the_run_goes_on
     out.mkdir(), work.mkdir()
     partial = (f"import json, time; open({str(work / 'graphs.json')!r}, 'w').write(json.dumps(dict(bfloat16=1))); "
                "time.sleep(60)")
-    steps = [gpu_check.Step("graphs", (PY, "-c", partial), 3, "graphs.json"),
-             gpu_check.Step("kernels", (PY, "-c", "print('table')"), 30)]
-    assert gpu_check.Run(out, work, rehearsal=True).run(steps) == 1
+    steps = [gpu_check_runner.Step("graphs", (PY, "-c", partial), 3, "graphs.json"),
+             gpu_check_runner.Step("kernels", (PY, "-c", "print('table')"), 30)]
+    assert gpu_check_runner.Run(out, work, rehearsal=True).run(steps) == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"]["graphs"]["rc"] == "timeout" and summary["steps"]["kernels"]["rc"] == 0
     assert json.loads((out / "graphs.json").read_text()) == {"bfloat16": 1}
     with tarfile.open(out / "results.tgz") as tar:
         assert {"./graphs.log", "./kernels.log", "./graphs.json"} <= set(tar.getnames())
-    assert len(list(out.iterdir())) <= gpu_check.MAX_FILES_OUT
+    assert len(list(out.iterdir())) <= gpu_check_runner.MAX_FILES_OUT
 
 
 def test_steps_past_the_global_deadline_are_skipped_and_said_so(tmp_path):
-    steps = [gpu_check.Step("kernels", (PY, "-c", "raise SystemExit('never runs')"), 30)]
+    steps = [gpu_check_runner.Step("kernels", (PY, "-c", "raise SystemExit('never runs')"), 30)]
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir(), work.mkdir()
-    assert gpu_check.Run(out, work, rehearsal=True, budget_s=2).run(steps) == 1
+    assert gpu_check_runner.Run(out, work, rehearsal=True, budget_s=2).run(steps) == 1
     entry = json.loads((out / "summary.json").read_text())["steps"]["kernels"]
     assert entry["rc"] == "skipped" and "left of 2" in entry["reason"]
 
@@ -169,9 +177,10 @@ def test_kvgate_is_compared_with_hf_across_the_two_qwen_steps(tmp_path):
         return json.dumps({"models": {"random:qwen2.5-0.5b": {"contestants": {
             name: {"output_tok_s": value} for name, value in tok_s.items()}}}})
     (tmp_path / "w-gpu-qwen2.5.json").write_text(figures(kvgate_continuous=40000.0, kvgate_static=20000.0))
-    assert gpu_check.across_steps(tmp_path).startswith("not available")  # the HF step never finished
+    assert gpu_check_runner.across_steps(tmp_path).startswith("not available")  # the HF step never finished
     (tmp_path / "w-gpu-qwen2.5-hf.json").write_text(figures(hf_static=4000.0, hf_generate_batch=16000.0))
-    assert gpu_check.across_steps(tmp_path) == {"kvgate_static": 2.0, "hf_static": 10.0, "hf_generate_batch": 2.5}
+    assert gpu_check_runner.across_steps(tmp_path) == {"kvgate_static": 2.0, "hf_static": 10.0,
+                                                       "hf_generate_batch": 2.5}
 
 
 def test_the_triton_cache_comes_back_as_metadata_and_cubins_only(tmp_path):
@@ -182,7 +191,7 @@ def test_the_triton_cache_comes_back_as_metadata_and_cubins_only(tmp_path):
         (key / name).write_text(name)
         children[name] = str(key / name)
     (key / "__grp__k.json").write_text(json.dumps({"child_paths": children}))
-    gpu_check.pack_triton_cache(cache, tmp_path / "triton-cache.tgz")
+    gpu_check_runner.pack_triton_cache(cache, tmp_path / "triton-cache.tgz")
     with tarfile.open(tmp_path / "triton-cache.tgz") as tar:
         assert sorted(tar.getnames()) == ["KEY/__grp__k.json", "KEY/k.cubin", "KEY/k.json"]
         group = json.loads(tar.extractfile("KEY/__grp__k.json").read())

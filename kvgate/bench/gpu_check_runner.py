@@ -1,6 +1,7 @@
-"""`make gpu-check OUT=dir` (or `python -m kvgate.bench.gpu_check dir` from the checkout's root): every GPU check
-of the step issue in one run on one H100/H200 with no network, each step in its own process under its own limit,
-the limits summing to BUDGET_S (one global deadline), at most MAX_FILES_OUT files in OUT.
+"""The runner of the offline GPU check, `make gpu-check OUT=dir` (or `python -m kvgate.bench.gpu_check_runner dir`
+from the checkout's root): every GPU check of the step issue in one run on one H100/H200 with no network, each step in
+its own process under its own limit, the limits summing to BUDGET_S (one global deadline), at most MAX_FILES_OUT files
+in OUT; the in-process checks a step runs are in gpu_checks.py.
 
 It runs on a bare image (the image's python, `make gpu-kit`'s wheels on PYTHONPATH, no install: `import kvgate`
 finds the checkout's layers by itself). Steps:
@@ -59,7 +60,7 @@ def plan(work: Path, rehearsal: bool = False) -> list[Step]:
     """The steps in order; their limits sum to BUDGET_S (the rehearsal's too: its steps are small, not its limits)."""
     from kvgate.bench.gpu_checks import RANDOM_MODELS
 
-    me = (PY, "-m", "kvgate.bench.gpu_check")
+    me = (PY, "-m", "kvgate.bench.gpu_check_runner")
     pytest = (PY, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider", "--durations=10")
     workers = ("-n", "2" if rehearsal else "8") if has_xdist() else ()
 
