@@ -22,9 +22,10 @@ def test_a_job_the_small_worker_cannot_fit_is_taken_by_a_big_worker_from_another
     r = connect(cluster.url)
     keys = keys_for(cluster.url, r, namespace)
     bands = [keys.jobs(None, "normal", shard=k) for k in (0, 1)]
-    # 128 tokens of KV cache, 200 ms a step: the long job (98 tokens) runs 18 s unless cancelled (the big worker's
-    # start takes seconds) and leaves no room for the big one
-    small = spawn_worker(cluster.url, namespace, *SIM, "--sim-num-blocks", "8", "--sim-step-ms", "200",
+    # 128 tokens of KV cache, 1 s a step: the long job (98 tokens) runs 90 s unless cancelled (the big worker's
+    # start takes seconds, tens of them on a loaded machine: 200 ms steps lost that race in a full CI run) and
+    # leaves no room for the big one
+    small = spawn_worker(cluster.url, namespace, *SIM, "--sim-num-blocks", "8", "--sim-step-ms", "1000",
                          "--max-num-seqs", "4", "--initial-tokens-per-job", "16", worker_id="small",
                          log=tmp_path / "small.log")
     procs = [small]
@@ -43,7 +44,6 @@ def test_a_job_the_small_worker_cannot_fit_is_taken_by_a_big_worker_from_another
         final = decode_final(r.get(keys.at(1).result(big_id)))
         assert final.worker == "big" and final.attempt == 1
         assert r.xpending(big_stream, Keys.GROUP)["pending"] == 0 and r.zcard(keys.handed_back(1)) == 0
-        r.set(keys.cancel(long_id), 1, ex=60)  # its end is not this test's
-        wait_for(lambda: r.exists(keys.at(0).result(long_id)), 30, "the long job's final")
+        # the long job's end is not this test's: the workers are killed with it still running
     finally:
         stop_all(procs)

@@ -31,7 +31,7 @@ def start_long_then_big(queue, engine: SimulatedEngine) -> tuple[str, str]:
 
 
 def test_a_job_the_small_worker_cannot_fit_is_finished_by_a_big_worker_while_its_long_job_runs(queue, thread_worker):
-    engine = small_engine(step_s=0.05)  # the long job runs 4.5 s unless cancelled: far longer than the hand-back
+    engine = small_engine(step_s=0.2)  # the long job runs 18 s unless cancelled: far longer than the hand-back
     with thread_worker(engine, worker_id="small", initial_tokens_per_job=16):
         long_id, big_id = start_long_then_big(queue, engine)
         with thread_worker(worker_id="big"):
