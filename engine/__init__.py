@@ -14,7 +14,7 @@ def _unshadow_kernels() -> None:
     by pyproject's package-dir), and wherever the root is on sys.path (`python -m ...` or pytest run from it) a bare
     `import kernels` finds that folder first: transformers then fails with "cannot import name 'CUDAProperties' from
     'kernels'". An installed kvgate has no such folder, and without the distribution there is nothing to import."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # through a symlinked kvgate/engine too
     if "kernels" in sys.modules or not os.path.isfile(os.path.join(root, "kernels", "__init__.py")):
         return
     try:
@@ -22,7 +22,7 @@ def _unshadow_kernels() -> None:
     except importlib.metadata.PackageNotFoundError:
         return
     saved = sys.path[:]
-    sys.path[:] = [entry for entry in saved if os.path.abspath(entry or os.curdir) != root]
+    sys.path[:] = [entry for entry in saved if os.path.realpath(entry or os.curdir) != root]
     try:
         importlib.import_module("kernels")
     finally:

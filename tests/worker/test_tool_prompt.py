@@ -5,7 +5,7 @@ teaches (hermes, or llama3 for a template that writes bare {"name", "parameters"
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("transformers", reason="chat templates need the worker's transformers")
 
 from kvgate.engine.llm_engine import LLMEngine  # noqa: E402
+from kvgate.engine.prompts import Prompts  # noqa: E402
 from kvgate.producer import protocol as wire  # noqa: E402
 from kvgate.worker.tool_prompt import ToolPrompts, required_constraint  # noqa: E402
 
@@ -28,11 +29,15 @@ RENDERS = ("{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %
 
 @dataclass
 class Chat:
-    """The engine's own encode_chat over a real tokenizer, without loading a model."""
+    """The engine's own encode_chat (over its Prompts) with a real tokenizer, without loading a model."""
 
     tokenizer: Any
     model_name: str = "smollm2-135m"
+    prompts: Prompts = field(init=False)
     encode_chat = LLMEngine.encode_chat
+
+    def __post_init__(self) -> None:
+        self.prompts = Prompts(self.model_name, self.tokenizer, len(self.tokenizer), max_model_len=8192)
 
 
 @pytest.fixture(scope="module")
