@@ -174,9 +174,7 @@ ACYCLIC = (
         "embeddings.py), and each names Gateway back (under TYPE_CHECKING; embeddings.py also imports app's "
         "json_response): the handlers want a seam of their own (a Protocol of what they use), issue 43's gateway "
         "part"))),
-    pytest.param("kvgate.producer", id="producer", marks=pytest.mark.xfail(strict=True, reason=(
-        "client.py <-> handle.py and async_client.py <-> async_handle.py: a handle names its client's class back "
-        "(under TYPE_CHECKING)"))),
+    pytest.param("kvgate.producer", id="producer"),
 )
 
 
