@@ -11,7 +11,6 @@ from kvgate.openai.shapes import (chat_logprobs, choice, completion_logprobs, fi
 from kvgate.producer.protocol import Tools
 from kvgate.producer.tool_calls import Content, Parser, Piece, call_id, parser_for
 
-from ..errors import ApiError
 from .plan import Plan
 
 
