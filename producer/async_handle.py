@@ -1,21 +1,29 @@
 """AsyncJobHandle: one submitted job, as the AsyncClient sees it (await result, async for stream)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator, Callable, Protocol
 
 from .errors import ResultTimeout
-from .handle import HandleBase, StreamCursor, settled_result
+from .handle import Deadlines, HandleBase, StreamCursor, settled_result
 from .job_status import JobStatus
 from .result import Result
 from .stream import StreamItem
 
-if TYPE_CHECKING:
-    from .async_client import AsyncClient
+
+class AsyncHandleClient(Deadlines, Protocol):
+    """What an AsyncJobHandle asks of the AsyncClient that made it: the seam that keeps async_client.py above this
+    module."""
+
+    async def status(self, job_id: str) -> JobStatus: ...
+
+    async def cancel(self, job_id: str) -> None: ...
+
+    async def _wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool: ...
 
 
 class AsyncJobHandle(HandleBase):
     __slots__ = ()
-    _client: "AsyncClient"
+    _client: AsyncHandleClient
 
     async def status(self) -> JobStatus:
         return await self._client.status(self.job_id)

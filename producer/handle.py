@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Callable, Iterator, Protocol
 
 from .errors import JobLost, ResultTimeout
 from .job_status import JobStatus
@@ -10,8 +10,23 @@ from .mailbox import Mailbox
 from .result import Result
 from .stream import StreamItem, closing_items
 
-if TYPE_CHECKING:
-    from .client import Client
+
+class Deadlines(Protocol):
+    """The clock a handle reads its timeouts on (ClientBase's): both clients share it."""
+
+    def _deadline(self, timeout: float | None) -> float | None: ...
+
+    def _remaining(self, deadline: float | None) -> float | None: ...
+
+
+class HandleClient(Deadlines, Protocol):
+    """What a JobHandle asks of the Client that made it: the seam that keeps client.py above handle.py."""
+
+    def status(self, job_id: str) -> JobStatus: ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+    def _wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool: ...
 
 
 class HandleBase:
@@ -57,7 +72,7 @@ class StreamCursor:
 
 class JobHandle(HandleBase):
     __slots__ = ()
-    _client: "Client"
+    _client: HandleClient
 
     def status(self) -> JobStatus:
         """queued / running (on which worker) / finished / lost, read from Redis now."""

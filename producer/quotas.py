@@ -7,7 +7,7 @@ Two ceilings per tenant, each optional:
   (its prompt's characters / 4, or its token ids, plus max_tokens) and the estimate is corrected to the job's usage
   when its final event arrives (a job cancelled or expired before it ran gives the estimate back).
 A tenant's managed batches, all together, have the same two ceilings of their own (`batch_max_jobs`,
-`batch_tokens_per_minute`; unset: the two above), counted apart in kvgate/gateway/batch_quota.py.
+`batch_tokens_per_minute`; unset: the two above), counted apart in kvgate/gateway/batches/batch_quota.py.
 
 Admission, release and pruning are Lua scripts over five keys of shard 0 (one slot on a Redis Cluster):
 `{ns}:quota:leases` (zset `tenant|job_id` -> lease end, server ms), `{ns}:quota:jobs` (zset tenant -> jobs in flight;
@@ -142,8 +142,8 @@ class Quota(BaseModel):
     @property
     def batch(self) -> "Quota":
         """The ceilings of the tenant's managed batches, all of them together, counted apart from its interactive jobs
-        (kvgate/gateway/batch_quota.py): their own where set, else the interactive ones, so that no number of batches
-        multiplies the tenant's share."""
+        (kvgate/gateway/batches/batch_quota.py): their own where set, else the interactive ones, so that no number of
+        batches multiplies the tenant's share."""
         return Quota(max_jobs=self.max_jobs if self.batch_max_jobs is None else self.batch_max_jobs,
                      tokens_per_minute=self.tokens_per_minute if self.batch_tokens_per_minute is None
                      else self.batch_tokens_per_minute)

@@ -163,20 +163,14 @@ def import_cycles(root: Path, package: str) -> list[list[str]]:
 
 
 # Packages composed of parts that each own their data (the worker's refill, intake, flights; a benchmark and the
-# fleet it starts; the gateway's handlers): a part importing back up the part that composes it would make them one
-# again. Issue 43 set this limit for each of them for good; where a cycle is still there the mark is strict, so the
-# test fails once the cycle is gone and the mark must go with it.
+# fleet it starts; the gateway's APIs over their one Serving object; the SDK's handles below their clients): a part
+# importing back up the part that composes it would make them one again. Issue 43 set this limit for each of them for
+# good.
 ACYCLIC = (
     pytest.param("kvgate.worker", id="worker"),
     pytest.param("kvgate.bench", id="bench"),
-    pytest.param("kvgate.gateway", id="gateway", marks=pytest.mark.xfail(strict=True, reason=(
-        "app.py's Gateway builds the Responses, tokenize and embeddings handlers (responses_api.py, tokenize.py, "
-        "embeddings.py), and each names Gateway back (under TYPE_CHECKING; embeddings.py also imports app's "
-        "json_response): the handlers want a seam of their own (a Protocol of what they use), issue 43's gateway "
-        "part"))),
-    pytest.param("kvgate.producer", id="producer", marks=pytest.mark.xfail(strict=True, reason=(
-        "client.py <-> handle.py and async_client.py <-> async_handle.py: a handle names its client's class back "
-        "(under TYPE_CHECKING)"))),
+    pytest.param("kvgate.gateway", id="gateway"),
+    pytest.param("kvgate.producer", id="producer"),
 )
 
 

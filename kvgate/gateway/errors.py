@@ -9,7 +9,7 @@ import math
 import re
 
 from kvgate.producer.quoting import clipped, shown
-from kvgate.producer import Backpressure, ConnectionFailed, InvalidRequest, QuotaExceeded, ResultTimeout
+from kvgate.producer import Backpressure, ConnectionFailed, InvalidRequest, QuotaExceeded, Result, ResultTimeout
 
 INVALID = "invalid_request_error"
 PARAM_CHARS = 200  # a param names a field; a longer one is a caller's key quoted back
@@ -103,3 +103,19 @@ async def http_error_handler(request: Request, exc: HTTPException) -> JSONRespon
 async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
     error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
     return JSONResponse(error.body(), status_code=500)
+
+
+def failure(r: Result) -> ApiError | None:
+    """A final result that is not an answer, as the error the request gets; None for a done job."""
+    if r.status == "done":
+        return None
+    if r.status == "expired":
+        return ApiError(504, f"job {r.job_id} expired before a worker answered it", type="timeout_error",
+                        code="job_expired")
+    if r.status == "cancelled":
+        return ApiError(409, f"job {r.job_id} was cancelled", code="job_cancelled")
+    message = r.error or "the worker reported an error without a reason"
+    if message.startswith(("rejected:", "invalid job:")):  # the worker refused the input: the client can fix it
+        return ApiError(400, f"job {r.job_id}: {message}", code="rejected_by_worker")
+    return ApiError(500, f"job {r.job_id} failed on worker {r.worker}: {message}", type="server_error",
+                    code="worker_error")

@@ -1,13 +1,9 @@
-"""OpenAI's cursor pages (`?limit=N&after=<last id of the previous page>`, answered as a list object), and the
-JSON answer the files and batches routes share."""
+"""OpenAI's cursor pages (`?limit=N&after=<last id of the previous page>`, answered as a list object)."""
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from starlette.requests import Request
-from starlette.responses import Response
 
 from .errors import invalid
 
@@ -29,6 +25,3 @@ def page_body(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
-
-def json_ok(body: Any) -> Response:
-    return Response(msgspec.json.encode(body), 200, media_type="application/json")

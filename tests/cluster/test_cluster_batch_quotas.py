@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvgate.gateway.batch_quota import BatchQuota, batch_quota_keys
+from kvgate.gateway.batches.batch_quota import BatchQuota, batch_quota_keys
 from kvgate.openai.batch import BatchRequest
 from kvgate.producer import AsyncClient, Quota, Quotas
 from kvgate.producer.shards import key_slot

@@ -14,7 +14,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from kvgate.gateway.batch_quota import BatchQuota, batch_quota_keys
+from kvgate.gateway.batches.batch_quota import BatchQuota, batch_quota_keys
 from kvgate.openai.batch import BatchRequest
 from kvgate.producer.protocol import Keys
 from kvgate.producer.quotas import Quota, Quotas

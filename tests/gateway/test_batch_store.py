@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvgate.gateway.batch_store import Batch, BatchStore, new_batch_id
+from kvgate.gateway.batches.batch_store import Batch, BatchStore, new_batch_id
 
 
 def run(shared_redis, namespace, body):

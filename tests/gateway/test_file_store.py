@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.gateway.file_store import LocalFileStore
+from kvgate.gateway.batches.file_store import LocalFileStore
 
 
 def test_put_get_open_list_delete(tmp_path):

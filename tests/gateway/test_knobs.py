@@ -107,7 +107,7 @@ def test_suffix_on_a_model_without_fim_tokens_is_refused_by_the_gateway_naming_t
 
 def test_best_of_picks_each_prompts_n_results_of_highest_cumulative_logprob_in_order():
     from kvgate.gateway.settings import GatewaySettings
-    from kvgate.gateway.translate import plan
+    from kvgate.gateway.chat.plan import plan
     from kvgate.producer import Result, TokenLogprob
     from kvgate.producer.protocol import Timings, Usage
 

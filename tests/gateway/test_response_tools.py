@@ -9,8 +9,8 @@ import pytest
 from openai.types.responses import ResponseOutputItem, ResponseStreamEvent
 
 from kvgate.gateway import GatewaySettings
-from kvgate.gateway.response_object import ResponseEvents, ResponseView
-from kvgate.gateway.translate import plan
+from kvgate.gateway.chat.plan import plan
+from kvgate.gateway.responses.response_object import ResponseEvents, ResponseView
 from kvgate.producer import Result
 from kvgate.producer.protocol import Timings, ToolCall, Usage
 from kvgate.producer.tool_calls import call_id, parse, parser_for

@@ -347,7 +347,7 @@ def test_any_replica_answers_a_background_response_whose_gateway_is_gone(sim_fle
 
 
 def test_a_record_shares_its_jobs_slot_on_a_redis_cluster():
-    from kvgate.gateway.response_store import record_key
+    from kvgate.gateway.responses.store import record_key
 
     keys = Keys("ns", shards=6, cluster=True)
     for job_id in ("0" * 32, "f" * 32, "0123456789abcdef" * 2):

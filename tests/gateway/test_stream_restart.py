@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from kvgate.gateway.errors import ApiError
-from kvgate.gateway.replay import Replay
+from kvgate.gateway.chat.replay import Replay
 from kvgate.producer import Client, Delta, Restart
 from tests.gateway.conftest import start_gateway, wait_for_workers
 from tests.reliability.chaos_harness import stop_all

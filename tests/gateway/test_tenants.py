@@ -14,7 +14,7 @@ import redis
 
 from kvgate.producer import Client, InvalidRequest
 from kvgate.producer.protocol import FIELD, Keys, ProtocolError, decode_job
-from kvgate.gateway.file_store import namespace_dir
+from kvgate.gateway.batches.file_store import namespace_dir
 from kvgate.producer.submission import prepare
 from tests.gateway.batch_files import CHAT, jsonl, request, rows_of, wait_final
 from tests.gateway.conftest import SIM, stop_worker, wait_for_workers

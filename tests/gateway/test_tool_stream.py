@@ -4,8 +4,8 @@ arguments), read by the parser the worker names, with the ids the worker's final
 from __future__ import annotations
 
 from kvgate.gateway import GatewaySettings
-from kvgate.gateway.responses import Reply, ToolReader
-from kvgate.gateway.translate import plan
+from kvgate.gateway.chat.bodies import Reply, ToolReader
+from kvgate.gateway.chat.plan import plan
 from kvgate.producer.tool_calls import call_id
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

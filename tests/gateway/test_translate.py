@@ -5,7 +5,7 @@ import pytest
 
 from kvgate.gateway import GatewaySettings
 from kvgate.gateway.errors import ApiError
-from kvgate.gateway.translate import plan
+from kvgate.gateway.chat.plan import plan
 
 S = GatewaySettings(default_max_tokens=77, max_n=4)
 

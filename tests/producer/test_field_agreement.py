@@ -13,7 +13,7 @@ import pytest
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.gateway.errors import ApiError
 from kvgate.gateway.settings import GatewaySettings
-from kvgate.gateway.translate import DIRECT, plan
+from kvgate.gateway.chat.plan import DIRECT, plan
 from kvgate.producer import AsyncClient, Client, InvalidRequest
 from kvgate.producer.fields import Entries, Items, Range
 from kvgate.producer.protocol import SAMPLING_FIELDS, ProtocolError, Sampling, validate_sampling

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from kvgate.gateway.errors import ApiError
 from kvgate.gateway.settings import GatewaySettings
-from kvgate.gateway.translate import plan
+from kvgate.gateway.chat.plan import plan
 from kvgate.openai.batch import BadLine, parse_line
 from kvgate.producer import InvalidRequest
 from kvgate.producer.protocol import (MAX_STRUCTURED_CHARS, JOB_VERSION, Job, ProtocolError, Sampling, Structured,

@@ -1,14 +1,14 @@
 """/v1/responses: OpenAI's Responses API over the queue. A response is one job, planned and submitted by the chat path
-(a Responses body becomes a chat body: responses_body.py), answered whole, as typed stream events, or in the
+(a Responses body becomes a chat body: body.py), answered whole, as typed stream events, or in the
 background (`background: true` answers at once, `queued`; the response id names the job, read back by GET and
-stopped by cancel). Stored responses (response_store.py) let any replica answer GET, cancel and
+stopped by cancel). Stored responses (store.py) let any replica answer GET, cancel and
 previous_response_id; `store: false` keeps nothing, and its id then answers 404.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 import msgspec
 from starlette.requests import Request
@@ -20,19 +20,18 @@ from kvgate.producer.job_status import job_states_script, job_status
 from kvgate.producer.protocol import Tools
 from kvgate.producer.steps import run_async
 
-from . import sse
-from .auth import Caller
-from .errors import ApiError, from_sdk, invalid, unsupported
-from .paging import limit_of, page_body
-from .request_body import read_json, sized
+from ..auth import Caller
+from ..chat import sse
+from ..chat.plan import plan
+from ..chat.routes import submit_plan
+from ..errors import ApiError, failure, from_sdk, invalid, unsupported
+from ..json_answer import json_response
+from ..paging import limit_of, page_body
+from ..request_body import read_json, sized
+from ..serving import Serving
+from .body import renamed, take
 from .response_object import FINAL, ResponseEvents, ResponseView, job_of, response_id
-from .response_store import Record, ResponseStore
-from .responses import failure
-from .responses_body import renamed, take
-from .translate import plan
-
-if TYPE_CHECKING:
-    from .app import Gateway
+from .store import Record, ResponseStore
 
 CANCEL_WAIT_S = 5.0  # how long cancel waits for a running job to stop (a step or two) before it answers
 CANCEL_POLL_S = 0.05
@@ -45,11 +44,8 @@ def frame(event: dict[str, Any]) -> bytes:
 
 
 class ResponsesApi:
-    """The routes; the gateway's client, models and keys are read when a request comes (they exist from the
-    gateway's start on)."""
-
-    def __init__(self, gateway: "Gateway"):
-        self.gw = gateway
+    def __init__(self, serving: Serving):
+        self.serving = serving
         self._store: ResponseStore | None = None
         self._states = None
 
@@ -60,8 +56,8 @@ class ResponsesApi:
 
     def _open(self) -> None:
         if self._store is None:
-            client = self.gw.client
-            self._store = ResponseStore(client.redis, client.keys, self.gw.settings.responses_ttl_s)
+            client = self.serving.client
+            self._store = ResponseStore(client.redis, client.keys, self.serving.settings.responses_ttl_s)
             self._states = job_states_script(client.redis)
 
     def routes(self) -> list[Route]:
@@ -73,24 +69,24 @@ class ResponsesApi:
 
     # -- create -----------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
-        gw = self.gw
-        caller = gw.keys.caller(request)
+        s = self.serving
+        caller = s.keys.caller(request)
         body = await read_json(request)
         earlier = None
         if isinstance(body, dict) and body.get("previous_response_id") is not None:
             earlier = (await self.previous(body["previous_response_id"], caller)).conversation_after()
         asked = await sized(request, take, body, earlier)
         try:
-            p = await sized(request, plan, "chat", asked.chat, gw.settings)
+            p = await sized(request, plan, "chat", asked.chat, s.settings)
         except ApiError as e:
             raise renamed(e) from None
-        await gw.models.check(p.model)
-        (handle,) = await gw.submit(p, caller)
+        await s.models.check(p.model)
+        (handle,) = await submit_plan(s, p, caller)
         view = ResponseView(response_id(handle.job_id), int(time.time()),
-                            await gw.models.served_as(p.model) or p.model, asked.echo)
+                            await s.models.served_as(p.model) or p.model, asked.echo)
         record = None
         if asked.store:
-            stream, entry = gw.client.router.entry(handle.job_id) or ("", "")
+            stream, entry = s.client.router.entry(handle.job_id) or ("", "")
             record = Record(view.id, handle.job_id, caller.tenant, view.created_at, view.model, asked.echo,
                             asked.conversation, stream, entry, inputs=asked.inputs)
             await self.store.put(record)
@@ -98,28 +94,28 @@ class ResponsesApi:
         if p.stream:
             # the events before any token: the message item opens at once, or, with tools, where the text says
             preamble = (2 if p.tools is not None else 4) + asked.background
-            events = gw.metrics.stream(self.events(view, handle, record, asked.background, p.tools),
-                                       request.state.kvgate_route, request.state.kvgate_started, preamble=preamble)
+            events = s.metrics.stream(self.events(view, handle, record, asked.background, p.tools),
+                                      request.state.kvgate_route, request.state.kvgate_started, preamble=preamble)
             return StreamingResponse(events, media_type="text/event-stream", headers=sse.HEADERS | headers)
         if asked.background:
-            return _json(view.body("queued"), headers)
-        (result,) = await gw.wait(request, [handle])
+            return json_response(view.body("queued"), headers=headers)
+        (result,) = await s.wait(request, [handle])
         answer = view.finished(result)
         if record is not None:
             await self.store.finish(record, answer, result.text)
         if (error := failure(result)) is not None:
             raise error
-        return _json(answer, headers)
+        return json_response(answer, headers=headers)
 
     async def events(self, view: ResponseView, handle: AsyncJobHandle, record: Record | None,
                      background: bool, tools: Tools | None = None) -> AsyncIterator[bytes]:
         """The typed events of one response. A client that goes away cancels its job, unless it runs in the
         background: only cancel stops that."""
-        gw, events = self.gw, ResponseEvents(view, tools)
+        s, events = self.serving, ResponseEvents(view, tools)
         for event in events.opening("queued" if background else "in_progress"):
             yield frame(event)
         inbox: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.create_task(sse._pump(0, handle, gw.settings.request_timeout_s, inbox))
+        pump = asyncio.create_task(sse.pump(0, handle, s.settings.request_timeout_s, inbox))
         try:
             while True:
                 _, item = await inbox.get()
@@ -144,18 +140,18 @@ class ResponsesApi:
         finally:
             pump.cancel()
             if not handle.done() and not background:
-                gw.abandon([handle])
+                s.abandon([handle])
 
     # -- read, cancel, delete ---------------------------------------------------------------------
     async def retrieve(self, request: Request) -> Response:
-        caller = self.gw.keys.caller(request)
+        caller = self.serving.keys.caller(request)
         for name, value in request.query_params.items():  # stream=true resumes a stream; not kept: refused
             raise unsupported(name, value, " on GET /v1/responses/{id}")
-        return _json(await self.current(await self.found(request.path_params["response_id"], caller)))
+        return json_response(await self.current(await self.found(request.path_params["response_id"], caller)))
 
     async def input_items(self, request: Request) -> Response:
         """The request's own `input` as items, a cursor page (`limit`, `after`, `order`: desc by default)."""
-        caller = self.gw.keys.caller(request)
+        caller = self.serving.keys.caller(request)
         query = request.query_params
         for name, value in query.items():
             if name not in ("limit", "after", "order"):
@@ -170,10 +166,10 @@ class ResponsesApi:
         if "after" in query and start == 0:
             raise invalid("after", f"after={query['after']!r} is not an input item of this response")
         limit = limit_of(request, 20, 100)
-        return _json(page_body(items[start:start + limit], start + limit < len(items)))
+        return json_response(page_body(items[start:start + limit], start + limit < len(items)))
 
     async def cancel(self, request: Request) -> Response:
-        caller = self.gw.keys.caller(request)
+        caller = self.serving.keys.caller(request)
         record = await self.found(request.path_params["response_id"], caller)
         if not record.echo.get("background"):
             raise invalid("response_id", f"response {record.id} was not created with background=true; only a "
@@ -185,24 +181,24 @@ class ResponsesApi:
                                 "be cancelled", param="response_id", code="response_not_cancellable")
         if body["status"] != "cancelled":
             try:
-                await self.gw.client.cancel(record.job_id)
+                await self.serving.client.cancel(record.job_id)
             except KvgateError as e:
-                raise from_sdk(e, {}, self.gw.settings.retry_after_s) from None
+                raise from_sdk(e, {}, self.serving.settings.retry_after_s) from None
             # a queued job is cancelled from now on (the worker that reads it answers so); a running one stops
             # within a step or two: wait for its end, bounded
             deadline = time.monotonic() + CANCEL_WAIT_S
             while (body := await self.current(record))["status"] == "in_progress" and time.monotonic() < deadline:
                 await asyncio.sleep(CANCEL_POLL_S)
-        return _json(body)
+        return json_response(body)
 
     async def delete(self, request: Request) -> Response:
         """Forget a stored response; its job, if it still runs, is cancelled: nobody can read its answer now."""
-        caller = self.gw.keys.caller(request)
+        caller = self.serving.keys.caller(request)
         record = await self.found(request.path_params["response_id"], caller)
-        if record.final is None and await self.gw.client.get(record.job_id) is None:
-            await self.gw.client.cancel(record.job_id)
+        if record.final is None and await self.serving.client.get(record.job_id) is None:
+            await self.serving.client.cancel(record.job_id)
         await self.store.delete(record)
-        return _json({"id": record.id, "object": "response", "deleted": True})
+        return json_response({"id": record.id, "object": "response", "deleted": True})
 
     # -- state ------------------------------------------------------------------------------------
     async def found(self, rid: str, caller: Caller) -> Record:
@@ -211,7 +207,7 @@ class ResponsesApi:
         record = None if job_id is None else await self.store.get(rid, job_id)
         if record is None or not caller.sees(record.tenant):
             raise ApiError(404, f"no stored response with id {rid!r} (store=false keeps none; a stored one is kept "
-                                f"{self.gw.settings.responses_ttl_s} s)", param="response_id",
+                                f"{self.serving.settings.responses_ttl_s} s)", param="response_id",
                            code="response_not_found")
         return record
 
@@ -232,7 +228,7 @@ class ResponsesApi:
         else queued or in_progress from the job's state in Redis."""
         if record.final is not None:
             return record.final
-        client, view = self.gw.client, ResponseView(record.id, record.created_at, record.model, record.echo)
+        client, view = self.serving.client, ResponseView(record.id, record.created_at, record.model, record.echo)
         result, state = await client.get(record.job_id), None
         if result is None:
             state = await self.state(record)
@@ -251,14 +247,11 @@ class ResponsesApi:
         return view.body("in_progress" if state.state == "running" else "queued")
 
     async def state(self, record: Record) -> JobStatus:
-        client = self.gw.client
+        client = self.serving.client
         self._open()
         entry = (record.stream, record.entry) if record.entry else None
         try:
             return await run_async(job_status(client.redis, self._states, client.keys, record.job_id, entry))
         except KvgateError as e:
-            raise from_sdk(e, {}, self.gw.settings.retry_after_s) from None
+            raise from_sdk(e, {}, self.serving.settings.retry_after_s) from None
 
-
-def _json(body: Any, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(body), 200, headers, media_type="application/json")

@@ -3,21 +3,16 @@ a worker of the model that runs it as a prefill (engine/pooling_params.py); kvga
 dialect, shared with batch files."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from kvgate.openai.embeddings import BadEmbeddings, EmbeddingsBody, parse_body, response_body, submit_args
-from kvgate.producer import KvgateError
 
-from .errors import ApiError, from_sdk
-from .request_body import read_json, sized
-from .responses import failure
-
-if TYPE_CHECKING:
-    from .app import Gateway
+from ..errors import ApiError
+from ..json_answer import json_response
+from ..request_body import read_json, sized
+from ..serving import Serving
 
 
 def checked_body(body: object, max_token_ids: int) -> EmbeddingsBody:
@@ -40,28 +35,19 @@ def _token_id_budget(body: EmbeddingsBody, limit: int) -> None:
 
 
 class EmbeddingsApi:
-    def __init__(self, gateway: "Gateway"):
-        self.gw = gateway
+    def __init__(self, serving: Serving):
+        self.serving = serving
 
     def routes(self) -> list[Route]:
         return [Route("/v1/embeddings", self.embeddings, methods=["POST"])]
 
     async def embeddings(self, request: Request) -> Response:
-        from .app import json_response
-
-        gw = self.gw
-        tenant = gw.keys.caller(request).tenant
-        body = await sized(request, checked_body, await read_json(request), gw.settings.max_prompt_token_ids)
-        await gw.models.check(body.model)
-        jobs = [{**args, "tenant": tenant, "ttl_s": gw.settings.request_timeout_s} for args in submit_args(body)]
-        try:  # one request, one admission: every input's job or none (chunk_size=None)
-            handles = await gw.client.submit_many(jobs, progress=False, chunk_size=None)
-        except KvgateError as e:
-            raise from_sdk(e, {"prompt": "input", "prompt_token_ids": "input", "requests": "input"},
-                           gw.settings.retry_after_s) from None
-        results = await gw.wait(request, handles)
-        for result in results:
-            if (error := failure(result)) is not None:
-                raise error
+        s = self.serving
+        tenant = s.keys.caller(request).tenant
+        body = await sized(request, checked_body, await read_json(request), s.settings.max_prompt_token_ids)
+        await s.models.check(body.model)
+        jobs = [{**args, "tenant": tenant, "ttl_s": s.settings.request_timeout_s} for args in submit_args(body)]
+        handles = await s.submit(jobs, {"prompt": "input", "prompt_token_ids": "input", "requests": "input"})
+        results = await s.answers(request, handles)
         return json_response(response_body(body, results, results[0].model),
                              headers={"x-request-id": handles[0].job_id})

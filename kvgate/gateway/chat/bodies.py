@@ -11,8 +11,7 @@ from kvgate.openai.shapes import (chat_logprobs, choice, completion_logprobs, fi
 from kvgate.producer.protocol import Tools
 from kvgate.producer.tool_calls import Content, Parser, Piece, call_id, parser_for
 
-from .errors import ApiError
-from .translate import Plan
+from .plan import Plan
 
 
 @dataclass(slots=True)
@@ -138,19 +137,3 @@ class ToolReader:
 
 def finish(r: Result) -> str | None:
     return finish_reason(r)
-
-
-def failure(r: Result) -> ApiError | None:
-    """A final result that is not an answer, as the error the request gets; None for a done job."""
-    if r.status == "done":
-        return None
-    if r.status == "expired":
-        return ApiError(504, f"job {r.job_id} expired before a worker answered it", type="timeout_error",
-                        code="job_expired")
-    if r.status == "cancelled":
-        return ApiError(409, f"job {r.job_id} was cancelled", code="job_cancelled")
-    message = r.error or "the worker reported an error without a reason"
-    if message.startswith(("rejected:", "invalid job:")):  # the worker refused the input: the client can fix it
-        return ApiError(400, f"job {r.job_id}: {message}", code="rejected_by_worker")
-    return ApiError(500, f"job {r.job_id} failed on worker {r.worker}: {message}", type="server_error",
-                    code="worker_error")

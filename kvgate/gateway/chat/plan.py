@@ -15,9 +15,9 @@ from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStruct
 from kvgate.producer.protocol import SAMPLING_FIELDS, Tools
 from kvgate.producer.request import SubmitRequest, validate_request
 
-from .errors import from_sdk, invalid, unsupported
+from ..errors import from_sdk, invalid, unsupported
+from ..settings import GatewaySettings
 from .prompts import chat_messages, completion_prompts
-from .settings import GatewaySettings
 
 Kind = Literal["chat", "completion"]
 

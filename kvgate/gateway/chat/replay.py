@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvgate.producer import Delta, Restart
 
-from .errors import ApiError
+from ..errors import ApiError
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ The default keeps them in a local directory, one folder per namespace (`<files d
 two namespaces never see each other's files even on one files directory. Several replicas of a namespace need one
 store they all see (a shared volume mounted at the same --files-dir, or an object store behind FileStore),
 because the replica that drives a batch may not be the one that took its upload. Each file records its tenant;
-which tenant may see which file is the routes' business (files.py), not the store's.
+which tenant may see which file is the routes' business (file_routes.py), not the store's.
 """
 from __future__ import annotations
 

@@ -12,12 +12,13 @@ from starlette.routing import Route
 from kvgate.producer.bounded_json import BadJson, parse_json
 from kvgate.producer.quoting import shown
 
-from .auth import ApiKeys, Caller
-from .errors import ApiError, invalid
+from ..auth import ApiKeys, Caller
+from ..errors import ApiError, invalid
+from ..json_answer import json_response
+from ..paging import limit_of, page_body
+from ..request_body import off_loop
+from ..settings import GatewaySettings
 from .file_store import FileObject, FileStore
-from .paging import json_ok, limit_of, page_body
-from .request_body import off_loop
-from .settings import GatewaySettings
 
 PURPOSES = ("batch",)  # what uploads may be for; the gateway itself writes files with purpose batch_output
 READ_CHUNK = 1 << 20
@@ -53,7 +54,7 @@ class FilesApi:
             filename = upload.filename or "upload.jsonl"
         await off_loop(check_jsonl, data)  # every line parsed: up to --max-file-size, off the event loop
         obj = await asyncio.to_thread(self.store.put, data, filename, purpose, tenant=caller.tenant)
-        return json_ok(obj.body())
+        return json_response(obj.body())
 
     async def list(self, request: Request) -> Response:
         caller = self.keys.caller(request)
@@ -67,17 +68,17 @@ class FilesApi:
         if after is not None:
             ids = [f.id for f in files]
             files = files[ids.index(after) + 1:] if after in ids else []
-        return json_ok(page_body([f.body() for f in files[:limit]], len(files) > limit))
+        return json_response(page_body([f.body() for f in files[:limit]], len(files) > limit))
 
     async def retrieve(self, request: Request) -> Response:
         caller = self.keys.caller(request)
-        return json_ok((await self.found(request.path_params["file_id"], caller)).body())
+        return json_response((await self.found(request.path_params["file_id"], caller)).body())
 
     async def delete(self, request: Request) -> Response:
         caller = self.keys.caller(request)
         file_id = (await self.found(request.path_params["file_id"], caller)).id
         deleted = await asyncio.to_thread(self.store.delete, file_id)
-        return json_ok({"id": file_id, "object": "file", "deleted": deleted})
+        return json_response({"id": file_id, "object": "file", "deleted": deleted})
 
     async def content(self, request: Request) -> Response:
         caller = self.keys.caller(request)

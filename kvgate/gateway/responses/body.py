@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 from kvgate.openai.shapes import BadStructured, structured_of_text_format
 
-from .errors import ApiError, invalid, unsupported
-from .translate import DIRECT
+from ..chat.plan import DIRECT
+from ..errors import ApiError, invalid, unsupported
 
 LOGPROBS = "message.output_text.logprobs"  # the one `include` the engine can answer
 ROLES = ("user", "assistant", "system", "developer")

@@ -12,14 +12,15 @@ from starlette.routing import Route
 from kvgate.openai.batch import CHAT, COMPLETIONS
 from kvgate.openai.embeddings import EMBEDDINGS
 
-from .auth import Caller
+from ..auth import Caller
+from ..errors import ApiError, invalid
+from ..json_answer import json_response
+from ..paging import limit_of, page_body
+from ..request_body import read_json
+from ..settings import GatewaySettings
 from .batch_runner import BatchRunner
 from .batch_store import WINDOW_S, Batch, BatchStore, new_batch_id
-from .errors import ApiError, invalid
-from .files import FilesApi
-from .paging import json_ok, limit_of, page_body
-from .request_body import read_json
-from .settings import GatewaySettings
+from .file_routes import FilesApi
 
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 CANCELLABLE = ("validating", "in_progress")
@@ -64,17 +65,17 @@ class BatchesApi:
         batch = Batch(new_batch_id(), endpoint, file_id, now, now + WINDOW_S, metadata=metadata, tenant=source.tenant)
         await self.store.create(batch)
         self.runner.wake()
-        return json_ok(batch.body())
+        return json_response(batch.body())
 
     async def retrieve(self, request: Request) -> Response:
         caller = self.files.keys.caller(request)
-        return json_ok((await self.found(request.path_params["batch_id"], caller)).body())
+        return json_response((await self.found(request.path_params["batch_id"], caller)).body())
 
     async def list(self, request: Request) -> Response:
         caller = self.files.keys.caller(request)
         batches, more = await self.store.page(limit_of(request, 20, 100), request.query_params.get("after"),
                                               tenant=None if caller.admin else caller.tenant)
-        return json_ok(page_body([b.body() for b in batches], more))
+        return json_response(page_body([b.body() for b in batches], more))
 
     async def cancel(self, request: Request) -> Response:
         caller = self.files.keys.caller(request)
@@ -84,7 +85,7 @@ class BatchesApi:
                                 "cancelled", code="batch_not_cancellable")
         await self.store.transition(batch.id, CANCELLABLE, "cancelling", cancelling_at=int(time.time()))
         self.runner.wake()
-        return json_ok((await self.found(batch.id, caller)).body())
+        return json_response((await self.found(batch.id, caller)).body())
 
     async def found(self, batch_id: str, caller: Caller) -> Batch:
         """The batch, if `caller` may see it; another tenant's batch is answered as one that does not exist."""

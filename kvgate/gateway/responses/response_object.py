@@ -17,8 +17,7 @@ from kvgate.openai.shapes import chat_logprobs
 from kvgate.producer.protocol import ToolCall, Tools
 from kvgate.producer.tool_calls import Content, Parser, Piece, call_id, parser_for
 
-from .errors import ApiError
-from .responses import failure
+from ..errors import ApiError, failure
 
 ID = re.compile(r"resp_([0-9a-f]{32})")
 FINAL = ("completed", "incomplete", "failed", "cancelled")

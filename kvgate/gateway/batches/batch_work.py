@@ -25,9 +25,9 @@ from kvgate.producer import AsyncClient, Backpressure, JobLost, KvgateError, Par
 from kvgate.openai.batch import BatchRequest, is_success, plan_line, request_lines, unknown_model_line
 from kvgate.openai.batch_runs import LineRun, line_runs, submit_jobs
 
+from ..errors import ApiError
 from .batch_quota import BatchCeiling
 from .batch_store import Batch, BatchStore
-from .errors import ApiError
 from .file_store import FileStore
 
 log = logging.getLogger(__name__)

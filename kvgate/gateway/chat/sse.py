@@ -18,9 +18,9 @@ import msgspec
 from kvgate.producer import AsyncJobHandle, KvgateError, Result
 from kvgate.producer.protocol import TokenLogprob
 
-from .errors import ApiError, from_sdk
+from ..errors import ApiError, failure, from_sdk
+from .bodies import Reply, ToolReader, finish
 from .replay import Replay
-from .responses import Reply, ToolReader, failure, finish
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must pass each event at once
@@ -48,7 +48,7 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
         for i in range(len(handles)):
             yield frame(reply.chunk(i, first=True))
     inbox: asyncio.Queue = asyncio.Queue()
-    pumps = [asyncio.create_task(_pump(i, h, timeout, inbox)) for i, h in enumerate(handles)]
+    pumps = [asyncio.create_task(pump(i, h, timeout, inbox)) for i, h in enumerate(handles)]
     results: list[Result | None] = [None] * len(handles)
     tools = [None if reply.plan.tools is None else ToolReader(reply.plan.tools, h.job_id) for h in handles]
     try:
@@ -80,14 +80,14 @@ async def events(reply: Reply, handles: list[AsyncJobHandle], timeout: float,
             yield frame(reply.usage_chunk(results))
         yield DONE
     finally:
-        for pump in pumps:
-            pump.cancel()
+        for task in pumps:
+            task.cancel()
         unfinished = [h for h in handles if not h.done()]
         if unfinished:
             abandon(unfinished)
 
 
-async def _pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Queue) -> None:
+async def pump(i: int, handle: AsyncJobHandle, timeout: float, inbox: asyncio.Queue) -> None:
     replay, prompt_tokens = Replay(), 0
     items = handle.stream(None)
     try:

@@ -5,7 +5,7 @@ from typing import Any
 
 from kvgate.producer.quoting import shown
 
-from .errors import invalid, unsupported
+from ..errors import invalid, unsupported
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # keys an assistant message may carry as long as they say nothing (no refusal, no audio, no deprecated function call)

@@ -1,0 +1,1 @@
+"""vLLM's extras: /version, /tokenize and /detokenize (routes.py) and the tokenizer bodies (bodies.py)."""
