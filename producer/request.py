@@ -19,7 +19,7 @@ import msgspec
 from pydantic import (AfterValidator, model_validator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError,
                       create_model)
 
-from . import protocol as wire
+from . import limits, protocol as wire
 from .bounded_json import MAX_DEPTH
 from .errors import FieldError, InvalidRequest
 from .fields import Entries, Items, Range, Shape, Spec
@@ -52,15 +52,15 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 def _metadata_size(metadata: dict[str, str]) -> dict[str, str]:
     size = len(wire.encode_metadata(metadata))
-    if size > wire.MAX_METADATA_BYTES:
-        raise ValueError(f"is {size} bytes encoded, over the limit of {wire.MAX_METADATA_BYTES}")
+    if size > limits.MAX_METADATA_BYTES:
+        raise ValueError(f"is {size} bytes encoded, over the limit of {limits.MAX_METADATA_BYTES}")
     return metadata
 
 
 def _total_chars(messages: list) -> list:
     total = sum(m.to_wire().size() for m in messages)
-    if total > wire.MAX_PROMPT_CHARS:
-        raise ValueError(f"hold {total} characters together, over the limit of {wire.MAX_PROMPT_CHARS}")
+    if total > limits.MAX_PROMPT_CHARS:
+        raise ValueError(f"hold {total} characters together, over the limit of {limits.MAX_PROMPT_CHARS}")
     return messages
 
 
@@ -121,8 +121,8 @@ def json_text(value: Any, what: str) -> str:
 
 class FunctionCall(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-    name: Annotated[str, Field(pattern=wire.TOOL_NAME.pattern)]
-    arguments: Annotated[Text, BeforeValidator(_arguments), Field(max_length=wire.MAX_PROMPT_CHARS)] = "{}"
+    name: Annotated[str, Field(pattern=limits.TOOL_NAME.pattern)]
+    arguments: Annotated[Text, BeforeValidator(_arguments), Field(max_length=limits.MAX_PROMPT_CHARS)] = "{}"
 
 
 class MessageToolCall(BaseModel):
@@ -141,8 +141,8 @@ def _no_content(value: Any) -> Any:
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
     role: Literal["system", "user", "assistant", "tool"]
-    content: Annotated[Text, BeforeValidator(_no_content), Field(max_length=wire.MAX_PROMPT_CHARS)]
-    tool_calls: Annotated[list[MessageToolCall], Field(max_length=wire.MAX_TOOL_CALLS)] | None = None
+    content: Annotated[Text, BeforeValidator(_no_content), Field(max_length=limits.MAX_PROMPT_CHARS)]
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=limits.MAX_TOOL_CALLS)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     name: Annotated[Text, Field(min_length=1, max_length=64)] | None = None
 
@@ -256,12 +256,12 @@ def _tool_choice(value: Any) -> Any:
     if isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"} and \
             isinstance(value["function"], dict) and set(value["function"]) == {"name"}:
         value = value["function"]["name"]
-    if isinstance(value, str) and wire.TOOL_NAME.fullmatch(value):
+    if isinstance(value, str) and limits.TOOL_NAME.fullmatch(value):
         return {"type": "function", "function": {"name": value}}
     raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
 
-Tools = Annotated[list[Any], BeforeValidator(_tools), Field(min_length=1, max_length=wire.MAX_TOOLS),
+Tools = Annotated[list[Any], BeforeValidator(_tools), Field(min_length=1, max_length=limits.MAX_TOOLS),
                   PlainSerializer(lambda v: None if v is None else msgspec.to_builtins(v))]
 
 
@@ -301,10 +301,10 @@ def _within(value: Any, bounds: Range) -> Any:
 class _Prompt(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
-    prompt: Annotated[Text, Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=wire.MAX_MESSAGES),
+    prompt: Annotated[Text, Field(min_length=1, max_length=limits.MAX_PROMPT_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=limits.MAX_MESSAGES),
                         AfterValidator(_total_chars)] | None = None
-    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=limits.MAX_PROMPT_CHARS)] | None = None
 
 
 # The sampling arguments are wire.Sampling's fields, and an embedding's are wire.Embedding's, made once from them.
@@ -334,14 +334,14 @@ class SubmitRequest(_PromptAndSampling):
     chat_template_kwargs: Annotated[dict[str, wire.TemplateValue], AfterValidator(_template_kwargs)] | None = None
     add_generation_prompt: bool = True
     # fill-in-the-middle (a text prompt only): the text after the hole, for a model with FIM tokens to write the middle
-    suffix: Annotated[Text, Field(max_length=wire.MAX_PROMPT_CHARS)] | None = None
+    suffix: Annotated[Text, Field(max_length=limits.MAX_PROMPT_CHARS)] | None = None
     # the conveniences that make `structured` (structured_of); a pydantic model class also makes Result.parsed
     response_format: Annotated[Any, AfterValidator(_schema_dict),
                                PlainSerializer(lambda v: v.model_json_schema() if _is_model_class(v) else v)] = None
-    regex: Annotated[Text, Field(min_length=1, max_length=wire.MAX_STRUCTURED_CHARS)] | None = None
-    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=wire.MAX_CHOICES)] \
+    regex: Annotated[Text, Field(min_length=1, max_length=limits.MAX_STRUCTURED_CHARS)] | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=limits.MAX_CHOICES)] \
         | None = None
-    grammar: Annotated[Text, Field(min_length=1, max_length=wire.MAX_STRUCTURED_CHARS)] | None = None
+    grammar: Annotated[Text, Field(min_length=1, max_length=limits.MAX_STRUCTURED_CHARS)] | None = None
     # functions the model may call (chat messages only): OpenAI's tools, tool_choice and parallel_tool_calls
     tools: Tools | None = None
     tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None  # None: auto with tools
@@ -561,8 +561,8 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
 
 def encode_job(job: wire.Job, where: str = "") -> bytes:
     payload = wire.encode(job)
-    if len(payload) > wire.MAX_PAYLOAD_BYTES:
+    if len(payload) > limits.MAX_PAYLOAD_BYTES:
         raise InvalidRequest([FieldError(f"{where}request", f"{len(payload)} bytes",
-                                         f"encodes to more than the {wire.MAX_PAYLOAD_BYTES}-byte payload limit; "
+                                         f"encodes to more than the {limits.MAX_PAYLOAD_BYTES}-byte payload limit; "
                                          "shorten the prompt")])
     return payload

@@ -16,7 +16,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvgate.producer import KvgateError, Result
-from kvgate.producer.protocol import DEFAULT_MODEL, MAX_MESSAGES, MAX_PROMPT_CHARS
+from kvgate.producer.keys import DEFAULT_MODEL
+from kvgate.producer.limits import MAX_MESSAGES, MAX_PROMPT_CHARS
 from kvgate.producer.request import MAX_TOKEN_ID, ChatMessage
 
 from .errors import from_sdk, invalid, unsupported

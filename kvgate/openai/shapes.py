@@ -12,7 +12,8 @@ from typing import Any
 
 from kvgate.producer.quoting import shown
 from kvgate.producer.bounded_json import BadJson, parse_json
-from kvgate.producer.protocol import MAX_LOGPROBS, TokenLogprob, ToolCall, TopLogprob
+from kvgate.producer.limits import MAX_LOGPROBS
+from kvgate.producer.protocol import TokenLogprob, ToolCall, TopLogprob
 from kvgate.producer.result import Result
 
 # JSON has no -inf; a token the model rules out entirely is reported at this floor, as vLLM does
