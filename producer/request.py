@@ -16,14 +16,14 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import (AfterValidator, model_validator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError,
-                      create_model)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError,
+                      create_model, model_validator)
 
-from . import limits, protocol as wire
-from .bounded_json import MAX_DEPTH
+from . import constraints, limits, protocol as wire
 from .errors import FieldError, InvalidRequest
 from .fields import Entries, Items, Range, Shape, Spec
-from .tool_calls import closed
+from .request_structured import (Structured, Text, Tools, call_arguments, is_model_class, schema_dict, structured_of,
+                                 tool_choice_of)
 
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
@@ -38,15 +38,6 @@ NEWER_THAN_DIGESTS = ("task", "add_special_tokens", "logit_bias", "min_p", "min_
 GENERATION_FIELDS = (*(spec.name for spec in wire.SAMPLING_FIELDS), "stream")
 
 
-def _utf8(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"is not valid UTF-8 text (lone surrogate {text[e.start]!r} at position {e.start})") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
@@ -95,34 +86,11 @@ def _idempotency_key(key: str) -> str:
     return key
 
 
-def _arguments(value: Any) -> Any:
-    """A call's arguments as OpenAI sends them (JSON text), or as a dict, which is sent as its JSON text."""
-    return json_text(value, "arguments") if isinstance(value, dict) else value
-
-
-def _schema_dict(value: Any) -> Any:
-    """response_format as given, once it is known to encode (named here, where a model validator's error names no
-    field)."""
-    if isinstance(value, dict):
-        json_text(value, "the schema")
-    return value
-
-
-def json_text(value: Any, what: str) -> str:
-    """A caller's dict (a schema, a call's arguments) as the JSON text the wire carries. msgspec raises
-    RecursionError for one nested past the interpreter's limit: a ValueError naming it, as a worker refuses text nested
-    past bounded_json's limit."""
-    try:
-        return msgspec.json.encode(value).decode()
-    except RecursionError:
-        raise ValueError(f"{what} is nested too deeply: more than {MAX_DEPTH} arrays or objects inside one another "
-                         "is refused; send a flatter schema") from None
-
 
 class FunctionCall(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
     name: Annotated[str, Field(pattern=limits.TOOL_NAME.pattern)]
-    arguments: Annotated[Text, BeforeValidator(_arguments), Field(max_length=limits.MAX_PROMPT_CHARS)] = "{}"
+    arguments: Annotated[Text, BeforeValidator(call_arguments), Field(max_length=limits.MAX_PROMPT_CHARS)] = "{}"
 
 
 class MessageToolCall(BaseModel):
@@ -155,114 +123,6 @@ class ChatMessage(BaseModel):
         return message
 
 
-def _structured(value: Any) -> wire.Structured | None:
-    """The wire's constraint from itself or its dict form ({"kind": "regex", "spec": "[0-9]+"}), checked as the
-    worker checks it."""
-    if value is None or isinstance(value, wire.Structured):
-        structured = value
-    else:
-        try:
-            structured = msgspec.convert(value, wire.Structured)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"is not a structured constraint ({e}); give {{'kind': one of "
-                             f"{', '.join(wire.STRUCTURED_KINDS)}, 'spec': text, 'choices': [...]}}, or use "
-                             "response_format=, regex=, choice= or grammar=") from None
-    if structured is not None and (problem := structured.problem()):
-        raise ValueError(problem)
-    return structured
-
-
-Structured = Annotated[Any, BeforeValidator(_structured),
-                       PlainSerializer(lambda v: None if v is None else msgspec.to_builtins(v))]
-
-
-def _is_model_class(value: Any) -> bool:
-    return isinstance(value, type) and issubclass(value, BaseModel)
-
-
-def structured_of(response_format: Any = None, regex: str | None = None, choice: list[str] | None = None,
-                  grammar: str | None = None) -> wire.Structured | None:
-    """The wire constraint of the SDK's conveniences: `response_format` as OpenAI's dict ({"type": "json_object"} or
-    {"type": "json_schema", "json_schema": {"schema": ...}}), a JSON schema dict, or a pydantic model class;
-    `regex`, `choice` (a list of strings), `grammar` (Lark or GBNF text). At most one; None: free text."""
-    given = [n for n, v in (("response_format", response_format), ("regex", regex), ("choice", choice),
-                            ("grammar", grammar)) if v is not None]
-    if len(given) > 1:
-        raise ValueError(f"give at most one of response_format, regex, choice, grammar; got {', '.join(given)}")
-    if regex is not None:
-        return wire.Structured("regex", regex)
-    if grammar is not None:
-        return wire.Structured("grammar", grammar)
-    if choice is not None:
-        return wire.Structured("choice", choices=list(choice))
-    if response_format is None:
-        return None
-    if _is_model_class(response_format):
-        schema = closed(response_format.model_json_schema())
-        return wire.Structured("json_schema", json_text(schema, "response_format"))
-    if not isinstance(response_format, dict):
-        raise ValueError(f"response_format must be OpenAI's dict, a JSON schema dict or a pydantic model class, "
-                         f"got {type(response_format).__name__}")
-    kind = response_format.get("type")
-    if kind == "text" and len(response_format) == 1:
-        return None
-    if kind == "json_object" and len(response_format) == 1:
-        return wire.Structured("json_object")
-    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
-        schema = response_format["json_schema"].get("schema")
-        if not isinstance(schema, dict):
-            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
-        return wire.Structured("json_schema", json_text(schema, "response_format"))
-    return wire.Structured("json_schema", json_text(response_format, "response_format"))  # a JSON schema itself
-
-
-def _function(tool: Any) -> wire.Function:
-    """One of `tools`: OpenAI's {"type": "function", "function": {"name", "description", "parameters", "strict"}}, or
-    the function dict alone."""
-    if isinstance(tool, wire.Function):
-        return tool
-    if not isinstance(tool, dict):
-        raise ValueError("must be OpenAI's {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, "
-                         f"got {type(tool).__name__}")
-    if "function" in tool or "type" in tool:
-        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict) or set(tool) - {"type",
-                                                                                                       "function"}:
-            raise ValueError("must be {'type': 'function', 'function': {...}}: function tools only")
-        tool = tool["function"]
-    unknown = set(tool) - {"name", "description", "parameters", "strict"}
-    if unknown:
-        raise ValueError(f"function has unknown field(s) {sorted(unknown)}; it takes name, description, parameters, "
-                         "strict")
-    name, description, params = tool.get("name"), tool.get("description", ""), tool.get("parameters")
-    if not isinstance(name, str) or not isinstance(description, str) or (params is not None and
-                                                                         not isinstance(params, dict)):
-        raise ValueError("function needs a string name, a string description and parameters as a JSON schema object")
-    if tool.get("strict") not in (None, True, False):
-        raise ValueError("function strict must be true or false")
-    _utf8(description)
-    return wire.Function(name, description, "" if params is None else json_text(params, f"function {name!r} parameters"))
-
-
-def _tools(value: Any) -> Any:
-    if value is None or not isinstance(value, (list, tuple)):
-        return value
-    return [_function(t) for t in value]
-
-
-def _tool_choice(value: Any) -> Any:
-    """"none" | "auto" | "required" | {"type": "function", "function": {"name": ...}} (or the name alone)."""
-    if value is None or value in ("none", "auto", "required"):
-        return value
-    if isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"} and \
-            isinstance(value["function"], dict) and set(value["function"]) == {"name"}:
-        value = value["function"]["name"]
-    if isinstance(value, str) and limits.TOOL_NAME.fullmatch(value):
-        return {"type": "function", "function": {"name": value}}
-    raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
-
-
-Tools = Annotated[list[Any], BeforeValidator(_tools), Field(min_length=1, max_length=limits.MAX_TOOLS),
-                  PlainSerializer(lambda v: None if v is None else msgspec.to_builtins(v))]
 
 
 def _sdk_field(spec: Spec) -> tuple[Any, Any]:
@@ -336,24 +196,24 @@ class SubmitRequest(_PromptAndSampling):
     # fill-in-the-middle (a text prompt only): the text after the hole, for a model with FIM tokens to write the middle
     suffix: Annotated[Text, Field(max_length=limits.MAX_PROMPT_CHARS)] | None = None
     # the conveniences that make `structured` (structured_of); a pydantic model class also makes Result.parsed
-    response_format: Annotated[Any, AfterValidator(_schema_dict),
-                               PlainSerializer(lambda v: v.model_json_schema() if _is_model_class(v) else v)] = None
+    response_format: Annotated[Any, AfterValidator(schema_dict),
+                               PlainSerializer(lambda v: v.model_json_schema() if is_model_class(v) else v)] = None
     regex: Annotated[Text, Field(min_length=1, max_length=limits.MAX_STRUCTURED_CHARS)] | None = None
     choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=limits.MAX_CHOICES)] \
         | None = None
     grammar: Annotated[Text, Field(min_length=1, max_length=limits.MAX_STRUCTURED_CHARS)] | None = None
     # functions the model may call (chat messages only): OpenAI's tools, tool_choice and parallel_tool_calls
     tools: Tools | None = None
-    tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None  # None: auto with tools
+    tool_choice: Annotated[Any, BeforeValidator(tool_choice_of)] = None  # None: auto with tools
     parallel_tool_calls: bool = True
 
-    def wire_tools(self) -> wire.Tools | None:
+    def wire_tools(self) -> constraints.Tools | None:
         """The job's tools; None where none are given or tool_choice is 'none' (the model is not shown them)."""
         if not self.tools or self.tool_choice == "none":
             return None
         named = self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else ""
         choice = "function" if named else self.tool_choice or "auto"
-        return wire.Tools(list(self.tools), choice, named, self.parallel_tool_calls)
+        return constraints.Tools(list(self.tools), choice, named, self.parallel_tool_calls)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "SubmitRequest":
@@ -369,7 +229,7 @@ class SubmitRequest(_PromptAndSampling):
     @property
     def parse_as(self) -> type[BaseModel] | None:
         """The pydantic model class the answer is validated into (Result.parsed), when response_format is one."""
-        return self.response_format if _is_model_class(self.response_format) else None
+        return self.response_format if is_model_class(self.response_format) else None
 
     def embedding(self) -> wire.Embedding | None:
         """An embedding job's settings (None: the defaults, or not an embedding job)."""

@@ -31,15 +31,16 @@ class Layer:
     exact: bool = False  # the package's own __init__ only, not what lies under it
 
 
-# What the worker shares with the SDK, and why: the wire format (protocol), its limits (limits), the Redis key names
-# (keys) and the Redis plumbing both sides must do alike, byte for byte: the URL's rules (urls), one connection factory
-# for every URL form, Sentinel and Cluster included (redis_url), a Cluster's scripts and node links (cluster), which
-# shard a key lives in (shards) and the prefix-affinity lane a prompt hashes to (lanes). They import only one another,
-# never the rest of the SDK (client, handles, errors, queue statistics), which the worker never reaches.
-SHARED_WITH_WORKERS = ("kvgate.producer.protocol", "kvgate.producer.limits", "kvgate.producer.keys",
-                       "kvgate.producer.urls", "kvgate.producer.redis_url", "kvgate.producer.cluster",
-                       "kvgate.producer.shards", "kvgate.producer.lanes", "kvgate.producer.tool_calls",
-                       "kvgate.producer.bounded_json")
+# What the worker shares with the SDK, and why: the wire format (protocol), what a job's output must follow
+# (constraints), the wire's limits (limits), the Redis key names (keys) and the Redis plumbing both sides must do
+# alike, byte for byte: the URL's rules (urls), one connection factory for every URL form, Sentinel and Cluster
+# included (redis_url), a Cluster's scripts and node links (cluster), which shard a key lives in (shards) and the
+# prefix-affinity lane a prompt hashes to (lanes). They import only one another, never the rest of the SDK (client,
+# handles, errors, queue statistics), which the worker never reaches.
+SHARED_WITH_WORKERS = ("kvgate.producer.protocol", "kvgate.producer.constraints", "kvgate.producer.limits",
+                       "kvgate.producer.keys", "kvgate.producer.urls", "kvgate.producer.redis_url",
+                       "kvgate.producer.cluster", "kvgate.producer.shards", "kvgate.producer.lanes",
+                       "kvgate.producer.tool_calls", "kvgate.producer.bounded_json")
 
 # First match wins. Everything else under kvgate/ (commands, gateway, bench) sits above every layer.
 LAYERS = (
@@ -54,8 +55,10 @@ LAYERS = (
           HEAVY),
     Layer("kvgate.producer.lanes", ("kvgate.producer.protocol",), HEAVY),
     Layer("kvgate.producer.tool_calls", (), HEAVY),  # the parsers of tool calls, no I/O: worker, SDK and gateway
-    Layer("kvgate.producer.protocol", ("kvgate.producer.limits", "kvgate.producer.fields",
-                                       "kvgate.producer.bounded_json"), HEAVY),
+    Layer("kvgate.producer.protocol", ("kvgate.producer.constraints", "kvgate.producer.limits",
+                                       "kvgate.producer.fields"), HEAVY),
+    # a job's tools and structured constraint, each saying what makes it unusable (schemas parsed within a budget)
+    Layer("kvgate.producer.constraints", ("kvgate.producer.limits", "kvgate.producer.bounded_json"), HEAVY),
     # the wire's limits and the patterns of the names it carries: the standard library only
     Layer("kvgate.producer.limits", (), HEAVY),
     # a namespace's Redis key names, split into a Cluster's shards

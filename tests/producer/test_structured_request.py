@@ -15,7 +15,8 @@ from kvgate.gateway.translate import plan
 from kvgate.openai.batch import BadLine, parse_line
 from kvgate.producer import InvalidRequest
 from kvgate.producer.limits import MAX_STRUCTURED_CHARS
-from kvgate.producer.protocol import JOB_VERSION, Job, ProtocolError, Sampling, Structured, decode_job, encode
+from kvgate.producer.constraints import Structured
+from kvgate.producer.protocol import JOB_VERSION, Job, ProtocolError, Sampling, decode_job, encode
 from kvgate.producer.request import validate_request
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
