@@ -3,7 +3,7 @@
 (`problem()`), so the SDK refuses it before enqueueing and the worker again after decoding (protocol.py)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -17,7 +17,8 @@ class Function(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     parameters: str = ""  # the JSON schema of its arguments as text; "": it takes none
 
 
-TOOL_CHOICES = ("auto", "required", "function")
+ToolChoice = Literal["auto", "required", "function"]
+TOOL_CHOICES = get_args(ToolChoice)
 
 
 class Tools(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -27,7 +28,7 @@ class Tools(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     Not calling (OpenAI's tool_choice none) is a job without tools."""
 
     functions: list[Function]
-    choice: Literal["auto", "required", "function"] = "auto"
+    choice: ToolChoice = "auto"
     function: str = ""  # choice "function": the one to call
     parallel: bool = True  # more than one call in an answer (OpenAI's parallel_tool_calls)
 
@@ -67,7 +68,11 @@ def schema_problem(text: str, what: str) -> str | None:
     return None
 
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# The kinds of constraint, declared once on the wire: Structured.kind's type and the list messages name. The engine may
+# not import the SDK, nor the SDK the engine (tests/test_layering.py), so engine/constraints.py declares its KINDS
+# itself and tests/producer/test_field_agreement.py holds the two equal.
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS = get_args(StructuredKind)
 
 
 class Structured(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -76,7 +81,7 @@ class Structured(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     (grammar: Lark, or GBNF/EBNF as the worker's grammar library takes it); `choices` the strings of `choice`.
     The worker compiles it off the engine thread; one it cannot compile is an error result naming the problem."""
 
-    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    kind: StructuredKind
     spec: str = ""
     choices: list[str] = []
 
