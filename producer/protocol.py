@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from .constraints import Structured, Tools
-from .fields import Entries, Items, Range, Shape, specs
+from .fields import NEWER, Entries, Items, Range, Shape, specs
 from .limits import (MAX_EMBEDDING_DIMENSIONS, MAX_EVENT_BYTES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_MESSAGES,
                      MAX_METADATA_BYTES, MAX_MODEL_NAME_CHARS, MAX_PAYLOAD_BYTES, MAX_PROMPT_CHARS, MAX_STOP_STRINGS,
                      MAX_STOP_STRING_CHARS, MAX_STRUCTURED_CHARS, MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_VALUE_CHARS,
@@ -116,17 +116,18 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     logit_bias: Annotated[dict[int, float], Entries(
         MAX_LOGIT_BIAS, f"logit_bias has {{n}} entries; at most {MAX_LOGIT_BIAS} are allowed",
         "logit_bias entry {item} must map a token id >= 0 to a bias in [-100, 100]",
-        key=Range(ge=0), value=Range(ge=-100.0, le=100.0))] = {}
+        key=Range(ge=0), value=Range(ge=-100.0, le=100.0)), NEWER] = {}
     # vLLM's: drop tokens whose probability is below min_p times the most likely one's (after temperature)
-    min_p: Annotated[float, Range(ge=0.0, le=1.0, says="be in [0, 1] (0 disables it)")] = 0.0
+    min_p: Annotated[float, Range(ge=0.0, le=1.0, says="be in [0, 1] (0 disables it)"), NEWER] = 0.0
     # vLLM's: EOS and stop_token_ids are masked until this many tokens are out (a stop string still ends the output)
-    min_tokens: Annotated[int, Range(ge=0, le=MAX_TOKENS_LIMIT, says=f"be between 0 and {MAX_TOKENS_LIMIT}")] = 0
+    min_tokens: Annotated[int, Range(ge=0, le=MAX_TOKENS_LIMIT, says=f"be between 0 and {MAX_TOKENS_LIMIT}"), NEWER] = 0
     # None: none; N: each prompt token's logprob given the tokens before it (the first has none) and the N most
     # likely there (completions' echo with logprobs, vLLM's prompt_logprobs), on the Final's prompt_logprobs
     prompt_logprobs: Annotated[int | None, Range(ge=0, le=MAX_LOGPROBS, says=f"be None (no prompt logprobs) or 0 to "
-                                                                             f"{MAX_LOGPROBS} top alternatives")] = None
+                                                                             f"{MAX_LOGPROBS} top alternatives"),
+                               NEWER] = None
     # vLLM's: False keeps special tokens (<|im_end|>...) in the answer's text
-    skip_special_tokens: bool = True
+    skip_special_tokens: Annotated[bool, NEWER] = True
 
 
 SAMPLING_FIELDS = specs(Sampling)
@@ -137,9 +138,9 @@ class Embedding(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     the generation fields. `dimensions` keeps the first N values (then scales to unit length again when normalizing),
     for any model: a Matryoshka-trained model keeps its quality there, for others it is the caller's choice."""
 
-    pooling: Pooling = "model"
-    normalize: bool = True
-    dimensions: Annotated[int | None, Range(
+    pooling: Annotated[Pooling, NEWER] = "model"
+    normalize: Annotated[bool, NEWER] = True
+    dimensions: Annotated[int | None, NEWER, Range(
         ge=1, le=MAX_EMBEDDING_DIMENSIONS, says=f"be None (every dimension) or 1 to {MAX_EMBEDDING_DIMENSIONS}")] = None
 
 

@@ -21,7 +21,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from . import constraints, limits, protocol as wire
 from .errors import FieldError, InvalidRequest
-from .fields import Entries, Items, Range, Shape, Spec
+from .fields import NEWER, Entries, Items, Range, Shape, Spec
 from .request_structured import (Structured, Text, Tools, call_arguments, is_model_class, schema_dict, structured_of,
                                  tool_choice_of)
 
@@ -29,11 +29,6 @@ MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 MAX_TOKEN_ID = 2**31 - 1
 EMBEDDING_DEFAULTS = {spec.name: spec.default for spec in wire.EMBEDDING_FIELDS}
-# fields added after idempotency digests were first stored: left out of a digest while at their default, so a job
-# that uses none of them digests as it always did (a resubmission across an upgrade is no conflict)
-NEWER_THAN_DIGESTS = ("task", "add_special_tokens", "logit_bias", "min_p", "min_tokens", "prompt_logprobs",
-                      "skip_special_tokens", "chat_template_kwargs", "add_generation_prompt", *EMBEDDING_DEFAULTS,
-                      "tools", "tool_choice", "parallel_tool_calls", "suffix")
 # what an embedding job refuses to be given other than at its default: every sampling field, and streaming
 GENERATION_FIELDS = (*(spec.name for spec in wire.SAMPLING_FIELDS), "stream")
 
@@ -126,8 +121,13 @@ class ChatMessage(BaseModel):
 
 
 def _sdk_field(spec: Spec) -> tuple[Any, Any]:
-    """A wire sampling field as a submit argument: the wire's type, default and bounds, and the SDK's two
-    conveniences: a list may be left out (None, sent as the empty list) and `stop` may be one string."""
+    """A wire sampling field as a submit argument: the wire's type, default, bounds and digest marker, and the SDK's
+    two conveniences: a list may be left out (None, sent as the empty list) and `stop` may be one string."""
+    annotation, default = _sdk_type(spec)
+    return (Annotated[annotation, NEWER] if spec.newer_than_digests else annotation), default
+
+
+def _sdk_type(spec: Spec) -> tuple[Any, Any]:
     b = spec.bounds
     if isinstance(b, Shape):
         return Structured, spec.default
@@ -187,14 +187,16 @@ class SubmitRequest(_PromptAndSampling):
     metadata: Annotated[dict[Annotated[Text, Field(max_length=256)], Text],
                         AfterValidator(_metadata_size)] | None = None
     tenant: Annotated[str, AfterValidator(_tenant_name)] | None = None  # None: the client's own, if it has one
-    task: wire.Task = "generate"  # tokenize / detokenize: the serving worker's tokenizer answers (token_ids / text)
-    add_special_tokens: bool = True  # tokenize: as tokenizer.encode(prompt, add_special_tokens=...)
+    # NEWER marks the fields added after idempotency digests were first stored (fields.NewerThanDigests)
+    task: Annotated[wire.Task, NEWER] = "generate"  # tokenize / detokenize: the serving worker's tokenizer answers
+    add_special_tokens: Annotated[bool, NEWER] = True  # tokenize: as tokenizer.encode(prompt, add_special_tokens=...)
     # messages only: variables the chat template reads (enable_thinking...), and whether it ends with the
     # assistant's turn header (False: the last message is continued as it is)
-    chat_template_kwargs: Annotated[dict[str, wire.TemplateValue], AfterValidator(_template_kwargs)] | None = None
-    add_generation_prompt: bool = True
+    chat_template_kwargs: Annotated[Annotated[dict[str, wire.TemplateValue], AfterValidator(_template_kwargs)] | None,
+                                    NEWER] = None
+    add_generation_prompt: Annotated[bool, NEWER] = True
     # fill-in-the-middle (a text prompt only): the text after the hole, for a model with FIM tokens to write the middle
-    suffix: Annotated[Text, Field(max_length=limits.MAX_PROMPT_CHARS)] | None = None
+    suffix: Annotated[Annotated[Text, Field(max_length=limits.MAX_PROMPT_CHARS)] | None, NEWER] = None
     # the conveniences that make `structured` (structured_of); a pydantic model class also makes Result.parsed
     response_format: Annotated[Any, AfterValidator(schema_dict),
                                PlainSerializer(lambda v: v.model_json_schema() if is_model_class(v) else v)] = None
@@ -203,9 +205,9 @@ class SubmitRequest(_PromptAndSampling):
         | None = None
     grammar: Annotated[Text, Field(min_length=1, max_length=limits.MAX_STRUCTURED_CHARS)] | None = None
     # functions the model may call (chat messages only): OpenAI's tools, tool_choice and parallel_tool_calls
-    tools: Tools | None = None
-    tool_choice: Annotated[Any, BeforeValidator(tool_choice_of)] = None  # None: auto with tools
-    parallel_tool_calls: bool = True
+    tools: Annotated[Tools | None, NEWER] = None
+    tool_choice: Annotated[Any, BeforeValidator(tool_choice_of), NEWER] = None  # None: auto with tools
+    parallel_tool_calls: Annotated[bool, NEWER] = True
 
     def wire_tools(self) -> constraints.Tools | None:
         """The job's tools; None where none are given or tool_choice is 'none' (the model is not shown them)."""
@@ -252,6 +254,10 @@ class SubmitRequest(_PromptAndSampling):
         """Fields newer than digests that hold their default: left out, so a generation job's digest stays."""
         fields = type(self).model_fields
         return {name for name in NEWER_THAN_DIGESTS if getattr(self, name) in (fields[name].default, {})}
+
+
+# the fields marked NEWER (fields.NewerThanDigests): left out of a digest while at their default
+NEWER_THAN_DIGESTS = tuple(name for name, f in SubmitRequest.model_fields.items() if NEWER in f.metadata)
 
 
 def _submit_signature() -> inspect.Signature:
