@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from kvgate.producer.protocol import Keys  # stream names as kvgate writes them (needs the SDK: pip install kvgate)
+from kvgate.producer.keys import Keys  # stream names as kvgate writes them (needs the SDK: pip install kvgate)
 from kvgate.producer.shards import MAX_SHARDS
 
 K8S = Path(__file__).parent / "k8s"

@@ -29,6 +29,7 @@ from typing import Any
 
 log = logging.getLogger("kvgate.engine")
 
+# the wire's kinds (producer/constraints.py STRUCTURED_KINDS), which the engine may not import: a test holds them equal
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # JSON as json.dumps writes it: one space after ':' and ',' and no other whitespace. With llguidance's default
 # (any run of whitespace between tokens) a greedy small model can fill its whole max_tokens with newlines: 15 of 16

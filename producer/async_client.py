@@ -17,7 +17,7 @@ from .cluster import is_cluster
 from .connection import translated
 from .durable import DurableSubmitter
 from .job_status import JobStatus, job_states_script
-from .protocol import DEFAULT_MODEL, Keys
+from .keys import DEFAULT_MODEL, Keys
 from .queue_stats import QueueStats
 from .redis_url import connect_async, keys_for_async
 from .reply_reader import ReaderState

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-# Twice the longest prompt of token ids a job may hold (producer.protocol.MAX_PROMPT_CHARS, 512,000): 2^20 numbers
+# Twice the longest prompt of token ids a job may hold (producer.limits.MAX_PROMPT_CHARS, 512,000): 2^20 numbers
 # decode in about 20 ms on a loaded machine.
 MAX_VALUES = 1 << 20
 # Arrays and objects cost more (the garbage collector tracks each) and every one is walked again by the request's

@@ -13,7 +13,7 @@ from .durable import DurableSubmitter
 from .errors import ResultTimeout
 from .handle import JobHandle
 from .job_status import JobStatus, job_states_script
-from .protocol import DEFAULT_MODEL
+from .keys import DEFAULT_MODEL
 from .queue_stats import QueueStats
 from .redis_url import connect, keys_for
 from .reply_reader import ReaderState, ReplyReader

@@ -22,7 +22,8 @@ from .idempotency import owner_tag
 from .job_status import job_status
 from .lane_count import LaneCount
 from .mailbox import ReplyRouter
-from .protocol import Keys, check_tenant_name, decode_final
+from .keys import Keys
+from .protocol import check_tenant_name, decode_final
 from .queue_stats import backlog, queue_stats
 from .quotas import Quota, QuotaLedger, Quotas, over_whole_quota, quotas_of, release, take, tenant_of
 from .redis_url import FAILOVER_BUDGET_S, Durability

@@ -24,10 +24,9 @@ from redis.retry import Retry
 from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.crc import key_slot
 
-from .protocol import mask_url
 from .shards import check_shards
 from .steps import Steps, call, returning, run
-from .urls import host_port, split_url
+from .urls import host_port, mask_url, split_url
 
 log = logging.getLogger(__name__)
 

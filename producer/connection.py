@@ -6,9 +6,9 @@ from contextlib import contextmanager
 
 import redis
 
-from . import protocol
+from . import urls
 from .errors import ConnectionFailed, KvgateError, NotReplicatedError, ServerRefused
-from .protocol import DEFAULT_URL, URL_ENV, mask_url  # noqa: F401 - re-exported for the SDK's commands
+from .urls import DEFAULT_URL, URL_ENV, mask_url  # noqa: F401 - re-exported for the SDK's commands
 from .redis_url import NotReplicated
 
 OUT_OF_MEMORY = ("it is out of memory (used memory over maxmemory, with maxmemory-policy noeviction)",
@@ -28,7 +28,7 @@ def resolve_url(redis_url: str | None, default: str | None = None) -> str:
 
 def check_url(url: str) -> str:
     try:
-        return protocol.check_url(url)
+        return urls.check_url(url)
     except ValueError as e:
         raise KvgateError(str(e)) from None
 

@@ -14,7 +14,7 @@ import threading
 
 from .cluster import AsyncNodeLinks, NodeLinks, is_cluster
 from .idempotency import Claim, owner_tag
-from .protocol import Keys
+from .keys import Keys
 from .redis_url import Durability, connect, connect_async
 from .steps import Steps, call
 from .submission import Prepared, across_failover, by_shard, enqueue_commands

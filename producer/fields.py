@@ -16,6 +16,16 @@ import msgspec
 
 
 @dataclass(frozen=True, slots=True)
+class NewerThanDigests:
+    """Marks a request field added after idempotency digests were first stored: a digest leaves it out while it holds
+    its default, so a request that uses none of them digests as it always did (a resubmission across an upgrade is no
+    conflict). A field added from now on carries it too."""
+
+
+NEWER = NewerThanDigests()
+
+
+@dataclass(frozen=True, slots=True)
 class Range:
     """A number's bounds. `off`: a value outside them that means "disabled" (top_k=-1); `says`: the rule as
     messages state it, where the interval alone would read worse."""
@@ -90,6 +100,7 @@ class Spec:
     type: Any
     default: Any
     bounds: Range | Items | Entries | Shape | None
+    newer_than_digests: bool = False  # marked NEWER: out of an idempotency digest while at its default
 
     @property
     def optional(self) -> bool:
@@ -127,10 +138,10 @@ def specs(struct: type[msgspec.Struct]) -> tuple[Spec, ...]:
     hints = typing.get_type_hints(struct, include_extras=True)
     out = []
     for f in msgspec.structs.fields(struct):
-        hint, bounds = hints[f.name], None
+        hint, meta = hints[f.name], []
         if typing.get_origin(hint) is Annotated:
             hint, *meta = typing.get_args(hint)
-            bounds = next((m for m in meta if isinstance(m, (Range, Items, Entries, Shape))), None)
+        bounds = next((m for m in meta if isinstance(m, (Range, Items, Entries, Shape))), None)
         default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
-        out.append(Spec(f.name, hint, default, bounds))
+        out.append(Spec(f.name, hint, default, bounds, NEWER in meta))
     return tuple(out)

@@ -18,7 +18,8 @@ import msgspec
 import redis
 
 from .lanes import parse_lanes
-from .protocol import FIELD, ID_AFTER_LUA, Keys, as_text
+from .keys import ID_AFTER_LUA, Keys, as_text
+from .protocol import FIELD
 from .queue_stats import known_models
 from .steps import Steps, call
 

@@ -9,7 +9,8 @@ counted, until a worker of that name starts.
 """
 from __future__ import annotations
 
-from .protocol import DEFAULT_MODEL, Keys, as_text, check_model_name
+from .keys import DEFAULT_MODEL, Keys, as_text
+from .protocol import check_model_name
 from .steps import Steps, call
 
 MAX_KNOWN_MODELS = 1_000  # each costs reads of its 3 priorities x (lanes + 1) streams on every stats and backlog read

@@ -6,15 +6,17 @@ malformed payload becomes a ProtocolError (and an error result), never a crash o
 from __future__ import annotations
 
 import math
-import re
 from typing import Annotated, Literal
 
 import msgspec
 
-from .bounded_json import BadJson, parse_json
-from .fields import Entries, Items, Range, Shape, specs
-from .shards import check_shards, shard_of, shard_tags
-from .urls import split_url
+from .constraints import Structured, Tools
+from .fields import NEWER, Entries, Items, Range, Shape, specs
+from .limits import (MAX_EMBEDDING_DIMENSIONS, MAX_EVENT_BYTES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_MESSAGES,
+                     MAX_METADATA_BYTES, MAX_MODEL_NAME_CHARS, MAX_PAYLOAD_BYTES, MAX_PROMPT_CHARS, MAX_STOP_STRINGS,
+                     MAX_STOP_STRING_CHARS, MAX_STRUCTURED_CHARS, MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_VALUE_CHARS,
+                     MAX_TOKENS_LIMIT, MAX_TOOL_CALLS, RESERVED_TEMPLATE_KWARGS, TEMPLATE_KWARG_NAME, TENANT_NAME,
+                     TOOL_NAME)
 
 # Version 2 added `attempt` to Delta and Final (which delivery of the job produced them; see stream.py).
 # Readers accept every version from MIN_PROTOCOL_VERSION on: a version-1 message reads as attempt 1. The
@@ -44,55 +46,7 @@ PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 JOB_VERSION = 1
 FIELD = "p"  # the single stream field that holds a msgpack payload
-MAX_PAYLOAD_BYTES = 1 << 20  # 1 MiB: far above any sane prompt, far below a Redis DoS
-MAX_PROMPT_CHARS = 512_000
-MAX_MESSAGES = 256
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_METADATA_BYTES = 16_384
-MAX_TOKENS_LIMIT = 1 << 20
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
-MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias: each costs every step of the request a scatter
-MAX_STRUCTURED_CHARS = 65_536  # a JSON schema, regex or grammar; OpenAI's strict schemas are far smaller
-MAX_CHOICES = 256
-MAX_TEMPLATE_KWARGS = 16  # chat_template_kwargs entries: a few switches (enable_thinking...), not a second prompt
-MAX_TEMPLATE_VALUE_CHARS = 4096
-TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
-# apply_chat_template's own parameters: a template variable of one of these names would change how it is called
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 TemplateValue = str | int | float | bool | None
-MAX_EMBEDDING_DIMENSIONS = 65_536  # far above any model's hidden size; the worker refuses more than its model has
-MAX_TOOLS = 128  # OpenAI's limit of functions a request declares
-MAX_TOOL_CALLS = 128  # calls one assistant message of a conversation's history holds
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
-MAX_EVENT_BYTES = 64 << 20  # reply events come from workers; a long answer with top-20 logprobs runs to megabytes
-PRIORITIES = ("high", "normal", "low")  # read in this order
-DEFAULT_MODEL = "default"  # the stream of jobs that name no model; workers serve it unless told not to
-MAX_MODEL_NAME_CHARS = 128
-# A tenant names who submitted a job (the gateway's API key maps to one): short, and safe as a metric label, a
-# Redis key part (no braces: Cluster hash tags) and a folder name.
-TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-# A Lua function the scripts that compare stream entry ids share: is id `a` after id `b`?
-ID_AFTER_LUA = """
-local function id_after(a, b)
-  local am, as = string.match(a, '^(%d+)-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
-  am, as, bm, bs = tonumber(am or 0), tonumber(as or 0), tonumber(bm or 0), tonumber(bs or 0)
-  return am > bm or (am == bm and as > bs)
-end
-"""
-DEFAULT_TENANT = "default"  # the tenant of a bare API key and of an open gateway's callers
-# The one cardinality rule of every per-tenant view (`kvgate stats`, `kvgate top`, the exporter, workers' heartbeats):
-# the TOP_TENANTS busiest by name, every other tenant summed as OTHER_TENANTS (no tenant name starts with '_').
-TOP_TENANTS = 10
-OTHER_TENANTS = "_other"
-TENANT_WINDOW_S = 60.0  # the window of the tokens and queue waits a worker's heartbeat gives per tenant
-# Queue wait edges (seconds) of workers' histograms: the Prometheus one and the per-tenant counts in heartbeats.
-QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                      300.0, 600.0, 1800.0, 3600.0)
 
 Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
@@ -126,94 +80,6 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
     def size(self) -> int:
         return len(self.content) + sum(len(c.arguments) + len(c.name) for c in self.tool_calls or ())
-
-
-class Function(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    name: str
-    description: str = ""
-    parameters: str = ""  # the JSON schema of its arguments as text; "": it takes none
-
-
-TOOL_CHOICES = ("auto", "required", "function")
-
-
-class Tools(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """The functions a chat job may call, rendered by the worker's chat template, and how it may call them: `auto`
-    (the model decides; the worker's parser reads its calls), `required` (at least one call: the worker constrains the
-    answer to a JSON array of calls), `function` (a call of `function`: the answer is constrained to its arguments).
-    Not calling (OpenAI's tool_choice none) is a job without tools."""
-
-    functions: list[Function]
-    choice: Literal["auto", "required", "function"] = "auto"
-    function: str = ""  # choice "function": the one to call
-    parallel: bool = True  # more than one call in an answer (OpenAI's parallel_tool_calls)
-
-    def problem(self) -> str | None:
-        if not 0 < len(self.functions) <= MAX_TOOLS:
-            return f"tools has {len(self.functions)} functions; it must have 1 to {MAX_TOOLS}"
-        size = sum(len(f.name) + len(f.description) + len(f.parameters) for f in self.functions)
-        if size > MAX_STRUCTURED_CHARS:
-            return f"tools hold {size} characters, over the limit of {MAX_STRUCTURED_CHARS}"
-        names = [f.name for f in self.functions]
-        for f in self.functions:
-            if not TOOL_NAME.fullmatch(f.name):
-                return (f"tool name {f.name[:80]!r} must be 1 to 64 letters, digits, '_' or '-' (for example "
-                        "'get_weather')")
-            if names.count(f.name) > 1:
-                return f"tool name {f.name!r} is declared twice; every function needs its own name"
-            if f.parameters and (problem := schema_problem(f.parameters, f"tool {f.name!r} parameters")):
-                return problem
-        if (self.choice == "function") != bool(self.function):
-            return "tools choice 'function' names its function in `function`, and only it does"
-        if self.function and self.function not in names:
-            return f"tool choice names function {self.function!r}, which tools does not declare (declared: " \
-                   f"{', '.join(names)[:200]})"
-        return None
-
-
-def schema_problem(text: str, what: str) -> str | None:
-    """Why `text`, named `what` in the answer, is not a JSON schema object, or None. The text is a producer's: parsed
-    within the same depth budget as a request body (a schema nested 1,000 deep raised RecursionError here, in every
-    worker that read the job)."""
-    try:
-        schema = parse_json(text)
-    except BadJson as e:
-        return f"{what} is not JSON a worker takes: {e}"
-    if not isinstance(schema, dict):
-        return f"{what} must be a JSON schema object, got {type(schema).__name__}"
-    return None
-
-
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-
-
-class Structured(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """The one constraint a request's output must follow. `spec` is a JSON schema's text (json_schema; also
-    json_object, where it is optional and narrows "any JSON object"), a regular expression (regex) or a grammar
-    (grammar: Lark, or GBNF/EBNF as the worker's grammar library takes it); `choices` the strings of `choice`.
-    The worker compiles it off the engine thread; one it cannot compile is an error result naming the problem."""
-
-    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-    spec: str = ""
-    choices: list[str] = []
-
-    def problem(self, max_chars: int = MAX_STRUCTURED_CHARS) -> str | None:
-        """What makes this constraint unusable before any compiling, or None."""
-        size = len(self.spec) + sum(len(c) for c in self.choices)
-        if size > max_chars:
-            return f"structured {self.kind} constraint has {size} characters, over the limit of {max_chars}"
-        if self.kind == "choice":
-            if not 0 < len(self.choices) <= MAX_CHOICES or not all(self.choices) or self.spec:
-                return (f"structured choice needs 1 to {MAX_CHOICES} non-empty strings in choices and no spec; got "
-                        f"{len(self.choices)} choices")
-            return None
-        if self.choices:
-            return f"structured {self.kind} takes no choices (only kind='choice' does)"
-        if self.kind in ("regex", "grammar", "json_schema") and not self.spec:
-            return f"structured {self.kind} needs a non-empty spec (the {self.kind.replace('_', ' ')})"
-        if self.kind in ("json_schema", "json_object") and self.spec:
-            return schema_problem(self.spec, f"structured {self.kind} spec")
-        return None
 
 
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -250,17 +116,18 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     logit_bias: Annotated[dict[int, float], Entries(
         MAX_LOGIT_BIAS, f"logit_bias has {{n}} entries; at most {MAX_LOGIT_BIAS} are allowed",
         "logit_bias entry {item} must map a token id >= 0 to a bias in [-100, 100]",
-        key=Range(ge=0), value=Range(ge=-100.0, le=100.0))] = {}
+        key=Range(ge=0), value=Range(ge=-100.0, le=100.0)), NEWER] = {}
     # vLLM's: drop tokens whose probability is below min_p times the most likely one's (after temperature)
-    min_p: Annotated[float, Range(ge=0.0, le=1.0, says="be in [0, 1] (0 disables it)")] = 0.0
+    min_p: Annotated[float, Range(ge=0.0, le=1.0, says="be in [0, 1] (0 disables it)"), NEWER] = 0.0
     # vLLM's: EOS and stop_token_ids are masked until this many tokens are out (a stop string still ends the output)
-    min_tokens: Annotated[int, Range(ge=0, le=MAX_TOKENS_LIMIT, says=f"be between 0 and {MAX_TOKENS_LIMIT}")] = 0
+    min_tokens: Annotated[int, Range(ge=0, le=MAX_TOKENS_LIMIT, says=f"be between 0 and {MAX_TOKENS_LIMIT}"), NEWER] = 0
     # None: none; N: each prompt token's logprob given the tokens before it (the first has none) and the N most
     # likely there (completions' echo with logprobs, vLLM's prompt_logprobs), on the Final's prompt_logprobs
     prompt_logprobs: Annotated[int | None, Range(ge=0, le=MAX_LOGPROBS, says=f"be None (no prompt logprobs) or 0 to "
-                                                                             f"{MAX_LOGPROBS} top alternatives")] = None
+                                                                             f"{MAX_LOGPROBS} top alternatives"),
+                               NEWER] = None
     # vLLM's: False keeps special tokens (<|im_end|>...) in the answer's text
-    skip_special_tokens: bool = True
+    skip_special_tokens: Annotated[bool, NEWER] = True
 
 
 SAMPLING_FIELDS = specs(Sampling)
@@ -271,9 +138,9 @@ class Embedding(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     the generation fields. `dimensions` keeps the first N values (then scales to unit length again when normalizing),
     for any model: a Matryoshka-trained model keeps its quality there, for others it is the caller's choice."""
 
-    pooling: Pooling = "model"
-    normalize: bool = True
-    dimensions: Annotated[int | None, Range(
+    pooling: Annotated[Pooling, NEWER] = "model"
+    normalize: Annotated[bool, NEWER] = True
+    dimensions: Annotated[int | None, NEWER, Range(
         ge=1, le=MAX_EMBEDDING_DIMENSIONS, says=f"be None (every dimension) or 1 to {MAX_EMBEDDING_DIMENSIONS}")] = None
 
 
@@ -580,267 +447,3 @@ def message_problem(m: Message) -> str | None:
 
 def encode_metadata(metadata: dict[str, str]) -> bytes:
     return _encoder.encode(metadata)
-
-
-def as_text(value) -> str:
-    """Redis replies are bytes unless the client decodes them."""
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class Keys:
-    """Redis key names for one namespace (see docs/architecture.md, 'Redis keys'). On a Redis Cluster (`cluster=True`) the
-    namespace is split into `shards`, each under its own hash tag (producer/shards.py): this root object names a
-    job's keys in the job's shard (by its id, or its idempotency key), lists streams of every shard, and puts the
-    fleet's own keys (heartbeats, models, lanes) in shard 0; `at(k)` and `of_stream` name one shard's keys."""
-
-    GROUP = "workers"
-
-    def __init__(self, namespace: str = "kvgate", shards: int = 1, cluster: bool = False):
-        if not namespace or any(c in namespace for c in " \n\r\t{}"):
-            raise ValueError(f"namespace {namespace!r} must be non-empty with no whitespace or braces")
-        if not cluster and shards != 1:
-            raise ValueError(f"shards={shards}: a namespace is split into shards only on a Redis Cluster")
-        self.ns, self.shards, self.cluster = namespace, check_shards(shards), cluster
-        self.prefix, self.shard = namespace, 0
-        self.parts: list[Keys] = [self]
-        if cluster:
-            self.parts = [self._part(k, f"{namespace}:{{{tag}}}") for k, tag in enumerate(shard_tags(shards))]
-            self.prefix = self.parts[0].prefix
-        self._by_prefix = {p.prefix: p for p in self.parts}
-
-    def _part(self, shard: int, prefix: str) -> "Keys":
-        part = object.__new__(Keys)
-        part.ns, part.shards, part.cluster, part.prefix, part.shard = self.ns, 1, self.cluster, prefix, shard
-        part.parts, part._by_prefix = [part], {prefix: part}
-        return part
-
-    # -- shards --------------------------------------------------------------------------------------------
-    def at(self, shard: int) -> "Keys":
-        """One shard's key names."""
-        return self.parts[shard]
-
-    def shard_of(self, text: str) -> int:
-        """The shard of a job id or an idempotency key."""
-        return shard_of(text, len(self.parts))
-
-    def of_stream(self, stream: str) -> "Keys":
-        """The shard a job or reply stream's name is in: a job's result, reply and dead letter go there, whatever
-        its job id says (a hostile producer's job in another shard's stream must not make a cross-slot script)."""
-        if len(self.parts) == 1:
-            return self.parts[0]
-        head, brace, _ = stream.partition("}")
-        part = self._by_prefix.get(head + brace)
-        if part is None:
-            raise ValueError(f"stream {stream!r} is in no shard of namespace {self.ns!r}")
-        return part
-
-    def by_shard(self, items, stream_of=None) -> list[list]:
-        """Items grouped by the shard of their stream (`stream_of(item)`; the item itself when it is the stream's
-        name), shard by shard, each group in the given order; one group on a single Redis. A command or script may
-        touch one shard's keys only."""
-        groups: dict[int, list] = {}
-        for item in items:
-            groups.setdefault(self.of_stream(stream_of(item) if stream_of else item).shard, []).append(item)
-        return [groups[k] for k in sorted(groups)]
-
-    def _job(self, text: str) -> "Keys":
-        return self.parts[self.shard_of(text)]
-
-    # -- job streams ---------------------------------------------------------------------------------------
-    def jobs(self, model: str | None, priority: str, lane: int | None = None, shard: int = 0) -> str:
-        """One model's shared stream of one priority in one shard (`None` is the default model), or with `lane`
-        that model's prefix-affinity lane (producer/lanes.py)."""
-        base = f"{self.parts[shard].prefix}:jobs:{model or DEFAULT_MODEL}:{priority}"
-        return base if lane is None else f"{base}:{lane}"
-
-    def job_streams(self, model: str | None, priority: str, lanes: int = 0) -> list[str]:
-        """Every stream a job of `model` and `priority` may sit in, shard by shard: the shared one, then each lane's."""
-        return [st for k in range(len(self.parts))
-                for st in [self.jobs(model, priority, shard=k)] +
-                [self.jobs(model, priority, lane, k) for lane in range(lanes)]]
-
-    # -- fair share (worker/fair.py): a band is one model's shared stream of one priority in one shard ---------
-    @staticmethod
-    def tenant_jobs(band: str, tenant: str) -> str:
-        """A tenant's job stream in a band (fair share on): `<band>:t:<tenant>`, under the band's hash tag, so a
-        read script touches one slot."""
-        return f"{band}:t:{tenant}"
-
-    @staticmethod
-    def band_priority(band: str) -> str:
-        """A band's priority: its shared stream's name ends in it (`jobs()`)."""
-        return band.rsplit(":", 1)[1]
-
-    @staticmethod
-    def fair_backlog(band: str) -> str:
-        """Sorted set of the band's backlogged tenants, scored by their virtual token counters (weighted tokens
-        served); `<band>:fair:vt` holds the band's virtual time (the counter last served) and
-        `<band>:fair:pending` the tenant streams that may hold entries a worker has not acknowledged."""
-        return f"{band}:fair"
-
-    @staticmethod
-    def fair_pending(band: str) -> str:
-        return f"{band}:fair:pending"
-
-    @staticmethod
-    def fair_queued(band: str) -> str:
-        """Jobs in the band's tenants' streams not yet read (producers add, reads subtract): the band's backlog
-        for stats and the backlog gate, without a look at every tenant's stream."""
-        return f"{band}:fair:queued"
-
-    @staticmethod
-    def fair_streams(band: str) -> str:
-        """Sorted set of the band's tenants that have (or had) a stream, scored by when a worker's pruning pass
-        last looked at it (0: never; producers add a tenant when it joins the backlog): the pass walks it oldest
-        first, a bounded slice each time, deleting streams left empty (worker/fair.py)."""
-        return f"{band}:fair:streams"
-
-    @staticmethod
-    def fair_bell(band: str) -> str:
-        """A tiny stream (the last few entries) a producer adds to when a tenant joins the band's backlog: an idle
-        worker's blocking read waits on it, as it waits on the shared streams (a read cannot wait on a sorted
-        set)."""
-        return f"{band}:fair:bell"
-
-    @staticmethod
-    def fair_keys(band: str) -> list[str]:
-        """The keys a producer's fair enqueue touches besides the tenant's stream, in the scripts' order: the
-        backlog, its queued count, the streams index and the bell."""
-        return [Keys.fair_backlog(band), Keys.fair_queued(band), Keys.fair_streams(band), Keys.fair_bell(band)]
-
-    def handed_back(self, shard: int = 0) -> str:
-        """Sorted set of the shard's job entries a worker read but could not fit and handed back (worker/hand_back.py),
-        scored by when (server ms): `giver\\nentry id\\nstream`; any worker's next read takes them before new entries.
-        Outside `jobs:*`, which producers may write: only workers may make an entry move."""
-        return f"{self.parts[shard].prefix}:handed"
-
-    def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
-        """One model's streams, highest priority first, each priority's shared stream before its lanes."""
-        return [st for p in PRIORITIES for st in self.job_streams(model, p, lanes)]
-
-    def served_jobs(self, models: list[str]) -> list[str]:
-        """The streams of several models in the order a worker reads them: every model's high priority stream
-        before any model's normal one, so a priority means the same across the models one worker serves; shard
-        by shard within a priority (a read touches one shard: one slot)."""
-        return [self.jobs(m, p, shard=k) for p in PRIORITIES for k in range(len(self.parts)) for m in models]
-
-    # -- the fleet's keys, in shard 0 ----------------------------------------------------------------------
-    def models(self) -> str:
-        """Set of every model name ever submitted to or served: stats, exporter and gateway read it instead of
-        scanning key names."""
-        return f"{self.prefix}:models"
-
-    def lanes(self) -> str:
-        """The namespace's lane count, one for every model: set once by the first worker with affinity on;
-        absent: no lanes."""
-        return f"{self.prefix}:lanes"
-
-    def lane_ring(self, model: str | None) -> str:
-        """Sorted set of the workers that own `model`'s lanes (`weight|worker_id`), scored by their last beat
-        (server ms): a worker owns lanes only of the models it serves."""
-        return f"{self.prefix}:lanes:ring:{model or DEFAULT_MODEL}"
-
-    def lanes_full(self, model: str | None) -> str:
-        """Sorted set of the ring's workers that cannot take a job of `model`'s lanes now (no KV room): others
-        take their lanes' jobs without waiting the steal age. In shard 0, with the ring."""
-        return f"{self.prefix}:lanes:full:{model or DEFAULT_MODEL}"
-
-    def fair(self) -> str:
-        """The namespace's fair-share switch (set by `kvgate worker --fair-share on`): while it exists producers
-        send each job to its tenant's stream and workers serve the band's tenants by virtual token counters."""
-        return f"{self.prefix}:fair"
-
-    def tenants(self) -> str:
-        """Hash tenant -> weight for fair share (absent: 1); read by workers every few seconds."""
-        return f"{self.prefix}:tenants"
-
-    def worker(self, worker_id: str) -> str:
-        return f"{self.prefix}:worker:{worker_id}"
-
-    def workers(self) -> str:
-        """Sorted set of live workers' ids, scored by when their heartbeat expires (server ms): stats, the exporter
-        and the gateway list workers from it, not by scanning key names (SCAN walks the whole keyspace). Each
-        worker adds itself and drops expired members in the script that writes its heartbeat (worker/heartbeat.py)."""
-        return f"{self.prefix}:workers"
-
-    def quota_leases(self) -> str:
-        """Sorted set of admitted jobs, `tenant|job_id`, scored by the end of their lease (server ms); see
-        producer/quotas.py."""
-        return f"{self.prefix}:quota:leases"
-
-    def quota_jobs(self) -> str:
-        """Sorted set tenant -> jobs in flight (queued or running); a tenant leaves it at zero."""
-        return f"{self.prefix}:quota:jobs"
-
-    def quota_tokens(self) -> str:
-        """Sorted set tenant -> tokens charged in the current server minute."""
-        return f"{self.prefix}:quota:tokens"
-
-    def quota_tokens_prev(self) -> str:
-        """Sorted set tenant -> tokens charged in the previous server minute."""
-        return f"{self.prefix}:quota:tokens:prev"
-
-    def quota_window(self) -> str:
-        """Hash: the minute `quota_tokens` counts, and the totals over every tenant (jobs, tokens, tokens_prev)."""
-        return f"{self.prefix}:quota:window"
-
-    # -- a job's keys, in its shard ------------------------------------------------------------------------
-    def reply(self, client_id: str, shard: int = 0) -> str:
-        return f"{self.parts[shard].prefix}:reply:{client_id}"
-
-    def replies(self, client_id: str) -> list[str]:
-        """A client's reply stream in every shard."""
-        return [self.reply(client_id, k) for k in range(len(self.parts))]
-
-    def result(self, job_id: str) -> str:
-        return f"{self._job(job_id).prefix}:result:{job_id}"
-
-    def cancel(self, job_id: str) -> str:
-        return f"{self._job(job_id).prefix}:cancel:{job_id}"
-
-    def idempotency(self, key: str) -> str:
-        return f"{self._job(key).prefix}:idem:{key}"
-
-    def dead(self, shard: int = 0) -> str:
-        return f"{self.parts[shard].prefix}:dead"
-
-    def deads(self) -> list[str]:
-        return [self.dead(k) for k in range(len(self.parts))]
-
-
-# Fields of the `{ns}:worker:<id>` heartbeat hash; shared by the worker, `kvgate stats/top` and the exporter.
-# `model` is the canonical name; `models` every name it serves (canonical, aliases, `default`), comma-separated.
-HEARTBEAT_FIELDS = (
-    "worker_id", "model", "models", "started_at", "updated_at", "state",  # state: serving | draining
-    "running", "waiting", "max_num_seqs", "free_blocks", "total_blocks", "block_size",
-    "admissible_tokens", "tokens_per_s", "jobs_done",
-    "tenants",  # JSON {tenant: [running, tokens, wait counts...]}: worker/tenant_load.py, read by queue_stats
-    "fim",  # the model's fill-in-the-middle family (engine/fim.py), "" for none: the gateway refuses `suffix` early
-)
-
-
-# ---- the Redis URL, as producers, workers and every command take it ----------------------------------------------
-URL_ENV = "KVGATE_REDIS_URL"
-DEFAULT_URL = "redis://127.0.0.1:6379/0"  # the default of the worker and every `kvgate` command; never the SDK's
-
-
-URL_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel",  # Sentinel: producer/redis_url.py
-               "redis+cluster", "rediss+cluster")  # Redis Cluster: producer/cluster.py
-
-
-def check_url(url: str) -> str:
-    if split_url(url).scheme not in URL_SCHEMES:
-        raise ValueError(f"Redis URL {mask_url(url)!r} must start with redis://, rediss://, unix://, "
-                         f"redis+sentinel:// or redis+cluster:// (for example {DEFAULT_URL})")
-    return url
-
-
-def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***, fit for messages and logs."""
-    parts = split_url(url)
-    # the query may carry a Sentinel's own password (redis+sentinel://...?sentinel_password=...)
-    query = re.sub(r"(password=)[^&]*", r"\1***", parts.query)
-    userinfo, at, hosts = parts.netloc.rpartition("@")  # a Sentinel URL lists several host:port, so no .port
-    if ":" in userinfo:
-        userinfo = userinfo.split(":", 1)[0] + ":***"
-    return parts.replace(netloc=f"{userinfo}{at}{hosts}", query=query).unsplit()

@@ -21,7 +21,7 @@ import redis
 
 from .lanes import parse_lanes
 from .model_set import known_models
-from .protocol import PRIORITIES, Keys, as_text
+from .keys import PRIORITIES, Keys, as_text
 from .quotas import TenantsUsage, tenant_usage
 from .steps import Steps, call, run
 from .stream_rows import StreamRow, read_rows

@@ -34,7 +34,9 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pypro
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import FieldError, QuotaExceeded
-from .protocol import DEFAULT_TENANT, TOP_TENANTS, Final, Job, Keys, ProtocolError, as_text, check_tenant_name
+from .keys import Keys, as_text
+from .limits import DEFAULT_TENANT, TOP_TENANTS
+from .protocol import Final, Job, ProtocolError, check_tenant_name
 from .steps import Steps, call
 
 PRUNE_BATCH = 100  # expired leases one admission removes: bounded work, amortised over admissions

@@ -23,9 +23,9 @@ from redis.asyncio.sentinel import Sentinel as AsyncSentinel, SentinelConnection
 from redis.sentinel import MasterNotFoundError, Sentinel
 
 from .cluster import agreed_shards, connect_cluster, connect_cluster_async, is_cluster, parse_cluster_url, shard_count
-from .protocol import Keys, mask_url
+from .keys import Keys
 from .steps import run_async
-from .urls import host_port, split_url
+from .urls import host_port, mask_url, split_url
 
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379

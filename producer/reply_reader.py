@@ -18,7 +18,8 @@ import redis
 from .cluster import get_many
 from .mailbox import ReplyRouter
 from .job_status import read_states
-from .protocol import FIELD, Delta, Final, Keys, ProtocolError, decode_event, decode_final
+from .keys import Keys
+from .protocol import FIELD, Delta, Final, ProtocolError, decode_event, decode_final
 from .steps import Steps, call, run
 
 log = logging.getLogger(__name__)

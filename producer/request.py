@@ -16,51 +16,37 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import (AfterValidator, model_validator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError,
-                      create_model)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError,
+                      create_model, model_validator)
 
-from . import protocol as wire
-from .bounded_json import MAX_DEPTH
+from . import constraints, limits, protocol as wire
 from .errors import FieldError, InvalidRequest
-from .fields import Entries, Items, Range, Shape, Spec
-from .tool_calls import closed
+from .fields import NEWER, Entries, Items, Range, Shape, Spec
+from .request_structured import (Structured, Text, Tools, call_arguments, is_model_class, schema_dict, structured_of,
+                                 tool_choice_of)
 
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 MAX_TOKEN_ID = 2**31 - 1
 EMBEDDING_DEFAULTS = {spec.name: spec.default for spec in wire.EMBEDDING_FIELDS}
-# fields added after idempotency digests were first stored: left out of a digest while at their default, so a job
-# that uses none of them digests as it always did (a resubmission across an upgrade is no conflict)
-NEWER_THAN_DIGESTS = ("task", "add_special_tokens", "logit_bias", "min_p", "min_tokens", "prompt_logprobs",
-                      "skip_special_tokens", "chat_template_kwargs", "add_generation_prompt", *EMBEDDING_DEFAULTS,
-                      "tools", "tool_choice", "parallel_tool_calls", "suffix")
 # what an embedding job refuses to be given other than at its default: every sampling field, and streaming
 GENERATION_FIELDS = (*(spec.name for spec in wire.SAMPLING_FIELDS), "stream")
 
 
-def _utf8(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"is not valid UTF-8 text (lone surrogate {text[e.start]!r} at position {e.start})") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 def _metadata_size(metadata: dict[str, str]) -> dict[str, str]:
     size = len(wire.encode_metadata(metadata))
-    if size > wire.MAX_METADATA_BYTES:
-        raise ValueError(f"is {size} bytes encoded, over the limit of {wire.MAX_METADATA_BYTES}")
+    if size > limits.MAX_METADATA_BYTES:
+        raise ValueError(f"is {size} bytes encoded, over the limit of {limits.MAX_METADATA_BYTES}")
     return metadata
 
 
 def _total_chars(messages: list) -> list:
     total = sum(m.to_wire().size() for m in messages)
-    if total > wire.MAX_PROMPT_CHARS:
-        raise ValueError(f"hold {total} characters together, over the limit of {wire.MAX_PROMPT_CHARS}")
+    if total > limits.MAX_PROMPT_CHARS:
+        raise ValueError(f"hold {total} characters together, over the limit of {limits.MAX_PROMPT_CHARS}")
     return messages
 
 
@@ -95,34 +81,11 @@ def _idempotency_key(key: str) -> str:
     return key
 
 
-def _arguments(value: Any) -> Any:
-    """A call's arguments as OpenAI sends them (JSON text), or as a dict, which is sent as its JSON text."""
-    return json_text(value, "arguments") if isinstance(value, dict) else value
-
-
-def _schema_dict(value: Any) -> Any:
-    """response_format as given, once it is known to encode (named here, where a model validator's error names no
-    field)."""
-    if isinstance(value, dict):
-        json_text(value, "the schema")
-    return value
-
-
-def json_text(value: Any, what: str) -> str:
-    """A caller's dict (a schema, a call's arguments) as the JSON text the wire carries. msgspec raises
-    RecursionError for one nested past the interpreter's limit: a ValueError naming it, as a worker refuses text nested
-    past bounded_json's limit."""
-    try:
-        return msgspec.json.encode(value).decode()
-    except RecursionError:
-        raise ValueError(f"{what} is nested too deeply: more than {MAX_DEPTH} arrays or objects inside one another "
-                         "is refused; send a flatter schema") from None
-
 
 class FunctionCall(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-    name: Annotated[str, Field(pattern=wire.TOOL_NAME.pattern)]
-    arguments: Annotated[Text, BeforeValidator(_arguments), Field(max_length=wire.MAX_PROMPT_CHARS)] = "{}"
+    name: Annotated[str, Field(pattern=limits.TOOL_NAME.pattern)]
+    arguments: Annotated[Text, BeforeValidator(call_arguments), Field(max_length=limits.MAX_PROMPT_CHARS)] = "{}"
 
 
 class MessageToolCall(BaseModel):
@@ -141,8 +104,8 @@ def _no_content(value: Any) -> Any:
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
     role: Literal["system", "user", "assistant", "tool"]
-    content: Annotated[Text, BeforeValidator(_no_content), Field(max_length=wire.MAX_PROMPT_CHARS)]
-    tool_calls: Annotated[list[MessageToolCall], Field(max_length=wire.MAX_TOOL_CALLS)] | None = None
+    content: Annotated[Text, BeforeValidator(_no_content), Field(max_length=limits.MAX_PROMPT_CHARS)]
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=limits.MAX_TOOL_CALLS)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     name: Annotated[Text, Field(min_length=1, max_length=64)] | None = None
 
@@ -155,119 +118,16 @@ class ChatMessage(BaseModel):
         return message
 
 
-def _structured(value: Any) -> wire.Structured | None:
-    """The wire's constraint from itself or its dict form ({"kind": "regex", "spec": "[0-9]+"}), checked as the
-    worker checks it."""
-    if value is None or isinstance(value, wire.Structured):
-        structured = value
-    else:
-        try:
-            structured = msgspec.convert(value, wire.Structured)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"is not a structured constraint ({e}); give {{'kind': one of "
-                             f"{', '.join(wire.STRUCTURED_KINDS)}, 'spec': text, 'choices': [...]}}, or use "
-                             "response_format=, regex=, choice= or grammar=") from None
-    if structured is not None and (problem := structured.problem()):
-        raise ValueError(problem)
-    return structured
-
-
-Structured = Annotated[Any, BeforeValidator(_structured),
-                       PlainSerializer(lambda v: None if v is None else msgspec.to_builtins(v))]
-
-
-def _is_model_class(value: Any) -> bool:
-    return isinstance(value, type) and issubclass(value, BaseModel)
-
-
-def structured_of(response_format: Any = None, regex: str | None = None, choice: list[str] | None = None,
-                  grammar: str | None = None) -> wire.Structured | None:
-    """The wire constraint of the SDK's conveniences: `response_format` as OpenAI's dict ({"type": "json_object"} or
-    {"type": "json_schema", "json_schema": {"schema": ...}}), a JSON schema dict, or a pydantic model class;
-    `regex`, `choice` (a list of strings), `grammar` (Lark or GBNF text). At most one; None: free text."""
-    given = [n for n, v in (("response_format", response_format), ("regex", regex), ("choice", choice),
-                            ("grammar", grammar)) if v is not None]
-    if len(given) > 1:
-        raise ValueError(f"give at most one of response_format, regex, choice, grammar; got {', '.join(given)}")
-    if regex is not None:
-        return wire.Structured("regex", regex)
-    if grammar is not None:
-        return wire.Structured("grammar", grammar)
-    if choice is not None:
-        return wire.Structured("choice", choices=list(choice))
-    if response_format is None:
-        return None
-    if _is_model_class(response_format):
-        schema = closed(response_format.model_json_schema())
-        return wire.Structured("json_schema", json_text(schema, "response_format"))
-    if not isinstance(response_format, dict):
-        raise ValueError(f"response_format must be OpenAI's dict, a JSON schema dict or a pydantic model class, "
-                         f"got {type(response_format).__name__}")
-    kind = response_format.get("type")
-    if kind == "text" and len(response_format) == 1:
-        return None
-    if kind == "json_object" and len(response_format) == 1:
-        return wire.Structured("json_object")
-    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
-        schema = response_format["json_schema"].get("schema")
-        if not isinstance(schema, dict):
-            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
-        return wire.Structured("json_schema", json_text(schema, "response_format"))
-    return wire.Structured("json_schema", json_text(response_format, "response_format"))  # a JSON schema itself
-
-
-def _function(tool: Any) -> wire.Function:
-    """One of `tools`: OpenAI's {"type": "function", "function": {"name", "description", "parameters", "strict"}}, or
-    the function dict alone."""
-    if isinstance(tool, wire.Function):
-        return tool
-    if not isinstance(tool, dict):
-        raise ValueError("must be OpenAI's {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, "
-                         f"got {type(tool).__name__}")
-    if "function" in tool or "type" in tool:
-        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict) or set(tool) - {"type",
-                                                                                                       "function"}:
-            raise ValueError("must be {'type': 'function', 'function': {...}}: function tools only")
-        tool = tool["function"]
-    unknown = set(tool) - {"name", "description", "parameters", "strict"}
-    if unknown:
-        raise ValueError(f"function has unknown field(s) {sorted(unknown)}; it takes name, description, parameters, "
-                         "strict")
-    name, description, params = tool.get("name"), tool.get("description", ""), tool.get("parameters")
-    if not isinstance(name, str) or not isinstance(description, str) or (params is not None and
-                                                                         not isinstance(params, dict)):
-        raise ValueError("function needs a string name, a string description and parameters as a JSON schema object")
-    if tool.get("strict") not in (None, True, False):
-        raise ValueError("function strict must be true or false")
-    _utf8(description)
-    return wire.Function(name, description, "" if params is None else json_text(params, f"function {name!r} parameters"))
-
-
-def _tools(value: Any) -> Any:
-    if value is None or not isinstance(value, (list, tuple)):
-        return value
-    return [_function(t) for t in value]
-
-
-def _tool_choice(value: Any) -> Any:
-    """"none" | "auto" | "required" | {"type": "function", "function": {"name": ...}} (or the name alone)."""
-    if value is None or value in ("none", "auto", "required"):
-        return value
-    if isinstance(value, dict) and value.get("type") == "function" and set(value) == {"type", "function"} and \
-            isinstance(value["function"], dict) and set(value["function"]) == {"name"}:
-        value = value["function"]["name"]
-    if isinstance(value, str) and wire.TOOL_NAME.fullmatch(value):
-        return {"type": "function", "function": {"name": value}}
-    raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
-
-
-Tools = Annotated[list[Any], BeforeValidator(_tools), Field(min_length=1, max_length=wire.MAX_TOOLS),
-                  PlainSerializer(lambda v: None if v is None else msgspec.to_builtins(v))]
 
 
 def _sdk_field(spec: Spec) -> tuple[Any, Any]:
-    """A wire sampling field as a submit argument: the wire's type, default and bounds, and the SDK's two
-    conveniences: a list may be left out (None, sent as the empty list) and `stop` may be one string."""
+    """A wire sampling field as a submit argument: the wire's type, default, bounds and digest marker, and the SDK's
+    two conveniences: a list may be left out (None, sent as the empty list) and `stop` may be one string."""
+    annotation, default = _sdk_type(spec)
+    return (Annotated[annotation, NEWER] if spec.newer_than_digests else annotation), default
+
+
+def _sdk_type(spec: Spec) -> tuple[Any, Any]:
     b = spec.bounds
     if isinstance(b, Shape):
         return Structured, spec.default
@@ -301,10 +161,10 @@ def _within(value: Any, bounds: Range) -> Any:
 class _Prompt(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
-    prompt: Annotated[Text, Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=wire.MAX_MESSAGES),
+    prompt: Annotated[Text, Field(min_length=1, max_length=limits.MAX_PROMPT_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=limits.MAX_MESSAGES),
                         AfterValidator(_total_chars)] | None = None
-    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)] | None = None
+    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=limits.MAX_PROMPT_CHARS)] | None = None
 
 
 # The sampling arguments are wire.Sampling's fields, and an embedding's are wire.Embedding's, made once from them.
@@ -327,33 +187,35 @@ class SubmitRequest(_PromptAndSampling):
     metadata: Annotated[dict[Annotated[Text, Field(max_length=256)], Text],
                         AfterValidator(_metadata_size)] | None = None
     tenant: Annotated[str, AfterValidator(_tenant_name)] | None = None  # None: the client's own, if it has one
-    task: wire.Task = "generate"  # tokenize / detokenize: the serving worker's tokenizer answers (token_ids / text)
-    add_special_tokens: bool = True  # tokenize: as tokenizer.encode(prompt, add_special_tokens=...)
+    # NEWER marks the fields added after idempotency digests were first stored (fields.NewerThanDigests)
+    task: Annotated[wire.Task, NEWER] = "generate"  # tokenize / detokenize: the serving worker's tokenizer answers
+    add_special_tokens: Annotated[bool, NEWER] = True  # tokenize: as tokenizer.encode(prompt, add_special_tokens=...)
     # messages only: variables the chat template reads (enable_thinking...), and whether it ends with the
     # assistant's turn header (False: the last message is continued as it is)
-    chat_template_kwargs: Annotated[dict[str, wire.TemplateValue], AfterValidator(_template_kwargs)] | None = None
-    add_generation_prompt: bool = True
+    chat_template_kwargs: Annotated[Annotated[dict[str, wire.TemplateValue], AfterValidator(_template_kwargs)] | None,
+                                    NEWER] = None
+    add_generation_prompt: Annotated[bool, NEWER] = True
     # fill-in-the-middle (a text prompt only): the text after the hole, for a model with FIM tokens to write the middle
-    suffix: Annotated[Text, Field(max_length=wire.MAX_PROMPT_CHARS)] | None = None
+    suffix: Annotated[Annotated[Text, Field(max_length=limits.MAX_PROMPT_CHARS)] | None, NEWER] = None
     # the conveniences that make `structured` (structured_of); a pydantic model class also makes Result.parsed
-    response_format: Annotated[Any, AfterValidator(_schema_dict),
-                               PlainSerializer(lambda v: v.model_json_schema() if _is_model_class(v) else v)] = None
-    regex: Annotated[Text, Field(min_length=1, max_length=wire.MAX_STRUCTURED_CHARS)] | None = None
-    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=wire.MAX_CHOICES)] \
+    response_format: Annotated[Any, AfterValidator(schema_dict),
+                               PlainSerializer(lambda v: v.model_json_schema() if is_model_class(v) else v)] = None
+    regex: Annotated[Text, Field(min_length=1, max_length=limits.MAX_STRUCTURED_CHARS)] | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=limits.MAX_CHOICES)] \
         | None = None
-    grammar: Annotated[Text, Field(min_length=1, max_length=wire.MAX_STRUCTURED_CHARS)] | None = None
+    grammar: Annotated[Text, Field(min_length=1, max_length=limits.MAX_STRUCTURED_CHARS)] | None = None
     # functions the model may call (chat messages only): OpenAI's tools, tool_choice and parallel_tool_calls
-    tools: Tools | None = None
-    tool_choice: Annotated[Any, BeforeValidator(_tool_choice)] = None  # None: auto with tools
-    parallel_tool_calls: bool = True
+    tools: Annotated[Tools | None, NEWER] = None
+    tool_choice: Annotated[Any, BeforeValidator(tool_choice_of), NEWER] = None  # None: auto with tools
+    parallel_tool_calls: Annotated[bool, NEWER] = True
 
-    def wire_tools(self) -> wire.Tools | None:
+    def wire_tools(self) -> constraints.Tools | None:
         """The job's tools; None where none are given or tool_choice is 'none' (the model is not shown them)."""
         if not self.tools or self.tool_choice == "none":
             return None
         named = self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else ""
         choice = "function" if named else self.tool_choice or "auto"
-        return wire.Tools(list(self.tools), choice, named, self.parallel_tool_calls)
+        return constraints.Tools(list(self.tools), choice, named, self.parallel_tool_calls)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "SubmitRequest":
@@ -369,7 +231,7 @@ class SubmitRequest(_PromptAndSampling):
     @property
     def parse_as(self) -> type[BaseModel] | None:
         """The pydantic model class the answer is validated into (Result.parsed), when response_format is one."""
-        return self.response_format if _is_model_class(self.response_format) else None
+        return self.response_format if is_model_class(self.response_format) else None
 
     def embedding(self) -> wire.Embedding | None:
         """An embedding job's settings (None: the defaults, or not an embedding job)."""
@@ -392,6 +254,10 @@ class SubmitRequest(_PromptAndSampling):
         """Fields newer than digests that hold their default: left out, so a generation job's digest stays."""
         fields = type(self).model_fields
         return {name for name in NEWER_THAN_DIGESTS if getattr(self, name) in (fields[name].default, {})}
+
+
+# the fields marked NEWER (fields.NewerThanDigests): left out of a digest while at their default
+NEWER_THAN_DIGESTS = tuple(name for name, f in SubmitRequest.model_fields.items() if NEWER in f.metadata)
 
 
 def _submit_signature() -> inspect.Signature:
@@ -561,8 +427,8 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
 
 def encode_job(job: wire.Job, where: str = "") -> bytes:
     payload = wire.encode(job)
-    if len(payload) > wire.MAX_PAYLOAD_BYTES:
+    if len(payload) > limits.MAX_PAYLOAD_BYTES:
         raise InvalidRequest([FieldError(f"{where}request", f"{len(payload)} bytes",
-                                         f"encodes to more than the {wire.MAX_PAYLOAD_BYTES}-byte payload limit; "
+                                         f"encodes to more than the {limits.MAX_PAYLOAD_BYTES}-byte payload limit; "
                                          "shorten the prompt")])
     return payload

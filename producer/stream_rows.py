@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol import Keys, as_text
+from .keys import Keys, as_text
 from .steps import Steps, call
 
 

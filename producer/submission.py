@@ -12,7 +12,9 @@ from .errors import Backpressure, FieldError
 from .idempotency import CLAIM_AND_ENQUEUE, FAIR_JOIN_LUA, IDEMPOTENCY_TTL_S, Claim, owner_tag, resolve
 from .lanes import lane_of, routing_key
 from .redis_url import FAILOVER_BUDGET_S, FAILOVER_ERRORS
-from .protocol import DEFAULT_MODEL, DEFAULT_TENANT, FIELD, Job, Keys, as_text
+from .keys import DEFAULT_MODEL, Keys, as_text
+from .limits import DEFAULT_TENANT
+from .protocol import FIELD, Job
 from .quotas import estimate_tokens
 from .request import build_job, encode_job, new_job_id, validate_request
 from .spread import TenantSpread

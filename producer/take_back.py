@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from .protocol import Keys
+from .keys import Keys
 from .steps import Steps, call
 from .submission import CANCEL_TTL_S, Prepared
 

@@ -12,14 +12,15 @@
   heartbeats (worker/tenant_load.py), each naming its TOP_TENANTS busiest and the rest summed.
 
 Whatever the sources, the view names the TOP_TENANTS busiest (backlog plus running, then tokens) and sums every other
-tenant as OTHER_TENANTS: one rule, declared in protocol.py, for every view.
+tenant as OTHER_TENANTS: one rule, declared in limits.py, for every view.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-from .protocol import OTHER_TENANTS, QUEUE_WAIT_BUCKETS, TENANT_WINDOW_S, TOP_TENANTS, Keys, as_text
+from .keys import QUEUE_WAIT_BUCKETS, TENANT_WINDOW_S, Keys, as_text
+from .limits import OTHER_TENANTS, TOP_TENANTS
 from .steps import Steps, call
 from .stream_rows import read_rows
 

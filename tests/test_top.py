@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.commands.top import render
 from kvgate.worker.heartbeat import write_beat
@@ -98,7 +98,7 @@ def test_one_frame_shows_each_tenants_backlog_running_tokens_and_queue_wait_with
     """Issue 27's per-tenant view: the busiest ten by name and every other tenant summed; backlog needs fair share."""
     import json
 
-    from kvgate.producer.protocol import QUEUE_WAIT_BUCKETS
+    from kvgate.producer.keys import QUEUE_WAIT_BUCKETS
 
     client, keys = shared_redis.client(), Keys(namespace)
     row = lambda running, tokens: [running, tokens, 0, 0, 0, 5] + [0] * (len(QUEUE_WAIT_BUCKETS) - 3)  # 10-25 ms

@@ -23,7 +23,7 @@ import redis
 
 from kvgate.producer.cluster import run_script
 from kvgate.producer.lanes import digest, decode_members, encode_member, owners, parse_lanes
-from kvgate.producer.protocol import DEFAULT_MODEL, PRIORITIES, Keys, as_text
+from kvgate.producer.keys import DEFAULT_MODEL, PRIORITIES, Keys, as_text
 from kvgate.worker.reader import ReadPlan
 
 log = logging.getLogger("kvgate.worker")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Iterator
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.worker.admission import Ticket
 
 

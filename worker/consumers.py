@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
-from kvgate.producer.protocol import Keys, as_text
+from kvgate.producer.keys import Keys, as_text
 
 # KEYS: job streams of one shard; ARGV: group, min idle ms, heartbeat key prefix, our own consumer (never pruned).
 # On a Redis Cluster the heartbeats are in another slot, which a script may not touch, and listing them would take a

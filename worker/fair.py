@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import redis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import ID_AFTER_LUA, Keys, as_text
+from kvgate.producer.keys import ID_AFTER_LUA, Keys, as_text
 from kvgate.worker.tenant_weights import RANGE, clamp_weight, parse_weights
 
 log = logging.getLogger("kvgate.worker")

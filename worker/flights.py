@@ -13,8 +13,8 @@ from typing import Any, Callable
 from kvgate.engine.detokenizer import TextDelta
 from kvgate.engine.detokenizer_thread import DetokenizerThread, StepText
 from kvgate.engine.outputs import RequestRejected, StepOutput
-from kvgate.producer.protocol import (DEFAULT_TENANT, PROTOCOL_VERSION, Delta, Final, Job, Timings, TokenLogprob,
-                                     ToolCall, Usage)
+from kvgate.producer.limits import DEFAULT_TENANT
+from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Final, Job, Timings, TokenLogprob, ToolCall, Usage
 from kvgate.producer.tool_calls import call_id, parse, parser_for
 from kvgate.worker.admission import Ticket
 from kvgate.worker.engine import Engine

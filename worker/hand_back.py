@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import redis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import Keys, as_text
+from kvgate.producer.keys import Keys, as_text
 from kvgate.worker.admission import Ticket
 
 GRACE_TIMES = 3  # the giver skips its own handed-back entry for this many hand_back_ms: others' reads come first

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from kvgate.producer.protocol import HEARTBEAT_FIELDS, Keys
+from kvgate.producer.keys import HEARTBEAT_FIELDS, Keys
 
 # KEYS: the heartbeat hash, the registry; ARGV: ttl in s, worker id, then field, value pairs. The registry's score is
 # when the hash expires, on the server's clock; members past it are dropped here, so the set holds about as many

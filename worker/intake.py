@@ -12,8 +12,8 @@ import msgspec
 from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.constraints import StructuredOutput
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.producer.protocol import (FIELD, MAX_STRUCTURED_CHARS, SAMPLING_FIELDS, Job, ProtocolError, Sampling,
-                                      decode_job)
+from kvgate.producer.limits import MAX_STRUCTURED_CHARS
+from kvgate.producer.protocol import FIELD, SAMPLING_FIELDS, Job, ProtocolError, Sampling, decode_job
 from kvgate.worker.admission import Ticket
 from kvgate.worker.affinity import Affinity
 from kvgate.worker.clock import ServerClock

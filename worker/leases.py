@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import Keys, as_text
+from kvgate.producer.keys import Keys, as_text
 from kvgate.worker.admission import Ticket
 
 HANDBACK_IDLE_MS = 10**12  # an entry this idle is past every worker's reclaim timeout: reclaimable at once

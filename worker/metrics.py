@@ -10,7 +10,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kvgate.producer.protocol import OTHER_TENANTS, QUEUE_WAIT_BUCKETS
+from kvgate.producer.keys import QUEUE_WAIT_BUCKETS
+from kvgate.producer.limits import OTHER_TENANTS
 
 # Bucket edges in seconds, spread over the range each LLM latency really takes.
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
@@ -23,7 +24,7 @@ LABELS = ("worker", "model")
 # Producers name tenants (the gateway: one per API key's tenant), so a worker labels at most this many distinct ones
 # and counts the jobs of any further tenant under OTHER_TENANTS: a label's values must stay few.
 MAX_TENANT_LABELS = 32
-NO_TENANT = "_none"  # no tenant name starts with '_' (protocol.TENANT_NAME)
+NO_TENANT = "_none"  # no tenant name starts with '_' (limits.TENANT_NAME)
 
 
 class StepStats(Protocol):

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import redis
 
 from kvgate.producer.cluster import NodeLinks, run_script
-from kvgate.producer.protocol import FIELD, Delta, Final, Keys, encode
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, Delta, Final, encode
 from kvgate.producer.redis_url import Durability, NotReplicated
 
 log = logging.getLogger("kvgate.worker")

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, NamedTuple
 import redis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import PRIORITIES, Keys, as_text
+from kvgate.producer.keys import PRIORITIES, Keys, as_text
 from kvgate.worker.fair import Occupancy
 from kvgate.worker.hand_back import TAKE_HANDED_LUA
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import redis
 
 from kvgate.engine.outputs import Admission
-from kvgate.producer.protocol import Keys, as_text
+from kvgate.producer.keys import Keys, as_text
 from kvgate.worker.admission import AdmissionQueue
 from kvgate.worker.affinity import Affinity, Lane
 from kvgate.worker.clock import ServerClock, entry_ms

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.producer.protocol import DEFAULT_MODEL, ProtocolError, check_model_name
+from kvgate.producer.keys import DEFAULT_MODEL
+from kvgate.producer.protocol import ProtocolError, check_model_name
 
 
 class ServedModelError(ValueError):

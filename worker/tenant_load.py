@@ -3,7 +3,7 @@ wait of the jobs it admitted over the last minute. No I/O: the worker feeds it, 
 
 Bounded whatever tenants producers invent: a window's slot names at most `limit` tenants (more are counted under
 OTHER_TENANTS), and a snapshot names the TOP_TENANTS busiest, the rest summed under OTHER_TENANTS, the rule every
-per-tenant view follows (protocol.TOP_TENANTS). Waits are counts on QUEUE_WAIT_BUCKETS, so readers can sum workers'
+per-tenant view follows (limits.TOP_TENANTS). Waits are counts on QUEUE_WAIT_BUCKETS, so readers can sum workers'
 counts and take percentiles of the fleet (producer/queue_stats.py); a mean or a worker's own p99 would not add up.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kvgate.producer.protocol import DEFAULT_TENANT, OTHER_TENANTS, QUEUE_WAIT_BUCKETS, TENANT_WINDOW_S, TOP_TENANTS
+from kvgate.producer.keys import QUEUE_WAIT_BUCKETS, TENANT_WINDOW_S
+from kvgate.producer.limits import DEFAULT_TENANT, OTHER_TENANTS, TOP_TENANTS
 
 WINDOW_S = TENANT_WINDOW_S  # what `tokens` and the waits cover
 SLOT_S = 10.0  # the window moves in steps of this

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.producer.bounded_json import parse_json
-from kvgate.producer.protocol import Job, Message, Structured, Tools
+from kvgate.producer.constraints import Structured, Tools
+from kvgate.producer.protocol import Job, Message
 from kvgate.producer.tool_calls import CLOSE, OPEN, call_schema, closed, fallback_system_prompt, parameters_of
 
 PROBE = [{"role": "user", "content": "x"}]

@@ -18,7 +18,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.producer.cluster import NodeLinks, is_noscript, scripts_lost
-from kvgate.producer.protocol import DEFAULT_TENANT, mask_url
+from kvgate.producer.limits import DEFAULT_TENANT
+from kvgate.producer.urls import mask_url
 from kvgate.producer.redis_url import connect, keys_for
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.affinity import Affinity, kv_weight, lane_lapse_ms

@@ -74,7 +74,8 @@ def time_submits(url: str, mode: str, jobs: int) -> list[float]:
 
 def time_finishes(url: str, mode: str, jobs: int) -> list[float]:
     """The worker's finish, as it runs it: the publisher's script (result, reply, ack), plus WAIT when replicated."""
-    from kvgate.producer.protocol import PROTOCOL_VERSION, FIELD, Final, Keys, Timings, as_text
+    from kvgate.producer.keys import Keys, as_text
+    from kvgate.producer.protocol import PROTOCOL_VERSION, FIELD, Final, Timings
     from kvgate.producer.redis_url import Durability
     from kvgate.worker.publisher import Finish, Publisher
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, Keys
+from kvgate.producer.keys import DEFAULT_MODEL, Keys
+from kvgate.producer.protocol import FIELD
 from kvgate.producer.spread import TenantSpread
 
 CONTESTANTS = ("fifo", "fair", "fair-wait", "fair-hashed")

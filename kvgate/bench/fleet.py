@@ -26,7 +26,7 @@ import redis
 from kvgate.bench.fleet_cluster import TARGET_RATIO as TARGET_CLUSTER_RATIO
 from kvgate.bench.queue import server_version
 from kvgate.bench.throughput_fleet import backlog, drain_backlog, drain_stats
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 
 TARGET_JOBS_PER_S = 5000
 TARGET_WAIT_RATIO = 0.5

@@ -17,7 +17,8 @@ from pathlib import Path
 import redis
 
 from kvgate.engine.simulated import SimulatedEngine
-from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, PROTOCOL_VERSION, Job, Keys, Sampling, decode_event, encode
+from kvgate.producer.keys import DEFAULT_MODEL, Keys
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Sampling, decode_event, encode
 from kvgate.worker.admission import AdmissionQueue
 from kvgate.producer.spread import TenantSpread
 from kvgate.redis_server import EmbeddedRedis

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from kvgate.bench.queue import server_version
-from kvgate.producer.protocol import PROTOCOL_VERSION, Job, Keys, Sampling
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import PROTOCOL_VERSION, Job, Sampling
 
 TARGETS = {"hit_rate_to_ideal_at_least": 0.9, "prefill_to_shared_at_most": 0.5, "p99_wait_to_shared_at_most": 1.2,
            "saturation_to_shared_at_least": 1.5}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 
 
 def _throughput_child(url: str, namespace: str, first: int, count: int, ready, stop) -> None:
@@ -32,7 +32,7 @@ def drain_backlog(url: str, client, keys: Keys, jobs: list, procs: int, timeout:
     """Enqueue `jobs` where the SDK would (each in its shard), then drain them with `procs` processes of 4 workers
     until every stream they went into is read and acknowledged."""
     from kvgate.bench import fleet_sim
-    from kvgate.producer.protocol import DEFAULT_MODEL
+    from kvgate.producer.keys import DEFAULT_MODEL
     from kvgate.producer.submission import stream_for
 
     fleet_sim.enqueue(client, keys, jobs, rate=None, batch=1000)

@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from kvgate.producer.connection import DEFAULT_URL, mask_url, resolve_url
-from kvgate.producer.protocol import OTHER_TENANTS, Keys
+from kvgate.producer.keys import Keys
+from kvgate.producer.limits import OTHER_TENANTS
 from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
 from kvgate.producer.redis_url import connect, keys_for
 
@@ -117,7 +118,7 @@ def _tenant_families(ns: str, snap: QueueStats):
 
 
 def _tenant_view_families(ns: str, snap: QueueStats):
-    """Per tenant, the busiest ten by name and the rest as `_other` (protocol.TOP_TENANTS, OTHER_TENANTS): backlog
+    """Per tenant, the busiest ten by name and the rest as `_other` (limits.TOP_TENANTS, OTHER_TENANTS): backlog
     (fair share only: no series without it), running jobs, tokens served per second and queue wait p50/p99 over
     the workers' last minute (none while a tenant had no job admitted)."""
     v, labels = snap.tenant_view, ["kvgate_namespace", "tenant"]

@@ -54,7 +54,7 @@ def _wait(seconds: float | None) -> str:
 
 def _tenant_view_lines(stats: QueueStats) -> list[str]:
     """Per tenant: backlog (fair share only), running, tokens/s and queue wait over the workers' last minute; the
-    busiest by name, the rest summed (protocol.TOP_TENANTS, OTHER_TENANTS)."""
+    busiest by name, the rest summed (limits.TOP_TENANTS, OTHER_TENANTS)."""
     v = stats.tenant_view
     rows = v.top + ([v.other] if v.other.backlog or v.other.running or v.other.tokens or any(v.other.waits) else [])
     if not rows:

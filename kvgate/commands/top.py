@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvgate.producer.connection import DEFAULT_URL, resolve_url
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.queue_stats import QueueStats, read_queue_stats
 from kvgate.producer.redis_url import connect, keys_for
 
@@ -62,7 +62,7 @@ def _wait(seconds: float | None) -> str:
 
 
 def _tenants_table(snap: QueueStats) -> Table:
-    """Per tenant: the busiest by name, the rest summed (protocol.TOP_TENANTS); backlog only with fair share."""
+    """Per tenant: the busiest by name, the rest summed (limits.TOP_TENANTS); backlog only with fair share."""
     v = snap.tenant_view
     table = Table(title=f"tenants (last {v.to_dict()['window_s']:.0f}s)", expand=True, title_justify="left")
     for column in ("tenant", "backlog", "running", "tokens/s", "wait p50", "wait p99"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 from kvgate.engine.config import EngineConfig, check_device
-from kvgate.producer.protocol import mask_url
+from kvgate.producer.urls import mask_url
 from kvgate.commands.flags import add_settings_arguments, settings_of
 from kvgate.worker.settings import WorkerSettings
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from starlette.requests import Request
 
-from kvgate.producer.protocol import DEFAULT_TENANT, ProtocolError, check_tenant_name
+from kvgate.producer.limits import DEFAULT_TENANT
+from kvgate.producer.protocol import ProtocolError, check_tenant_name
 
 from .errors import ApiError
 

@@ -27,7 +27,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvgate.producer.lanes import parse_lanes
-from kvgate.producer.protocol import DEFAULT_MODEL, Keys, as_text
+from kvgate.producer.keys import DEFAULT_MODEL, Keys, as_text
 
 from .errors import ApiError
 

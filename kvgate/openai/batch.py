@@ -26,7 +26,7 @@ from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStruct
                                   requested_logprobs, structured_of_body)
 from kvgate.producer import protocol as wire
 from kvgate.producer.errors import InvalidRequest
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.result import Result
 from kvgate.producer.submission import prepare
 

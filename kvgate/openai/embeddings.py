@@ -14,16 +14,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvgate.producer import protocol as wire
+from kvgate.producer import limits
+from kvgate.producer.keys import DEFAULT_MODEL
 from kvgate.producer.request import MAX_TOKEN_ID
 from kvgate.producer.result import Result
 
 EMBEDDINGS = "/v1/embeddings"
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 
-Text = Annotated[str, Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)]
+Text = Annotated[str, Field(min_length=1, max_length=limits.MAX_PROMPT_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]],
-                     Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)]
+                     Field(min_length=1, max_length=limits.MAX_PROMPT_CHARS)]
 
 
 class BadEmbeddings(ValueError):
@@ -39,9 +40,9 @@ class EmbeddingsBody(BaseModel):
 
     input: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] | \
         Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
-    model: Annotated[str, Field(min_length=1)] = wire.DEFAULT_MODEL
+    model: Annotated[str, Field(min_length=1)] = DEFAULT_MODEL
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1, le=wire.MAX_EMBEDDING_DIMENSIONS)] | None = None
+    dimensions: Annotated[int, Field(ge=1, le=limits.MAX_EMBEDDING_DIMENSIONS)] | None = None
     user: str | None = None  # accepted, as OpenAI's; it changes nothing here
 
     @property
@@ -65,8 +66,8 @@ def parse_body(body: Any) -> EmbeddingsBody:
                                        "it out", "unsupported_parameter") from None
         if loc[:1] == ["input"]:
             raise BadEmbeddings("input", f"input must be a non-empty string, a list of token ids, or a list of 1 to "
-                                         f"{MAX_INPUTS} of either (strings of 1 to {wire.MAX_PROMPT_CHARS} characters, "
-                                         f"ids from 0 to {MAX_TOKEN_ID}): {err['msg']}") from None
+                                         f"{MAX_INPUTS} of either (strings of 1 to {limits.MAX_PROMPT_CHARS} "
+                                         f"characters, ids from 0 to {MAX_TOKEN_ID}): {err['msg']}") from None
         shown = repr(err.get("input"))
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise BadEmbeddings(param, f"{param}: {err['msg']} (got {shown})") from None

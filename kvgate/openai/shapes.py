@@ -12,7 +12,8 @@ from typing import Any
 
 from kvgate.producer.quoting import shown
 from kvgate.producer.bounded_json import BadJson, parse_json
-from kvgate.producer.protocol import MAX_LOGPROBS, TokenLogprob, ToolCall, TopLogprob
+from kvgate.producer.limits import MAX_LOGPROBS
+from kvgate.producer.protocol import TokenLogprob, ToolCall, TopLogprob
 from kvgate.producer.result import Result
 
 # JSON has no -inf; a token the model rules out entirely is reported at this floor, as vLLM does
@@ -157,22 +158,26 @@ def _schema_text(param: str, schema: Any) -> str:
     return json.dumps(schema)
 
 
-def _response_format(value: Any) -> dict[str, Any] | None:
-    """OpenAI's response_format: text (nothing), json_object (any JSON object), json_schema (its schema; strict or
-    not, the output follows it)."""
+def _output_format(value: Any, param: str, nested: bool) -> dict[str, Any] | None:
+    """OpenAI's output format, as the wire's Structured in dict form: {"type": "text"} (nothing), {"type":
+    "json_object"} (any JSON object) or {"type": "json_schema", ...} (its schema; strict or not, the output follows
+    it). Chat's `response_format` nests the schema's name and schema under `json_schema` (`nested`); the Responses
+    API's `text.format` holds them flat."""
+    inner = '"name": ..., "schema": {...}'
     if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise BadStructured("response_format", "response_format must be {\"type\": \"text\"}, {\"type\": "
-                                               "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
-                                               "{\"name\": ..., \"schema\": {...}}}")
+        schema_form = f'"json_schema": {{{inner}}}' if nested else inner
+        raise BadStructured(param, f'{param} must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
+                                   f'"json_schema", {schema_form}}}')
     if value["type"] == "text":
         return None
     if value["type"] == "json_object":
         return {"kind": "json_object"}
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or "schema" not in spec:
-        raise BadStructured("response_format.json_schema",
-                            "response_format json_schema needs json_schema.schema, a JSON schema object")
-    return {"kind": "json_schema", "spec": _schema_text("response_format.json_schema.schema", spec["schema"])}
+    holder, where = (value.get("json_schema"), f"{param}.json_schema") if nested else (value, param)
+    if not isinstance(holder, dict) or "schema" not in holder:
+        raise BadStructured(where if nested else f"{param}.schema",
+                            f"{param} json_schema needs {'json_schema.schema' if nested else 'schema'}, a JSON schema "
+                            "object")
+    return {"kind": "json_schema", "spec": _schema_text(f"{where}.schema", holder["schema"])}
 
 
 def _choice(param: str, value: Any) -> dict[str, Any]:
@@ -218,7 +223,7 @@ def structured_of_body(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | Non
     for name in given:
         value = body[name]
         if name == "response_format":
-            got = _response_format(value)
+            got = _output_format(value, name, nested=True)
         elif name == "guided_json":
             got = {"kind": "json_schema", "spec": _schema_text(name, value)}
         elif name == "guided_choice":
@@ -235,16 +240,5 @@ def structured_of_body(body: dict[str, Any]) -> tuple[str, dict[str, Any]] | Non
 
 
 def structured_of_text_format(value: Any, param: str = "text.format") -> dict[str, Any] | None:
-    """The Responses API's `text.format`: {"type": "text"} (nothing), {"type": "json_object"}, or {"type":
-    "json_schema", "name": ..., "schema": {...}, "strict": ...} (flat, where chat nests it under json_schema), as the
-    wire's Structured in dict form; strict or not, the output follows the schema."""
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise BadStructured(param, f"{param} must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
-                                   "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}")
-    if value["type"] == "text":
-        return None
-    if value["type"] == "json_object":
-        return {"kind": "json_object"}
-    if "schema" not in value:
-        raise BadStructured(f"{param}.schema", f"{param} json_schema needs schema, a JSON schema object")
-    return {"kind": "json_schema", "spec": _schema_text(f"{param}.schema", value["schema"])}
+    """The Responses API's `text.format` (_output_format, flat)."""
+    return _output_format(value, param, nested=False)

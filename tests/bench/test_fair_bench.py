@@ -12,7 +12,8 @@ from kvgate.bench import fleet_sim
 from kvgate.bench.fair import (add_arguments, alone_order, check_contestants, run, shard_tails, spread_of,
                                wait_answered, wait_first_answer, window_shares)
 from kvgate.bench.fleet_cluster import cluster_unavailable
-from kvgate.producer.protocol import FIELD, Keys, decode_job
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, decode_job
 
 # 4 workers, 5 ms steps: A's backlog 200 jobs, B and C 50 each, share backlogs 100 a tenant, 0.5 s windows (~70 s
 # here; 100 jobs a tenant drain in 2-3 s, and the first window is not counted)

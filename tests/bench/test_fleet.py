@@ -7,7 +7,7 @@ from argparse import Namespace
 
 import pytest
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.bench import fleet_sim
 from kvgate.bench.fleet import fleet_capacity, percentile, run_latency, summarise
 

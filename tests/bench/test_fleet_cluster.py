@@ -8,7 +8,7 @@ from argparse import Namespace
 import pytest
 
 from kvgate.bench.fleet_cluster import cluster_unavailable, compare, per_job, run_cluster
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 
 
 def _args(**kw) -> Namespace:

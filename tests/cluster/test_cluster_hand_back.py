@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from kvgate.producer.protocol import PROTOCOL_VERSION, Job, Keys, Sampling, decode_final
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import PROTOCOL_VERSION, Job, Sampling, decode_final
 from kvgate.producer.redis_url import connect, keys_for
 from tests.reliability.chaos_harness import stop_all
 from tests.support import fair_enqueue, spawn_worker, wait_for

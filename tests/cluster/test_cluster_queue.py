@@ -13,7 +13,8 @@ import time
 import uuid
 
 from kvgate.producer import AsyncClient, Client
-from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Keys, decode_final, encode
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, decode_final, encode
 from kvgate.producer.redis_url import connect, keys_for
 from kvgate.producer.steps import run
 from tests.reliability.chaos_harness import stop_all

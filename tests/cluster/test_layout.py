@@ -6,7 +6,8 @@ import pytest
 from redis.crc import key_slot
 
 from kvgate.producer.cluster import is_moved, parse_cluster_url
-from kvgate.producer.protocol import Keys, check_url
+from kvgate.producer.keys import Keys
+from kvgate.producer.urls import check_url
 from kvgate.producer.shards import shard_of, shard_tags
 
 

@@ -12,7 +12,7 @@ import yaml
 from redis.crc import key_slot
 
 from kvgate.producer.cluster import parse_cluster_url
-from kvgate.producer.protocol import PRIORITIES, Keys
+from kvgate.producer.keys import PRIORITIES, Keys
 from tests.deploy.test_render_models import SCRIPT, _module
 
 DEPLOY = Path(__file__).parents[2] / "deploy/k8s"

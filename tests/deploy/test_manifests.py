@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
@@ -113,7 +113,7 @@ def test_keda_sees_the_jobs_waiting_in_tenants_streams_through_the_exporters_lag
     """Fair share puts jobs in tenants' streams, which no redis-streams trigger names (nor can: one per tenant): a
     prometheus trigger per priority on the exporter's kvgate_queue_lag, which sums the shared stream, its lanes and
     the band's tenants' queued jobs, scales on them at the stream trigger's lagCount and wakes the fleet from zero."""
-    from kvgate.producer.protocol import PRIORITIES
+    from kvgate.producer.keys import PRIORITIES
 
     so = named("ScaledObject", "kvgate-worker")["spec"]
     lag = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t["metadata"]["lagCount"]

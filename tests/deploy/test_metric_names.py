@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import yaml
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.commands.exporter import build_registry
 from kvgate.gateway.metrics import GatewayMetrics
 from kvgate.worker.metrics import WorkerMetrics

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import redis
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.worker.heartbeat import write_beat
 from tests.support import redis_major

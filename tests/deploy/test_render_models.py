@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.worker.settings import WorkerSettings
 
 SCRIPT = Path(__file__).parents[2] / "deploy" / "render_models.py"

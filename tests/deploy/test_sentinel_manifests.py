@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.redis_url import parse_sentinel_url
 
 SENTINEL = Path(__file__).parents[2] / "deploy/k8s/sentinel"

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from kvgate import Client
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.support import ROOT, RedisServer, redis_major
 
 REDIS = shutil.which("redis-server")

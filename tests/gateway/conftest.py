@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.support import free_port, spawn_worker
 
 SIM = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0.01", "--max-num-seqs", "16")

@@ -12,7 +12,7 @@ import redis
 
 from kvgate.commands.cli import main as kvgate
 from kvgate.gateway.batches.file_store import LocalFileStore, namespace_dir
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.gateway.batch_files import jsonl, request, rows_of, wait_final
 from tests.gateway.conftest import running_worker
 from tests.support import wait_for

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from kvgate.gateway.batches.batch_quota import BatchQuota, batch_quota_keys
 from kvgate.openai.batch import BatchRequest
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.quotas import Quota, Quotas
 from kvgate.producer.queue_stats import read_queue_stats
 from tests.gateway.batch_files import jsonl, request, rows_of, wait_final

@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.gateway.batch_files import jsonl, request, rows_of, wait_final
 from tests.gateway.conftest import running_worker
 from tests.support import ROOT, free_port, wait_for

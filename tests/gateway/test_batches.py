@@ -9,7 +9,7 @@ import openai
 import pytest
 import redis
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.queue_stats import total_backlog
 from tests.gateway.batch_files import COMPLETIONS, jsonl, request, rows_of, wait_final, with_bad_lines
 from tests.gateway.conftest import SIM, start_gateway, stop_worker, wait_for_workers

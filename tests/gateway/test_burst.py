@@ -75,7 +75,7 @@ def test_500_simultaneous_model_checks_read_the_fleet_once(redis_server):
     import redis.asyncio as aioredis
 
     from kvgate.gateway.models import LiveModels
-    from kvgate.producer.protocol import Keys
+    from kvgate.producer.keys import Keys
 
     keys = Keys("snap")
     admin = sync_redis.Redis.from_url(redis_server.url)
@@ -127,7 +127,7 @@ def test_a_burst_over_max_backlog_admits_at_most_the_limit_and_refuses_the_rest_
     --max-backlog may be enqueued, every other one is the documented 429 with Retry-After, and nothing else."""
     import redis as sync_redis
 
-    from kvgate.producer.protocol import Keys
+    from kvgate.producer.keys import Keys
 
     limit, n = 50, 200
     gw = gateway_factory(redis_server.url, "parked-ns", max_backlog=limit, retry_after_s=2, request_timeout_s=1,

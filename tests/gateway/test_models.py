@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from kvgate.producer import Client
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.gateway.conftest import SIM, start_gateway, stop_worker, wait_for_workers
 from tests.support import spawn_worker, wait_for
 

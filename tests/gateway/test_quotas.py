@@ -10,7 +10,7 @@ import openai
 import pytest
 import redis
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.gateway.conftest import SIM, stop_worker, wait_for_workers
 from tests.support import spawn_worker
 

@@ -11,7 +11,8 @@ import openai
 import pytest
 import redis
 
-from kvgate.producer.protocol import FIELD, Job, Keys, decode_job
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, Job, decode_job
 
 FINAL = ("completed", "incomplete", "failed", "cancelled")
 

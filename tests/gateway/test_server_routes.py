@@ -112,7 +112,8 @@ def test_tokenize_needs_a_key_and_waits_as_the_keys_tenants_high_priority_job_wh
     counts against --max-backlog (then 429), and /metrics counts both answers under the route."""
     import redis
 
-    from kvgate.producer.protocol import FIELD, Keys, decode_job
+    from kvgate.producer.keys import Keys
+    from kvgate.producer.protocol import FIELD, decode_job
 
     ns = f"tok{time.monotonic_ns() % 10**9}"
     gw = gateway_factory(shared_redis.url, ns, api_keys=["sk-tok-0001=team-t"], models=["cold"], request_timeout_s=1,

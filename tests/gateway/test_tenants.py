@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from kvgate.producer import Client, InvalidRequest
-from kvgate.producer.protocol import FIELD, Keys, ProtocolError, decode_job
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, ProtocolError, decode_job
 from kvgate.gateway.batches.file_store import namespace_dir
 from kvgate.producer.submission import prepare
 from tests.gateway.batch_files import CHAT, jsonl, request, rows_of, wait_final

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from kvgate.producer import Client, InvalidRequest, Quota
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 
 
 def queued(url: str, ns: str) -> int:

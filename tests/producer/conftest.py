@@ -9,7 +9,8 @@ import pytest
 import redis
 
 from kvgate.producer import Client
-from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Delta, Final, Job, Keys, Timings, Usage, decode_job, encode
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Delta, Final, Job, Timings, Usage, decode_job, encode
 from tests.support import ROOT, free_port
 
 

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from kvgate.producer import Backpressure, Client
-from kvgate.producer.protocol import HEARTBEAT_FIELDS, Keys
+from kvgate.producer.keys import HEARTBEAT_FIELDS, Keys
 from kvgate.producer.queue_stats import read_queue_stats, total_backlog
 from kvgate.worker.heartbeat import write_beat
 

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from kvgate.commands.cli import main
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.support import spawn_worker, wait_for
 
 SIM = ("--simulated", "--sim-step-ms", "1", "--sim-per-token-ms", "0.01", "--max-num-seqs", "16")

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvgate.producer.protocol import PRIORITIES
+from kvgate.producer.keys import PRIORITIES
 from kvgate.commands.cli import main
 
 

@@ -8,13 +8,16 @@ import dataclasses
 import inspect
 import math
 
+import msgspec
 import pytest
 
+from kvgate.engine.constraints import KINDS
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.gateway.errors import ApiError
 from kvgate.gateway.settings import GatewaySettings
 from kvgate.gateway.chat.plan import DIRECT, plan
 from kvgate.producer import AsyncClient, Client, InvalidRequest
+from kvgate.producer.constraints import STRUCTURED_KINDS, Structured
 from kvgate.producer.fields import Entries, Items, Range
 from kvgate.producer.protocol import SAMPLING_FIELDS, ProtocolError, Sampling, validate_sampling
 from kvgate.producer.request import SubmitRequest, validate_request
@@ -122,6 +125,16 @@ def test_sdk_wire_and_engine_share_names_and_defaults():
         signature = inspect.signature(client.submit).parameters
         for spec in SAMPLING_FIELDS:  # a list the SDK takes as None, meaning the wire's empty list
             assert signature[spec.name].default == (None if isinstance(spec.bounds, (Items, Entries)) else spec.default)
+
+
+def test_the_wire_and_the_engine_take_the_same_kinds_of_structured_constraint():
+    """Declared twice, as the layers require (neither may import the other): the engine's list is held to the wire's,
+    and the wire's list is the type its decoder checks."""
+    assert KINDS == STRUCTURED_KINDS
+    for kind in STRUCTURED_KINDS:
+        assert msgspec.convert({"kind": kind}, Structured).kind == kind
+    with pytest.raises(msgspec.ValidationError, match="Invalid enum value 'xml'"):
+        msgspec.convert({"kind": "xml"}, Structured)
 
 
 def test_the_gateway_takes_every_sampling_field_and_leaves_unnamed_ones_to_the_wire_default():

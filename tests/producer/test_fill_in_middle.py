@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.producer import InvalidRequest
-from kvgate.producer import protocol as wire
+from kvgate.producer import limits, protocol as wire
 from kvgate.producer.request import build_job, validate_request
 
 
@@ -27,7 +27,7 @@ def test_a_suffix_without_a_text_prompt_to_generate_from_is_refused_naming_suffi
     assert e.value.errors[0].field in ("suffix", "task") and "suffix" in str(e.value)
 
 
-@pytest.mark.parametrize("suffix", [3, "bad \ud800 surrogate", "x" * (wire.MAX_PROMPT_CHARS + 1)])
+@pytest.mark.parametrize("suffix", [3, "bad \ud800 surrogate", "x" * (limits.MAX_PROMPT_CHARS + 1)])
 def test_a_suffix_that_is_not_bounded_text_is_refused_naming_suffix(suffix):
     with pytest.raises(InvalidRequest) as e:
         validate_request({"prompt": "x", "suffix": suffix})
@@ -43,7 +43,7 @@ def test_a_suffix_is_part_of_the_idempotency_digest_only_when_given():
 @pytest.mark.parametrize("job, says", [
     (wire.Job(v=1, job_id="j", client_id="c", enqueued_at=1.0, messages=[wire.Message("user", "hi")], suffix="x"),
      "suffix goes with a text prompt"),
-    (wire.Job(v=1, job_id="j", client_id="c", enqueued_at=1.0, prompt="p" * 10, suffix="s" * wire.MAX_PROMPT_CHARS),
+    (wire.Job(v=1, job_id="j", client_id="c", enqueued_at=1.0, prompt="p" * 10, suffix="s" * limits.MAX_PROMPT_CHARS),
      "prompt and suffix hold more than"),
 ])
 def test_a_hostile_suffix_on_the_wire_is_a_protocol_error_naming_it(job, says):

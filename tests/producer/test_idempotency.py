@@ -4,6 +4,32 @@ from __future__ import annotations
 import pytest
 
 from kvgate.producer import Client, IdempotencyConflict
+from kvgate.producer.protocol import EMBEDDING_FIELDS, SAMPLING_FIELDS
+from kvgate.producer.request import NEWER_THAN_DIGESTS, validate_request
+
+# Digests as the SDK computed them before issue 43 made a field's place in the digest a marker on the field (NEWER)
+# instead of a list: Redis holds digests like these under idempotency keys, and a resubmission after an upgrade must
+# match them. The requests use none, one wire-declared and one SDK-declared newer field.
+STORED_DIGESTS = [
+    ({"prompt": "hi", "max_tokens": 3}, "888fa9bdd2534caacbfa5766356fb23a"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 0.0, "stop": ["x"]},
+     "2aaefbce766f89eab5d5b60fbc081d04"),
+    ({"prompt": "hi", "min_p": 0.1}, "36d9cd5b3b64f5590bce25801abbb309"),
+    ({"prompt": "hi", "task": "embed", "dimensions": 8}, "e8375492eaed2fba21d649df22d3e3dc"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "3f534f759f551da53b7aa9a95572f348"),
+]
+
+
+@pytest.mark.parametrize("request_, digest", STORED_DIGESTS, ids=["plain", "chat", "min_p", "embed", "tools"])
+def test_a_requests_digest_is_the_one_earlier_releases_stored(request_, digest):
+    assert validate_request(request_).digest() == digest
+
+
+def test_a_wire_field_marked_newer_than_digests_is_left_out_of_the_digest_at_its_default():
+    marked = {s.name for s in SAMPLING_FIELDS + EMBEDDING_FIELDS if s.newer_than_digests}
+    assert {"min_p", "logit_bias", "dimensions"} <= marked <= set(NEWER_THAN_DIGESTS)
+    assert "max_tokens" not in NEWER_THAN_DIGESTS  # a field digests always held stays in at its default
 
 
 def test_same_key_and_body_returns_the_same_job_enqueued_once(client, redis_server, keys):

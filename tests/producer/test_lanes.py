@@ -5,7 +5,8 @@ import random
 
 from kvgate.producer.lanes import (ROUTING_CHARS, ROUTING_TOKENS, decode_members, encode_member, lane_of, owned,
                                    owners, parse_lanes, read_order, routing_key)
-from kvgate.producer.protocol import Keys, Message
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import Message
 from kvgate.producer.submission import prepare
 
 SYSTEM = "You are a careful assistant for ACME's billing team. " * 20  # ~1,000 characters

@@ -8,8 +8,8 @@ import pytest
 
 from kvgate.commands.cli import main
 from kvgate.producer import AsyncClient, InvalidRequest
-from kvgate.producer.protocol import (FIELD, PROTOCOL_VERSION, Job, Keys, ProtocolError, check_model_name, decode_job,
-                                      encode)
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, ProtocolError, check_model_name, decode_job, encode
 from kvgate.worker.heartbeat import write_beat
 from tests.producer.conftest import FakeWorker
 

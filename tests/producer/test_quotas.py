@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from kvgate.producer import Backpressure, Client, InvalidRequest, Quota, QuotaExceeded, Quotas
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.producer.quotas import TAKE, quota_keys
 

@@ -14,8 +14,9 @@ from kvgate.gateway.settings import GatewaySettings
 from kvgate.gateway.chat.plan import plan
 from kvgate.openai.batch import BadLine, parse_line
 from kvgate.producer import InvalidRequest
-from kvgate.producer.protocol import (MAX_STRUCTURED_CHARS, JOB_VERSION, Job, ProtocolError, Sampling, Structured,
-                                      decode_job, encode)
+from kvgate.producer.limits import MAX_STRUCTURED_CHARS
+from kvgate.producer.constraints import Structured
+from kvgate.producer.protocol import JOB_VERSION, Job, ProtocolError, Sampling, decode_job, encode
 from kvgate.producer.request import validate_request
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

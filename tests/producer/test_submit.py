@@ -7,7 +7,8 @@ import time
 import pytest
 
 from kvgate.producer import ResultTimeout
-from kvgate.producer.protocol import FIELD, Keys, decode_job
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, decode_job
 
 
 @pytest.mark.parametrize("priority", ["high", "normal", "low"])

@@ -8,7 +8,8 @@ import time
 
 from kvgate.commands import exporter, stats as stats_command
 from kvgate.producer import Client
-from kvgate.producer.protocol import OTHER_TENANTS, QUEUE_WAIT_BUCKETS, TOP_TENANTS, Keys
+from kvgate.producer.keys import QUEUE_WAIT_BUCKETS, Keys
+from kvgate.producer.limits import OTHER_TENANTS, TOP_TENANTS
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.worker.heartbeat import write_beat
 

@@ -12,6 +12,7 @@ import pytest
 from kvgate.openai.batch import parse_line
 from kvgate.producer import InvalidRequest
 from kvgate.producer import protocol as wire
+from kvgate.producer.constraints import Function, Structured, Tools
 from kvgate.producer.request import build_job, validate_request
 from kvgate.producer.tool_calls import (CallDelta, Content, Hermes, Llama3, Named, Required, call_schema, collect,
                                         parse, parser_for)
@@ -113,7 +114,7 @@ def test_submit_carries_tools_and_a_tool_conversation_on_the_wire():
     job = build_job(validate_request({"messages": history, "tools": TOOLS, "tool_choice": "required",
                                       "parallel_tool_calls": False}), "c")
     again = wire.decode_job(wire.encode(job))
-    assert again.tools == wire.Tools([wire.Function("get_weather", "", json.dumps(
+    assert again.tools == Tools([Function("get_weather", "", json.dumps(
         TOOLS[0]["function"]["parameters"], separators=(",", ":")))], "required", "", False)
     assert again.messages[1].tool_calls == [wire.ToolCall("call_1", "get_weather", '{"city":"Paris"}')]
     assert again.messages[2].tool_call_id == "call_1" and again.messages[2].name == "get_weather"
@@ -149,11 +150,11 @@ def test_bad_tools_and_tool_messages_are_refused_naming_the_problem(args, field)
 
 def test_the_worker_check_refuses_tools_a_producer_could_forge():
     job = wire.Job(v=1, job_id="j", client_id="c", enqueued_at=1.0, messages=[wire.Message("user", "hi")],
-                   tools=wire.Tools([wire.Function("f", parameters="[1]")]))
+                   tools=Tools([Function("f", parameters="[1]")]))
     with pytest.raises(wire.ProtocolError, match="parameters must be a JSON schema object"):
         wire.decode_job(wire.encode(job))
-    job.tools = wire.Tools([wire.Function("f")], "required")
-    job.sampling = wire.Sampling(structured=wire.Structured("regex", "a"))
+    job.tools = Tools([Function("f")], "required")
+    job.sampling = wire.Sampling(structured=Structured("regex", "a"))
     with pytest.raises(wire.ProtocolError, match="not both"):
         wire.decode_job(wire.encode(job))
 

@@ -7,11 +7,10 @@ import urllib.parse
 
 import pytest
 
-from kvgate.producer import cluster, protocol, redis_url
+from kvgate.producer import cluster, redis_url, urls
 from kvgate.producer.cluster import parse_cluster_url
-from kvgate.producer.protocol import check_url, mask_url
 from kvgate.producer.redis_url import parse_sentinel_url
-from kvgate.producer.urls import host_port, split_url
+from kvgate.producer.urls import check_url, host_port, mask_url, split_url
 
 SENTINEL = "redis+sentinel://user:s3cret@[::1]:26379,[::1]:26380,host3/mymaster/2?sentinel_password=pw"
 CLUSTER = "redis+cluster://:s3cret@[::1]:7000,[fe80::1]:7001,10.0.0.3/?shards=4"
@@ -29,7 +28,7 @@ def strict_urlsplit(url, *args, **kwargs):
 @pytest.fixture
 def strict_urllib(monkeypatch):
     monkeypatch.setattr(urllib.parse, "urlsplit", strict_urlsplit)
-    for module in (protocol, redis_url, cluster):  # where a module imported the name itself
+    for module in (urls, redis_url, cluster):  # where a module imported the name itself
         if hasattr(module, "urlsplit"):
             monkeypatch.setattr(module, "urlsplit", strict_urlsplit)
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvgate.producer import InvalidRequest
-from kvgate.producer.protocol import PRIORITIES
+from kvgate.producer.keys import PRIORITIES
 
 BAD = [
     ("temperature", {"prompt": "x", "temperature": math.nan}, math.nan),

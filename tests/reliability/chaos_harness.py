@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import redis
 
-from kvgate.producer.protocol import FIELD, Final, Keys, decode_event
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, Final, decode_event
 
 
 @dataclass

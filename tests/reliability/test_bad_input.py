@@ -15,7 +15,9 @@ import pytest
 from tests.reliability.chaos_harness import Ledger
 from tests.support import RawQueue, wait_for
 from kvgate.engine.simulated import SimulatedEngine
-from kvgate.producer.protocol import MAX_PAYLOAD_BYTES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, Keys, encode
+from kvgate.producer.keys import Keys
+from kvgate.producer.limits import MAX_PAYLOAD_BYTES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT
+from kvgate.producer.protocol import encode
 from kvgate.worker.intake import identify
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.worker import Worker

@@ -23,7 +23,7 @@ import pytest
 from tests.reliability.chaos_harness import Fault, Ledger, fault_plan, stop_all
 from tests.support import RawQueue, spawn_worker, wait_for
 from kvgate.producer import Client
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 
 pytestmark = pytest.mark.chaos
 

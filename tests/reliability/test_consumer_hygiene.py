@@ -11,7 +11,7 @@ import redis
 
 from tests.reliability.chaos_harness import Ledger, stop_all
 from tests.support import RawQueue, spawn_worker, wait_for
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.worker.consumers import Consumers
 

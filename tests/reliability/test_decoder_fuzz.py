@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgate.producer.protocol import MAX_PAYLOAD_BYTES, Job, ProtocolError, decode_job, encode, validate_job
+from kvgate.producer.limits import MAX_PAYLOAD_BYTES
+from kvgate.producer.protocol import Job, ProtocolError, decode_job, encode, validate_job
 from kvgate.worker.intake import identify
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -27,7 +27,8 @@ import pytest
 
 from kvgate.commands import exporter
 from kvgate.producer import AsyncClient, Client, JobLost, KvgateError, NotReplicatedError
-from kvgate.producer.protocol import Final, Keys, decode_final
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import Final, decode_final
 from kvgate.producer.redis_url import connect, keys_for
 from tests.reliability.chaos_harness import stop_all
 from tests.support import SentinelGroup, spawn_worker, wait_for

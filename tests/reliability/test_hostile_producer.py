@@ -8,7 +8,8 @@ import time
 
 from tests.reliability.chaos_harness import Ledger, stop_all
 from tests.support import RawQueue, spawn_worker, wait_for
-from kvgate.producer.protocol import Keys, decode_final
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import decode_final
 
 SIM = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "8", "--sim-step-ms", "10",
        "--sim-per-token-ms", "0", "--reclaim-idle-ms", "2000")

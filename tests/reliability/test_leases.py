@@ -8,7 +8,7 @@ import time
 
 from tests.support import RawQueue, wait_for
 from kvgate.engine.simulated import SimulatedEngine
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.worker import Worker
 

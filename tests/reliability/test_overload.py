@@ -23,7 +23,7 @@ import pytest
 
 from tests.reliability.chaos_harness import stop_all
 from kvgate.producer import Client
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.support import free_port, spawn_worker
 
 MAX_SEQS, LOCAL_QUEUE = 16, 4

@@ -16,7 +16,7 @@ import msgspec
 
 from tests.reliability.chaos_harness import Ledger, stop_all
 from tests.support import ROOT, RawQueue, spawn_worker, wait_for, worker_command
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 
 SIM = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "8", "--sim-step-ms", "5",
        "--sim-per-token-ms", "0", "--reclaim-idle-ms", "1000")

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from kvgate.producer import Client, IdempotencyConflict, InvalidRequest
-from kvgate.producer.protocol import PRIORITIES
+from kvgate.producer.keys import PRIORITIES
 
 USER = {"role": "user", "content": "x"}
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from kvgate.producer import AsyncClient, Client, ServerRefused
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.conftest import RedisServer
 from tests.support import wait_for
 

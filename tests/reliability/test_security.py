@@ -23,7 +23,8 @@ from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client, ConnectionFailed, InvalidRequest
 from kvgate.producer.client import check_client_id
 from kvgate.producer.idempotency import owner_tag
-from kvgate.producer.protocol import MAX_PAYLOAD_BYTES, PRIORITIES, Keys
+from kvgate.producer.keys import PRIORITIES, Keys
+from kvgate.producer.limits import MAX_PAYLOAD_BYTES
 from kvgate.worker.settings import WorkerSettings
 from kvgate.worker.worker import Worker
 from tests.support import ROOT, RedisServer, free_port, redis_major

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.producer.protocol import check_url, mask_url
+from kvgate.producer.urls import check_url, mask_url
 from kvgate.producer.redis_url import Durability, NotReplicated, SentinelUrl, parse_sentinel_url
 
 

@@ -19,7 +19,7 @@ import redis
 from tests.reliability.chaos_harness import Ledger, stop_all
 from tests.support import RawQueue, spawn_worker, wait_for
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.worker.admission import AdmissionQueue, Ticket
 
 RECLAIM_MS = 2000

@@ -10,7 +10,8 @@ import redis
 
 from tests.reliability.chaos_harness import stop_all
 from tests.support import RawQueue, spawn_worker, wait_for
-from kvgate.producer.protocol import FIELD, Delta, Final, Keys, decode_event
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, Delta, Final, decode_event
 
 RECLAIM_MS = 1000
 ENV = {"OMP_NUM_THREADS": "1"}

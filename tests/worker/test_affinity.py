@@ -10,7 +10,8 @@ import pytest
 
 from kvgate import Client
 from kvgate.producer.lanes import decode_members, lane_of, owners, routing_key
-from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, encode
+from kvgate.producer.keys import DEFAULT_MODEL
+from kvgate.producer.protocol import FIELD, encode
 from kvgate.producer.submission import stream_for
 from tests.support import wait_for
 
@@ -196,7 +197,7 @@ def test_a_job_in_the_lane_of_an_owner_that_said_it_is_full_is_taken_at_once(que
 def test_on_a_cluster_each_shards_read_counts_its_own_full_owners_lanes():
     import redis
 
-    from kvgate.producer.protocol import Keys
+    from kvgate.producer.keys import Keys
     from kvgate.worker.reader import Reader, ReadPlan, ShardGroup
 
     keys = Keys("t", shards=2, cluster=True)

@@ -3,7 +3,7 @@ history read of XREADGROUP (a restarted worker reading its own pending entries) 
 more on top, so each restart counted two and a healthy job could reach max_deliveries in half the restarts."""
 from __future__ import annotations
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.worker.leases import Leases
 
 

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from kvgate import Client
-from kvgate.producer.protocol import FIELD, Keys
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD
 from kvgate.worker.reader import Reader, ReadPlan
 from tests.support import fair_enqueue, wait_for
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from tests.support import wait_for
 from tests.worker.test_fair import band, done, enqueue, occupancy
 

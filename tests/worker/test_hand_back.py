@@ -8,7 +8,8 @@ import pytest
 import redis
 
 from kvgate.engine.simulated import SimulatedEngine
-from kvgate.producer.protocol import FIELD, Keys
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD
 from kvgate.worker.admission import Ticket
 from kvgate.worker.hand_back import HandBack
 from kvgate.worker.reader import Reader, ReadPlan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.engine.simulated import SimulatedEngine
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.worker.heartbeat import engine_capacity
 from kvgate.worker.settings import WorkerSettings

@@ -7,7 +7,8 @@ import signal
 import time
 
 from kvgate.producer.lanes import decode_members, lane_of, routing_key
-from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, encode
+from kvgate.producer.keys import DEFAULT_MODEL
+from kvgate.producer.protocol import FIELD, encode
 from kvgate.producer.submission import stream_for
 from tests.support import wait_for
 from tests.worker.test_affinity import AFFINITY, LANES, SIM, entry_key, key_owned_by, settled_ring, submit_keyed

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.simulated import SimulatedEngine
-from kvgate.producer.protocol import DEFAULT_MODEL, FIELD, encode
+from kvgate.producer.keys import DEFAULT_MODEL
+from kvgate.producer.protocol import FIELD, encode
 from kvgate.worker.lane_prefixes import LanePrefixes, common_blocks
 
 BS = 16

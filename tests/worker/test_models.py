@@ -9,7 +9,8 @@ import pytest
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client
 from kvgate.commands.stats import NO_WORKER, render
-from kvgate.producer.protocol import PRIORITIES, Keys, encode
+from kvgate.producer.keys import PRIORITIES, Keys
+from kvgate.producer.protocol import encode
 from kvgate.producer.model_set import add_models
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.producer.steps import run

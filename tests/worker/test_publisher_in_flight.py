@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Keys
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import PROTOCOL_VERSION, Delta
 from kvgate.worker.publisher import Publisher
 
 

@@ -4,7 +4,8 @@ figures as `kvgate stats` reads them."""
 from __future__ import annotations
 
 from kvgate import Client
-from kvgate.producer.protocol import OTHER_TENANTS, QUEUE_WAIT_BUCKETS, TOP_TENANTS
+from kvgate.producer.keys import QUEUE_WAIT_BUCKETS
+from kvgate.producer.limits import OTHER_TENANTS, TOP_TENANTS
 from kvgate.producer.queue_stats import read_queue_stats
 from kvgate.worker.tenant_load import SLOT_TENANTS, TenantLoad
 from tests.support import wait_for

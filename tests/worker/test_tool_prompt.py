@@ -15,10 +15,11 @@ pytest.importorskip("transformers", reason="chat templates need the worker's tra
 from kvgate.engine.llm_engine import LLMEngine  # noqa: E402
 from kvgate.engine.prompts import Prompts  # noqa: E402
 from kvgate.producer import protocol as wire  # noqa: E402
+from kvgate.producer.constraints import Function, Tools  # noqa: E402
 from kvgate.worker.tool_prompt import ToolPrompts, required_constraint  # noqa: E402
 
-TOOLS = wire.Tools([wire.Function("get_weather", "The weather in a city",
-                                  '{"type":"object","properties":{"city":{"type":"string"}}}')])
+TOOLS = Tools([Function("get_weather", "The weather in a city",
+                        '{"type":"object","properties":{"city":{"type":"string"}}}')])
 HISTORY = [wire.Message("user", "Weather in Paris?"),
            wire.Message("assistant", "", [wire.ToolCall("call_1", "get_weather", '{"city": "Paris"}')]),
            wire.Message("tool", "sunny", tool_call_id="call_1")]
@@ -77,9 +78,9 @@ def test_a_template_that_renders_tools_is_used_and_names_the_parser(smol_tokeniz
 
 def test_required_and_named_choices_constrain_the_answer_to_a_call():
     assert required_constraint(TOOLS) is None  # auto: free text, read by the parser
-    required = required_constraint(wire.Tools(TOOLS.functions, "required", parallel=False))
+    required = required_constraint(Tools(TOOLS.functions, "required", parallel=False))
     assert required.kind == "json_schema" and '"maxItems": 1' in required.spec and required.problem() is None
-    named = required_constraint(wire.Tools(TOOLS.functions, "function", "get_weather"))
+    named = required_constraint(Tools(TOOLS.functions, "function", "get_weather"))
     assert named.spec == ('{"type": "object", "properties": {"city": {"type": "string"}}, '
                           '"additionalProperties": false}')
 

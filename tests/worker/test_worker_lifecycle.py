@@ -8,7 +8,7 @@ import time
 from collections import Counter
 
 from kvgate.engine.simulated import SimulatedEngine
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 
 SIM = ("--simulated", "--sim-num-blocks", "1024", "--max-num-seqs", "16", "--sim-per-token-ms", "0.01")
 

@@ -6,7 +6,8 @@ import time
 import msgspec
 
 from kvgate.engine.simulated import SimulatedEngine
-from kvgate.producer.protocol import MAX_PAYLOAD_BYTES, PROTOCOL_VERSION, encode
+from kvgate.producer.limits import MAX_PAYLOAD_BYTES
+from kvgate.producer.protocol import PROTOCOL_VERSION, encode
 
 
 def test_every_job_gets_one_done_result_with_usage_timings_and_the_stored_copy(queue, thread_worker):
@@ -144,7 +145,7 @@ def test_a_job_whose_result_already_exists_is_acked_without_a_second_answer(queu
 
 
 def test_the_heartbeat_hash_has_every_field_and_a_ttl(queue, thread_worker):
-    from kvgate.producer.protocol import HEARTBEAT_FIELDS
+    from kvgate.producer.keys import HEARTBEAT_FIELDS
 
     with thread_worker(worker_id="hb-worker", heartbeat_ttl_s=7) as tw:
         key = queue.keys.worker("hb-worker")

@@ -3,7 +3,8 @@
 whose tools are bad is an error result naming them while the worker serves the next job (invariants 3 and 8)."""
 from __future__ import annotations
 
-from kvgate.producer.protocol import Delta, Function, Message, ToolCall, Tools, encode
+from kvgate.producer.constraints import Function, Tools
+from kvgate.producer.protocol import Delta, Message, ToolCall, encode
 
 TOOLS = Tools([Function("get_weather", "The weather", '{"type":"object","properties":{"city":{"type":"string"}}}')])
 ASK = [Message("user", "Weather in Paris?")]

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvgate.openai.batch import BatchRequest
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 from kvgate.producer.quotas import _CLOCK, PRUNE_BATCH, Quota, Quotas, estimate_tokens
 from kvgate.producer.request import build_job, validate_request
 

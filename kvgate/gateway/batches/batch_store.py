@@ -23,7 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from kvgate.producer.cluster import run_script
-from kvgate.producer.protocol import DEFAULT_TENANT
+from kvgate.producer.limits import DEFAULT_TENANT
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "cancelled", "expired")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 from urllib.parse import quote
 
-from kvgate.producer.protocol import DEFAULT_TENANT
+from kvgate.producer.limits import DEFAULT_TENANT
 
 FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]{1,64}$")
 

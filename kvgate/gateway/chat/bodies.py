@@ -8,7 +8,7 @@ from typing import Any
 from kvgate.producer import Result, TokenLogprob
 from kvgate.openai.shapes import (chat_logprobs, choice, completion_logprobs, finish_reason, prompt_text,
                                   text_length)
-from kvgate.producer.protocol import Tools
+from kvgate.producer.constraints import Tools
 from kvgate.producer.tool_calls import Content, Parser, Piece, call_id, parser_for
 
 from .plan import Plan

@@ -12,7 +12,8 @@ from kvgate.producer import InvalidRequest
 from kvgate.producer.quoting import shown
 from kvgate.openai.shapes import (STRUCTURED_BODY_FIELDS, BadLogprobs, BadStructured, logit_bias_of,
                                   requested_logprobs, structured_of_body)
-from kvgate.producer.protocol import SAMPLING_FIELDS, Tools
+from kvgate.producer.constraints import Tools
+from kvgate.producer.protocol import SAMPLING_FIELDS
 from kvgate.producer.request import SubmitRequest, validate_request
 
 from ..errors import from_sdk, invalid, unsupported

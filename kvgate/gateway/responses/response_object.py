@@ -14,7 +14,8 @@ from typing import Any
 
 from kvgate.producer import Result, TokenLogprob
 from kvgate.openai.shapes import chat_logprobs
-from kvgate.producer.protocol import ToolCall, Tools
+from kvgate.producer.constraints import Tools
+from kvgate.producer.protocol import ToolCall
 from kvgate.producer.tool_calls import Content, Parser, Piece, call_id, parser_for
 
 from ..errors import ApiError, failure

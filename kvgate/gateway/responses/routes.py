@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from kvgate.producer import AsyncJobHandle, JobStatus, KvgateError, Result
 from kvgate.producer.job_status import job_states_script, job_status
-from kvgate.producer.protocol import Tools
+from kvgate.producer.constraints import Tools
 from kvgate.producer.steps import run_async
 
 from ..auth import Caller

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from kvgate.producer.protocol import Keys
+from kvgate.producer.keys import Keys
 
 
 class Record(msgspec.Struct, omit_defaults=True):

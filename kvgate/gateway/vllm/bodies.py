@@ -6,7 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvgate.producer.protocol import DEFAULT_MODEL, MAX_MESSAGES, MAX_PROMPT_CHARS
+from kvgate.producer.keys import DEFAULT_MODEL
+from kvgate.producer.limits import MAX_MESSAGES, MAX_PROMPT_CHARS
 from kvgate.producer.request import MAX_TOKEN_ID, ChatMessage
 
 from ..errors import invalid, unsupported
