@@ -10,11 +10,14 @@ two processes that disagreed would write jobs where the other never reads. `redi
 redis-py's cluster pipeline refuses `Script.__call__`; `run_script` sends the EVALSHA itself (routed by its keys,
 which must share a slot), after loading the script on every primary once. A primary that never saw it (a promoted
 replica whose cache is empty, a new primary after a reshard) answers NOSCRIPT: `scripts_lost` makes the next call
-load again, so the caller's retry goes through.
+load again, so the caller's retry goes through: every script this process loaded that way, since any of them may
+be the next to meet the new primary (the lane ring's, which every worker runs on every beat since issue 45.8, stalled
+a worker without affinity for good after a failover when only the read and finish scripts were marked).
 """
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote
 
@@ -121,6 +124,7 @@ def run_script(script, keys: list, args: list, client):
     if not getattr(script, "_kvgate_loaded", False):
         script.registered_client.script_load(script.script)  # SCRIPT LOAD goes to every primary
         script._kvgate_loaded = True
+        _LOADED.add(script)
     # the node named: else redis-py 8 asks its default node COMMAND GETKEYS for every EVALSHA in a pipeline, an
     # extra round trip per job on one node of the whole fleet (W-FLEET's hot primary)
     node = client.nodes_manager.get_node_from_slot(key_slot(keys[0].encode()))
@@ -131,6 +135,7 @@ async def _queue_async(script, keys: list, args: list, pipe) -> None:
     if not getattr(script, "_kvgate_loaded", False):
         await script.registered_client.script_load(script.script)
         script._kvgate_loaded = True
+        _LOADED.add(script)
     pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
@@ -139,9 +144,12 @@ def get_many(client, names: list[str]):
     return client.mget_nonatomic(names) if is_cluster_client(client) else client.mget(names)
 
 
-def scripts_lost(*scripts) -> None:
-    """After NOSCRIPT: load these again before their next call."""
-    for script in scripts:
+_LOADED: "weakref.WeakSet" = weakref.WeakSet()  # the scripts run_script loaded onto the primaries
+
+
+def scripts_lost() -> None:
+    """After NOSCRIPT: load every script again before its next call."""
+    for script in list(_LOADED):
         script._kvgate_loaded = False
 
 

@@ -172,7 +172,7 @@ class Worker:
                 self._redis(self._ensure_groups)
                 return
             if is_noscript(e):  # a cluster primary that never loaded our scripts (promoted, or new after a reshard)
-                scripts_lost(self.refill.script, self.publisher.script)
+                scripts_lost()
             # OOM, READONLY after a failover, BUSY script: the server's state, not ours; back off and retry
             log.error("redis refused a command: %s; retrying in %.2fs", e, self.backoff_s)
             self._back_off()  # a read in that pipeline may have delivered entries
