@@ -55,6 +55,13 @@ def _check_depth(doc: Any, data: bytes | str) -> None:
     opening = (b"[", b"{") if isinstance(data, bytes) else ("[", "{")
     if data.count(opening[0]) + data.count(opening[1]) <= MAX_DEPTH:
         return
+    check_depth(doc)
+
+
+def check_depth(doc: Any) -> None:
+    """BadJson when a decoded document (or a caller's dicts and lists, before they are encoded) nests past MAX_DEPTH,
+    walked without recursion: the same answer on every Python, where msgspec's own limit follows the interpreter's
+    (a 1,000-deep dict encodes on 3.12 and raises RecursionError on 3.11)."""
     stack = [(doc, 1)] if isinstance(doc, (list, dict)) else []
     while stack:
         node, depth = stack.pop()

@@ -9,7 +9,7 @@ import msgspec
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PlainSerializer
 
 from . import constraints, limits
-from .bounded_json import MAX_DEPTH
+from .bounded_json import MAX_DEPTH, BadJson, check_depth
 from .tool_calls import closed
 
 
@@ -39,12 +39,13 @@ def schema_dict(value: Any) -> Any:
 
 
 def json_text(value: Any, what: str) -> str:
-    """A caller's dict (a schema, a call's arguments) as the JSON text the wire carries. msgspec raises
-    RecursionError for one nested past the interpreter's limit: a ValueError naming it, as a worker refuses text nested
-    past bounded_json's limit."""
+    """A caller's dict (a schema, a call's arguments) as the JSON text the wire carries; one nested past
+    bounded_json's limit is a ValueError naming it, as a worker would refuse its text, on every Python (msgspec raised
+    RecursionError on 3.11 and encoded it on 3.12)."""
     try:
+        check_depth(value)
         return msgspec.json.encode(value).decode()
-    except RecursionError:
+    except (BadJson, RecursionError):
         raise ValueError(f"{what} is nested too deeply: more than {MAX_DEPTH} arrays or objects inside one another "
                          "is refused; send a flatter schema") from None
 
