@@ -1,8 +1,8 @@
 """Untrusted JSON (request bodies, batch file lines, and the schema text a job carries: a structured output's JSON
-schema and a tool's parameters, which every worker and the SDK check) parsed so that no input can crash a handler or hold it for long:
-msgspec's decoder, whose limits turn a hostile document into an error naming the problem instead of an exception
-nobody expects (the standard library's parser raises RecursionError for 100,000 nested brackets and ValueError for a
-5,000-digit integer, both of which became 500s), behind a budget on what a document may hold.
+schema and a tool's parameters, which every worker and the SDK check) parsed so that no input can crash a handler or
+hold it for long: msgspec's decoder, whose limits turn a hostile document into an error naming the problem instead of an
+exception nobody expects (the standard library's parser raises RecursionError for 100,000 nested brackets and ValueError
+for a 5,000-digit integer, both of which became 500s), behind a budget on what a document may hold.
 
 The budget exists because msgspec holds the GIL for a whole document: its time grows with the values it creates
 (5.7 s for 8 MiB of `[]` on a loaded two-core machine, most of it the garbage collector chasing millions of new

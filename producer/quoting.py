@@ -1,7 +1,8 @@
 """How an error (the SDK's, and the gateway's answers) quotes what it refuses: a short prefix of the value and how long
-the value was, never the whole of it (issue 45.7: a 7.7 MB body was refused with a 7.7 MB 400 that quoted it back). `shown` is for the code that
-quotes a value; `clipped` is the net that every error message and param passes through on its way out (the gateway's
-ApiError, a batch's error lines), so a message built anywhere, quoting anything, stays short."""
+the value was, never the whole of it (issue 45.7: a 7.7 MB body was refused with a 7.7 MB 400 that quoted it back).
+`shown` is for the code that quotes a value; `clipped` is the net that every error message and param passes through on
+its way out (the gateway's ApiError, a batch's error lines), so a message built anywhere, quoting anything, stays
+short."""
 from __future__ import annotations
 
 import reprlib

@@ -1,7 +1,7 @@
 """Per tenant: backlog, running jobs, tokens served and queue wait, for `kvgate stats`, `kvgate top` and the exporter.
 
-- Backlog: only where jobs wait in tenants' streams (fair share, docs/tenants/fair-share.md). A shared stream is one FIFO
-  with no per-tenant index: counting a tenant's jobs there means reading the whole backlog, so with fair share off
+- Backlog: only where jobs wait in tenants' streams (fair share, docs/tenants/fair-share.md). A shared stream is one
+  FIFO with no per-tenant index: counting a tenant's jobs there means reading the whole backlog, so with fair share off
   the backlog is shown per model and priority only (`backlog_by_tenant` is False). With it on, each band with jobs
   queued gives the TOP_TENANTS lowest counters of its backlog set (the tenants served next) and the TOP_TENANTS
   highest (those served most: a flood), whose streams' lag is read; the band's other tenants are the band's queued

@@ -3,12 +3,12 @@
 A small worker reads by an estimate of a job's size; a job that turns out bigger than its room, that cannot make room
 either (its tenant at its share here, or the jobs that would give way freeing too little: worker/fair.py), waited on
 that worker for its running jobs to end while others had room (issue 45: 0.3-1.6 s in W-FAIR). After hand_back_ms
-(worker settings) in the local queue it goes back: still pending to us, listed in its shard's hand-back index (Keys.handed_back), which
-every worker's read script (worker/reader.py) takes from before new entries, by a JUSTID claim: no delivery is
-counted, and its tenant's read charge stands (a takeover is not charged again: Refill._took_fair). The giver keeps its
-lease until another takes it (so no reclaim counts a delivery for it), skips it for a grace period (so another gets it
-first; a lone worker still serves it then), and hands a job back at most once: two small workers pass it back and
-forth no more than twice, then one of them waits for room as before.
+(worker settings) in the local queue it goes back: still pending to us, listed in its shard's hand-back index
+(Keys.handed_back), which every worker's read script (worker/reader.py) takes from before new entries, by a JUSTID
+claim: no delivery is counted, and its tenant's read charge stands (a takeover is not charged again: Refill._took_fair).
+The giver keeps its lease until another takes it (so no reclaim counts a delivery for it), skips it for a grace period
+(so another gets it first; a lone worker still serves it then), and hands a job back at most once: two small workers
+pass it back and forth no more than twice, then one of them waits for room as before.
 """
 from __future__ import annotations
 
@@ -116,20 +116,20 @@ class HandBack:
         while len(self.given) > GIVEN_KEPT:
             del self.given[next(iter(self.given))]
 
-    def entries(self) -> dict[str, list[str]]:
-        """Ours waiting in the index, entry ids by stream (their leases are renewed with our running jobs')."""
-        out: dict[str, list[str]] = {}
+    def add_to(self, entries: dict[str, list[str]]) -> dict[str, list[str]]:
+        """`entries` (entry ids by stream, as leases.entries_of gives our jobs') with ours waiting in the index added:
+        their leases are renewed with our running jobs', and a drain hands them back with the queued ones."""
         for stream, entry_id in self.waiting.values():
-            out.setdefault(stream, []).append(entry_id)
-        return out
+            entries.setdefault(stream, []).append(entry_id)
+        return entries
 
     def settle(self, keys) -> set[str]:
         """These `stream|id` keys were read by us or found no longer ours: not ours to renew any more. Returns the
         others (jobs we ran that someone took over)."""
         return {key for key in keys if self.waiting.pop(key, None) is None}
 
-    def take_all(self) -> dict[str, list[str]]:
-        """Draining: every entry still waiting in the index, entry ids by stream, forgotten here."""
-        out = self.entries()
+    def take_all(self, entries: dict[str, list[str]]) -> dict[str, list[str]]:
+        """Draining: `entries` with every one of ours still waiting in the index, forgotten here."""
+        out = self.add_to(entries)
         self.waiting.clear()
         return out

@@ -412,9 +412,8 @@ class Worker:
         """Renew our leases; a job whose lease is lost runs elsewhere now, so stop it and publish nothing more
         for it (a zombie resumed after a stall must not keep streaming for a job another worker finished)."""
         self.due["renew"] = time.monotonic() + self.settings.renew_interval_s
-        held = entries_of(self.flights.tickets() + list(self.queue.tickets), self.streams)
-        for stream, ids in self.hand_back.entries().items():  # handed back, not yet taken: no reclaim counts them
-            held.setdefault(stream, []).extend(ids)
+        # with ours handed back and not yet taken, so no reclaim counts a delivery for them
+        held = self.hand_back.add_to(entries_of(self.flights.tickets() + list(self.queue.tickets), self.streams))
         lost = self.hand_back.settle(self.leases.renew(held))  # one handed back and gone: another worker took it
         self.renewed_at = time.monotonic()
         if not lost:
@@ -444,9 +443,7 @@ class Worker:
         self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
         log.info("draining: %d running, %d queued locally; up to %.0fs", len(self.flights), len(self.queue),
                  self.settings.drain_timeout_s)
-        handed = entries_of(self.queue.take_all(), self.streams)
-        for stream, ids in self.hand_back.take_all().items():  # reclaimable at once too
-            handed.setdefault(stream, []).extend(ids)
+        handed = self.hand_back.take_all(entries_of(self.queue.take_all(), self.streams))  # reclaimable at once too
         self._hand_back(handed)
 
     def _drained(self) -> bool:

@@ -170,7 +170,8 @@ class LiveModels:
         if self._lacks_fim(fleet, model) and (not self._stale() or self._lacks_fim(await self.fleet(True), model)):
             raise ApiError(400, f"suffix: model {model!r} has no fill-in-the-middle tokens in its tokenizer (its live "
                                 f"workers say so), so it cannot complete between a prompt and a suffix; send the "
-                                f"prompt alone, or suffix to a model with FIM tokens (docs/gateway/index.md: completions knobs)",
+                                "prompt alone, or suffix to a model with FIM tokens (docs/gateway/index.md: "
+                                "completions knobs)",
                            param="suffix", code="fill_in_the_middle_unsupported")
 
     @staticmethod
