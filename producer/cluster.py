@@ -206,9 +206,11 @@ class SlotMoved(redis.ConnectionError):
     retry (every retry-on-outage path treats a ConnectionError as one) goes to the new primary."""
 
 
-def first_moved(replies: list) -> SlotMoved | None:
-    """The SlotMoved to raise when a pipeline's replies hold a redirection, else None."""
-    moved = next((r for r in replies if isinstance(r, Exception) and is_moved(r)), None)
+def first_moved(replies: list | dict) -> SlotMoved | None:
+    """The SlotMoved to raise when a pipeline's replies (a list, or a dict of them by name) hold a redirection, else
+    None."""
+    moved = next((r for r in (replies.values() if isinstance(replies, dict) else replies)
+                  if isinstance(r, Exception) and is_moved(r)), None)
     return None if moved is None else SlotMoved(f"a shard's slot is served elsewhere now ({moved}); the slots "
                                                 "were read again")
 

@@ -30,7 +30,7 @@ class Ticket:
     hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, kept for each fit check
     pooling: Any = None  # an embedding job's PoolingParams: it generates nothing, so its budget is 0
     tool_parser: str | None = None  # a job with tools of choice auto: the format its calls are read in
-    may_preempt: bool = False  # fair share: its tenant had few jobs waiting, so it may make room (worker/fair.py)
+    may_preempt: bool = False  # fair share: its tenant had few jobs waiting, so it may make room (worker/room.py)
     queued_at: float = 0.0  # when it entered the local queue (monotonic): one waiting long goes back (hand_back.py)
 
     @property

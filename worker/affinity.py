@@ -24,7 +24,9 @@ import redis
 from kvgate.producer.cluster import run_script
 from kvgate.producer.lanes import digest, decode_members, encode_member, owners, parse_lanes
 from kvgate.producer.keys import DEFAULT_MODEL, PRIORITIES, Keys, as_text
-from kvgate.worker.reader import ReadPlan
+from kvgate.producer.redis_url import FAILOVER_ERRORS
+from kvgate.worker.read_plan import ReadPlan
+from kvgate.worker.named import Named
 
 log = logging.getLogger("kvgate.worker")
 OVERDUE_CHECKS = 4  # others' lanes per model and priority looked at for overdue jobs on each read
@@ -43,6 +45,54 @@ if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now, ARGV[1]) end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
 return redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[3]), '+inf')
 """
+
+
+# The read script's part (worker/reader.py READ_LUA, its locals there; `input.lanes`: lane_read_inputs, and each
+# stream's `lane`: 'own' (or none: ours, or no lanes), 'urgent' (a lane of an owner that said it is full: taken
+# without waiting the steal age) or 'other' (another worker's lane). A new entry in another's lane is taken only once
+# it is steal_age ms old (its owner gets the first chance; stream ids are server ms), and a read takes at most
+# steal_max entries from others' lanes in all. `overdue`: a few others' lanes (KEYS indexes) whose entries older than
+# overdue_ms are taken before our own (their owner is not keeping up; a few lanes per read keeps the cost flat in the
+# number of lanes).
+LANES_READ_LUA = """
+local lanes = input.lanes or {}
+local steal_age, steal_max = lanes.steal_age or 0, lanes.steal_max or want
+local function ripe(key, n, cutoff)  -- how many of the next n new entries are at least as old as the cutoff
+  if n <= 0 then return 0 end
+  local last = delivered(key)
+  if not last then return 0 end
+  local k = 0
+  for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', n)) do
+    if tonumber(string.match(e[1], '^(%d+)')) > cutoff then break end
+    k = k + 1
+  end
+  return k
+end
+local function lane_take(stream)  -- the new entries a read takes from this stream now
+  if not stream.lane or stream.lane == 'own' then return take(KEYS[stream.key], want) end
+  local n = math.min(want, steal_max)
+  if steal_age > 0 and stream.lane == 'other' then n = ripe(KEYS[stream.key], n, now - steal_age) end
+  local entries = take(KEYS[stream.key], n)
+  steal_max = steal_max - #entries
+  return entries
+end
+local function overdue_first()  -- others' lanes' entries older than overdue_ms, before our own
+  if (lanes.overdue_ms or 0) <= 0 or preempt_ms > 0 then return end
+  for _, index in ipairs(lanes.overdue or {}) do
+    if want <= 0 then break end
+    local key = KEYS[index]
+    local entries = take(key, ripe(key, math.min(want, steal_max), now - lanes.overdue_ms))
+    steal_max = steal_max - #entries
+    if #entries > 0 then table.insert(out, {'stream', key, 'new', entries}) end
+  end
+end
+"""
+
+
+def lane_read_inputs(steal_age_ms: int, steal_max: int, overdue_ms: int, overdue_keys: list[int]) -> dict:
+    """The read script's lane inputs (LANES_READ_LUA's `input.lanes`); `overdue_keys`: the KEYS indexes of others'
+    lanes to check for overdue entries."""
+    return {"steal_age": steal_age_ms, "steal_max": steal_max, "overdue_ms": overdue_ms, "overdue": overdue_keys}
 
 
 Lane = tuple[str, int]  # (model, lane number)
@@ -90,17 +140,17 @@ class Affinity:
     def sync(self) -> bool:
         """Read the lane count (proposing ours first), beat in our models' rings and recompute our lanes. Returns
         whether the set of streams to read grew (a count seen for the first time)."""
-        pipe = self.client.pipeline(transaction=False)
+        named = Named(self.client.pipeline(transaction=False))
         if self.enabled:
-            pipe.set(self.keys.lanes(), self.want_lanes, nx=True)
+            named.on("proposed").set(self.keys.lanes(), self.want_lanes, nx=True)
         lapse_ms = min(self.lapse_ms or self.ring_ttl_ms, self.ring_ttl_ms)
         for model in self.models:  # without affinity we only look: a model nobody owns has lanes nobody waits on
             run_script(self.script, [self.keys.lane_ring(model)],
-                       [self.member if self.enabled else "", self.ring_ttl_ms, lapse_ms], pipe)
-        pipe.get(self.keys.lanes())
-        replies = pipe.execute()
-        grew = self._see_count(replies[-1])
-        rings = {m: decode_members(ring) for m, ring in zip(self.models, replies[-1 - len(self.models):-1])}
+                       [self.member if self.enabled else "", self.ring_ttl_ms, lapse_ms], named.on(("ring", model)))
+        named.on("count").get(self.keys.lanes())
+        replies = named.execute()
+        grew = self._see_count(replies["count"])
+        rings = {m: decode_members(replies["ring", m]) for m in self.models}
         self.unowned = {m for m in self.models if not rings[m]}
         if self.enabled:
             self._own({m: self._owned(m, rings[m]) for m in self.models})
@@ -191,14 +241,17 @@ class Affinity:
         return False
 
     def leave(self) -> None:
-        """Draining: give our lanes to the others now rather than when our beat expires."""
+        """Draining: give our lanes to the others now rather than when our beat expires (Redis out of reach: then)."""
         self._own({})
         if self.enabled:
             pipe = self.client.pipeline(transaction=False)
             for model in self.models:
                 pipe.zrem(self.keys.lane_ring(model), self.member)
                 pipe.zrem(self.keys.lanes_full(model), self.worker_id)
-            pipe.execute()
+            try:
+                pipe.execute()
+            except FAILOVER_ERRORS:
+                log.warning("could not leave the lane ring; our lanes move when our beat there expires")
 
     def streams(self) -> list[str]:
         """Every stream we read: each served model's shared ones and its lanes'."""

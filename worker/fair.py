@@ -24,7 +24,7 @@ tenant never makes room, and between tenants with few jobs waiting at their shar
 
 Tenants' streams a worker has read sit in `<band>:fair:pending` (scored when first read, and when last looked at),
 so a reclaim finds a dead worker's entries there without scanning every tenant's stream. Tenants' streams that
-exist sit in `<band>:fair:streams`, which the pruning pass (`Fair.sweep`, SWEEP_LUA) walks a bounded slice at a
+exist sit in `<band>:fair:streams`, which the pruning pass (`Fair.sweep`, worker/fair_sweep.py) walks a bounded slice at a
 time, oldest look first (again SWEEP_AGAIN_S later while slices come full, else every trim interval): it deletes
 streams left empty and the departed consumers of the others. An idle worker blocks on the bands' bells
 (`<band>:fair:bell`), which producers ring when a tenant joins a backlog (refill.py).
@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from kvgate.producer.cluster import run_script
-from kvgate.producer.keys import ID_AFTER_LUA, Keys, as_text
+from kvgate.producer.keys import Keys
+from kvgate.worker.fair_sweep import Swept, Sweeper
+from kvgate.worker.named import Named
 from kvgate.worker.tenant_weights import RANGE, clamp_weight, parse_weights
 
 log = logging.getLogger("kvgate.worker")
@@ -59,85 +60,148 @@ LOCAL_CHARGE = 0.25
 FAIR_BLOCK_MS = 50  # an idle worker's wait while a band's backlog still has tenants (a race with another's read)
 
 
-SWEEP_TENANTS = 64  # tenants' streams one pruning pass looks at per band, the longest unseen first
-# After a pass whose slice was full in some band (more may be due now), the next pass comes this soon rather than a
-# trim interval later: a drain of 50,000 tenants left 48,465 emptied streams (84 MB) for an hour at one slice per
-# 5 s. It costs little more: a stream the pass keeps is looked at again only once min idle (the reclaim timeout) has
-# passed, so the fleet's looks stay at most one per stream and reclaim timeout, plus one per stream deleted; only a
-# full slice brings the next pass forward, so an idle namespace still costs one pass per trim interval.
-SWEEP_AGAIN_S = 0.1
-
-# KEYS: per band (one shard's bands) its streams index, backlog and pending index; ARGV: group, min idle ms, heartbeat
-# key prefix ('' on a cluster: see consumers.py), our own consumer, tenants per band, then the bands. Per band, the
-# tenants whose stream was last looked at over min idle ago (or never), at most SWEEP_TENANTS: a stream gone (or not
-# a stream) is forgotten; one with nothing pending, nothing undelivered and its tenant not backlogged is deleted
-# (in this script, in the band's slot, so a producer's XADD cannot slip in between the look and the DEL: its
-# next job makes the stream again and joins the index anew, and a reader makes the group on NOGROUP); in any other
-# its departed consumers (idle, nothing pending, no heartbeat) are deleted, as consumers.py does for the shared
-# streams, and it is looked at again once min idle has passed. Returns {streams deleted, consumers deleted, 1 if some
-# band's slice was full (more may be due) else 0}.
-SWEEP_LUA = ID_AFTER_LUA + """
-local group, min_idle, prefix, me = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local limit = tonumber(ARGV[5])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local deleted, gone, full = 0, {}, 0
-for b = 1, #ARGV - 5 do
-  local band, known, backlog, pending = ARGV[5 + b], KEYS[3 * b - 2], KEYS[3 * b - 1], KEYS[3 * b]
-  local slice = redis.call('ZRANGEBYSCORE', known, '-inf', now - min_idle, 'LIMIT', 0, limit)
-  if #slice >= limit then full = 1 end
-  for _, tenant in ipairs(slice) do
-    local key = band .. ':t:' .. tenant
-    local kind = redis.call('TYPE', key)['ok']
-    if kind ~= 'stream' then
-      redis.call('ZREM', known, tenant)
+# The read script's part (worker/reader.py READ_LUA, its locals there; `input.shares`: shares_read_inputs, and per band
+# stream `stream.tenants`: tenants_read_inputs). The band's backlogged tenants, lowest virtual token counter first. A tenant
+# is charged `charge` tokens per job over its weight when read; one newly backlogged (producers add it at -inf) is
+# placed at the band's virtual time, the counter last served, or at the lowest counter of the tenants backlogged if
+# that is higher (on a cluster workers add what tenants took in the other shards to this shard's counters, which
+# moves no virtual time here): no credit for the time it was idle. Taken from the lowest up to the point where it
+# would pass the next one (QUANTUM jobs at least). Each turn takes a job or drops a tenant, at most 64 turns: a read
+# costs the same with 3 tenants or 100,000.
+# A job may make room for itself on a full worker only when its tenant had at most PREEMPT_BACKLOG jobs waiting, all
+# of them read (a long backlog's wait is its own doing, and backlogged tenants share by counters): such entries are
+# marked `few`; `alone`: its tenant was the only one backlogged in the band (Fair.read). A full worker's preempting
+# look (preempt_ms > 0) reads at most one job, in the first band (by priority) with backlogged tenants, and only if
+# the worker gave that band rooms: of the PREEMPT_LOOK lowest counters, the first tenant whose job may make room there
+# with at most PREEMPT_BACKLOG jobs waiting, the next of which has waited preempt_ms. A reclaim also looks at the
+# tenants' streams read more than min idle ago (`<band>:fair:pending`), which may hold a dead worker's entries.
+TENANTS_READ_LUA = """
+local fair = input.shares or {}
+local charge, weights = math.max(fair.charge or 1, 1), fair.weights or {}
+local QUANTUM = 4  -- jobs a turn may take past the next counter: fewer turns per job, shares off by 4 jobs at most
+local PREEMPT_LOOK, PREEMPT_BACKLOG = 4, 32
+local function weight(tenant) return math.max(tonumber(weights[tenant]) or 1, 0.001) end
+local function tenant_orphans(stream)  -- a reclaim: the band's tenants' streams read more than min_idle ago
+  local pending = KEYS[stream.tenants.pending]
+  for _, tenant in ipairs(redis.call('ZRANGEBYSCORE', pending, '-inf', now - min_idle, 'LIMIT', 0, 64)) do
+    if want <= 0 then break end
+    local key = KEYS[stream.key] .. ':t:' .. tenant
+    local left = redis.pcall('XPENDING', key, group)
+    if type(left) ~= 'table' or left.err or left[1] == 0 then
+      redis.call('ZREM', pending, tenant)
     else
-      local g = nil
-      for _, row in ipairs(redis.call('XINFO', 'GROUPS', key)) do
-        local f = {}
-        for i = 1, #row, 2 do f[row[i]] = row[i + 1] end
-        if f['name'] == group then g = f end
-      end
-      local top = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
-      local waiting = top ~= nil and (g == nil or id_after(top[1], g['last-delivered-id']))
-      if not waiting and (g == nil or g['pending'] == 0) and not redis.call('ZSCORE', backlog, tenant) then
-        redis.call('DEL', key)
-        redis.call('ZREM', known, tenant)
-        redis.call('ZREM', pending, tenant)
-        deleted = deleted + 1
-      else
-        if g ~= nil then
-          for _, row in ipairs(redis.call('XINFO', 'CONSUMERS', key, group)) do
-            local c = {}
-            for i = 1, #row, 2 do c[row[i]] = row[i + 1] end
-            if c['pending'] == 0 and c['idle'] >= min_idle and c['name'] ~= me
-                and not (prefix ~= '' and redis.call('EXISTS', prefix .. c['name']) == 1) then
-              redis.call('XGROUP', 'DELCONSUMER', key, group, c['name'])
-              gone[#gone + 1] = c['name']
-            end
-          end
-        end
-        redis.call('ZADD', known, now, tenant)
-      end
+      local mine = orphans(key)
+      if #mine > 0 then table.insert(out, {'stream', key, 'taken', mine}) end
+      redis.call('ZADD', pending, now, tenant)  -- looked at: again once min_idle has passed
     end
   end
 end
-return {deleted, gone, full}
+local function waited(key, cutoff)  -- a few new entries only, the next at least as old as the cutoff?
+  local ok, last = pcall(delivered, key)  -- no stream: nothing waits; no group yet: every entry is new
+  if not ok then return false end
+  local next = redis.call('XRANGE', key, '(' .. (last or '0-0'), '+', 'COUNT', PREEMPT_BACKLOG + 1)
+  return #next > 0 and #next <= PREEMPT_BACKLOG and tonumber(string.match(next[1][1], '^(%d+)')) <= cutoff
+end
+local looked = false  -- a preempting look is over once a band with backlogged tenants was seen
+local function tenants_take(stream)
+  local band, backlog, pending = KEYS[stream.key], KEYS[stream.tenants.backlog], KEYS[stream.tenants.pending]
+  local vt_key = backlog .. ':vt'
+  local vt = tonumber(redis.call('GET', vt_key) or 0) or 0
+  local moved = false
+  local floor = nil
+  local function counter(raw)  -- a score of -inf: newly backlogged, placed where the others are (below)
+    if raw ~= '-inf' then return tonumber(raw) end
+    if not floor then  -- the band's virtual time, or the lowest counter of the tenants backlogged if that is higher
+      local low = redis.call('ZRANGEBYSCORE', backlog, '(-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      floor = vt
+      if #low > 0 then floor = math.max(vt, tonumber(low[2])) end
+    end
+    return floor
+  end
+  local function serve(tenant, score, n, few, alone)  -- read up to n of its jobs, charge it, drop it once it has none
+    local key = band .. ':t:' .. tenant
+    local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
+    if type(reply) == 'table' and reply.err and string.find(reply.err, 'NOGROUP') then
+      redis.pcall('XGROUP', 'CREATE', key, group, '0')  -- producers leave groups to the first reader (none: no stream)
+      reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
+    end
+    local entries = {}
+    if type(reply) == 'table' and not reply.err and reply[1] then entries = reply[1][2] end
+    if #entries > 0 then
+      want = want - #entries
+      few = few or (#entries <= PREEMPT_BACKLOG and (#entries < n or
+                    redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1][1] == entries[#entries][1]))  -- drained
+      table.insert(out, {'stream', key, 'new', entries, 'few', few and 1 or 0, 'alone', alone and 1 or 0})
+      if redis.call('DECRBY', backlog .. ':queued', #entries) < 0 then redis.call('SET', backlog .. ':queued', 0) end
+      redis.call('ZADD', pending, 'NX', now, tenant)
+      if score ~= vt then vt, moved = score, true end  -- the lowest counter served: where newcomers start
+    end
+    if #entries < n then  -- no more new entries (or not a stream we can read): not backlogged now
+      redis.call('ZREM', backlog, tenant)
+    else
+      redis.call('ZADD', backlog, score + #entries * charge / weight(tenant), tenant)
+    end
+  end
+  if preempt_ms > 0 then
+    local low = redis.call('ZRANGE', backlog, 0, PREEMPT_LOOK - 1, 'WITHSCORES')
+    looked = #low > 0
+    local room = stream.tenants.rooms
+    for i = 1, #low, 2 do
+      if not room then break end
+      if (room[low[i]] or room['']) > 0 and waited(band .. ':t:' .. low[i], now - preempt_ms) then
+        serve(low[i], counter(low[i + 1]), 1, true, #low == 2)
+        break
+      end
+    end
+  else
+    local turns = 0
+    while want > 0 and turns < 64 do
+      turns = turns + 1
+      local low = redis.call('ZRANGE', backlog, 0, 1, 'WITHSCORES')
+      if #low == 0 then break end
+      local tenant, score = low[1], counter(low[2])
+      local n = want
+      if #low >= 4 then
+        local gap = (counter(low[4]) - score) * weight(tenant) / charge
+        n = math.min(want, math.max(QUANTUM, math.floor(gap) + 1))
+      end
+      serve(tenant, score, n, false, #low == 2)
+    end
+  end
+  if moved then redis.call('SET', vt_key, tostring(vt)) end
+end
+local function bands_queued()  -- each band's jobs still queued after this read: band, count, band, count...
+  local queued = {}
+  for _, stream in ipairs(streams) do
+    if stream.tenants then
+      queued[#queued + 1] = KEYS[stream.key]
+      local n = redis.call('GET', KEYS[stream.tenants.backlog] .. ':queued')
+      queued[#queued + 1] = math.max(tonumber(n or 0) or 0, 0)
+    end
+  end
+  return queued
+end
 """
+
+
+def shares_read_inputs(charge: float, preempt_ms: int, weights: dict[str, float]) -> dict:
+    """The read script's fair share inputs (TENANTS_READ_LUA's `input.shares`)."""
+    return {"charge": charge, "preempt_ms": preempt_ms, "weights": weights}
+
+
+def tenants_read_inputs(band: str, here: Occupancy | None, add_key) -> dict:
+    """A band stream's part of the read script's inputs (its `stream.tenants`): its backlog and pending index, added to
+    the script's KEYS by `add_key` (which returns the index); with `here` (a preempting look: what the worker runs in
+    the band), per tenant running there ('' for any other) 1 if a job of it may make room there, else 0."""
+    out = {"backlog": add_key(Keys.fair_backlog(band)), "pending": add_key(Keys.fair_pending(band))}
+    if here is not None:
+        out["rooms"] = {t or "": int(here.makes_room(t)) for t in (None, *here.counts)}
+    return out
 
 
 def tenant_of(stream: str, band: str) -> str:
     """The tenant whose stream in `band` this is (Keys.tenant_jobs)."""
     return stream.removeprefix(Keys.tenant_jobs(band, ""))
-
-
-@dataclass(slots=True, frozen=True)
-class Swept:
-    """What one pruning pass over the tenants' streams deleted."""
-
-    deleted: int = 0  # tenants' streams left empty
-    consumers: list[str] = field(default_factory=list)  # departed consumers' names (each once)
-    more: bool = False  # some band's slice was full: more streams may be due now (SWEEP_AGAIN_S)
 
 
 @dataclass(slots=True)
@@ -156,7 +220,7 @@ class Fair:
     served: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     siblings: dict[str, tuple[str, ...]] = field(default_factory=dict)  # band -> the same band in every shard
     charged_here: bool = False  # a cluster: reads charged counters of one shard that the others lack yet
-    script: object = None  # the pruning pass's (SWEEP_LUA), registered at its first use
+    sweeper: Sweeper | None = None  # the pruning pass's (worker/fair_sweep.py), made at its first use
 
     def read_charge(self, tokens_per_job: float) -> float:
         """What the read script charges a job's tenant in the shard it was read from: the estimate, and on a Redis
@@ -253,20 +317,21 @@ class Fair:
         return self.siblings[band]
 
     def sweep(self, min_idle_ms: int, consumer: str) -> Swept:
-        """Delete the tenants' streams left empty and the departed consumers of the others, a bounded slice of each
-        band's streams index per call (SWEEP_LUA): one script per shard, whatever the tenants."""
-        if self.script is None:
-            self.script = self.client.register_script(SWEEP_LUA)
-        prefix = "" if self.keys.cluster else self.keys.worker("")
-        deleted, gone, more = 0, set(), False
-        for bands in self.keys.by_shard(sorted(self.bands)):
-            keys = [k for band in bands
-                    for k in (Keys.fair_streams(band), Keys.fair_backlog(band), Keys.fair_pending(band))]
-            args = [Keys.GROUP, min_idle_ms, prefix, consumer, SWEEP_TENANTS, *bands]
-            n, names, full = run_script(self.script, keys, args, self.client)
-            deleted, more = deleted + int(n), more or bool(full)
-            gone |= {as_text(name) for name in names}
-        return Swept(deleted, sorted(gone), more)
+        """One pruning pass over our bands' tenants' streams (worker/fair_sweep.py)."""
+        if self.sweeper is None:
+            self.sweeper = Sweeper(self.client, self.keys)
+        return self.sweeper.sweep(self.bands, min_idle_ms, consumer)
+
+    def prune(self, min_idle_ms: int, consumer: str) -> bool:
+        """A pruning pass, what it deleted logged; whether more may be due now (a drain empties every tenant's stream
+        at once: the next pass then comes SWEEP_AGAIN_S later, not a trim interval)."""
+        swept = self.sweep(min_idle_ms, consumer)
+        if swept.consumers:
+            log.info("deleted %d departed consumers of tenants' streams: %s", len(swept.consumers),
+                     ", ".join(swept.consumers))
+        if swept.deleted:
+            log.info("deleted %d tenants' streams left empty", swept.deleted)
+        return swept.more
 
     def band_of(self, stream: str) -> str | None:
         band, sep, _ = stream.rpartition(":t:")  # tenant names hold no ':'
@@ -293,20 +358,20 @@ class Fair:
         """Set the namespace's switch as our setting says, then read it, the weights and whether any band still
         has backlogged tenants (after fair share was turned off, their streams drain before we stop reading
         them)."""
-        pipe = self.client.pipeline(transaction=False)
+        named = Named(self.client.pipeline(transaction=False))
         if self.setting == "on":
-            pipe.set(self.keys.fair(), int(time.time()))
+            named.on("set").set(self.keys.fair(), int(time.time()))
         elif self.setting == "off":
-            pipe.delete(self.keys.fair())
-        pipe.exists(self.keys.fair())
-        pipe.hgetall(self.keys.tenants())
-        replies = pipe.execute()[-2:]
+            named.on("set").delete(self.keys.fair())
+        named.on("on").exists(self.keys.fair())
+        named.on("weights").hgetall(self.keys.tenants())
+        replies = named.execute()
         backlogged = False
-        if not replies[0]:
+        if not replies["on"]:
             backlogged = any(self._card(band) for band in self.bands)
         was = self.active
-        self.on, self.active = bool(replies[0]), bool(replies[0]) or backlogged
-        self.weights, odd = parse_weights(replies[1])
+        self.on, self.active = bool(replies["on"]), bool(replies["on"]) or backlogged
+        self.weights, odd = parse_weights(replies["weights"])
         if odd != self.odd_weights:  # once per change, not every heartbeat
             self.odd_weights = odd
             if odd:

@@ -35,7 +35,7 @@ class Flight:
     undecoded: list[TokenLogprob] = field(default_factory=list)  # rendered, their text not yet decoded
     ending: str | None = None  # cancelled in the engine; the status to answer once its last text is decoded
     prompt_logprobs: list[TokenLogprob] | None = None  # rendered when it finishes, when the job asked
-    aside: bool = False  # stepped aside for a fair-share job (Worker._make_room) and not stepped again since
+    aside: bool = False  # stepped aside for a fair-share job (Room.make) and not stepped again since
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ pass it back and forth no more than twice, then one of them waits for room as be
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from kvgate.producer.cluster import run_script
 from kvgate.producer.keys import Keys, as_text
 from kvgate.worker.admission import Ticket
 
+log = logging.getLogger("kvgate.worker")
 GRACE_TIMES = 3  # the giver skips its own handed-back entry for this many hand_back_ms: others' reads come first
 GIVEN_KEPT = 4096  # jobs remembered as handed back once (a job is handed back at most once per worker)
 # KEYS[1]: the shard's hand-back index; ARGV: group, consumer, then stream/entry id pairs. Lists each entry still
@@ -41,14 +43,15 @@ for i = 3, #ARGV - 1, 2 do
 end
 return lost
 """
-# The read script's part (worker/reader.py READ_LUA, after the reclaim, before new entries; its locals there): the
+# The read script's part (worker/reader.py READ_LUA, after the reclaim, before new entries; its locals there; `handed`:
+# the index, from `input.handed`, with `grace`, hand_back_inputs): the
 # oldest few listed entries of the streams this read may take from (ours and their tenants' streams), each still pending
 # to the worker that listed it, claimed with JUSTID (no delivery counted; its count goes with it), or dropped from the
 # index where acknowledged or taken over since; an entry we listed only once our grace has passed.
 TAKE_HANDED_LUA = """
 if handed and want > 0 and preempt_ms == 0 then  -- jobs workers handed back, before new ones
   local ours = {}  -- the streams this read may take from: ours and their tenants' streams
-  for index = 1, last_key do ours[KEYS[index]] = true end
+  for _, stream in ipairs(streams) do ours[KEYS[stream.key]] = true end
   local got = {}
   local listed = redis.call('ZRANGE', handed, 0, 31, 'WITHSCORES')  -- the oldest few: a read's cost stays flat
   for i = 1, #listed, 2 do
@@ -68,9 +71,15 @@ if handed and want > 0 and preempt_ms == 0 then  -- jobs workers handed back, be
       end
     end
   end
-  for key, mine in pairs(got) do table.insert(out, {key, {}, {}, 0, 0, mine}) end
+  for key, mine in pairs(got) do table.insert(out, {'stream', key, 'handed', mine}) end
 end
 """
+
+
+def hand_back_inputs(index: int, grace: int) -> dict:
+    """The read script's hand-back inputs (`input.handed`): the index's place in its KEYS, and the grace in ms in
+    which entries we handed back are left to others."""
+    return {"key": index, "grace": grace}
 
 
 def grace_ms(after_ms: int) -> int:
@@ -110,6 +119,18 @@ class HandBack:
             for ticket in group:
                 if ticket.key not in lost:
                     self.waiting[ticket.key] = (ticket.stream, ticket.entry_id)
+
+    def give_one(self, ticket: Ticket) -> bool:
+        """Hand back a job that does not fit here; False: Redis refused, so it waits here for room (it is handed back
+        at most once: no retry each pass)."""
+        try:
+            self.give([ticket])
+        except redis.RedisError as e:
+            log.warning("could not hand back job %s (%s: %s); it waits here for room", ticket.key,
+                        e.__class__.__name__, e)
+            return False
+        log.debug("handed back job %s: it does not fit here", ticket.key)
+        return True
 
     def _remember(self, key: str) -> None:
         self.given[key] = None

@@ -19,7 +19,7 @@ from kvgate.worker.affinity import Affinity
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.engine import Engine
 from kvgate.worker.lane_prefixes import LanePrefixes
-from kvgate.worker.reader import Entry
+from kvgate.worker.read_reply import Entry
 from kvgate.worker.tokenizer_jobs import Tokenized, answer
 from kvgate.worker.tool_prompt import ToolPrompts, required_constraint
 

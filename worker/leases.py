@@ -8,13 +8,17 @@ longer ours tells the worker to stop that job: someone else runs or has finished
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import redis
 
 from kvgate.producer.cluster import run_script
 from kvgate.producer.keys import Keys, as_text
+from kvgate.producer.redis_url import FAILOVER_ERRORS
 from kvgate.worker.admission import Ticket
+
+log = logging.getLogger("kvgate.worker")
 
 HANDBACK_IDLE_MS = 10**12  # an entry this idle is past every worker's reclaim timeout: reclaimable at once
 # Renew only what is still pending to us, atomically; return the ids that are not.
@@ -74,7 +78,16 @@ class Leases:
         return counts[:len(ids)]
 
     def hand_back(self, entries: dict[str, list[str]]) -> None:
-        """Make entries we will not finish reclaimable by others now, without counting a delivery."""
+        """Make entries we will not finish reclaimable by others now, without counting a delivery. Redis out of
+        reach: they return after the reclaim timeout."""
+        if not any(entries.values()):
+            return
+        try:
+            self._hand_back(entries)
+        except FAILOVER_ERRORS:
+            log.warning("could not hand back jobs; they return after the reclaim timeout")
+
+    def _hand_back(self, entries: dict[str, list[str]]) -> None:
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in entries.items():
             if ids:

@@ -11,9 +11,24 @@ import re
 import math
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from kvgate.producer.protocol import TokenLogprob, TopLogprob
+
+
+@runtime_checkable
+class Vocabulary(Protocol):
+    """A tokenizer that names its vocabulary entries (transformers' do); another renders a token by decoding it."""
+
+    def convert_ids_to_tokens(self, token_id: int) -> str: ...
+
+
+@runtime_checkable
+class FastTokenizer(Protocol):
+    """transformers' fast tokenizers: a Rust tokenizer behind them, whose decoder says how tokens spell text."""
+
+    backend_tokenizer: Any
+
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SENTENCEPIECE_SPACE = "\u2581"
@@ -35,8 +50,9 @@ def byte_decoder() -> dict[str, int]:
 
 
 def is_byte_level(tokenizer: Any) -> bool:
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    return type(decoder).__name__ == "ByteLevel"
+    """A fast (Rust-backed) tokenizer whose decoder is byte-level (GPT-2 style): its tokens spell bytes."""
+    return isinstance(tokenizer, FastTokenizer) and \
+        type(tokenizer.backend_tokenizer.decoder).__name__ == "ByteLevel"
 
 
 @dataclass(slots=True)
@@ -60,8 +76,7 @@ class TokenRenderer:
         if self.tokenizer is None:
             return "", b""
         try:
-            convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)  # the simulated tokenizer has none
-            token = convert(token_id) if convert is not None else None
+            token = self.tokenizer.convert_ids_to_tokens(token_id) if isinstance(self.tokenizer, Vocabulary) else None
             utf8 = self._bytes(token) if token else None
             if utf8 is None:
                 text = self.tokenizer.decode([token_id])

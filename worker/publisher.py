@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -19,6 +20,7 @@ from kvgate.producer.cluster import NodeLinks, run_script
 from kvgate.producer.keys import Keys
 from kvgate.producer.protocol import FIELD, Delta, Final, encode
 from kvgate.producer.redis_url import Durability, NotReplicated
+from kvgate.worker.named import Named
 
 log = logging.getLogger("kvgate.worker")
 
@@ -84,6 +86,19 @@ class Settled:
 
 
 @dataclass(slots=True)
+class OutboxReplies:
+    """What one round trip answered for the outbox, part by part (split in one place: Publisher.replies_of)."""
+
+    deltas: list = field(default_factory=list)  # one per delta sent, in order
+    expires: list = field(default_factory=list)  # one per reply stream the deltas went to
+    finishes: list = field(default_factory=list)  # one per final, in order (on links: the links' replies)
+    wait: Any = None  # the WAIT's reply (on links: the fewest replicas any WAIT saw, or its error); None: none went
+
+    def all(self) -> list:
+        return [*self.deltas, *self.expires, *self.finishes, *([] if self.wait is None else [self.wait])]
+
+
+@dataclass(slots=True)
 class Publisher:
     client: redis.Redis
     keys: Keys
@@ -99,7 +114,9 @@ class Publisher:
     durability: Durability = field(default_factory=Durability)
     waiting: bool = False  # the pipeline being filled carries a WAIT after the finals (replicated durability)
     links: NodeLinks | None = None  # replicated on a Redis Cluster: finals go per shard on links, each with a WAIT
-    linked_at: int | None = None  # where the finals' replies belong among the pipeline's, when they went on links
+    expiring: int = 0  # reply streams the last fill expired (one EXPIRE each, after the deltas)
+    on_links: bool = False  # the last fill's finals go on links, not on its pipeline
+    linked: OutboxReplies | None = None  # their replies, once the round trip sent them
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(FINISH_LUA)  # EVALSHA, loading the script on NOSCRIPT
@@ -121,6 +138,11 @@ class Publisher:
     def pending(self) -> int:
         return len(self.deltas) + len(self.finishes) + len(self.sending[0]) + len(self.sending[1])
 
+    @property
+    def filled(self) -> bool:
+        """The last fill queued something to send (on its pipeline, or finals for the links)."""
+        return bool(self.sending[0] or self.sending[1])
+
     def requeue(self) -> None:
         """The round trip carrying the last fill failed: its events go out again first, before newer ones."""
         deltas, finishes = self.sending
@@ -132,13 +154,13 @@ class Publisher:
         if not self.pending:
             return Settled([], {}, [])
         pipe = self.client.pipeline(transaction=False)
-        n = self.fill(pipe)
+        self.fill(pipe)
         try:
             replies = self.round_trip(pipe)
         except BaseException:
             self.requeue()
             raise
-        return self.settle(replies[:n])
+        return self.settle(replies)  # the pipeline carried the outbox only
 
     def fill(self, pipe) -> int:
         """Queue the outbox on `pipe` (which may carry other commands after it); returns how many replies
@@ -156,58 +178,68 @@ class Publisher:
         for reply in replies:
             pipe.expire(reply, self.reply_ttl_s)
         self.waiting = self.durability.replicated and bool(finishes)
-        self.linked_at = len(deltas) + len(replies) if self.links is not None and finishes else None
-        if self.linked_at is None:
-            for f in finishes:
-                self._finish(pipe, f)
-            if self.waiting:
-                self.durability.wait(pipe)  # same connection, after the finals: counts them and everything before
+        self.expiring, self.on_links, self.linked = len(replies), self.links is not None and bool(finishes), None
+        if self.on_links:
+            return len(deltas) + len(replies)
+        for f in finishes:
+            self._finish(pipe, f)
+        if self.waiting:
+            self.durability.wait(pipe)  # same connection, after the finals: counts them and everything before
         return len(deltas) + len(replies) + len(finishes) + self.waiting
 
     def round_trip(self, pipe) -> list:
-        """Run the pipeline `fill` filled (raise_on_error=False); with links, then the finals on them, their replies
-        put where `settle` expects them."""
+        """Run the pipeline `fill` filled (raise_on_error=False); with links, then the finals on them (their replies
+        kept for `settle`)."""
         replies = pipe.execute(raise_on_error=False)
-        if self.linked_at is None:
-            return replies
-        return replies[:self.linked_at] + self._send_linked() + replies[self.linked_at:]
+        if self.on_links:
+            self.linked = self._send_linked()
+        return replies
 
-    def _send_linked(self) -> list:
-        """Each shard's finals on the link to its primary, then WAIT there; the replies in the finals' order, and the
-        fewest replicas any WAIT saw (or its error) last."""
+    def _send_linked(self) -> OutboxReplies:
+        """Each shard's finals on the link to its primary, then WAIT there: the replies in the finals' order, and the
+        fewest replicas any WAIT saw (or its error)."""
         finishes = self.sending[1]
         out: list = [None] * len(finishes)
         waits = []
         for group in self.keys.by_shard(range(len(finishes)), lambda i: finishes[i].stream):
             def writes(link, group=group):
-                pipe = link.pipeline(transaction=False)
+                named = Named(link.pipeline(transaction=False))
                 for i in group:
-                    self._finish(pipe, finishes[i])
-                self.durability.wait(pipe)
-                return pipe.execute(raise_on_error=False)
+                    self._finish(named.on(i), finishes[i])
+                self.durability.wait(named.on("wait"))
+                return named.execute(raise_on_error=False)
 
             replies = self.links.run(finishes[group[0]].stream, writes)
-            for i, reply in zip(group, replies):
-                out[i] = reply
-            waits.append(replies[-1])
+            for i in group:
+                out[i] = replies[i]
+            waits.append(replies["wait"])
         failed = next((w for w in waits if isinstance(w, Exception)), None)
-        return out + [failed if failed is not None else min(int(w) for w in waits)]
+        return OutboxReplies(finishes=out, wait=failed if failed is not None else min(int(w) for w in waits))
 
     def settle(self, results: list) -> Settled:
         """The last fill went out (the pipeline ran with raise_on_error=False): sort the per-job failures out. A
         server-side error (OOM, READONLY, ...) puts all of it back in the outbox and raises, so it goes again."""
-        server = next((r for r in results if isinstance(r, Exception) and not job_failure(r)), None)
+        got = self.replies_of(results)
+        server = next((r for r in got.all() if isinstance(r, Exception) and not job_failure(r)), None)
         if server is not None:
             self.requeue()
             raise server
         if self.waiting:
-            self._replicated(results.pop())
+            self._replicated(got.wait)
         (deltas, finishes), self.sending = self.sending, ([], [])
-        failed_jobs = {key: str(r) for (_, _, key), r in zip(deltas, results) if isinstance(r, Exception)}
-        ends = results[len(results) - len(finishes):] if finishes else []
-        failed = [(f, str(r)) for f, r in zip(finishes, ends) if isinstance(r, Exception)]
-        answered = [(f, bool(r)) for f, r in zip(finishes, ends) if not isinstance(r, Exception)]
+        failed_jobs = {key: str(r) for (_, _, key), r in zip(deltas, got.deltas) if isinstance(r, Exception)}
+        failed = [(f, str(r)) for f, r in zip(finishes, got.finishes) if isinstance(r, Exception)]
+        answered = [(f, bool(r)) for f, r in zip(finishes, got.finishes) if not isinstance(r, Exception)]
         return Settled(answered, failed_jobs, failed)
+
+    def replies_of(self, results: list) -> OutboxReplies:
+        """The last fill's replies (the outbox's part of its pipeline's, in the order `fill` queued them) by part."""
+        deltas, finishes = self.sending
+        d, e = len(deltas), self.expiring
+        if self.linked is not None:
+            return OutboxReplies(results[:d], results[d:d + e], self.linked.finishes, self.linked.wait)
+        f = d + e + len(finishes)
+        return OutboxReplies(results[:d], results[d:d + e], results[d + e:f], results[f] if self.waiting else None)
 
     def _replicated(self, wait_reply) -> None:
         """No replica confirmed: the deltas went out, but the finals stay in the outbox and go out again (the

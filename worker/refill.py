@@ -24,7 +24,10 @@ from kvgate.worker.fair import FAIR_BLOCK_MS, Fair, Occupancy
 from kvgate.worker.hand_back import grace_ms
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases
-from kvgate.worker.reader import Entry, Reader, ReadPlan, ReadSlot
+from kvgate.worker.read_plan import ReadPlan
+from kvgate.worker.read_reply import Entry
+from kvgate.worker.reader import Reader, ReadSlot
+from kvgate.worker.named import Named
 from kvgate.worker.slots import FullOwners, Ignored
 from kvgate.worker.settings import WorkerSettings
 
@@ -229,17 +232,17 @@ class Refill:
         at most."""
         shard = self.keys.of_stream(streams[0]).shard
         bands = [b for b in sorted(self.fair.bands) if self.keys.of_stream(b).shard == shard]
-        pipe = self.client.pipeline(transaction=False)
+        named = Named(self.client.pipeline(transaction=False))
         for stream in streams:
-            pipe.xinfo_groups(stream)
+            named.on(("groups", stream)).xinfo_groups(stream)
         for band in bands:
-            pipe.zcard(Keys.fair_backlog(band))
-            pipe.xrevrange(Keys.fair_bell(band), count=1)
-        replies = pipe.execute(raise_on_error=False)
-        ids = {st: _delivered(reply) for st, reply in zip(streams, replies)}
-        looks = replies[len(streams):]
-        backlogged = any(isinstance(n, int) and n > 0 for n in looks[::2])
-        for band, rung in zip(bands, looks[1::2]):
+            named.on(("backlog", band)).zcard(Keys.fair_backlog(band))
+            named.on(("bell", band)).xrevrange(Keys.fair_bell(band), count=1)
+        replies = named.execute(raise_on_error=False)
+        ids = {st: _delivered(replies["groups", st]) for st in streams}
+        backlogged = any(isinstance(n := replies["backlog", b], int) and n > 0 for b in bands)
+        for band in bands:
+            rung = replies["bell", band]
             ids[Keys.fair_bell(band)] = as_text(rung[0][0]) if rung and not isinstance(rung, Exception) else "0-0"
         if backlogged and self.empty_reads != self.backlog_seen_at + 1:  # not re-read since we saw it: read now
             self.backlog_seen_at = self.empty_reads
@@ -284,7 +287,7 @@ class Refill:
 
     def _preempt_look_due(self) -> dict[str, Occupancy]:
         """Full, with fair share: the bands in which to look for a job of a tenant under its share here that
-        waited fair_preempt_ms (it makes room for itself: Worker._make_room), with what we run in each: those where
+        waited fair_preempt_ms (it makes room for itself: Room.make), with what we run in each: those where
         tenants are over their share. Only while no job we read waits here for room (one at a time: the jobs that
         stepped aside wait in the engine, and do not stop it), and about every PREEMPT_LOOK_EVERY fair_preempt_ms,
         jittered: any full worker's look may take such a job, so a fleet of n full workers looks n times as often, and

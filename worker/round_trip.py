@@ -13,7 +13,7 @@ from kvgate.worker.admission import Ticket
 from kvgate.worker.affinity import Affinity
 from kvgate.worker.cancellation import CancelFlags, Cancellation
 from kvgate.worker.publisher import Publisher, Settled
-from kvgate.worker.reader import Entry
+from kvgate.worker.read_reply import Entry
 from kvgate.worker.refill import Capacity, QueuedReads, Refill
 from kvgate.worker.slots import Ignored, Outbox, PipelineSlots
 
@@ -60,7 +60,7 @@ class RoundTrip:
         request = self.refill.request(capacity, draining)
         reads = slots.add(self.refill.queue_reads(pipe, request)) if request else None
         polled = slots.add(self.cancellation.queue(pipe, holding)) if holding else None
-        if not (slots.outbox.n or told or spread or reads or polled):
+        if not (self.publisher.filled or told or spread or reads or polled):
             return False
         self.sent = Sent(self.io.submit(self.publisher.round_trip, pipe), slots, reads, polled)
         return True

@@ -2,6 +2,8 @@
 variables, which win over these defaults; `kvgate worker` derives its flags from these fields (kvgate/commands/flags.py)."""
 from __future__ import annotations
 
+import os
+import socket
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
@@ -26,6 +28,10 @@ def _s(default, description: str, *flags: str, **constraints):
     """A field whose description is its --help text; `flags` replace the --field-name derived from its name."""
     extra = {"flags": list(flags)} if flags else None
     return Field(default, description=description, json_schema_extra=extra, **constraints)
+
+
+def default_worker_id() -> str:
+    return os.environ.get("KVGATE_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
 
 
 class WorkerSettings(BaseSettings, EngineConfig):

@@ -42,7 +42,7 @@ def template_message(m: Message) -> dict[str, Any]:
     if m.tool_calls is not None:
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.name, "arguments": _arguments(c.arguments)}} for c in m.tool_calls]
-    out |= {k: getattr(m, k) for k in ("tool_call_id", "name") if getattr(m, k) is not None}
+    out |= {k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None}
     return out
 
 
@@ -100,7 +100,8 @@ class ToolPrompts:
     def parser(self) -> str:
         if self.setting != "auto":
             return self.setting
-        source = str(getattr(getattr(self.engine, "tokenizer", None), "chat_template", None) or "")
+        tokenizer = self.engine.tokenizer  # the Engine protocol's: None for an engine of token ids only
+        source = str(tokenizer.chat_template or "") if tokenizer is not None else ""
         if self.renders_tools() and OPEN not in source and ("<|python_tag|>" in source or '"parameters"' in source):
             return "llama3"
         return "hermes"

@@ -8,8 +8,6 @@ cancellation, the publisher, leases; one pipeline per step carries what each of 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 
@@ -18,9 +16,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvgate.producer.cluster import NodeLinks, is_noscript, scripts_lost
-from kvgate.producer.limits import DEFAULT_TENANT
 from kvgate.producer.urls import mask_url
-from kvgate.producer.redis_url import connect, keys_for
+from kvgate.producer.redis_url import FAILOVER_ERRORS, connect, keys_for
 from kvgate.worker.admission import AdmissionQueue, Ticket
 from kvgate.worker.affinity import Affinity, kv_weight, lane_lapse_ms
 from kvgate.worker.answers import Answers
@@ -28,43 +25,29 @@ from kvgate.worker.cancellation import Cancellation
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.consumers import Consumers
 from kvgate.worker.engine import Engine
-from kvgate.worker.fair import FAIR_FLUSH_S, SWEEP_AGAIN_S, Fair, Occupancy
+from kvgate.worker.fair import FAIR_FLUSH_S, Fair
+from kvgate.worker.fair_sweep import SWEEP_AGAIN_S
 from kvgate.worker.flights import Ended, Flights
 from kvgate.worker.hand_back import HandBack
 from kvgate.worker.heartbeat import Heartbeat, engine_capacity
 from kvgate.worker.intake import Intake
 from kvgate.worker.lane_prefixes import LanePrefixes
 from kvgate.worker.leases import Leases, entries_of
+from kvgate.worker.null_metrics import make_metrics
 from kvgate.worker.publisher import Publisher, Settled
 from kvgate.worker.refill import Capacity, Refill
+from kvgate.worker.room import Room
 from kvgate.worker.round_trip import RoundTrip
 from kvgate.worker.served import served_models
-from kvgate.worker.settings import WorkerSettings
+from kvgate.worker.settings import WorkerSettings, default_worker_id
 from kvgate.worker.tenant_load import TenantLoad
 from kvgate.worker.tenant_weights import read_weights
 from kvgate.worker.trim import trim
 
 log = logging.getLogger("kvgate.worker")
 # ClusterError: a Redis Cluster with slots uncovered (a failover under way) or a node's connections exhausted
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.exceptions.ClusterError)
+REDIS_DOWN = FAILOVER_ERRORS
 TRIM_ALL_EVERY = 12  # trims: every 12th looks at every stream (a minute at the default trim_interval_s)
-
-
-class NullMetrics:
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
-def default_worker_id() -> str:
-    return os.environ.get("KVGATE_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
-
-
-def make_metrics(worker_id: str, model: str):
-    try:
-        from kvgate.worker.metrics import WorkerMetrics
-    except ImportError:
-        return NullMetrics()
-    return WorkerMetrics(worker_id, model)
 
 
 class Worker:
@@ -97,6 +80,7 @@ class Worker:
                                  models=self.served.names)
         self.lane_prefixes = LanePrefixes(engine.block_size)
         self.fair = Fair(self.client, self.keys, s.fair_share, set(self.streams))  # the bands: before lanes join
+        self.room = Room(engine, self.flights, self.fair, self.clock, s.fair_preempt_ms)
         if s.tenant_weights is not None:
             self.fair.write_weights(read_weights(s.tenant_weights))
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
@@ -253,10 +237,10 @@ class Worker:
                 self.answers.answer(Ended(ticket, "expired", error="deadline passed while waiting for KV cache room"))
                 continue
             ahead = False
-            if self.engine.has_unfinished() and not self._fits(ticket):
-                if self._make_room(ticket):
+            if self.engine.has_unfinished() and not self.room.fits(ticket):
+                if self.room.make(ticket):
                     ahead = True
-                elif self.hand_back.due(ticket) and self._give_back(ticket):  # another's next read takes it
+                elif self.hand_back.due(ticket) and self.hand_back.give_one(ticket):  # another's next read takes it
                     self.queue.pop()
                     continue
                 else:
@@ -267,49 +251,6 @@ class Worker:
             else:  # the wait on the server's clock: its entry id is when Redis took the job
                 self.tenant_load.admitted(ticket.job.tenant, self.clock.now() - entry_ms(ticket.entry_id) / 1000,
                                           time.monotonic())
-
-    def _give_back(self, ticket: Ticket) -> bool:
-        """Hand back a job that does not fit here (hand_back.py); False: Redis refused, so it waits here for room
-        (it is handed back at most once: no retry each pass)."""
-        try:
-            self.hand_back.give([ticket])
-        except redis.RedisError as e:
-            log.warning("could not hand back job %s (%s: %s); it waits here for room", ticket.key,
-                        e.__class__.__name__, e)
-            return False
-        log.debug("handed back job %s: it does not fit here", ticket.key)
-        return True
-
-    def _fits(self, ticket: Ticket) -> bool:
-        return self.engine.fits(len(ticket.prompt_ids), ticket.budget, self._shared(ticket))
-
-    def _shared(self, ticket: Ticket) -> int:
-        """Its leading prompt tokens that running sequences hold. An embedding never reads the prefix cache, and a
-        job asking for prompt logprobs computes its whole prompt: neither takes a prefix hit."""
-        if ticket.pooling is None and ticket.params.prompt_logprobs is None:
-            return self.engine.shared_prefix_tokens(ticket.prompt_ids, ticket.hashes)
-        return 0
-
-    def _make_room(self, ticket: Ticket) -> bool:
-        """Fair share: a job that waited fair_preempt_ms (server clock), of a tenant that had few jobs waiting
-        (Entry.may_preempt) and would stay within its share of the jobs running here, starts now, the youngest jobs of
-        the tenants above theirs stepping aside down to it (preempted by recompute; they resume first), rather than
-        waiting for room anywhere in the fleet (worker/fair.py)."""
-        wait_ms = self.settings.fair_preempt_ms
-        if not (wait_ms and self.fair.active and ticket.may_preempt) or \
-                self.clock.now() * 1000 - entry_ms(ticket.entry_id) < wait_ms:
-            return False
-        band, tenant = self.fair.band_of_job(ticket.stream), ticket.job.tenant or DEFAULT_TENANT
-        weights = self.fair.weights
-        here = self.flights.occupancy(self.fair.band_of_job, weights).get(band, Occupancy(weights=weights))
-        if not here.makes_room(tenant):
-            return False
-        victims = self.flights.youngest_first(here.over(tenant), band, self.fair.band_of_job)
-        made = self.engine.make_room(len(ticket.prompt_ids), ticket.budget, self._shared(ticket), victims)
-        if made:
-            self.flights.stepped_aside(made)
-            log.debug("%d jobs stepped aside for tenant %r's job %s", len(made), ticket.job.tenant, ticket.key)
-        return made is not None
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -393,20 +334,8 @@ class Worker:
             trim(self.client, self.streams if self.trims % TRIM_ALL_EVERY == 0 else acked)
             if gone := sorted(self.consumers.prune()):
                 log.info("deleted %d departed consumers: %s", len(gone), ", ".join(gone))
-        if self._every("sweep", s.trim_interval_s):
-            self._sweep()
-
-    def _sweep(self) -> None:
-        """Tenants' streams: a bounded slice per band. One that was full may leave more due now (a drain empties
-        every tenant's stream at once): the next pass comes SWEEP_AGAIN_S later, not a trim interval (fair.py)."""
-        swept = self.fair.sweep(self.settings.reclaim_idle_ms, self.worker_id)
-        if swept.more:
-            self.due["sweep"] = time.monotonic() + min(SWEEP_AGAIN_S, self.settings.trim_interval_s)
-        if swept.consumers:
-            log.info("deleted %d departed consumers of tenants' streams: %s", len(swept.consumers),
-                     ", ".join(swept.consumers))
-        if swept.deleted:
-            log.info("deleted %d tenants' streams left empty", swept.deleted)
+        if self._every("sweep", s.trim_interval_s) and self.fair.prune(s.reclaim_idle_ms, self.worker_id):
+            self.due["sweep"] = time.monotonic() + min(SWEEP_AGAIN_S, s.trim_interval_s)  # more due now (fair_sweep.py)
 
     def _renew(self) -> None:
         """Renew our leases; a job whose lease is lost runs elsewhere now, so stop it and publish nothing more
@@ -436,15 +365,12 @@ class Worker:
     # ---- drain ---------------------------------------------------------------------------------
     def _begin_drain(self) -> None:
         self.draining = True
-        try:
-            self.affinity.leave()
-        except REDIS_DOWN:
-            log.warning("could not leave the lane ring; our lanes move when our beat there expires")
+        self.affinity.leave()
         self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
         log.info("draining: %d running, %d queued locally; up to %.0fs", len(self.flights), len(self.queue),
                  self.settings.drain_timeout_s)
         handed = self.hand_back.take_all(entries_of(self.queue.take_all(), self.streams))  # reclaimable at once too
-        self._hand_back(handed)
+        self.leases.hand_back(handed)
 
     def _drained(self) -> bool:
         if self.flights and time.monotonic() < self.drain_deadline:
@@ -456,7 +382,7 @@ class Worker:
         handed = entries_of(self.flights.stop_all(), self.streams)
         if any(handed.values()):
             log.info("drain timeout: handing back %d running jobs", sum(map(len, handed.values())))
-        self._hand_back(handed)
+        self.leases.hand_back(handed)
         for _ in range(3):
             try:
                 self._flush()
@@ -470,11 +396,3 @@ class Worker:
         self.flights.close()
         self.client.close()
         log.info("worker %s stopped after %d jobs", self.worker_id, self.answers.jobs_done)
-
-    def _hand_back(self, handed: dict[str, list[str]]) -> None:
-        if not any(handed.values()):
-            return
-        try:
-            self.leases.hand_back(handed)
-        except REDIS_DOWN:
-            log.warning("could not hand back jobs; they return after the reclaim timeout")

@@ -177,7 +177,8 @@ def beside_worker(engine, url: str, max_num_seqs: int, produce):
     value, or its exception raised here."""
     from kvgate.producer.client import Client
     from kvgate.worker.settings import WorkerSettings
-    from kvgate.worker.worker import NullMetrics, Worker
+    from kvgate.worker.null_metrics import NullMetrics
+    from kvgate.worker.worker import Worker
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     settings = WorkerSettings(redis_url=url, namespace=namespace, worker_id="bench-worker", max_num_seqs=max_num_seqs)

@@ -204,8 +204,9 @@ def test_on_a_cluster_each_shards_read_counts_its_own_full_owners_lanes():
     lane = lambda n, k: keys.jobs(None, "normal", n, k)  # noqa: E731
     plan = [lane(0, 0), lane(0, 1), lane(1, 1), lane(2, 0), lane(3, 0), lane(3, 1)]  # ours: 2, full owners': 3
     reader = Reader(redis.Redis(), "me", ReadPlan(plan, home=2, urgent=3), keys=keys)
-    assert reader._by_shard(reader.plan, plan, []) == [ShardGroup(0, [lane(0, 0), lane(2, 0), lane(3, 0)], 1, 2),
-                                                       ShardGroup(1, [lane(0, 1), lane(1, 1), lane(3, 1)], 1, 1)]
+    assert reader._by_shard(reader.plan, plan, []) == [
+        ShardGroup(0, [lane(0, 0), lane(2, 0), lane(3, 0)], ["own", "urgent", "urgent"]),
+        ShardGroup(1, [lane(0, 1), lane(1, 1), lane(3, 1)], ["own", "urgent", "other"])]
 
 
 def test_owners_say_when_they_are_full_and_the_others_plan_to_take_their_lanes_at_once(queue):

@@ -469,7 +469,8 @@ def test_the_sweep_keeps_a_stream_with_work_and_prunes_its_departed_consumers(qu
 
 
 def test_a_sweep_looks_at_a_bounded_slice_with_100000_tenants(queue):
-    from kvgate.worker.fair import SWEEP_TENANTS, Fair
+    from kvgate.worker.fair import Fair
+    from kvgate.worker.fair_sweep import SWEEP_TENANTS
 
     r, b = queue.r, band(queue)
     for start in range(0, 100_000, 20_000):

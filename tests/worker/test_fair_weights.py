@@ -122,7 +122,7 @@ def test_tenants_streams_a_drain_left_empty_go_without_a_trim_interval_per_slice
     emptied streams an hour (48,465 streams, 84 MB after the drain at 5 s). A pass whose slice was full sweeps again
     soon, so streams a drain emptied go as fast as their deletion runs. The interval here, an hour, stands for
     that hour: only the passes that follow full slices can delete them within the test."""
-    from kvgate.worker.fair import SWEEP_TENANTS
+    from kvgate.worker.fair_sweep import SWEEP_TENANTS
 
     queue.r.set(queue.keys.fair(), 1)
     tenants = [f"t{i}" for i in range(SWEEP_TENANTS * 5)]
@@ -135,7 +135,8 @@ def test_tenants_streams_a_drain_left_empty_go_without_a_trim_interval_per_slice
 
 
 def test_a_sweep_says_there_is_more_when_a_bands_slice_was_full(queue):
-    from kvgate.worker.fair import SWEEP_TENANTS, Fair
+    from kvgate.worker.fair import Fair
+    from kvgate.worker.fair_sweep import SWEEP_TENANTS
 
     r, b = queue.r, band(queue)
     r.zadd(Keys.fair_streams(b), {f"t{i}": 0 for i in range(SWEEP_TENANTS + 1)})  # streams gone: forgotten

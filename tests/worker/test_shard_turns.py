@@ -3,7 +3,7 @@ queues (worker/reader.py ShardTurns): the shards run dry together, the highest p
 shard's turn falls below a quarter of an equal one."""
 from __future__ import annotations
 
-from kvgate.worker.reader import ShardTurns
+from kvgate.worker.shard_turns import ShardTurns
 
 
 def turns_of(turns: ShardTurns, shards: list[int], n: int) -> dict[int, int]:

@@ -23,7 +23,8 @@ def test_each_slot_takes_the_replies_of_its_own_commands_in_the_order_they_were_
     slots.add(Ignored(1))
     read = slots.add(ReadSlot())
     flags = slots.add(CancelFlags(["a", "b", "c"], 2))
-    stream_reply = [[[b"s", [[b"1-0", [b"job", b"x"]]], []]], []]  # the streams' replies, the fair bands' queued
+    stream_reply = [b"streams", [[b"stream", b"s", b"new", [[b"1-0", [b"job", b"x"]]], b"taken", []]],
+                    b"queued", []]  # the read script's named fields
     assert slots.settle([1, 1, "told", stream_reply, [None, b"1"], [None]]) == ["settled", 1, 1]
     slots.hand_out()
     assert [(e.stream, e.entry_id, e.fields, e.deliveries) for e in read.entries] == [("s", "1-0", {b"job": b"x"}, 1)]
