@@ -5,11 +5,15 @@ le=...)] = 256`. Everything else reads it through `specs`: the SDK's pydantic mo
 from it, the wire check (`problem`) runs on what a worker decodes, the gateway's body map lists its names, and a test
 holds the engine's own `SamplingParams` to the same defaults and bounds. msgspec ignores this metadata when decoding,
 so a worker's check of untrusted wire data stays its own step with messages that name the field and the value.
+`Job` (protocol.py) declares its own submit-level fields (priority, deadline, model, tenant, ...) the same way, and the
+SDK's submit arguments for them are built from that declaration too; whether a field counts in an idempotency digest
+is a marker on it (NewerThanDigests, NotDigested), not a list kept beside it.
 """
 from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -23,6 +27,17 @@ class NewerThanDigests:
 
 
 NEWER = NewerThanDigests()
+
+
+@dataclass(frozen=True, slots=True)
+class NotDigested:
+    """Marks a request field that says how or for whom a request is sent, not what it asks: an idempotency digest
+    always leaves it out (the key itself, a deadline, a prefix-affinity key, the tenant). A resubmission with a later
+    deadline, or a batch line an upgraded gateway replica resubmits with its tenant, then reattaches to the job stored
+    under its key instead of conflicting with it. Moving a field in or out changes stored digests: never do it."""
+
+
+NOT_DIGESTED = NotDigested()
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +108,33 @@ class Shape:
 
 
 @dataclass(frozen=True, slots=True)
+class Checked:
+    """A value the wire checks with a function of its own (a model name, a tenant, chat_template_kwargs), which
+    returns the value or raises ValueError (protocol's ProtocolError) naming the problem. `names` is how its messages
+    begin, naming the field and value ("model name {value!r} "): the SDK drops it, as its errors name them apart."""
+
+    check: Callable[[Any], Any]
+    names: str
+
+    def reason(self, message: str, value: Any) -> str:
+        return message.removeprefix(self.names.format(value=value))
+
+
+@dataclass(frozen=True, slots=True)
 class Spec:
     """One field as the Struct declares it: its name, type (without the bounds), default and bounds."""
 
     name: str
     type: Any
     default: Any
-    bounds: Range | Items | Entries | Shape | None
+    bounds: Range | Items | Entries | Shape | Checked | None
     newer_than_digests: bool = False  # marked NEWER: out of an idempotency digest while at its default
+    digested: bool = True  # False: marked NOT_DIGESTED, always out of an idempotency digest
+
+    @property
+    def markers(self) -> tuple[Any, ...]:
+        """Its digest markers, as the SDK's field for it carries them."""
+        return (NEWER,) * self.newer_than_digests + (NOT_DIGESTED,) * (not self.digested)
 
     @property
     def optional(self) -> bool:
@@ -115,6 +149,12 @@ class Spec:
             return None if b.holds(value) else f"{self.name}={value} must {b.rule()}"
         if isinstance(b, Shape):
             return value.problem(b.max_chars)
+        if isinstance(b, Checked):
+            try:
+                b.check(value)
+            except ValueError as e:
+                return str(e)
+            return None
         if isinstance(b, Entries):
             if len(value) > b.max_items:
                 return b.too_many.format(n=len(value), max=b.max_items, item=None)
@@ -141,7 +181,7 @@ def specs(struct: type[msgspec.Struct]) -> tuple[Spec, ...]:
         hint, meta = hints[f.name], []
         if typing.get_origin(hint) is Annotated:
             hint, *meta = typing.get_args(hint)
-        bounds = next((m for m in meta if isinstance(m, (Range, Items, Entries, Shape))), None)
-        default = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
-        out.append(Spec(f.name, hint, default, bounds, NEWER in meta))
+        bounds = next((m for m in meta if isinstance(m, (Range, Items, Entries, Shape, Checked))), None)
+        default = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()  # NODEFAULT: required
+        out.append(Spec(f.name, hint, default, bounds, NEWER in meta, NOT_DIGESTED not in meta))
     return tuple(out)

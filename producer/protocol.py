@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from .constraints import Structured, Tools
-from .fields import NEWER, Entries, Items, Range, Shape, specs
+from .fields import NEWER, NOT_DIGESTED, Checked, Entries, Items, Range, Shape, specs
 from .limits import (MAX_EMBEDDING_DIMENSIONS, MAX_EVENT_BYTES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_MESSAGES,
                      MAX_METADATA_BYTES, MAX_MODEL_NAME_CHARS, MAX_PAYLOAD_BYTES, MAX_PROMPT_CHARS, MAX_STOP_STRINGS,
                      MAX_STOP_STRING_CHARS, MAX_STRUCTURED_CHARS, MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_VALUE_CHARS,
@@ -57,6 +57,7 @@ FinishReason = Literal["stop", "length", "abort", "tool_calls"]  # tool_calls: t
 # own tokenizer at once, without the engine or its KV cache: worker/tokenizer_jobs.py)
 Task = Literal["generate", "tokenize", "detokenize", "embed"]
 Pooling = Literal["model", "last", "mean", "cls"]  # model: the model's own (sentence-transformers config), else last
+UNIX_TIME = Range(gt=-math.inf, lt=math.inf, says="be a finite number of unix seconds")
 
 
 class ProtocolError(ValueError):
@@ -147,37 +148,89 @@ class Embedding(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 EMBEDDING_FIELDS = specs(Embedding)
 
 
+def check_model_name(name: object) -> str:
+    """A model name as it appears in stream keys: `random:qwen2.5-0.5b` and `org/name` are fine; whitespace and
+    braces and commas are not (braces would become Redis Cluster hash tags; heartbeats and
+    KVGATE_MODEL_ALIASES list names with commas)."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_MODEL_NAME_CHARS:
+        raise ProtocolError(f"model name {name!r} must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters")
+    if any(c.isspace() or c in "{}," for c in name) or not name.isprintable():
+        raise ProtocolError(f"model name {name!r} must have no whitespace, braces, commas or control characters "
+                            "(for example 'HuggingFaceTB/SmolLM2-135M-Instruct' or 'random:qwen2.5-0.5b')")
+    return name
+
+
+def check_tenant_name(name: object) -> str:
+    if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:77] + "...")
+        raise ProtocolError(f"tenant {shown} must be 1 to 64 letters, digits, '.', '_' or '-', starting with a "
+                            "letter or digit (for example 'team-a')")
+    return name
+
+
+def check_template_kwargs(kwargs: dict[str, TemplateValue]) -> dict[str, TemplateValue]:
+    """chat_template_kwargs a worker may render a template with: a few named scalars, none of apply_chat_template's
+    own parameters; a template that still fails on them is an error result (engine.encode_chat)."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ProtocolError(f"chat_template_kwargs has {len(kwargs)} entries; at most {MAX_TEMPLATE_KWARGS} are "
+                            "allowed")
+    for name, value in kwargs.items():
+        if not isinstance(name, str) or not TEMPLATE_KWARG_NAME.fullmatch(name) or name in RESERVED_TEMPLATE_KWARGS:
+            raise ProtocolError(f"chat_template_kwargs key {str(name)[:80]!r} must be a template variable name (a "
+                                "letter or '_', then up to 63 letters, digits or '_') other than apply_chat_template's "
+                                f"own parameters ({', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})")
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_VALUE_CHARS:
+            raise ProtocolError(f"chat_template_kwargs[{name!r}] has {len(value)} characters, over the limit of "
+                                f"{MAX_TEMPLATE_VALUE_CHARS}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProtocolError(f"chat_template_kwargs[{name!r}]={value} must be a finite number")
+    return kwargs
+
+
+def check_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    if (size := len(_encoder.encode(metadata))) > MAX_METADATA_BYTES:
+        raise ProtocolError(f"metadata is {size} bytes encoded, over the limit of {MAX_METADATA_BYTES}")
+    return metadata
+
+
 class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """One generation job as it sits in `{ns}:jobs:<model>:<priority>`."""
+    """One job as it sits in `{ns}:jobs:<model>:<priority>`; as Sampling is of its fields, the one declaration of the
+    job's own: types, defaults, bounds and digest markers (fields.py). validate_job checks the bounds, and the SDK's
+    submit arguments for the fields a caller gives are built from it (request.py)."""
 
     v: int
     job_id: str
     client_id: str
-    enqueued_at: float
+    enqueued_at: Annotated[float, UNIX_TIME]
     prompt: str | None = None
     messages: list[Message] | None = None
     prompt_token_ids: list[int] | None = None
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     priority: Priority = "normal"
-    deadline: float | None = None  # unix seconds; past it the job is answered "expired"
+    deadline: Annotated[float | None, UNIX_TIME, NOT_DIGESTED] = None  # past it the job is answered "expired"
     stream: bool = False
-    idempotency_key: str | None = None
-    metadata: dict[str, str] | None = None
-    model: str | None = None  # None: the `default` model's stream; a worker serves it unless serve_default=False
-    tenant: str | None = None  # who submitted it (the gateway: its API key's tenant); None: a producer that names none
-    task: Task = "generate"
+    idempotency_key: Annotated[str | None, NOT_DIGESTED] = None
+    metadata: Annotated[dict[str, str] | None, Checked(check_metadata, "metadata ")] = None
+    model: Annotated[str | None, Checked(check_model_name, "model name {value!r} ")] = None  # None: `default`'s stream
+    # who submitted it (the gateway: its API key's tenant); None: a producer that names none
+    tenant: Annotated[str | None, Checked(check_tenant_name, "tenant {value!r} "), NOT_DIGESTED] = None
+    task: Annotated[Task, NEWER] = "generate"
     # tokenize: the tokenizer's special tokens (BOS...) around a prompt, as tokenizer.encode(prompt,
     # add_special_tokens=...); messages go through the chat template exactly as a generation job's do
-    add_special_tokens: bool = True
+    add_special_tokens: Annotated[bool, NEWER] = True
     # messages only (vLLM's): extra variables the chat template reads (Qwen3's enable_thinking...), and whether it
     # ends with the assistant turn's header; the worker renders the template with them (engine.encode_chat)
-    chat_template_kwargs: dict[str, TemplateValue] | None = None
-    add_generation_prompt: bool = True
+    chat_template_kwargs: Annotated[dict[str, TemplateValue] | None,
+                                    Checked(check_template_kwargs, "chat_template_kwargs "), NEWER] = None
+    add_generation_prompt: Annotated[bool, NEWER] = True
     embedding: Embedding | None = None  # task embed: how to pool (None: the defaults); no other task takes it
-    tools: Tools | None = None  # functions a chat job may call (messages only), rendered by the chat template
+    tools: Annotated[Tools | None, NEWER] = None  # functions a chat job may call, rendered by the chat template
     # fill-in-the-middle (a prompt job only): the text after the hole; the worker renders prompt and suffix with its
     # model's FIM tokens (engine/fim.py), and answers a model without them with an error result
-    suffix: str | None = None
+    suffix: Annotated[str | None, NEWER] = None
+
+
+JOB_FIELDS = specs(Job)
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -329,45 +382,6 @@ def validate_sampling(s: Sampling) -> None:
             raise ProtocolError(problem)
 
 
-def check_model_name(name: object) -> str:
-    """A model name as it appears in stream keys: `random:qwen2.5-0.5b` and `org/name` are fine; whitespace and
-    braces and commas are not (braces would become Redis Cluster hash tags; heartbeats and
-    KVGATE_MODEL_ALIASES list names with commas)."""
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_MODEL_NAME_CHARS:
-        raise ProtocolError(f"model name {name!r} must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters")
-    if any(c.isspace() or c in "{}," for c in name) or not name.isprintable():
-        raise ProtocolError(f"model name {name!r} must have no whitespace, braces, commas or control characters "
-                            "(for example 'HuggingFaceTB/SmolLM2-135M-Instruct' or 'random:qwen2.5-0.5b')")
-    return name
-
-
-def check_tenant_name(name: object) -> str:
-    if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
-        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else repr(name[:77] + "...")
-        raise ProtocolError(f"tenant {shown} must be 1 to 64 letters, digits, '.', '_' or '-', starting with a "
-                            "letter or digit (for example 'team-a')")
-    return name
-
-
-def check_template_kwargs(kwargs: dict[str, TemplateValue]) -> dict[str, TemplateValue]:
-    """chat_template_kwargs a worker may render a template with: a few named scalars, none of apply_chat_template's
-    own parameters; a template that still fails on them is an error result (engine.encode_chat)."""
-    if len(kwargs) > MAX_TEMPLATE_KWARGS:
-        raise ProtocolError(f"chat_template_kwargs has {len(kwargs)} entries; at most {MAX_TEMPLATE_KWARGS} are "
-                            "allowed")
-    for name, value in kwargs.items():
-        if not isinstance(name, str) or not TEMPLATE_KWARG_NAME.fullmatch(name) or name in RESERVED_TEMPLATE_KWARGS:
-            raise ProtocolError(f"chat_template_kwargs key {str(name)[:80]!r} must be a template variable name (a "
-                                "letter or '_', then up to 63 letters, digits or '_') other than apply_chat_template's "
-                                f"own parameters ({', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})")
-        if isinstance(value, str) and len(value) > MAX_TEMPLATE_VALUE_CHARS:
-            raise ProtocolError(f"chat_template_kwargs[{name!r}] has {len(value)} characters, over the limit of "
-                                f"{MAX_TEMPLATE_VALUE_CHARS}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ProtocolError(f"chat_template_kwargs[{name!r}]={value} must be a finite number")
-    return kwargs
-
-
 def validate_job(job: Job) -> None:
     given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(job, name) is not None]
     if len(given) != 1:
@@ -407,21 +421,12 @@ def validate_job(job: Job) -> None:
     if job.prompt_token_ids is not None:
         if not 0 < len(job.prompt_token_ids) <= MAX_PROMPT_CHARS or min(job.prompt_token_ids) < 0:
             raise ProtocolError("prompt_token_ids must be a non-empty list of non-negative token ids")
-    if job.metadata is not None and len(encode_metadata(job.metadata)) > MAX_METADATA_BYTES:
-        raise ProtocolError(f"metadata is over the limit of {MAX_METADATA_BYTES} bytes")
-    for name in ("enqueued_at", "deadline"):
-        value = getattr(job, name)
-        if value is not None and not math.isfinite(value):
-            raise ProtocolError(f"{name}={value!r} must be a finite number of unix seconds")
-    if job.model is not None:
-        check_model_name(job.model)
-    if job.tenant is not None:
-        check_tenant_name(job.tenant)
     if job.messages is None and (job.chat_template_kwargs is not None or not job.add_generation_prompt):
         raise ProtocolError("chat_template_kwargs and add_generation_prompt apply to messages only (the chat "
                             "template); a prompt or prompt_token_ids job takes neither")
-    if job.chat_template_kwargs is not None:
-        check_template_kwargs(job.chat_template_kwargs)
+    for spec in JOB_FIELDS:  # times, metadata, model, tenant, chat_template_kwargs: their bounds on Job
+        if (problem := spec.problem(getattr(job, spec.name))) is not None:
+            raise ProtocolError(problem)
     validate_sampling(job.sampling)
     if job.embedding is not None:
         for spec in EMBEDDING_FIELDS:
@@ -443,7 +448,3 @@ def message_problem(m: Message) -> str | None:
     if m.name is not None and not 0 < len(m.name) <= 64:
         return "name must have 1 to 64 characters"
     return None
-
-
-def encode_metadata(metadata: dict[str, str]) -> bytes:
-    return _encoder.encode(metadata)

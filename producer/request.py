@@ -21,7 +21,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from . import constraints, limits, protocol as wire
 from .errors import FieldError, InvalidRequest
-from .fields import NEWER, Entries, Items, Range, Shape, Spec
+from .fields import NEWER, NOT_DIGESTED, Checked, Entries, Items, Range, Shape, Spec
 from .request_structured import (Structured, Text, Tools, call_arguments, is_model_class, schema_dict, structured_of,
                                  tool_choice_of)
 
@@ -36,13 +36,6 @@ GENERATION_FIELDS = (*(spec.name for spec in wire.SAMPLING_FIELDS), "stream")
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
-def _metadata_size(metadata: dict[str, str]) -> dict[str, str]:
-    size = len(wire.encode_metadata(metadata))
-    if size > limits.MAX_METADATA_BYTES:
-        raise ValueError(f"is {size} bytes encoded, over the limit of {limits.MAX_METADATA_BYTES}")
-    return metadata
-
-
 def _total_chars(messages: list) -> list:
     total = sum(m.to_wire().size() for m in messages)
     if total > limits.MAX_PROMPT_CHARS:
@@ -50,36 +43,14 @@ def _total_chars(messages: list) -> list:
     return messages
 
 
-def _template_kwargs(kwargs: dict) -> dict:
-    try:
-        return wire.check_template_kwargs(kwargs)
-    except wire.ProtocolError as e:
-        raise ValueError(str(e).removeprefix("chat_template_kwargs ")) from None
-
-
 def _one_or_many(stop: object) -> object:
     return [stop] if isinstance(stop, str) else stop
-
-
-def _model_name(name: str) -> str:
-    try:
-        return wire.check_model_name(name)
-    except wire.ProtocolError as e:
-        raise ValueError(str(e).removeprefix(f"model name {name!r} ")) from None
-
-
-def _tenant_name(name: str) -> str:
-    try:
-        return wire.check_tenant_name(name)
-    except wire.ProtocolError as e:
-        raise ValueError(str(e).removeprefix(f"tenant {name!r} ")) from None
 
 
 def _idempotency_key(key: str) -> str:
     if not key.isprintable() or any(c.isspace() for c in key):
         raise ValueError("must be printable with no whitespace")
     return key
-
 
 
 class FunctionCall(BaseModel):
@@ -120,11 +91,28 @@ class ChatMessage(BaseModel):
 
 
 
+# Job's fields a caller gives, each as Job declares it: all but what the SDK fills in (the version, ids and enqueue
+# time), the prompt (_Prompt's, in the SDK's input types) and the Structs its flat arguments build (sampling, embedding)
+JOB_ARGUMENTS = tuple(spec for spec in wire.JOB_FIELDS if spec.name not in {
+    "v", "job_id", "client_id", "enqueued_at", "prompt", "messages", "prompt_token_ids", "sampling", "embedding"})
+# The job fields a caller gives in a form of the SDK's own (the type without None, replacing the wire's): stricter
+# input, or OpenAI's shape (tools; wire_tools makes the wire's Tools with tool_choice). The name, default, the wire's
+# check and the digest markers stay Job's.
+SDK_INPUT = {
+    "idempotency_key": Annotated[str, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS),
+                                 AfterValidator(_idempotency_key)],
+    "metadata": dict[Annotated[Text, Field(max_length=256)], Text],
+    "suffix": Annotated[Text, Field(max_length=limits.MAX_PROMPT_CHARS)],  # fill-in-the-middle: the text after the hole
+    "tools": Tools,
+}
+
+
 def _sdk_field(spec: Spec) -> tuple[Any, Any]:
-    """A wire sampling field as a submit argument: the wire's type, default, bounds and digest marker, and the SDK's
-    two conveniences: a list may be left out (None, sent as the empty list) and `stop` may be one string."""
+    """A wire field as a submit argument: the wire's type, default, bounds and digest markers, and the SDK's
+    conveniences: a list may be left out (None, sent as the empty list), `stop` may be one string, and the fields of
+    SDK_INPUT take their own input form."""
     annotation, default = _sdk_type(spec)
-    return (Annotated[annotation, NEWER] if spec.newer_than_digests else annotation), default
+    return (Annotated[(annotation, *spec.markers)] if spec.markers else annotation), default
 
 
 def _sdk_type(spec: Spec) -> tuple[Any, Any]:
@@ -142,8 +130,11 @@ def _sdk_type(spec: Spec) -> tuple[Any, Any]:
         before = [BeforeValidator(_one_or_many)] if spec.name == "stop" else []
         # a tuple, not a starred subscript: `X[a, *b]` is Python 3.11 syntax, and the SDK claims 3.10
         return Annotated[(list[item], Field(max_length=b.max_items), *before)] | None, None
-    base = next(t for t in typing.get_args(spec.type) or (spec.type,) if t is not type(None))
-    if isinstance(b, Range):
+    base = SDK_INPUT.get(spec.name) or next(t for t in typing.get_args(spec.type) or (spec.type,)
+                                            if t is not type(None))
+    if isinstance(b, Checked):  # the wire's own check, its message without the field and value the SDK names apart
+        base = Annotated[base, AfterValidator(lambda v, b=b: _checked(v, b))]
+    elif isinstance(b, Range):
         if b.off is not None:  # a value outside the range that disables: one message for both
             base = Annotated[base, AfterValidator(lambda v, b=b: _within(v, b))]
         else:
@@ -158,6 +149,13 @@ def _within(value: Any, bounds: Range) -> Any:
     return value
 
 
+def _checked(value: Any, bounds: Checked) -> Any:
+    try:
+        return bounds.check(value)
+    except ValueError as e:
+        raise ValueError(bounds.reason(str(e), value)) from None
+
+
 class _Prompt(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
@@ -167,36 +165,22 @@ class _Prompt(BaseModel):
     prompt_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=limits.MAX_PROMPT_CHARS)] | None = None
 
 
-# The sampling arguments are wire.Sampling's fields, and an embedding's are wire.Embedding's, made once from them.
-_PromptAndSampling = create_model("_PromptAndSampling", __base__=_Prompt, __module__=__name__,
-                                  **{spec.name: _sdk_field(spec)
-                                     for spec in wire.SAMPLING_FIELDS + wire.EMBEDDING_FIELDS})
+# The sampling arguments are wire.Sampling's fields, an embedding's are wire.Embedding's and the job's own are
+# wire.Job's (JOB_ARGUMENTS), made once from them.
+_Arguments = create_model("_Arguments", __base__=_Prompt, __module__=__name__,
+                          **{spec.name: _sdk_field(spec)
+                             for spec in wire.SAMPLING_FIELDS + wire.EMBEDDING_FIELDS + JOB_ARGUMENTS})
 
 
-class SubmitRequest(_PromptAndSampling):
-    """Every argument of Client.submit; strict, so True is not a number and '1' is not an int."""
+class SubmitRequest(_Arguments):
+    """Every argument of Client.submit; strict, so True is not a number and '1' is not an int. The fields declared
+    here are the SDK's alone: the job carries what they make (a deadline, a constraint, tools' choice), or nothing.
+    Their digest markers (fields.py): NEWER on those added after digests were first stored, NOT_DIGESTED on those a
+    digest leaves out."""
 
-    priority: Literal["high", "normal", "low"] = "normal"
     ttl_s: Annotated[float, Field(gt=0.0, le=MAX_TTL_S, allow_inf_nan=False)] | None = None
-    deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None
-    idempotency_key: Annotated[str, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS),
-                               AfterValidator(_idempotency_key)] | None = None
-    stream: bool = False
-    prefix_key: Annotated[str, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS)] | None = None
-    model: Annotated[str, AfterValidator(_model_name)] | None = None  # None: the `default` model
-    metadata: Annotated[dict[Annotated[Text, Field(max_length=256)], Text],
-                        AfterValidator(_metadata_size)] | None = None
-    tenant: Annotated[str, AfterValidator(_tenant_name)] | None = None  # None: the client's own, if it has one
-    # NEWER marks the fields added after idempotency digests were first stored (fields.NewerThanDigests)
-    task: Annotated[wire.Task, NEWER] = "generate"  # tokenize / detokenize: the serving worker's tokenizer answers
-    add_special_tokens: Annotated[bool, NEWER] = True  # tokenize: as tokenizer.encode(prompt, add_special_tokens=...)
-    # messages only: variables the chat template reads (enable_thinking...), and whether it ends with the
-    # assistant's turn header (False: the last message is continued as it is)
-    chat_template_kwargs: Annotated[Annotated[dict[str, wire.TemplateValue], AfterValidator(_template_kwargs)] | None,
-                                    NEWER] = None
-    add_generation_prompt: Annotated[bool, NEWER] = True
-    # fill-in-the-middle (a text prompt only): the text after the hole, for a model with FIM tokens to write the middle
-    suffix: Annotated[Annotated[Text, Field(max_length=limits.MAX_PROMPT_CHARS)] | None, NEWER] = None
+    prefix_key: Annotated[Annotated[str, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS)] | None,
+                          NOT_DIGESTED] = None
     # the conveniences that make `structured` (structured_of); a pydantic model class also makes Result.parsed
     response_format: Annotated[Any, AfterValidator(schema_dict),
                                PlainSerializer(lambda v: v.model_json_schema() if is_model_class(v) else v)] = None
@@ -205,7 +189,6 @@ class SubmitRequest(_PromptAndSampling):
         | None = None
     grammar: Annotated[Text, Field(min_length=1, max_length=limits.MAX_STRUCTURED_CHARS)] | None = None
     # functions the model may call (chat messages only): OpenAI's tools, tool_choice and parallel_tool_calls
-    tools: Annotated[Tools | None, NEWER] = None
     tool_choice: Annotated[Any, BeforeValidator(tool_choice_of), NEWER] = None  # None: auto with tools
     parallel_tool_calls: Annotated[bool, NEWER] = True
 
@@ -246,8 +229,7 @@ class SubmitRequest(_PromptAndSampling):
         """What makes two submits 'the same request' for idempotency: the body, not its timing, key or tenant (who
         sent it: a batch line resubmitted with its tenant by an upgraded gateway replica reattaches to the job a
         replica from before tenants submitted, and every digest stays what it was before tenants existed)."""
-        body = self.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant", *self._defaults()},
-                               mode="json")
+        body = self.model_dump(exclude={*NOT_DIGESTED_FIELDS, *self._defaults()}, mode="json")
         return hashlib.sha256(msgspec.json.encode(body, order="sorted")).hexdigest()[:32]
 
     def _defaults(self) -> set[str]:
@@ -256,8 +238,14 @@ class SubmitRequest(_PromptAndSampling):
         return {name for name in NEWER_THAN_DIGESTS if getattr(self, name) in (fields[name].default, {})}
 
 
+def _marked(marker: object) -> tuple[str, ...]:
+    return tuple(name for name, f in SubmitRequest.model_fields.items() if marker in f.metadata)
+
+
 # the fields marked NEWER (fields.NewerThanDigests): left out of a digest while at their default
-NEWER_THAN_DIGESTS = tuple(name for name, f in SubmitRequest.model_fields.items() if NEWER in f.metadata)
+NEWER_THAN_DIGESTS = _marked(NEWER)
+# the fields marked NOT_DIGESTED (fields.NotDigested): always left out of a digest
+NOT_DIGESTED_FIELDS = _marked(NOT_DIGESTED)
 
 
 def _submit_signature() -> inspect.Signature:
@@ -411,13 +399,11 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
     now = time.time()
     deadline = now + req.ttl_s if req.ttl_s is not None else req.deadline
     messages = [m.to_wire() for m in req.messages] if req.messages else None
+    given = {spec.name: getattr(req, spec.name) for spec in JOB_ARGUMENTS}
     job = wire.Job(v=wire.JOB_VERSION, job_id=job_id or new_job_id(), client_id=client_id, enqueued_at=now,
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
-                   sampling=req.sampling(), priority=req.priority, deadline=deadline, stream=req.stream,
-                   idempotency_key=req.idempotency_key, metadata=req.metadata, model=req.model,
-                   tenant=req.tenant, task=req.task, add_special_tokens=req.add_special_tokens,
-                   chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
-                   embedding=req.embedding(), tools=req.wire_tools(), suffix=req.suffix)
+                   sampling=req.sampling(), embedding=req.embedding(),
+                   **{**given, "deadline": deadline, "tools": req.wire_tools()})
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

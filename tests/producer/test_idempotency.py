@@ -1,6 +1,8 @@
 """Same idempotency key -> the same job, computed once; a different body under the same key is refused."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvgate.producer import Client, IdempotencyConflict
@@ -23,6 +25,37 @@ STORED_DIGESTS = [
 
 @pytest.mark.parametrize("request_, digest", STORED_DIGESTS, ids=["plain", "chat", "min_p", "embed", "tools"])
 def test_a_requests_digest_is_the_one_earlier_releases_stored(request_, digest):
+    assert validate_request(request_).digest() == digest
+
+
+# Digests as the SDK computed them before the Job's own fields were declared once on the wire Job, with their place in
+# the digest a marker there (fields.NotDigested) instead of a list: every job-level argument is given in one of them,
+# and those a digest leaves out (idempotency_key, deadline, prefix_key, tenant) with values that must not count.
+JOB_FIELD_DIGESTS = [
+    ({"prompt": "Summarise X", "max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "stop": "END",
+      "seed": 7, "logit_bias": {5: -100.0}, "min_p": 0.05, "priority": "high", "metadata": {"order": "17"},
+      "model": "org/name", "stream": True, "ttl_s": 60.0, "idempotency_key": "k-1", "prefix_key": "p",
+      "tenant": "team-a"}, "6e0d4e011de9fef7fa99949af587e078"),
+    ({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"}],
+      "tools": [{"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {
+          "type": "object", "properties": {"city": {"type": "string"}}}}}],
+      "tool_choice": "required", "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False},
+      "add_generation_prompt": True, "deadline": time.time() + 3600, "tenant": "team-b"},
+     "0c58e93b4165a2f0bcdae2f5904473c6"),
+    ({"prompt": "count me", "task": "tokenize", "add_special_tokens": False}, "9c3c0e46986a317b4840da05be40b4ae"),
+    ({"prompt_token_ids": [1, 2, 3], "task": "detokenize"}, "f27a9f41dadaf232dbe9336734392570"),
+    ({"prompt": "embed me", "task": "embed", "pooling": "mean", "normalize": False, "dimensions": 16,
+      "metadata": {"a": "b"}}, "942f6da244fd9f0de4461c3558b00d76"),
+    ({"prompt": "def f(", "suffix": "\n    return x", "max_tokens": 8, "temperature": 0.0},
+     "ee9f6f4aeeaa588c7de9fb796b147dc9"),
+    ({"prompt": "json please", "response_format": {"type": "json_object"}, "priority": "low"},
+     "6559d2c69efe9cd820e7bbc77a1b4379"),
+]
+
+
+@pytest.mark.parametrize("request_, digest", JOB_FIELD_DIGESTS,
+                         ids=["sampling", "tools", "tokenize", "detokenize", "embed", "suffix", "structured"])
+def test_a_requests_digest_is_the_one_stored_before_job_fields_were_declared_on_the_wire(request_, digest):
     assert validate_request(request_).digest() == digest
 
 
