@@ -32,7 +32,7 @@ class Layer:
 
 
 # What the worker shares with the SDK, and why: the wire format (protocol), what a job's output must follow
-# (constraints), the wire's limits (limits), the Redis key names (keys) and the Redis plumbing both sides must do
+# (constraints), the wire's limits (limits) and its checks of names (job_checks), the Redis key names (keys) and the Redis plumbing both sides must do
 # alike, byte for byte: the URL's rules (urls), one connection factory for every URL form, Sentinel and Cluster
 # included (redis_url), a Cluster's scripts and node links (cluster), which shard a key lives in (shards) and the
 # prefix-affinity lane a prompt hashes to (lanes). They import only one another, never the rest of the SDK (client,
@@ -40,7 +40,7 @@ class Layer:
 SHARED_WITH_WORKERS = ("kvgate.producer.protocol", "kvgate.producer.constraints", "kvgate.producer.limits",
                        "kvgate.producer.keys", "kvgate.producer.urls", "kvgate.producer.redis_url",
                        "kvgate.producer.cluster", "kvgate.producer.shards", "kvgate.producer.lanes",
-                       "kvgate.producer.tool_calls", "kvgate.producer.bounded_json")
+                       "kvgate.producer.tool_calls", "kvgate.producer.bounded_json", "kvgate.producer.job_checks")
 
 # First match wins. Everything else under kvgate/ (commands, gateway, bench) sits above every layer.
 LAYERS = (
@@ -56,7 +56,9 @@ LAYERS = (
     Layer("kvgate.producer.lanes", ("kvgate.producer.protocol",), HEAVY),
     Layer("kvgate.producer.tool_calls", (), HEAVY),  # the parsers of tool calls, no I/O: worker, SDK and gateway
     Layer("kvgate.producer.protocol", ("kvgate.producer.constraints", "kvgate.producer.limits",
-                                       "kvgate.producer.fields"), HEAVY),
+                                       "kvgate.producer.fields", "kvgate.producer.job_checks"), HEAVY),
+    # the checks a function states of a job's fields (names, template variables, metadata) and ProtocolError
+    Layer("kvgate.producer.job_checks", ("kvgate.producer.limits",), HEAVY),
     # a job's tools and structured constraint, each saying what makes it unusable (schemas parsed within a budget)
     Layer("kvgate.producer.constraints", ("kvgate.producer.limits", "kvgate.producer.bounded_json"), HEAVY),
     # the wire's limits and the patterns of the names it carries: the standard library only

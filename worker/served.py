@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.producer.keys import DEFAULT_MODEL
-from kvgate.producer.protocol import ProtocolError, check_model_name
+from kvgate.producer.job_checks import ProtocolError, check_model_name
 
 
 class ServedModelError(ValueError):

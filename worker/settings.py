@@ -10,7 +10,7 @@ from pydantic import BeforeValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvgate.engine.config import EngineConfig
-from kvgate.producer.protocol import ProtocolError, check_model_name
+from kvgate.producer.job_checks import ProtocolError, check_model_name
 from kvgate.producer.urls import DEFAULT_URL, check_url
 from kvgate.producer.redis_url import Durability
 

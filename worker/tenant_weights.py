@@ -25,7 +25,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (pypro
     import tomli as tomllib
 
 from kvgate.producer.keys import as_text
-from kvgate.producer.protocol import ProtocolError, check_tenant_name
+from kvgate.producer.job_checks import ProtocolError, check_tenant_name
 
 MIN_WEIGHT, MAX_WEIGHT = 0.001, 1000.0
 MAX_WEIGHTS = 1000  # `{ns}:tenants` entries a worker reads, and tenants a weights file may name
