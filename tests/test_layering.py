@@ -32,8 +32,8 @@ class Layer:
 
 
 # What the worker shares with the SDK, and why: the wire format (protocol), what a job's output must follow
-# (constraints), the wire's limits (limits) and its checks of names (job_checks), the Redis key names (keys) and the Redis plumbing both sides must do
-# alike, byte for byte: the URL's rules (urls), one connection factory for every URL form, Sentinel and Cluster
+# (constraints), the wire's limits (limits) and the checks of its names (job_checks), the Redis key names (keys) and
+# the Redis plumbing both sides must do alike, byte for byte: the URL's rules (urls), one connection factory for every URL form, Sentinel and Cluster
 # included (redis_url), a Cluster's scripts and node links (cluster), which shard a key lives in (shards) and the
 # prefix-affinity lane a prompt hashes to (lanes). They import only one another, never the rest of the SDK (client,
 # handles, errors, queue statistics), which the worker never reaches.
