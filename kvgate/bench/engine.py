@@ -25,12 +25,13 @@ class Workload:
     output_len: tuple[int, int]
     max_num_seqs: int  # kvgate continuous cap, and the static batch of kvgate static and HF static
     find_largest_hf_batch: bool  # W-GPU: HF static with the largest batch that fits, halving on OOM
+    rounds: int = 1  # rounds of every contestant unless --repeats says otherwise; the figure is their median
 
 
 WORKLOADS = {
     "cpu": Workload("W-CPU", ("smollm2-135m",), "float32", 64, (16, 128), (8, 256), 32, False),
     "gpu": Workload("W-GPU", ("random:qwen2.5-0.5b", "random:qwen3-0.6b", "random:llama-3.2-1b"), "bfloat16", 256,
-                    (100, 1024), (100, 1024), 256, True),
+                    (100, 1024), (100, 1024), 256, True, rounds=3),
 }
 
 
@@ -53,9 +54,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--contestants", default=",".join(CONTESTANTS), help="comma-separated subset")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=int,
                         help="rounds of every contestant, interleaved; each figure is its median round (a shared "
-                             "machine drifts between contestants run minutes apart)")
+                             "machine drifts between contestants run minutes apart); default: the workload's "
+                             "(W-CPU 1, W-GPU 3)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,15 +69,16 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(contestants) - set(CONTESTANTS)
     if unknown:
         raise SystemExit(f"unknown contestants {sorted(unknown)}; choose from {', '.join(CONTESTANTS)}")
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: pass 1 or more rounds")
     device = resolve_device(args.device)
+    repeats = args.repeats or workload.rounds
     report = {"workload": workload.name, "machine": machine_info(device), "versions": versions(),
-              "settings": {**settings_of(workload, device), "repeats": args.repeats}, "notes": notes_of(device)}
+              "settings": {**settings_of(workload, device), "repeats": repeats}, "notes": notes_of(device)}
     print_header(report)
     per_model = {}
     for model in workload.models:
-        per_model[model] = run_model(model, workload, contestants, device, args.seed, args.repeats)
+        per_model[model] = run_model(model, workload, contestants, device, args.seed, repeats)
         print_model_result(model, per_model[model])
     if workload.name == "W-CPU" and len(per_model) == 1:
         report["model"], only = next(iter(per_model.items()))
@@ -112,7 +115,8 @@ def settings_of(workload: Workload, device) -> dict:
 
 
 def median_round(rounds: list[dict]) -> dict:
-    """The round with the median throughput (the lower one of an even count), with every round's figure beside it."""
+    """The round with the median throughput (the lower one of an even count), with every round's figure beside it
+    in the order they ran: the figure is the median, never the best."""
     ordered = sorted(rounds, key=lambda r: r["output_tok_s"])
     return {**ordered[(len(ordered) - 1) // 2], "rounds_tok_s": [r["output_tok_s"] for r in rounds]}
 
@@ -150,31 +154,56 @@ def make_requests(workload: Workload, vocab_size: int, seed: int) -> list:
             for _ in range(workload.num_requests)]
 
 
-def run_model(model, workload: Workload, contestants: list[str], device, seed: int, repeats: int = 1) -> dict:
-    """`model`: a name, or a ModelSource (the GPU check's, whose random weights the engine and HF share)."""
-    from kvgate.bench.report import bandwidth_ceiling
+def run_model(model, workload: Workload, contestants: list[str], device, seed: int, repeats: int | None = None
+              ) -> dict:
+    """`model`: a name, or a ModelSource (the GPU check's, whose random weights the engine and HF share); `repeats`
+    None: the workload's rounds."""
     from kvgate.engine.loader import resolve_model
 
     source = resolve_model(model, seed=seed) if isinstance(model, str) else model
-    model = source.name
+    model, repeats = source.name, repeats or workload.rounds
     m = ModelRun(source, make_requests(workload, source.config.vocab_size, seed), workload, device)
     rounds: dict[str, list[dict]] = {name: [] for name in contestants}
+    traces: dict[str, list] = {name: [] for name in contestants}
     for round_no in range(1, repeats + 1):
         for name in contestants:
-            rounds[name].append(summarize(m, RUNNERS[name](m)))
+            result = RUNNERS[name](m)
+            rounds[name].append(summarize(m, result))
+            traces[name].append(result.trace)
             # A CPU run takes an hour on a busy machine: what finished must be visible if the rest never does.
             print(f"{model} round {round_no}/{repeats} {name}: {json.dumps(rounds[name][-1])}", flush=True)
-    results = {name: median_round(r) if repeats > 1 else r[0] for name, r in rounds.items()}
+    bound_inputs = add_bounds(m, rounds, traces) if workload.name == "W-GPU" else None
+    results = {name: median_round(r) for name, r in rounds.items()}
     entry = {"contestants": results, "ratios": median_ratios(rounds)}
     if {"kvgate_continuous", "kvgate_static"} <= results.keys():
         # What continuous batching could gain over static on these requests if a step cost the same whatever
         # it carries (the GPU regime); on a CPU a step's cost grows with its batch, so the gain is smaller.
         entry["step_ratio"] = results["kvgate_static"]["steps"] / results["kvgate_continuous"]["steps"]
-    if workload.name == "W-GPU":
-        entry.update(bandwidth_ceiling(m))
-        if "kvgate_continuous" in results:
-            entry["fraction_of_ceiling"] = results["kvgate_continuous"]["output_tok_s"] / entry["bandwidth_ceiling_tok_s"]
+    if bound_inputs is not None:
+        entry["bound_inputs"] = bound_inputs
+        if "bound" in results.get("kvgate_continuous", {}):  # the headline: kvgate continuous's median round
+            entry.update({k: results["kvgate_continuous"][k]
+                          for k in ("bound_tok_s", "fraction_of_bound", "binds", "bound")})
     return entry
+
+
+def add_bounds(m: ModelRun, rounds: dict[str, list[dict]], traces: dict[str, list]) -> dict:
+    """Each traced round's bound beside its figures (bench/bound.py), the device measured once after the
+    contestants ran, on the same device in the same run; returns the bound's inputs."""
+    import torch
+
+    from kvgate.bench.bound import ModelCost, bound_entry, device_limits
+
+    dtype = getattr(torch, m.workload.dtype)
+    cost, limits = ModelCost.of(m.source.config, dtype), device_limits(m.device, dtype)
+    for name, summaries in rounds.items():
+        for summary, trace in zip(summaries, traces[name]):
+            if trace is not None:
+                summary.update(bound_entry(trace, cost, limits, summary["output_tokens"], summary["elapsed_s"]))
+    return {"copy_bandwidth_gb_s": limits.bandwidth / 1e9, "peak_tflop_s": limits.peak_flops / 1e12,
+            "peak_source": limits.peak_source, "weight_bytes": cost.weight_bytes,
+            "kv_bytes_per_token": cost.kv_bytes_per_token, "layer_linear_params": cost.layer_linear_params,
+            "head_params": cost.head_params, "attention_flops_per_position": cost.attention_flops_per_position}
 
 
 def summarize(m: ModelRun, result) -> dict:
@@ -223,19 +252,23 @@ def greedy_params(requests) -> list:
 def run_kvgate(m: ModelRun, scheduling: str):
     import time
 
+    from kvgate.bench.bound import StepTrace
     from kvgate.engine import SamplingParams
     from kvgate.bench.hf import RunResult, synchronize
 
     llm = kvgate_llm(m, scheduling)
     warmup = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([m.requests[0].prompt_ids[:8]], [warmup], use_tqdm=False)
+    # the bound counts the steps of the timed round only: the runner reports each batch it is given
+    trace, runner = StepTrace(), llm.engine.runner
+    runner.run = trace.wrap(runner.run)
     params = greedy_params(m.requests)
     synchronize(m.device)
     steps_before, start = llm.engine.steps, time.perf_counter()
     outputs = llm.generate([r.prompt_ids for r in m.requests], params, use_tqdm=True)
     synchronize(m.device)
     result = RunResult([list(o.token_ids) for o in outputs], time.perf_counter() - start,
-                       steps=llm.engine.steps - steps_before)
+                       steps=llm.engine.steps - steps_before, trace=trace)
     del llm
     free_memory()
     return result

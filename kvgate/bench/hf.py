@@ -22,6 +22,7 @@ class RunResult:
     elapsed_s: float
     notes: str = ""
     steps: int | None = None  # engine iterations (kvgate's contestants)
+    trace: object = None  # kvgate's contestants: the bench.bound.StepTrace of the steps it ran
 
     @property
     def output_tokens(self) -> int:

@@ -1,5 +1,5 @@
-"""What a benchmark prints besides its figures: the machine, the versions, and the memory-bandwidth ceiling that
-bounds decode throughput on this device."""
+"""What a benchmark prints besides its figures: the machine, the versions, each contestant's rounds and, for W-GPU,
+the bound of the run itself (bench/bound.py)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -7,7 +7,6 @@ import os
 import platform
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 try:  # the queue and gateway benchmarks run on an SDK or gateway install, which has no torch
@@ -64,54 +63,6 @@ def redis_server_version() -> str | None:
     return version[2:] if version else out.strip() or None
 
 
-def measure_copy_bandwidth(device: torch.device, repeats: int = 10) -> float:
-    """Bytes per second of a device-to-device copy, counting the read and the write, as decode pays both ways."""
-    nbytes = 2**30 if device.type == "cuda" else 2**27
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    sync(device)
-    elapsed = time.perf_counter() - start
-    del src, dst
-    return 2 * nbytes * repeats / elapsed
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def bandwidth_ceiling(m) -> dict:
-    """tokens/s <= batch * bandwidth / bytes read per decode step, where a step reads every weight once and the
-    whole KV of every running sequence; the context is averaged over each request's decode."""
-    from kvgate.engine.loader import parameter_shapes
-
-    config = m.source.config
-    dtype_bytes = torch.empty((), dtype=getattr(torch, m.workload.dtype)).element_size()
-    weight_bytes = sum(_numel(s) for s in parameter_shapes(config).values()) * dtype_bytes
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
-    batch = min(m.workload.max_num_seqs, len(m.requests))
-    avg_context = sum(len(r.prompt_ids) + r.max_tokens / 2 for r in m.requests) / len(m.requests)
-    bandwidth = measure_copy_bandwidth(m.device)
-    step_bytes = weight_bytes + batch * avg_context * kv_bytes_per_token
-    return {"bandwidth_ceiling_tok_s": batch * bandwidth / step_bytes,
-            "ceiling_inputs": {"copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": weight_bytes,
-                               "kv_bytes_per_token": kv_bytes_per_token, "batch": batch,
-                               "avg_decode_context": avg_context}}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def print_header(report: dict) -> None:
     print(f"workload {report['workload']}  settings {report['settings']}")
     print(f"machine  {report['machine']}")
@@ -122,16 +73,24 @@ def print_header(report: dict) -> None:
 
 def print_model_result(model: str, entry: dict) -> None:
     print(f"\n{model}")
-    print(f"  {'contestant':<20} {'output tok/s':>12} {'tokens':>8} {'seconds':>8}")
+    print(f"  {'contestant':<20} {'output tok/s':>12} {'tokens':>8} {'seconds':>8}  (the median round)")
     for name, r in entry["contestants"].items():
-        rounds = f"  rounds {', '.join(f'{x:.1f}' for x in r['rounds_tok_s'])}" if "rounds_tok_s" in r else ""
-        print(f"  {name:<20} {r['output_tok_s']:>12.1f} {r['output_tokens']:>8} {r['elapsed_s']:>8.1f}{rounds}")
+        rounds = r.get("rounds_tok_s", [])
+        print(f"  {name:<20} {r['output_tok_s']:>12.1f} {r['output_tokens']:>8} {r['elapsed_s']:>8.1f}"
+              + (f"  {' / '.join(f'round {i} {x:.1f}' for i, x in enumerate(rounds, 1))}" if len(rounds) > 1 else "")
+              + (f"  bound {r['bound_tok_s']:.0f} tok/s, {r['fraction_of_bound']:.1%} of it, {r['binds']} binds"
+                 if "bound_tok_s" in r else ""))
     for name, ratio in entry["ratios"].items():
         print(f"  {name:<40} {ratio:.2f}x")
     if "step_ratio" in entry:
         steps = {name: r["steps"] for name, r in entry["contestants"].items() if "steps" in r}
         print(f"  engine steps {steps}: static / continuous {entry['step_ratio']:.2f}x, the most continuous "
               "batching can gain here when a step costs the same whatever its batch")
-    if "bandwidth_ceiling_tok_s" in entry:
-        print(f"  bandwidth ceiling {entry['bandwidth_ceiling_tok_s']:.0f} tok/s "
-              f"({entry['ceiling_inputs']['copy_bandwidth_gb_s']:.0f} GB/s copy)")
+    if "bound_tok_s" in entry:
+        b, inputs = entry["bound"], entry["bound_inputs"]
+        print(f"  bound of kvgate continuous's run {entry['bound_tok_s']:.0f} tok/s, reached "
+              f"{entry['fraction_of_bound']:.1%}, {entry['binds']} binds: {b['bound_s']:.3g} s = prefill "
+              f"{b['prefill_s']:.3g} + max(weights {b['weights_s']:.3g} + KV {b['kv_s']:.3g}, decode FLOPs "
+              f"{b['decode_flop_s']:.3g}) over {b['decode_steps']} decode steps of {b['steps']} "
+              f"({inputs['copy_bandwidth_gb_s']:.3g} GB/s best copy, {inputs['peak_tflop_s']:.3g} TFLOP/s "
+              f"{inputs['peak_source']})")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kvgate.bench import engine as bench, report as bench_report
+from kvgate.bench import engine as bench
 from kvgate.bench.hf import BenchRequest
 from kvgate.commands.cli import main
 
@@ -43,17 +43,31 @@ def test_cpu_workload_scaled_down_gives_every_request_exactly_its_tokens(tiny_mo
     assert set(report["ratios"]) == {f"kvgate_continuous/{n}" for n in bench.CONTESTANTS[1:]}
 
 
-def test_gpu_workload_code_path_runs_scaled_down_on_cpu_with_a_ceiling(tiny_model, tmp_path):
+def test_gpu_workload_code_path_runs_scaled_down_on_cpu_with_three_rounds_and_the_runs_bound(tiny_model, tmp_path,
+                                                                                               capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "engine", "--workload", "gpu", "--device", "cpu", "--dtype", "float32", "--model",
                  tiny_model, "--num-requests", "3", "--max-prompt", "12", "--max-output", "4", "--json", str(out),
                  "--contestants", "kvgate_continuous,hf_static"]) == 0
     report = json.loads(out.read_text())
     assert report["workload"] == "W-GPU" and report["settings"]["output_len"] == [4, 4]
+    assert report["settings"]["repeats"] == 3  # W-GPU's own rounds
     entry = report["models"][tiny_model]
     assert set(entry["contestants"]) == {"kvgate_continuous", "hf_static"}
     assert all(r["output_tokens"] == 12 for r in entry["contestants"].values())
-    assert entry["bandwidth_ceiling_tok_s"] > 0 and entry["fraction_of_ceiling"] > 0
+    for r in entry["contestants"].values():
+        assert len(r["rounds_tok_s"]) == 3 and r["output_tok_s"] == sorted(r["rounds_tok_s"])[1]
+    ours = entry["contestants"]["kvgate_continuous"]
+    assert entry["bound_tok_s"] == ours["bound_tok_s"] > 0 and entry["binds"] in ("bandwidth", "decode_flops")
+    assert entry["fraction_of_bound"] == pytest.approx(ours["output_tok_s"] / ours["bound_tok_s"])
+    b = entry["bound"]
+    assert b["bound_s"] == pytest.approx(b["prefill_s"] + max(b["weights_s"] + b["kv_s"], b["decode_flop_s"]))
+    assert b["decode_steps"] == 3 and b["steps"] >= 4  # 3 more tokens after the first, all three requests at once
+    inputs = entry["bound_inputs"]
+    assert inputs["copy_bandwidth_gb_s"] > 0 and inputs["peak_source"].startswith("measured")  # a CPU: no datasheet
+    assert "bound" not in entry["contestants"]["hf_static"]  # only the engine's own steps are known
+    printed = capsys.readouterr().out
+    assert "round 1" in printed and "round 3" in printed and "of it, " in printed
 
 
 def test_repeats_interleave_rounds_and_report_the_median_round_and_engine_steps(tiny_model, tmp_path):
@@ -99,18 +113,39 @@ def test_prompts_and_lengths_are_the_same_for_every_contestant_and_seeded():
     assert bench.make_requests(w, 49152, 1) != first
 
 
-def test_bandwidth_ceiling_counts_weights_once_and_each_sequences_kv(tiny_model, monkeypatch):
+def test_model_cost_reads_every_weight_once_a_step_and_counts_flops_of_the_linear_layers_and_attention(tiny_model):
+    from kvgate.bench.bound import ModelCost
     from kvgate.engine.loader import resolve_model
 
-    monkeypatch.setattr(bench_report, "measure_copy_bandwidth", lambda device: 1e9)
-    workload = bench.WORKLOADS["gpu"]
-    requests = [BenchRequest([1] * 10, 4), BenchRequest([1] * 20, 8)]  # decode contexts average 12 and 24
-    m = bench.ModelRun(resolve_model(tiny_model), requests, workload, torch.device("cpu"))
-    ceiling = bench_report.bandwidth_ceiling(m)
-    weights = (256 * 64 + 2 * (4 * 64 * 16 * 2 + 2 * 64 * 16 * 2 + 3 * 64 * 128 + 2 * 64) + 64) * 2  # bf16
-    kv_per_token = 2 * 2 * 2 * 16 * 2
-    assert ceiling["ceiling_inputs"]["weight_bytes"] == weights
-    assert ceiling["bandwidth_ceiling_tok_s"] == pytest.approx(2 * 1e9 / (weights + 2 * 18 * kv_per_token))
+    cost = ModelCost.of(resolve_model(tiny_model).config, torch.bfloat16)
+    # the tied embedding is the head: read whole every step; 2 layers of q, k, v, o, gate, up, down, 2 norms; a norm
+    assert cost.weight_bytes == (256 * 64 + 2 * (4 * 64 * 16 * 2 + 2 * 64 * 16 * 2 + 3 * 64 * 128 + 2 * 64) + 64) * 2
+    assert cost.layer_linear_params == 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # 2 KV heads of 16
+    assert cost.head_params == 256 * 64
+    assert cost.attention_flops_per_position == 4 * 2 * 4 * 16
+    assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads of 16, bf16
+
+
+def test_the_trace_of_a_real_run_holds_every_prompt_token_and_every_later_output_token(tiny_model):
+    """What kvgate's contestants record: each prompt token once as prefill, each output token after a request's
+    first as one decode token at its own context."""
+    from dataclasses import replace
+
+    from kvgate.bench.bound import StepTrace
+    from kvgate.engine.loader import resolve_model
+
+    requests = [BenchRequest(list(range(1, 6 + 3 * i)), 2 + 2 * i) for i in range(3)]
+    m = bench.ModelRun(resolve_model(tiny_model), requests, replace(bench.WORKLOADS["cpu"], max_num_seqs=3),
+                       torch.device("cpu"))
+    result = bench.run_kvgate(m, "continuous")
+    trace: StepTrace = result.trace
+    assert sum(s.prefill_tokens for s in trace.steps) == sum(len(r.prompt_ids) for r in requests)
+    assert sum(s.prefill_sampled for s in trace.steps) == 3
+    assert sum(s.decode_seqs for s in trace.steps) == sum(r.max_tokens - 1 for r in requests)
+    # request i decodes at contexts prompt + 1 .. prompt + max_tokens - 1
+    assert sum(s.decode_context for s in trace.steps) == sum(
+        sum(range(len(r.prompt_ids) + 1, len(r.prompt_ids) + r.max_tokens)) for r in requests)
+    assert [s.decode_seqs for s in trace.steps if s.decode_seqs] == [3, 2, 2, 1, 1]  # shrinks as each finishes
 
 
 def test_hf_static_on_gpu_workload_halves_its_batch_until_it_fits(tiny_model, monkeypatch):
