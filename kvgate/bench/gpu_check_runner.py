@@ -200,8 +200,11 @@ def step_findings(work: Path, step: Step) -> dict:
         for model, entry in data.get("models", {}).items():
             found.setdefault("tok_s", {})[model] = {c: round(r["output_tok_s"]) for c, r in
                                                     entry["contestants"].items()}
-            if "fraction_of_ceiling" in entry:
-                found.setdefault("fraction_of_ceiling", {})[model] = entry["fraction_of_ceiling"]
+            found.setdefault("rounds_tok_s", {})[model] = {c: [round(x) for x in r.get("rounds_tok_s", [])]
+                                                           for c, r in entry["contestants"].items()}
+            if "fraction_of_bound" in entry:
+                found.setdefault("bound", {})[model] = {k: entry[k] for k in ("bound_tok_s", "fraction_of_bound",
+                                                                              "binds")}
     return found
 
 

@@ -30,7 +30,7 @@ PARITY_TOLERANCE = 2e-3  # float32 logprobs against HF's forward over the same t
 # What the preflight imports: every entry point a step runs, and what the GPU test files import
 ENTRY_POINTS = ("kvgate.engine.model_runner", "kvgate.engine.cuda_graphs", "kvgate.kernels.ops",
                 "kvgate.kernels.decode_attention", "kvgate.kernels.prefill_attention", "kvgate.bench.engine",
-                "kvgate.bench.hf", "kvgate.bench.kernels", "kvgate.bench.report", "tests.support",
+                "kvgate.bench.bound", "kvgate.bench.hf", "kvgate.bench.kernels", "kvgate.bench.report", "tests.support",
                 "tests.engine.helpers", "tests.kernels.kernel_testing")
 VERSIONS = ("torch", "triton", "transformers", "tokenizers", "numpy", "numba", "safetensors", "huggingface-hub",
             "accelerate", "pydantic", "pydantic-core", "typing-extensions", "redis", "msgspec", "pytest",
@@ -243,7 +243,8 @@ def check_parity(out: Path, sc: Scale) -> dict:
 
 
 def check_w_gpu(out: Path, sc: Scale, models: list[str], contestants: list[str]) -> dict:
-    """`kvgate bench engine --workload gpu` for these models and contestants, the JSON rewritten after each model."""
+    """`kvgate bench engine --workload gpu` for these models and contestants (the workload's rounds, each figure the
+    median round, with the bound of kvgate's run), the JSON rewritten after each model."""
     import torch
 
     from kvgate.bench import engine as bench
@@ -253,7 +254,8 @@ def check_w_gpu(out: Path, sc: Scale, models: list[str], contestants: list[str])
     device = torch.device(sc.device)
     report = {"workload": workload.name, "machine": machine_info(device), "versions": versions(),
               "settings": {**bench.settings_of(workload, device), "contestants": contestants,
-                           "layers": sc.layers or "the model's own", "vocab": sc.vocab or "the model's own"},
+                           "repeats": workload.rounds, "layers": sc.layers or "the model's own",
+                           "vocab": sc.vocab or "the model's own"},
               "notes": bench.notes_of(device), "models": {}}
     for name in models:
         source = held_source(name, sc)

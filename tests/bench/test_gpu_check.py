@@ -196,3 +196,15 @@ def test_the_triton_cache_comes_back_as_metadata_and_cubins_only(tmp_path):
         assert sorted(tar.getnames()) == ["KEY/__grp__k.json", "KEY/k.cubin", "KEY/k.json"]
         group = json.loads(tar.extractfile("KEY/__grp__k.json").read())
     assert group == {"child_paths": {"k.json": str(key / "k.json"), "k.cubin": str(key / "k.cubin")}}
+
+
+def test_a_w_gpu_steps_findings_carry_each_round_and_the_bound(tmp_path):
+    (tmp_path / "w-gpu-qwen2.5.json").write_text(json.dumps({"models": {"random:qwen2.5-0.5b": {
+        "contestants": {"kvgate_continuous": {"output_tok_s": 40000.4, "rounds_tok_s": [39000.0, 41000.0, 40000.4]}},
+        "bound_tok_s": 200000.0, "fraction_of_bound": 0.2, "binds": "bandwidth"}}}))
+    step = next(s for s in gpu_check_runner.plan(tmp_path) if s.name == "w-gpu-qwen2.5")
+    found = gpu_check_runner.step_findings(tmp_path, step)
+    assert found["tok_s"] == {"random:qwen2.5-0.5b": {"kvgate_continuous": 40000}}
+    assert found["rounds_tok_s"] == {"random:qwen2.5-0.5b": {"kvgate_continuous": [39000, 41000, 40000]}}
+    assert found["bound"] == {"random:qwen2.5-0.5b": {"bound_tok_s": 200000.0, "fraction_of_bound": 0.2,
+                                                      "binds": "bandwidth"}}
