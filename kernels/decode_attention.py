@@ -8,6 +8,9 @@ Twin: reference.paged_attention restricted to q_len == 1.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -99,12 +102,24 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_q_ptr,
              out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU twice over, but no split shorter than MIN_TOKENS_PER_SPLIT."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+@dataclass(frozen=True, slots=True)
+class Splits:
+    num_splits: int  # programs per (sequence, KV head)
+    chunk: int  # the most context tokens one program attends
+
+
+@lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def choose_splits(batch: int, num_kv_heads: int, max_context: int, granule: int, sms: int) -> Splits:
+    """Enough programs to fill the GPU twice over, but no split shorter than MIN_TOKENS_PER_SPLIT. Each sequence
+    divides its own context by the split count, so the longest one's programs take `chunk` tokens each."""
     by_length = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
     by_occupancy = triton.cdiv(2 * sms, batch * num_kv_heads)
-    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+    num_splits = max(1, min(by_length, by_occupancy, MAX_SPLITS))
+    return Splits(num_splits, triton.cdiv(triton.cdiv(max_context, num_splits), granule) * granule)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -118,7 +133,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     config = config or decode_config(head_dim, q.dtype, q.device)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
+        num_splits = choose_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, config.block_n,
+                                   multiprocessor_count(q.device)).num_splits
     out = torch.empty_like(q)
     if batch == 0:
         return out
