@@ -147,6 +147,7 @@ def choose_splits(batch: int, num_kv_heads: int, max_context: int, granule: int,
     if wave > triton.cdiv(max_context, chunk):  # rounded down, so the wave is met wherever MIN_CHUNK allows
         chunk = max(round_up(MIN_CHUNK, granule), max_context // wave // granule * granule)
     chunk = max(chunk, round_up(triton.cdiv(max_context, MAX_SPLITS), granule))
+    chunk = min(chunk, round_up(max_context, granule))  # a table shorter than one chunk: its own length
     return Splits(triton.cdiv(max_context, chunk), chunk)
 
 
