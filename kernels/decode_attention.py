@@ -1,8 +1,9 @@
 """Paged decode attention, one new query per sequence, GQA, split along the context by fixed work (flash-decoding).
 
 Stage 1: program (sequence, KV head, split k) attends the group's query heads to tokens [k * chunk, (k + 1) * chunk)
-of its sequence and writes a partial output and log-sum-exp; a program whose split starts past its sequence's
-context exits at once. Stage 2 merges the splits that start inside the context (it counts them from the context
+of its sequence (and to chunks k + num_splits, k + 2 * num_splits, ... where the context has more chunks than there
+are splits) and writes a partial output and log-sum-exp; a program whose split starts past its sequence's context
+exits at once. Stage 2 merges the splits that start inside the context (it counts them from the context
 length, so what an exited program left in the partial buffers is never read, and a CUDA-graph padding row with
 context 0 merges nothing: zeros, not NaN). With one split stage 1 writes the final output directly.
 
@@ -15,10 +16,12 @@ and the SM count, never from the context lengths: nothing syncs with the host an
 The chunk is a multiple of BLOCK_N and of the page size, CHUNK at most, and smaller (down to MIN_CHUNK) when
 CHUNK-sized splits would launch less than one wave of programs over the SMs.
 
-Past MAX_SPLITS * CHUNK tokens (16384) of table width the chunk grows rather than MAX_SPLITS: the launch is
-batch x KV heads x splits programs whatever the lengths, and the engine's captured graphs size the block table
-by max_model_len, so raising MAX_SPLITS would launch mostly empty programs for every short batch of a long-context
-model (and widen the reduce's one BLOCK_S tile). A context that long still gets MAX_SPLITS programs per KV head.
+Past MAX_SPLITS * CHUNK tokens (16384) of table width neither MAX_SPLITS nor the chunk grows: a program takes every
+num_splits-th chunk of its sequence. Raising MAX_SPLITS would launch mostly empty programs for every short batch
+of a long-context model (the launch is batch x KV heads x splits whatever the lengths, and the engine's captured
+graphs size the block table by max_model_len) and widen the reduce's one BLOCK_S tile; growing the chunk would give
+a 2048-token sequence one program again whenever the table is 64k wide. Striding keeps 512-token splits for the
+short sequences and spreads a long one over MAX_SPLITS programs per KV head.
 Twin: reference.paged_attention restricted to q_len == 1.
 """
 from __future__ import annotations
@@ -51,14 +54,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_s
                          SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    start = split * chunk
+    first = split * chunk
     if SPLIT:
-        if start >= ctx:  # past this sequence's context: the reduce merges only splits that start inside it
+        if first >= ctx:  # past this sequence's context: the reduce merges only splits that start inside it
             return
     q_row = tl.load(cu_seqlens_q_ptr + seq)
     if tl.load(cu_seqlens_q_ptr + seq + 1) == q_row:
         return
-    end = tl.minimum(start + chunk, ctx)
 
     g = tl.arange(0, BLOCK_G)
     heads = kv_head * group + g
@@ -72,16 +74,19 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_s
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for t0 in range(start, end, BLOCK_N):
-        tokens = t0 + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        offs = kv_tile_offsets(table, tokens, token_mask, kv_head * stride_ch, dims, stride_cb, stride_ct, PAGE_SIZE)
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(scores, m_i, l_i, acc, v, PRECISION)
+    for start in range(first, ctx, num_splits * chunk):  # chunks split, split + num_splits, ... of the context
+        end = tl.minimum(start + chunk, ctx)
+        for t0 in range(start, end, BLOCK_N):
+            tokens = t0 + tl.arange(0, BLOCK_N)
+            token_mask = tokens < end
+            offs = kv_tile_offsets(table, tokens, token_mask, kv_head * stride_ch, dims, stride_cb, stride_ct,
+                                   PAGE_SIZE)
+            kv_mask = token_mask[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            scores = tl.where(token_mask[None, :], scores, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(scores, m_i, l_i, acc, v, PRECISION)
 
     # only an unsplit padding row (context 0) gets here having attended nothing: its output is zero
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -126,7 +131,7 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, cu_seqlens_q_ptr,
 @dataclass(frozen=True, slots=True)
 class Splits:
     num_splits: int  # programs per (sequence, KV head)
-    chunk: int  # the most context tokens one program attends: split k takes [k * chunk, (k + 1) * chunk)
+    chunk: int  # split k attends [k * chunk, (k + 1) * chunk), then every num_splits-th chunk after it
 
 
 @lru_cache(maxsize=None)
@@ -140,26 +145,27 @@ def round_up(n: int, granule: int) -> int:
 
 def choose_splits(batch: int, num_kv_heads: int, max_context: int, granule: int, sms: int) -> Splits:
     """Chunks of CHUNK tokens (a multiple of `granule`), smaller when that leaves the launch short of one program per
-    SM, larger when MAX_SPLITS of them do not cover `max_context`; as many splits as cover `max_context`."""
+    SM; as many splits as chunks cover `max_context`, at most MAX_SPLITS."""
     max_context = max(max_context, 1)
     chunk = round_up(CHUNK, granule)
-    wave = triton.cdiv(sms, batch * num_kv_heads)  # splits per (sequence, KV head) for one program per SM
+    wave = min(triton.cdiv(sms, batch * num_kv_heads), MAX_SPLITS)  # splits per (sequence, KV head) to fill the SMs
     if wave > triton.cdiv(max_context, chunk):  # rounded down, so the wave is met wherever MIN_CHUNK allows
         chunk = max(round_up(MIN_CHUNK, granule), max_context // wave // granule * granule)
-    chunk = max(chunk, round_up(triton.cdiv(max_context, MAX_SPLITS), granule))
     chunk = min(chunk, round_up(max_context, granule))  # a table shorter than one chunk: its own length
-    return Splits(triton.cdiv(max_context, chunk), chunk)
+    return Splits(min(triton.cdiv(max_context, chunk), MAX_SPLITS), chunk)
 
 
 def decode_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, num_splits: int | None = None,
-                  config: AttentionConfig | None = None) -> Splits:
-    """The split count and chunk decode_attention launches with for these shapes; a forced `num_splits` (tests)
-    keeps its count and takes the chunk that covers the table in that many splits."""
+                  chunk: int | None = None, config: AttentionConfig | None = None) -> Splits:
+    """The split count and chunk decode_attention launches with for these shapes. Tests may force either: a forced
+    `num_splits` alone takes the chunk that covers the table in that many splits."""
     page_size = k_cache.shape[1]
     config = config or decode_config(q.shape[-1], q.dtype, q.device)
     max_context = max(block_tables.shape[1] * page_size, 1)
+    assert num_splits is None or 1 <= num_splits <= MAX_SPLITS, "the reduce merges at most MAX_SPLITS partials"
+    if chunk is not None:
+        return Splits(num_splits or min(triton.cdiv(max_context, chunk), MAX_SPLITS), chunk)
     if num_splits is not None:
-        assert 1 <= num_splits <= MAX_SPLITS, "the reduce merges at most MAX_SPLITS partials"
         return Splits(num_splits, round_up(triton.cdiv(max_context, num_splits), config.block_n))
     return choose_splits(q.shape[0], k_cache.shape[2], max_context, math.lcm(config.block_n, page_size),
                          multiprocessor_count(q.device))
@@ -167,7 +173,8 @@ def decode_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     num_splits: int | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, chunk: int | None = None,
+                     config: AttentionConfig | None = None) -> torch.Tensor:
     """q: [B, H, D], one row per sequence (cu_seqlens_q == arange(B + 1))."""
     batch = cu_seqlens_q.numel() - 1
     _, num_heads, head_dim = q.shape
@@ -175,7 +182,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert q.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
     config = config or decode_config(head_dim, q.dtype, q.device)
-    splits = decode_splits(q, k_cache, block_tables, num_splits, config)
+    splits = decode_splits(q, k_cache, block_tables, num_splits, chunk, config)
     num_splits, chunk = splits.num_splits, splits.chunk
     out = torch.empty_like(q)
     if batch == 0:

@@ -60,11 +60,11 @@ def test_b256_with_two_kv_heads_gets_a_full_wave_of_programs_of_at_most_512_toke
 @pytest.mark.parametrize("batch,num_kv_heads", [(1, 2), (7, 8), (16, 2), (64, 8), (256, 2), (256, 8)])
 @pytest.mark.parametrize("max_context", [16, 300, 2048, 4096, 16384])
 @pytest.mark.parametrize("granule", [16, 64, 256])
-def test_chunks_are_granule_multiples_of_at_most_512_that_cover_the_table(batch, num_kv_heads, max_context, granule):
+def test_chunks_are_granule_multiples_of_at_most_512_one_split_each_up_to_max_splits(batch, num_kv_heads,
+                                                                                      max_context, granule):
     splits = choose_splits(batch, num_kv_heads, max_context, granule, sms=132)
     assert splits.chunk % granule == 0 and splits.chunk <= CHUNK
-    assert (splits.num_splits - 1) * splits.chunk < max_context <= splits.num_splits * splits.chunk
-    assert splits.num_splits <= MAX_SPLITS
+    assert splits.num_splits == min(-(-max_context // splits.chunk), MAX_SPLITS)
     wave = -(-132 // (batch * num_kv_heads))  # splits per (sequence, KV head) for one program per SM
     if wave <= MAX_SPLITS and max_context >= wave * max(MIN_CHUNK, granule):
         assert batch * num_kv_heads * splits.num_splits >= 132
@@ -75,8 +75,9 @@ def test_a_small_batch_takes_smaller_chunks_down_to_the_minimum_to_fill_the_sms(
     assert choose_splits(1, 2, 2048, 64, sms=132) == Splits(num_splits=16, chunk=128)  # MIN_CHUNK: 32 programs only
 
 
-def test_past_max_splits_chunks_of_512_the_chunk_grows_and_the_split_count_stays_capped():
-    assert choose_splits(256, 2, 32768, 256, sms=132) == Splits(num_splits=MAX_SPLITS, chunk=1024)
+def test_past_max_splits_chunks_of_512_the_chunk_stays_and_the_split_count_stays_capped():
+    assert choose_splits(256, 2, 32768, 256, sms=132) == Splits(num_splits=MAX_SPLITS, chunk=512)
+    assert choose_splits(1, 2, 131072, 256, sms=132) == Splits(num_splits=MAX_SPLITS, chunk=512)
 
 
 MIXED = [1, 100, 511, 512, 513, 2048, 0]  # across the 512-token chunk edges; the last is a CUDA-graph padding row
@@ -114,3 +115,18 @@ def test_a_padding_row_without_context_yields_zeros_and_leaves_the_others_exact(
     expected = reference.paged_attention(q[keep], k_cache, v_cache, block_tables[keep], cu[:3],
                                          ctx[keep], 0.25)
     assert_close(out[keep], expected)
+
+
+@pytest.mark.parametrize("group", [1, 7])
+def test_a_program_takes_every_num_splits_th_chunk_when_chunks_outnumber_splits(group):
+    """What a table wider than MAX_SPLITS chunks gets, at a size the interpreter runs: 2048 tokens in 16 chunks of
+    128 over 3 programs, the others across a chunk edge or within the first chunk."""
+    context = [1, 100, 127, 128, 129, 385, 2048, 0]
+    k_cache, v_cache, block_tables = make_paged_kv([max(n, 1) for n in context], 2, 16, 16, device=DEVICE)
+    block_tables[-1] = -1
+    q = torch.randn(len(context), 2 * group, 16, device=DEVICE)
+    cu, ctx = cu_seqlens([1] * len(context), DEVICE), context_lens_tensor(context, DEVICE)
+    out = decode_attention(q, k_cache, v_cache, block_tables, cu, ctx, 0.25, num_splits=3, chunk=128)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    expected = reference.paged_attention(q[:-1], k_cache, v_cache, block_tables[:-1], cu[:-1], ctx[:-1], 0.25)
+    assert_close(out[:-1], expected)
