@@ -59,13 +59,15 @@ def diff(a, b) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def attention_inputs(torch, q_lens, context, heads, page_size, dtype, device):
+def attention_inputs(torch, q_lens, context, heads, page_size, dtype, device, table_tokens=0):
+    """table_tokens: pad the block table to this many tokens' pages, as the engine's graphs pad to max_model_len."""
     num_heads, num_kv_heads, head_dim = heads
     blocks = [(c + page_size - 1) // page_size for c in context]
     k_cache = torch.randn(sum(blocks), page_size, num_kv_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     perm = torch.randperm(sum(blocks)).tolist()
-    table = torch.full((len(context), max(blocks)), -1, dtype=torch.int32)
+    width = max(*blocks, (table_tokens + page_size - 1) // page_size)
+    table = torch.full((len(context), width), -1, dtype=torch.int32)
     for i, n in enumerate(blocks):
         table[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
     q = torch.randn(sum(q_lens), num_heads, head_dim, device=device, dtype=dtype)
@@ -98,13 +100,16 @@ def cases(torch, dims, tiny: bool, dtype, device):
     yield ("store_kvcache", f"N={n}", lambda: store_kvcache(key, key, k_cache, v_cache, slots),
            lambda: reference.store_kvcache(key, key, k_cache, v_cache, slots), 2 * n * kv_token_bytes, "")
 
-    decode_shapes = [(4, 40), (2, 120)] if tiny else [(256, (100, 2048)), (8, (8192, 8192))]
-    for batch, span in decode_shapes:
+    # the last row's table is as wide as a 32k max_model_len engine's captured graphs make it: more splits, most empty
+    decode_shapes = ([(4, 40, 0), (2, 120, 0), (4, 40, 1100)] if tiny else
+                     [(256, (100, 2048), 0), (8, (8192, 8192), 0), (256, (100, 2048), 32768)])
+    for batch, span, table in decode_shapes:
         lo, hi = span if isinstance(span, tuple) else (1, span)
         context = [rng.randint(lo, hi) for _ in range(batch)]
-        args = attention_inputs(torch, [1] * batch, context, heads, page, dtype, device)
+        args = attention_inputs(torch, [1] * batch, context, heads, page, dtype, device, table)
         splits = decode_splits(args[0], args[1], args[3])
-        yield ("decode_attention", f"B={batch} ctx={lo}..{hi}", lambda a=args: decode_attention(*a),
+        label = f"B={batch} ctx={lo}..{hi}" + (f" table={table}" if table else "")
+        yield ("decode_attention", label, lambda a=args: decode_attention(*a),
                lambda a=args: reference.paged_attention(*a), sum(context) * kv_token_bytes,
                f"{splits.num_splits}x{splits.chunk}")
 
