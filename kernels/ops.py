@@ -4,7 +4,7 @@
 |-----------------|------------------------------------------------------------------|---------------------|
 | store_kvcache   | store_kvcache.py: one program per token, -1 slots skipped        | store_kvcache       |
 | paged_attention | decode_attention.py when every sequence has one new query:       | paged_attention     |
-|                 |   split-K over the context + merge, a GQA group per program      |                     |
+|                 |   <= 512-token context chunks + merge, a GQA group per program   |                     |
 |                 | prefill_attention.py otherwise: causal over cached prefix+chunk  |                     |
 | rms_norm        | rmsnorm.py: fused residual add, fp32 statistics                  | rms_norm            |
 | rotary          | rotary.py: neox style, q and k in one launch                     | rotary              |
@@ -17,6 +17,7 @@ stages per GPU generation and dtype; steps down if shared memory runs out), benc
 Verified on CPU (`pytest tests/kernels`, TRITON_INTERPRET=1, ~20 s): every kernel against its twin
 in float32 (norm/activation/store also fp16) on small shapes: GQA groups 1/3/7, ragged and
 page-boundary lengths, -1 slots and block-table padding, 1..8 decode splits with empty splits,
+lengths across 512-token decode chunk edges, more chunks than splits (strided),
 zero-context padding rows, cached prefixes, chunks beside decode rows, head size 24, strided
 per-layer cache views; this dispatch;
 the config fallback; `python -m kvgate.bench.kernels --tiny`.

@@ -37,6 +37,7 @@ class Result:
     speedup: float
     triton_gbps: float
     max_abs_diff: float
+    launch: str = ""  # decode: its split count x chunk (context tokens per program), the figures issue 41 tunes
 
 
 def timer(cuda: bool) -> Callable[[Callable[[], object]], float]:
@@ -58,13 +59,15 @@ def diff(a, b) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def attention_inputs(torch, q_lens, context, heads, page_size, dtype, device):
+def attention_inputs(torch, q_lens, context, heads, page_size, dtype, device, table_tokens=0):
+    """table_tokens: pad the block table to this many tokens' pages, as the engine's graphs pad to max_model_len."""
     num_heads, num_kv_heads, head_dim = heads
     blocks = [(c + page_size - 1) // page_size for c in context]
     k_cache = torch.randn(sum(blocks), page_size, num_kv_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     perm = torch.randperm(sum(blocks)).tolist()
-    table = torch.full((len(context), max(blocks)), -1, dtype=torch.int32)
+    width = max(*blocks, (table_tokens + page_size - 1) // page_size)
+    table = torch.full((len(context), width), -1, dtype=torch.int32)
     for i, n in enumerate(blocks):
         table[i, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
     q = torch.randn(sum(q_lens), num_heads, head_dim, device=device, dtype=dtype)
@@ -74,10 +77,10 @@ def attention_inputs(torch, q_lens, context, heads, page_size, dtype, device):
 
 
 def cases(torch, dims, tiny: bool, dtype, device):
-    """(kernel, shape label, triton fn, reference fn, bytes moved) for one model's dimensions."""
+    """(kernel, shape label, triton fn, reference fn, bytes moved, launch note) for one model's dimensions."""
     from kvgate.kernels import reference
     from kvgate.kernels.activation import silu_and_mul
-    from kvgate.kernels.decode_attention import decode_attention
+    from kvgate.kernels.decode_attention import decode_attention, decode_splits
     from kvgate.kernels.prefill_attention import prefill_attention
     from kvgate.kernels.rmsnorm import rms_norm
     from kvgate.kernels.rotary import rotary
@@ -95,15 +98,20 @@ def cases(torch, dims, tiny: bool, dtype, device):
     k_cache = torch.zeros(n // page + 1, page, num_kv_heads, head_dim, device=device, dtype=dtype)
     v_cache, slots = torch.zeros_like(k_cache), torch.randperm(n, device=device)
     yield ("store_kvcache", f"N={n}", lambda: store_kvcache(key, key, k_cache, v_cache, slots),
-           lambda: reference.store_kvcache(key, key, k_cache, v_cache, slots), 2 * n * kv_token_bytes)
+           lambda: reference.store_kvcache(key, key, k_cache, v_cache, slots), 2 * n * kv_token_bytes, "")
 
-    decode_shapes = [(4, 40), (2, 120)] if tiny else [(256, (100, 2048)), (8, (8192, 8192))]
-    for batch, span in decode_shapes:
+    # the last row's table is as wide as a 32k max_model_len engine's captured graphs make it: more splits, most empty
+    decode_shapes = ([(4, 40, 0), (2, 120, 0), (4, 40, 1100)] if tiny else
+                     [(256, (100, 2048), 0), (8, (8192, 8192), 0), (256, (100, 2048), 32768)])
+    for batch, span, table in decode_shapes:
         lo, hi = span if isinstance(span, tuple) else (1, span)
         context = [rng.randint(lo, hi) for _ in range(batch)]
-        args = attention_inputs(torch, [1] * batch, context, heads, page, dtype, device)
-        yield ("decode_attention", f"B={batch} ctx={lo}..{hi}", lambda a=args: decode_attention(*a),
-               lambda a=args: reference.paged_attention(*a), sum(context) * kv_token_bytes)
+        args = attention_inputs(torch, [1] * batch, context, heads, page, dtype, device, table)
+        splits = decode_splits(args[0], args[1], args[3])
+        label = f"B={batch} ctx={lo}..{hi}" + (f" table={table}" if table else "")
+        yield ("decode_attention", label, lambda a=args: decode_attention(*a),
+               lambda a=args: reference.paged_attention(*a), sum(context) * kv_token_bytes,
+               f"{splits.num_splits}x{splits.chunk}")
 
     prefill_shapes = [([8, 8], [8, 20])] if tiny else [([1024] * 4, [1024] * 4), ([512] + [1] * 64, [2048] + [1024] * 64)]
     for q_lens, context in prefill_shapes:
@@ -111,22 +119,22 @@ def cases(torch, dims, tiny: bool, dtype, device):
         label = f"q={q_lens[0]}x{q_lens.count(q_lens[0])}+{len(q_lens) - q_lens.count(q_lens[0])} ctx<= {max(context)}"
         yield ("prefill_attention", label, lambda a=args: prefill_attention(*a),
                lambda a=args: reference.paged_attention(*a),
-               sum(context) * kv_token_bytes + 2 * sum(q_lens) * num_heads * head_dim * size)
+               sum(context) * kv_token_bytes + 2 * sum(q_lens) * num_heads * head_dim * size, "")
 
     x, r = torch.randn(n, hidden, device=device, dtype=dtype), torch.randn(n, hidden, device=device, dtype=dtype)
     w = torch.ones(hidden, device=device, dtype=dtype)
     yield ("rms_norm+residual", f"N={n} hidden={hidden}", lambda: rms_norm(x, w, 1e-6, r),
-           lambda: reference.rms_norm(x, w, 1e-6, r), 4 * n * hidden * size)
+           lambda: reference.rms_norm(x, w, 1e-6, r), 4 * n * hidden * size, "")
 
     q = torch.randn(n, num_heads, head_dim, device=device, dtype=dtype)
     cos, sin = torch.rand(n, head_dim // 2, device=device), torch.rand(n, head_dim // 2, device=device)
     yield ("rotary", f"N={n} H={num_heads}/{num_kv_heads} D={head_dim}", lambda: rotary(q, key, cos, sin),
            lambda: reference.rotary(q, key, cos, sin),
-           2 * n * (num_heads + num_kv_heads) * head_dim * size + n * head_dim * 4)
+           2 * n * (num_heads + num_kv_heads) * head_dim * size + n * head_dim * 4, "")
 
     gate_up = torch.randn(n, 2 * inner, device=device, dtype=dtype)
     yield ("silu_and_mul", f"N={n} I={inner}", lambda: silu_and_mul(gate_up),
-           lambda: reference.silu_and_mul(gate_up), 3 * n * inner * size)
+           lambda: reference.silu_and_mul(gate_up), 3 * n * inner * size, "")
 
 
 def copy_bandwidth(torch, device, tiny: bool, measure) -> float:
@@ -163,17 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {machine}  torch {torch.__version__}  triton {triton.__version__}  dtype {dtype}  "
           f"copy {copy_gbps:.0f} GB/s" + ("" if cuda else "  (CPU interpreter: times are meaningless)"))
     print(f"{'model':14} {'kernel':18} {'shape':34} {'triton ms':>10} {'ref ms':>10} {'speedup':>8} "
-          f"{'GB/s':>8} {'%copy':>6} {'maxdiff':>8}")
+          f"{'GB/s':>8} {'%copy':>6} {'maxdiff':>8} {'splitsxchunk':>12}")
     results = []
     for model in args.models.split(","):
         dims = TINY if args.tiny else MODELS[model]
-        for kernel, shape, fast, slow, nbytes in cases(torch, dims, args.tiny, dtype, device):
+        for kernel, shape, fast, slow, nbytes, launch in cases(torch, dims, args.tiny, dtype, device):
             triton_ms, ref_ms = measure(fast), measure(slow)
             r = Result(model, kernel, shape, triton_ms, ref_ms, ref_ms / triton_ms, nbytes / triton_ms / 1e6,
-                       diff(fast(), slow()) if kernel != "store_kvcache" else 0.0)
+                       diff(fast(), slow()) if kernel != "store_kvcache" else 0.0, launch)
             results.append(r)
             print(f"{model:14} {kernel:18} {shape:34} {triton_ms:10.4f} {ref_ms:10.4f} {r.speedup:8.1f} "
-                  f"{r.triton_gbps:8.0f} {100 * r.triton_gbps / copy_gbps:6.1f} {r.max_abs_diff:8.2g}")
+                  f"{r.triton_gbps:8.0f} {100 * r.triton_gbps / copy_gbps:6.1f} {r.max_abs_diff:8.2g} {launch:>12}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "torch": torch.__version__, "triton": triton.__version__,

@@ -1,7 +1,9 @@
-"""kvgate.bench.kernels runs end to end (tiny shapes, interpreter) and reports every kernel with a correct result."""
+"""kvgate.bench.kernels runs end to end (tiny shapes, interpreter) and reports every kernel with a correct result,
+the decode rows with their split count and chunk."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -19,4 +21,7 @@ def test_tiny_bench_reports_each_kernel_matching_its_reference(tmp_path, capsys)
                        "silu_and_mul"}
     assert report["interpreter"] and report["copy_gbps"] > 0
     assert all(r["max_abs_diff"] < 1e-4 and r["triton_ms"] > 0 for r in report["results"])
-    assert "decode_attention" in capsys.readouterr().out
+    decode = [r for r in report["results"] if r["kernel"] == "decode_attention"]
+    assert all(re.fullmatch(r"\d+x\d+", r["launch"]) for r in decode)  # split count x chunk, as issue 41 tunes them
+    printed = capsys.readouterr().out
+    assert all(r["launch"] in printed for r in decode)

@@ -1,6 +1,6 @@
 """Fewer compiles on a cold cache (issue 28): the integers that change with every batch (its size, its block-table
-width, the decode split count) are not specialised, so Triton does not compile a variant for each value of 1 and
-each multiple of 16 it meets. Read from the compiled (not interpreted) kernels, in a process of their own: this
+width, the decode split count and chunk) are not specialised, so Triton does not compile a variant for each value
+of 1 and each multiple of 16 it meets. Read from the compiled (not interpreted) kernels, in a process of their own: this
 folder's tests run in the interpreter, which keeps no specialisation."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_batch_dependent_integers_are_not_specialised():
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {
         "_prefill_kernel": ["stride_bt", "batch"],
-        "_decode_split_kernel": ["stride_bt", "num_splits"],
-        "_decode_reduce_kernel": ["num_splits"],
+        "_decode_split_kernel": ["stride_bt", "num_splits", "chunk"],
+        "_decode_reduce_kernel": ["num_splits", "chunk"],
     }
 
