@@ -208,3 +208,16 @@ def test_a_w_gpu_steps_findings_carry_each_round_and_the_bound(tmp_path):
     assert found["rounds_tok_s"] == {"random:qwen2.5-0.5b": {"kvgate_continuous": [39000, 41000, 40000]}}
     assert found["bound"] == {"random:qwen2.5-0.5b": {"bound_tok_s": 200000.0, "fraction_of_bound": 0.2,
                                                       "binds": "bandwidth"}}
+
+
+def test_the_checks_w_gpu_runs_one_round_within_limits_sized_for_one(tmp_path):
+    """The check's W-GPU steps (60 s / 50 s of its 480 s) were sized for one round; three warm rounds are `kvgate bench
+    engine --workload gpu`'s (issue 41), so a model the check runs is not killed at its limit with nothing kept."""
+    from kvgate.bench import engine as bench
+    from kvgate.bench.gpu_checks import CHECK_ROUNDS, check_w_gpu, scale
+
+    assert bench.WORKLOADS["gpu"].rounds == 3 and CHECK_ROUNDS == 1
+    report = check_w_gpu(tmp_path / "w.json", scale("cpu"), ["random:qwen2.5-0.5b"], ["kvgate_continuous"])
+    assert report["settings"]["repeats"] == 1
+    entry = report["models"]["random:qwen2.5-0.5b"]["contestants"]["kvgate_continuous"]
+    assert len(entry["rounds_tok_s"]) == 1 and entry["output_tok_s"] > 0
