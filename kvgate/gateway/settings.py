@@ -120,6 +120,8 @@ class GatewaySettings(BaseSettings):
     batch_lease_s: float = _s(30.0, "seconds after which another replica resumes the batches of a replica that died",
                               "--batch-lease", gt=0)
     batch_poll_s: float = _s(1.0, "how often a replica looks for batches nobody drives, seconds", gt=0)
+    batch_min_window_s: int = _s(3600, "for tests only: the shortest completion_window taken, seconds (1 hour, as "
+                                       "real batches need; a test shortens it to watch a batch expire)", ge=1)
 
     @model_validator(mode="after")
     def _keys(self) -> "GatewaySettings":

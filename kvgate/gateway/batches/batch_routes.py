@@ -1,7 +1,6 @@
 """/v1/batches: create a batch over an uploaded file, read it, list them, cancel one. The runner does the work."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +9,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvgate.openai.batch import CHAT, COMPLETIONS
+from kvgate.openai.completion_window import BadWindow, window_seconds
 from kvgate.openai.embeddings import EMBEDDINGS
 
 from ..auth import Caller
@@ -19,7 +19,7 @@ from ..paging import limit_of, page_body
 from ..request_body import read_json
 from ..settings import GatewaySettings
 from .batch_runner import BatchRunner
-from .batch_store import WINDOW_S, Batch, BatchStore, new_batch_id
+from .batch_store import Batch, BatchStore, new_batch_id
 from .file_routes import FilesApi
 
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
@@ -50,8 +50,10 @@ class BatchesApi:
             raise invalid("endpoint",
                           f"endpoint={endpoint!r} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}",
                           code="invalid_endpoint")
-        if window != "24h":
-            raise invalid("completion_window", f"completion_window={window!r} is not supported; use '24h'")
+        try:
+            window_s = window_seconds(window, min_s=self.settings.batch_min_window_s)
+        except BadWindow as e:
+            raise invalid("completion_window", str(e)) from None
         metadata = _metadata(body.get("metadata"))
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or not file_id:
@@ -60,9 +62,10 @@ class BatchesApi:
         if source.purpose != "batch":
             raise invalid("input_file_id", f"file {file_id} has purpose {source.purpose!r}; upload the input "
                                            "with purpose 'batch'")
-        now = int(time.time())
+        now = await self.store.now()  # the Redis server's clock, which judges the batch's expiry on every replica
         # the batch is its input's owner's (an admin's batch on a tenant's file too): its jobs carry that tenant
-        batch = Batch(new_batch_id(), endpoint, file_id, now, now + WINDOW_S, metadata=metadata, tenant=source.tenant)
+        batch = Batch(new_batch_id(), endpoint, file_id, now, now + window_s, completion_window=window,
+                      metadata=metadata, tenant=source.tenant)
         await self.store.create(batch)
         self.runner.wake()
         return json_response(batch.body())
@@ -83,7 +86,7 @@ class BatchesApi:
         if batch.status not in CANCELLABLE + ("cancelling", "cancelled"):
             raise ApiError(409, f"batch {batch.id} is {batch.status}; only a validating or in_progress batch can be "
                                 "cancelled", code="batch_not_cancellable")
-        await self.store.transition(batch.id, CANCELLABLE, "cancelling", cancelling_at=int(time.time()))
+        await self.store.transition(batch.id, CANCELLABLE, "cancelling", cancelling_at=await self.store.now())
         self.runner.wake()
         return json_response((await self.found(batch.id, caller)).body())
 

@@ -27,7 +27,6 @@ from kvgate.producer.limits import DEFAULT_TENANT
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
-WINDOW_S = 24 * 3600
 JSON_FIELDS = ("metadata", "errors")
 COUNTS = ("total", "completed", "failed")
 ORDER_CHUNK = 1000  # custom_ids per RPUSH
@@ -58,6 +57,16 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
 end
 return 0
 """
+
+# KEYS: batch hash (any key of the batch's slot, so a Cluster answers from the node that holds the batch). The
+# Redis server's clock (invariant 9): a batch's created_at and expires_at are stamped, and its expiry judged, on the
+# one clock every replica shares. Returns the status, expires_at and now (seconds, microseconds).
+CLOCK = """
+local t = redis.call('TIME')
+local s = redis.call('HMGET', KEYS[1], 'status', 'expires_at')
+return {s[1] or false, s[2] or false, t[1], t[2]}
+"""
+NOW = "return redis.call('TIME')[1]"  # KEYS: the active set, only to route it to the batches' node
 
 RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -106,10 +115,6 @@ class Batch:
         out["request_counts"] = {"total": self.total, "completed": self.completed, "failed": self.failed}
         return out
 
-    @property
-    def expired(self) -> bool:
-        return time.time() >= self.expires_at
-
 
 def encode_fields(values: dict[str, Any]) -> dict[str, str]:
     return {k: json.dumps(v) if k in JSON_FIELDS else str(v) for k, v in values.items() if v is not None}
@@ -141,6 +146,8 @@ class BatchStore:
         self._record = r.register_script(RECORD)
         self._renew = r.register_script(RENEW)
         self._release = r.register_script(RELEASE)
+        self._clock = r.register_script(CLOCK)
+        self._now = r.register_script(NOW)
 
     def key(self, batch_id: str, part: str = "") -> str:
         return f"{self.ns}:batch:{batch_id}" + (f":{part}" if part else "")
@@ -174,10 +181,15 @@ class BatchStore:
         raw = await self.r.hgetall(self.key(batch_id))
         return decode_batch(raw) if raw else None
 
-    async def status(self, batch_id: str) -> tuple[str | None, int]:
-        """The status (None: no such batch) and expires_at, read afresh: what a running batch checks."""
-        status, expires_at = await self.r.hmget(self.key(batch_id), ["status", "expires_at"])
-        return (status.decode() if status else None), int(expires_at or 0)
+    async def status(self, batch_id: str) -> tuple[str | None, int, float]:
+        """The status (None: no such batch), expires_at and the Redis server's clock, read afresh together: what a
+        running batch checks. A batch is past its window once now >= expires_at."""
+        status, expires_at, seconds, micros = await self._clock(keys=[self.key(batch_id)])
+        return (status.decode() if status else None), int(expires_at or 0), int(seconds) + int(micros) / 1e6
+
+    async def now(self) -> int:
+        """The Redis server's clock in whole seconds, from the node that holds the batches."""
+        return int(await self._now(keys=[self.active_set]))
 
     async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str, **values: Any) -> bool:
         args = [batch_id, " ".join(allowed), status, "1" if status in TERMINAL else "0"]
