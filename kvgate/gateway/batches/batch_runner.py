@@ -6,8 +6,11 @@ renewed at a third of its length). A replica that dies stops renewing, its lease
 already submitted, reattached through their idempotency keys.
 
 A batch accounts for every line of its input, whatever happens: validation keeps the custom_ids in order, and a
-batch that ends cancelled or expired writes an error line for each one never answered. Deleting the input file
-cancels the batch (its outstanding jobs too), noticed by the replica driving it or by the next one to resume it.
+batch that ends cancelled or expired writes an error line for each one never answered. A batch expires once the
+Redis server's clock passes its expires_at (created_at + completion_window, on that clock; every time a batch shows
+is the server's): the lines answered by then are its output, every other line a batch_expired error line, as
+OpenAI's. Deleting the input file cancels the batch (its outstanding jobs too), noticed by the replica driving it
+or by the next one to resume it.
 """
 from __future__ import annotations
 
@@ -17,10 +20,9 @@ import hashlib
 import json
 import logging
 import secrets
-import time
 
 from kvgate.producer import AsyncClient
-from kvgate.openai.batch import custom_id_of, is_success, request_lines, unrun_line
+from kvgate.openai.batch import UNRUN, custom_id_of, is_success, request_lines, unrun_line
 
 from .batch_input import check_input
 from .batch_quota import BatchQuota
@@ -125,15 +127,15 @@ class BatchRunner:
         else:  # in a thread: parsing tens of thousands of lines would hold up every other request of this gateway
             checked = await asyncio.to_thread(check_input, data, b.endpoint)
             errors = checked.errors
-        if b.expired:
+        if await self._past_window(b):
             await self._expire(b, ("validating",))
         elif errors:
-            await self.store.transition(b.id, ("validating",), "failed", failed_at=_now(),
+            await self.store.transition(b.id, ("validating",), "failed", failed_at=await self.store.now(),
                                         errors={"object": "list", "data": errors})
         else:
             await self.store.keep_order(b.id, checked.custom_ids)
-            await self.store.transition(b.id, ("validating",), "in_progress", in_progress_at=_now(),
-                                        total=len(checked.custom_ids))
+            await self.store.transition(b.id, ("validating",), "in_progress",
+                                        in_progress_at=await self.store.now(), total=len(checked.custom_ids))
 
     async def _process(self, b: Batch) -> None:
         data = await self._input(b)
@@ -143,10 +145,11 @@ class BatchRunner:
         work = self._work(b)
         await work.plan(data)
         outcome = await work.run()
+        if outcome == "done" and await self._past_window(b) and await self._has_expired_line(b):
+            outcome = "expired"  # a run before a restart saw jobs expire: the batch ends as its lines say
         if outcome == "done":
-            await self.store.transition(b.id, ("in_progress",), "finalizing", finalizing_at=_now())
-        elif outcome == "expired":
-            await work.cancel_jobs()
+            await self.store.transition(b.id, ("in_progress",), "finalizing", finalizing_at=await self.store.now())
+        elif outcome == "expired":  # its jobs are not cancelled: each carries the window as its deadline (batch_work)
             await self._expire(b, ("in_progress",))
         elif outcome == "input_deleted":
             await self._cancel_for_deleted_input(b)
@@ -155,7 +158,15 @@ class BatchRunner:
         """A batch whose input is deleted is cancelled, as a cancel request would: the loop then cancels its jobs
         and writes an error line for every line not answered."""
         log.info("batch %s: input file %s was deleted; cancelling the batch", b.id, b.input_file_id)
-        await self.store.transition(b.id, ("in_progress",), "cancelling", cancelling_at=_now())
+        await self.store.transition(b.id, ("in_progress",), "cancelling", cancelling_at=await self.store.now())
+
+    async def _past_window(self, b: Batch) -> bool:
+        _, expires_at, now = await self.store.status(b.id)
+        return now >= expires_at
+
+    async def _has_expired_line(self, b: Batch) -> bool:
+        rows = (json.loads(row) for row in (await self.store.lines(b.id)).values())
+        return any((row.get("error") or {}).get("code") == UNRUN["expired"][0] for row in rows)
 
     async def _expire(self, b: Batch, allowed: tuple[str, ...]) -> None:
         await self._finalize(b, allowed, "expired", "expired_at")
@@ -172,8 +183,9 @@ class BatchRunner:
         bad = [row for row in rows if not is_success(json.loads(row))]
         output = await self._write(b, "output", ok)
         error = await self._write(b, "error", bad)
+        stamps = {stamp: await self.store.now()}
         if await self.store.transition(b.id, allowed, status, output_file_id=output, error_file_id=error,
-                                       total=len(rows), completed=len(ok), failed=len(bad), **{stamp: _now()}):
+                                       total=len(rows), completed=len(ok), failed=len(bad), **stamps):
             await self.store.forget_work(b.id)
 
     async def _order(self, b: Batch, lines: dict[str, str]) -> list[str]:
@@ -202,7 +214,3 @@ class BatchRunner:
                 return f.read()
 
         return await asyncio.to_thread(read)
-
-
-def _now() -> int:
-    return int(time.time())

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvgate.producer import AsyncClient, Backpressure, JobLost, KvgateError, PartiallySubmitted
-from kvgate.openai.batch import BatchRequest, is_success, plan_line, request_lines, unknown_model_line
+from kvgate.openai.batch import BatchRequest, is_success, plan_line, request_lines, unknown_model_line, unrun_line
 from kvgate.openai.batch_runs import LineRun, line_runs, submit_jobs
 
 from ..errors import ApiError
@@ -59,6 +59,7 @@ class Work:
     pending: dict[asyncio.Task, LineRun] = field(default_factory=dict)  # each resolves to the line's results
     models: dict[str, str | None] = field(default_factory=dict)
     refused: dict[str, str | None] = field(default_factory=dict)  # model -> why the gateway refuses it, or None
+    expired: bool = False  # a worker answered a job "expired": the window passed before it started
 
     async def plan(self, data: bytes) -> None:
         """Queue the lines not yet answered; lines that fail on their own are answered with their error now."""
@@ -97,8 +98,8 @@ class Work:
         return self.refused[model]
 
     async def run(self) -> str:
-        """Until every line is answered ('done'), or the batch is cancelled, past its window or its input file was
-        deleted (that status, 'input_deleted')."""
+        """Until every line is answered ('done'; 'expired' where a line's job expired), or the batch is cancelled,
+        past its window or its input file was deleted (that status, 'input_deleted')."""
         checked = 0.0
         try:
             while any(self.todo.values()) or self.pending:
@@ -111,7 +112,8 @@ class Work:
                     await self.ceiling.renew()
                 await self._submit()
                 await self._collect()
-            return "done"
+            # the worker expires a queued job at the window's end, maybe before this loop looks: the batch expired
+            return "expired" if self.expired else "done"
         finally:
             for task in self.pending:
                 task.cancel()
@@ -129,10 +131,10 @@ class Work:
                         await self.client.cancel(job_id)
 
     async def _stop_reason(self) -> str | None:
-        status, expires_at = await self.store.status(self.batch.id)
+        status, expires_at, now = await self.store.status(self.batch.id)  # now: the Redis server's clock
         if status != "in_progress":
             return status or "gone"
-        if time.time() >= expires_at:
+        if now >= expires_at:
             return "expired"
         if self.files is not None and await asyncio.to_thread(self.files.get, self.batch.input_file_id) is None:
             return "input_deleted"
@@ -172,8 +174,16 @@ class Work:
         chunk = await self._admit()
         if not chunk:
             return
+        # every job carries what is left of the window as its time limit, measured by the worker from the moment
+        # Redis takes it: one not started by expires_at is answered "expired" without running; one started runs on
+        _, expires_at, now = await self.store.status(self.batch.id)
+        if now >= expires_at:  # the next look at the batch expires it
+            self._put_back(chunk)
+            await self._unsent(chunk)
+            return
         try:  # quota=False: _admit charged the lines to the tenant's batch ceiling, not to its interactive quota
-            handles = await self.client.submit_many(submit_jobs(chunk, tenant=self.batch.tenant),
+            handles = await self.client.submit_many(submit_jobs(chunk, tenant=self.batch.tenant,
+                                                                ttl_s=expires_at - now),
                                                     chunk_size=self.chunk, quota=False)
         except PartiallySubmitted as e:
             handles = e.handles
@@ -212,7 +222,11 @@ class Work:
             for result in results:
                 run.add(result)
             first = results[0]
-            row = run.answer(first.model or await self._served_by(first.worker))
+            if any(r.status == "expired" for r in results):  # not started within the window: as finalizing writes it
+                self.expired = True
+                row = unrun_line(self.batch.id, run.request.custom_id, "expired")
+            else:
+                row = run.answer(first.model or await self._served_by(first.worker))
             answers.append((run.request.custom_id, row, is_success(row)))
             used[run.request.custom_id] = sum(r.usage.prompt_tokens + r.usage.completion_tokens for r in results)
         if answers:
