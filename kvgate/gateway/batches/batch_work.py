@@ -175,7 +175,9 @@ class Work:
         if not chunk:
             return
         # every job carries what is left of the window as its time limit, measured by the worker from the moment
-        # Redis takes it: one not started by expires_at is answered "expired" without running; one started runs on
+        # Redis takes it: one not started by expires_at is answered "expired" without running; one started runs on.
+        # As a deadline on this machine's clock (the worker measures it from the job's own enqueued_at stamp), not as
+        # ttl_s: a deadline is left out of the idempotency digest, so a resumed batch's resubmission reattaches
         _, expires_at, now = await self.store.status(self.batch.id)
         if now >= expires_at:  # the next look at the batch expires it
             self._put_back(chunk)
@@ -183,7 +185,7 @@ class Work:
             return
         try:  # quota=False: _admit charged the lines to the tenant's batch ceiling, not to its interactive quota
             handles = await self.client.submit_many(submit_jobs(chunk, tenant=self.batch.tenant,
-                                                                ttl_s=expires_at - now),
+                                                                deadline=time.time() + expires_at - now),
                                                     chunk_size=self.chunk, quota=False)
         except PartiallySubmitted as e:
             handles = e.handles
