@@ -179,9 +179,11 @@ class Work:
         # As a deadline on this machine's clock (the worker measures it from the job's own enqueued_at stamp), not as
         # ttl_s: a deadline is left out of the idempotency digest, so a resumed batch's resubmission reattaches
         _, expires_at, now = await self.store.status(self.batch.id)
-        if now >= expires_at:  # the next look at the batch expires it
+        if now >= expires_at:  # the next look at the batch expires it; until then, no spinning on Redis
             self._put_back(chunk)
             await self._unsent(chunk)
+            if not self.pending:
+                await asyncio.sleep(CHECK_EVERY_S)
             return
         try:  # quota=False: _admit charged the lines to the tenant's batch ceiling, not to its interactive quota
             handles = await self.client.submit_many(submit_jobs(chunk, tenant=self.batch.tenant,
