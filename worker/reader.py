@@ -109,7 +109,7 @@ for mark, part in (("-- @LANES\n", LANES_READ_LUA), ("-- @TENANTS\n", TENANTS_RE
 
 @dataclass(slots=True)
 class ScriptKeys:
-    """The KEYS of one script call: each key added once, the script told its index by name."""
+    """The KEYS of one script call, in the order added: each addition returns the index the inputs name it by."""
 
     keys: list[str] = field(default_factory=list)
 
@@ -272,13 +272,15 @@ class Reader:
         """The plan's streams shard by shard (one group on a single Redis), each with its lane kind."""
         groups: dict[int, ShardGroup] = {}
         one = self.keys is None or len(self.keys.parts) == 1
+
+        def group_of(stream: str) -> ShardGroup:
+            shard = 0 if one else self.keys.of_stream(stream).shard
+            return groups.setdefault(shard, ShardGroup(shard))
+
         for i, stream in enumerate(streams):
-            g = groups.setdefault(0 if one else self.keys.of_stream(stream).shard, ShardGroup(0))
+            g = group_of(stream)
             g.streams.append(stream)
             g.lanes.append(plan.lane_of(i))
         for stream in overdue:
-            shard = 0 if one else self.keys.of_stream(stream).shard
-            groups.setdefault(shard, ShardGroup(shard)).overdue.append(stream)
-        for shard, g in groups.items():
-            g.shard = shard
+            group_of(stream).overdue.append(stream)
         return [groups[k] for k in sorted(groups)] or [ShardGroup(0)]
