@@ -26,6 +26,7 @@ from .result import Result
 from .steps import run_async
 from .quotas import quota_scripts
 from .submission import claim_script
+from .tracing import enqueue_span
 
 log = logging.getLogger(__name__)
 # redis.asyncio does not send a command again when the server closed its pooled connection (a Redis restart), where
@@ -91,12 +92,14 @@ class AsyncClient(ClientBase):
     @takes_submit_arguments
     async def submit(self, prompt: str | None = None, **arguments) -> AsyncJobHandle:
         """As Client.submit."""
-        return await self._run(self._submit(submit_arguments(self, prompt, arguments)))
+        with enqueue_span():  # the job's traceparent names it, where the caller traces with OpenTelemetry
+            return await self._run(self._submit(submit_arguments(self, prompt, arguments)))
 
     async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                           chunk_size: int | None = CHUNK, quota: bool = True) -> list[AsyncJobHandle]:
         """As Client.submit_many."""
-        return await self._run(self._submit_many(requests, progress, chunk_size, quota))
+        with enqueue_span():
+            return await self._run(self._submit_many(requests, progress, chunk_size, quota))
 
     async def embed(self, inputs: str | list[int] | list[str] | list[list[int]], *, model: str | None = None,
                     pooling: str = "model", normalize: bool = True, dimensions: int | None = None,

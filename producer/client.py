@@ -22,6 +22,7 @@ from .result import Result
 from .steps import run
 from .quotas import quota_scripts
 from .submission import claim_script
+from .tracing import enqueue_span
 
 
 class Client(ClientBase):
@@ -59,7 +60,8 @@ class Client(ClientBase):
         """Validate, then enqueue one job on its model's streams (`model=None`: the `default` model, which
         every worker serves unless told not to). Raises InvalidRequest before anything is enqueued. The keywords
         are SubmitRequest's: the sampling fields of wire.Sampling and the job's own (see help())."""
-        return self._run(self._submit(submit_arguments(self, prompt, arguments)))
+        with enqueue_span():  # the job's traceparent names it, where the caller traces with OpenTelemetry
+            return self._run(self._submit(submit_arguments(self, prompt, arguments)))
 
     def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                     chunk_size: int | None = CHUNK, quota: bool = True) -> list[JobHandle]:
@@ -72,7 +74,8 @@ class Client(ClientBase):
         read-only) a ServerRefused. In the first chunk nothing was enqueued; in a later one, PartiallySubmitted says
         which requests were enqueued (with their handles) and which were not. quota=False: past the client's tenant
         quotas (a caller that bounds its jobs otherwise, as the gateway's managed batches do with their window)."""
-        return self._run(self._submit_many(requests, progress, chunk_size, quota))
+        with enqueue_span():
+            return self._run(self._submit_many(requests, progress, chunk_size, quota))
 
     def embed(self, inputs: str | list[int] | list[str] | list[list[int]], *, model: str | None = None,
               pooling: str = "model", normalize: bool = True, dimensions: int | None = None,

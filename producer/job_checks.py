@@ -4,6 +4,7 @@ encoded size), and the error every wire check raises. The wire's Job declares th
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 
@@ -11,6 +12,7 @@ from .limits import (MAX_METADATA_BYTES, MAX_MODEL_NAME_CHARS, MAX_TEMPLATE_KWAR
 
 TemplateValue = str | int | float | bool | None
 _encoder = msgspec.msgpack.Encoder()
+TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 class ProtocolError(ValueError):
@@ -54,6 +56,21 @@ def check_template_kwargs(kwargs: dict[str, TemplateValue]) -> dict[str, Templat
         if isinstance(value, float) and not math.isfinite(value):
             raise ProtocolError(f"chat_template_kwargs[{name!r}]={value} must be a finite number")
     return kwargs
+
+
+def check_traceparent(value: object) -> str:
+    """A W3C trace context `traceparent` (https://www.w3.org/TR/trace-context/): version 00 as
+    `00-<32 hex trace id>-<16 hex parent span id>-<2 hex flags>`, lowercase, neither id all zeros. A later version is
+    taken by its first four parts as the recommendation says (version ff is invalid)."""
+    if not isinstance(value, str) or not TRACEPARENT.fullmatch(value[:55]) or (value[:2] == "00" and len(value) != 55):
+        shown = repr(value) if not isinstance(value, str) or len(value) <= 80 else repr(value[:77] + "...")
+        raise ProtocolError(f"traceparent {shown} must be a W3C trace context: '00-' then 32 and 16 lowercase hex "
+                            "digits and 2 of flags, joined by '-' (for example "
+                            "'00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01')")
+    if value[:2] == "ff" or value[3:35] == "0" * 32 or value[36:52] == "0" * 16 or value[55:56] not in ("", "-"):
+        raise ProtocolError(f"traceparent {value[:80]!r} is not valid: version ff, an all-zero trace or span id, or "
+                            "parts past the fourth not joined by '-'")
+    return value
 
 
 def check_metadata(metadata: dict[str, str]) -> dict[str, str]:

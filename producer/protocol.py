@@ -13,7 +13,7 @@ import msgspec
 from .constraints import Structured, Tools
 from .fields import NEWER, NOT_DIGESTED, Checked, Entries, Items, Range, Shape, specs
 from .job_checks import (ProtocolError, TemplateValue, check_metadata, check_model_name, check_template_kwargs,
-                         check_tenant_name)
+                         check_tenant_name, check_traceparent)
 from .limits import (MAX_EMBEDDING_DIMENSIONS, MAX_EVENT_BYTES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_MESSAGES,
                      MAX_PAYLOAD_BYTES, MAX_PROMPT_CHARS, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STRUCTURED_CHARS,
                      MAX_TOKENS_LIMIT, MAX_TOOL_CALLS, TOOL_NAME)
@@ -178,6 +178,9 @@ class Job(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # fill-in-the-middle (a prompt job only): the text after the hole; the worker renders prompt and suffix with its
     # model's FIM tokens (engine/fim.py), and answers a model without them with an error result
     suffix: Annotated[str | None, NEWER] = None
+    # the W3C trace context the job's spans join (producer/tracing.py; the SDK fills it from the caller's current
+    # OpenTelemetry span): how the job is watched, not what it asks
+    traceparent: Annotated[str | None, Checked(check_traceparent, "traceparent {value!r} "), NOT_DIGESTED] = None
 
 
 JOB_FIELDS = specs(Job)

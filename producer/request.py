@@ -24,6 +24,7 @@ from .errors import FieldError, InvalidRequest
 from .fields import NEWER, NOT_DIGESTED, Checked, Entries, Items, Range, Shape, Spec
 from .request_structured import (Structured, Text, Tools, call_arguments, is_model_class, schema_dict, structured_of,
                                  tool_choice_of)
+from .tracing import current_traceparent
 
 MAX_TTL_S = 30 * 24 * 3600.0
 MAX_IDEMPOTENCY_KEY_CHARS = 200
@@ -403,7 +404,8 @@ def build_job(req: SubmitRequest, client_id: str, job_id: str | None = None, whe
     job = wire.Job(v=wire.JOB_VERSION, job_id=job_id or new_job_id(), client_id=client_id, enqueued_at=now,
                    prompt=req.prompt, messages=messages, prompt_token_ids=req.prompt_token_ids,
                    sampling=req.sampling(), embedding=req.embedding(),
-                   **{**given, "deadline": deadline, "tools": req.wire_tools()})
+                   **{**given, "deadline": deadline, "tools": req.wire_tools(),
+                      "traceparent": req.traceparent or current_traceparent()})
     try:
         wire.validate_job(job)
     except wire.ProtocolError as e:

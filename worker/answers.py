@@ -11,12 +11,14 @@ from kvgate.worker.flights import Collected, Ended, final_of, observe_finished
 from kvgate.worker.intake import Rejection, identify
 from kvgate.worker.publisher import Finish, Publisher, Settled
 from kvgate.worker.tenant_load import TenantLoad
+from kvgate.worker.tracing import JobTracing, NoTracing
 
 
 class Answers:
     def __init__(self, publisher: Publisher, metrics: Any, worker_id: str, model: str, fair: Fair | None = None,
-                 load: TenantLoad | None = None) -> None:
+                 load: TenantLoad | None = None, tracing: JobTracing | NoTracing | None = None) -> None:
         self.publisher, self.metrics, self.worker_id, self.model = publisher, metrics, worker_id, model
+        self.tracing = tracing or NoTracing()
         self.fair, self.load = fair, load
         self.jobs_done = 0
         self.acked: set[str] = set()  # streams we acknowledged entries of since the last trim
@@ -59,6 +61,7 @@ class Answers:
             self.acked.add(finish.stream)
             if fresh:
                 observe_finished(self.metrics, finish.final, finish.tenant)
+                self.tracing.answered(finish.final)
                 usage = finish.final.usage
                 if self.load is not None:
                     self.load.finished(finish.tenant, usage.prompt_tokens + usage.completion_tokens, time.monotonic())

@@ -21,6 +21,7 @@ from kvgate.worker.engine import Engine
 from kvgate.worker.fair import Occupancy
 from kvgate.worker.logprobs import TokenRenderer
 from kvgate.worker.tokenizer_jobs import Tokenized
+from kvgate.worker.tracing import JobTracing, NoTracing
 
 
 @dataclass(slots=True)
@@ -139,9 +140,10 @@ class IdsOnly:
 class Flights:
     """The jobs running in the engine, by request key (`stream|entry id`)."""
 
-    def __init__(self, engine: Engine, metrics: Any) -> None:
+    def __init__(self, engine: Engine, metrics: Any, tracing: JobTracing | NoTracing | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.tracing = tracing or NoTracing()
         self.running: dict[str, Flight] = {}
         self.renderer = TokenRenderer(engine.tokenizer)
         # Text is decoded on its own thread while the engine steps.
@@ -204,6 +206,8 @@ class Flights:
         now = time.time()
         self.running[ticket.key] = Flight(ticket, now, logprobs=None if ticket.params.logprobs is None else [])
         self.metrics.on_admitted(max(0.0, now - ticket.job.enqueued_at))
+        read_at = now - (time.monotonic() - ticket.queued_at) if ticket.queued_at else now
+        self.tracing.admitted(ticket.job, ticket.attempt, read_at, now)
         return None
 
     def submit(self, outputs: list[StepOutput], now: float) -> None:
@@ -311,3 +315,4 @@ class Flights:
 
     def close(self) -> None:
         self.detok.close()
+        self.tracing.close()

@@ -127,6 +127,9 @@ class WorkerSettings(BaseSettings, EngineConfig):
     metrics_port: int | None = _s(None, "serve Prometheus metrics on this port; unset: no metrics server",
                                   ge=0, le=65535)
     max_backoff_s: float = _s(5.0, "longest wait between retries while Redis is down, seconds", gt=0)
+    otel_endpoint: str | None = _s(None, "send each job's OpenTelemetry spans over OTLP/HTTP to this collector "
+                                         "(http://collector:4318); unset: the standard OTEL_EXPORTER_OTLP_[TRACES_]"
+                                         "ENDPOINT, else no tracing (needs kvgate[tracing])")
 
     @field_validator("served_model_name", "model_aliases")
     @classmethod

@@ -42,6 +42,7 @@ from kvgate.worker.served import served_models
 from kvgate.worker.settings import WorkerSettings, default_worker_id
 from kvgate.worker.tenant_load import TenantLoad
 from kvgate.worker.tenant_weights import read_weights
+from kvgate.worker.tracing import job_tracing
 from kvgate.worker.trim import trim
 
 log = logging.getLogger("kvgate.worker")
@@ -51,7 +52,7 @@ TRIM_ALL_EVERY = 12  # trims: every 12th looks at every stream (a minute at the 
 
 
 class Worker:
-    def __init__(self, engine: Engine, settings: WorkerSettings, *, metrics=None):
+    def __init__(self, engine: Engine, settings: WorkerSettings, *, metrics=None, tracing=None):
         self.engine = engine
         self.settings = s = settings
         self.worker_id = s.worker_id or default_worker_id()
@@ -64,7 +65,7 @@ class Worker:
         self.streams = self.keys.served_jobs(list(self.served.names))
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
         self.queue = AdmissionQueue(s.local_queue_size, float(s.initial_tokens_per_job))
-        self.flights = Flights(engine, self.metrics)  # decodes text on its own thread where there is a tokenizer
+        self.flights = Flights(engine, self.metrics, tracing or job_tracing(s.otel_endpoint, self.worker_id))
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
                                    s.dead_maxlen, durability=s.replication,
                                    links=NodeLinks(self.client, s.redis_url) if self.keys.cluster and
@@ -91,7 +92,8 @@ class Worker:
                              s.embeddings, s.tool_call_parser)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
         self.tenant_load = TenantLoad()  # per tenant: running, tokens, queue wait, for the heartbeat
-        self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model, self.fair, self.tenant_load)
+        self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model, self.fair, self.tenant_load,
+                               self.flights.tracing)
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
                                    engine_capacity(engine), s.heartbeat_ttl_s, engine.fim.family if engine.fim else "")
         self.due: dict[str, float] = {}

@@ -10,6 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .request_body import BodyLimit, SizeLimit
 from .settings import GatewaySettings
+from .tracing import TracingMiddleware, request_tracer
 
 UPLOAD_FRAMING = 64 * 1024  # room for an upload's multipart boundaries and part headers around the file
 CORS_METHODS = ["GET", "POST", "DELETE"]
@@ -22,6 +23,8 @@ def middleware(s: GatewaySettings) -> list[Middleware]:
     bodies = SizeLimit(s.max_body_bytes, "--max-body-size, KVGATE_MAX_BODY_BYTES")
     uploads = SizeLimit(s.max_file_bytes + UPLOAD_FRAMING, "--max-file-size, KVGATE_MAX_FILE_BYTES")
     stack = [Middleware(BodyLimit, default=bodies, limits={"/v1/files": uploads}), Middleware(FreezeAtStartup)]
+    if (tracer := request_tracer(s.otel_endpoint)) is not None:  # inside CORS: a preflight is no request of anyone's
+        stack.insert(0, Middleware(TracingMiddleware, tracer=tracer))
     if s.cors_origins:
         # any request header: the openai JavaScript client sends its own (x-stainless-*); no credentials mode, as
         # an API key travels in Authorization, which a page sets itself

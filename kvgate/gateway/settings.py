@@ -102,6 +102,9 @@ class GatewaySettings(BaseSettings):
     durability: Literal["primary", "replicated"] = _s(
         "primary", "replicated: a request is enqueued only once a replica holds it, resent across a failover "
                    "(RELIABILITY.md, Failover)")
+    otel_endpoint: str | None = _s(None, "send a span per request over OTLP/HTTP to this OpenTelemetry collector "
+                                         "(http://collector:4318), the jobs' traceparent under it; unset: the standard "
+                                         "OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else no tracing (needs kvgate[tracing])")
 
     responses_ttl_s: int = _s(86_400, "seconds a stored response (/v1/responses, store=true: OpenAI's default) stays "
                                       "readable by its id, cancellable and continuable with previous_response_id",

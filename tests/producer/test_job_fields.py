@@ -15,13 +15,14 @@ from kvgate.producer import protocol as wire
 from kvgate.producer.fields import NEWER, NOT_DIGESTED, Checked
 from kvgate.producer.request import JOB_ARGUMENTS, NOT_DIGESTED_FIELDS, SubmitRequest, build_job, validate_request
 
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 PROMPT, CHAT = {"prompt": "hi"}, {"messages": [{"role": "user", "content": "hi"}]}
 
 
 def test_every_job_field_a_caller_gives_is_a_submit_argument_with_jobs_default_and_markers():
     assert {s.name for s in JOB_ARGUMENTS} == {
         "priority", "deadline", "stream", "idempotency_key", "metadata", "model", "tenant", "task",
-        "add_special_tokens", "chat_template_kwargs", "add_generation_prompt", "tools", "suffix"}
+        "add_special_tokens", "chat_template_kwargs", "add_generation_prompt", "tools", "suffix", "traceparent"}
     fields = SubmitRequest.model_fields
     for spec in JOB_ARGUMENTS:
         assert fields[spec.name].default == spec.default
@@ -32,11 +33,12 @@ def test_every_job_field_a_caller_gives_is_a_submit_argument_with_jobs_default_a
 
 
 def test_a_digest_always_leaves_out_the_fields_marked_not_digested_and_only_them():
-    assert set(NOT_DIGESTED_FIELDS) == {"idempotency_key", "deadline", "prefix_key", "tenant"}
-    assert {s.name for s in wire.JOB_FIELDS if not s.digested} == {"idempotency_key", "deadline", "tenant"}
+    assert set(NOT_DIGESTED_FIELDS) == {"idempotency_key", "deadline", "prefix_key", "tenant", "traceparent"}
+    assert {s.name for s in wire.JOB_FIELDS if not s.digested} == {"idempotency_key", "deadline", "tenant",
+                                                                    "traceparent"}
     plain = validate_request({"prompt": "hi"}).digest()
     assert validate_request({"prompt": "hi", "idempotency_key": "k", "deadline": time.time() + 60,
-                             "prefix_key": "p", "tenant": "team-a"}).digest() == plain
+                             "prefix_key": "p", "tenant": "team-a", "traceparent": TRACEPARENT}).digest() == plain
     assert validate_request({"prompt": "hi", "priority": "low"}).digest() != plain
 
 

@@ -29,16 +29,16 @@ def test_the_worker_refuses_a_detokenize_job_without_token_ids_on_the_wire():
 def test_a_generation_jobs_payload_and_digest_are_what_they_were_before_tasks():
     req = validate_request({"prompt": "hi", "max_tokens": 3})
     assert b"task" not in wire.encode(build_job(req, "c"))  # omit_defaults: old workers read it as before
-    before = req.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant", *NEWER_THAN_DIGESTS},
-                            mode="json")
+    before = req.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant", "traceparent",
+                                     *NEWER_THAN_DIGESTS}, mode="json")
     assert req.digest() == hashlib.sha256(msgspec.json.encode(before, order="sorted")).hexdigest()[:32]
     assert validate_request({"prompt": "hi", "max_tokens": 3, "task": "tokenize"}).digest() != req.digest()
 
 
 def test_a_generation_jobs_digest_is_unchanged_by_the_sampling_fields_added_after_it_unless_one_is_used():
     req = validate_request({"prompt": "hi", "max_tokens": 3})
-    before = req.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant", *NEWER_THAN_DIGESTS},
-                            mode="json")
+    before = req.model_dump(exclude={"idempotency_key", "deadline", "prefix_key", "tenant", "traceparent",
+                                     *NEWER_THAN_DIGESTS}, mode="json")
     assert set(NEWER_THAN_DIGESTS) <= set(req.model_dump())  # each is a field, left out only at its default
     assert req.digest() == hashlib.sha256(msgspec.json.encode(before, order="sorted")).hexdigest()[:32]
     for used in ({"min_p": 0.1}, {"logit_bias": {5: 1.0}}, {"skip_special_tokens": False}, {"prompt_logprobs": 0}):

@@ -23,7 +23,7 @@ def queue62(redis62_server, namespace) -> RawQueue:
 class ThreadWorker:
     """A Worker with a SimulatedEngine in a thread of this process."""
 
-    def __init__(self, queue: RawQueue, engine=None, worker_id: str | None = None, **settings):
+    def __init__(self, queue: RawQueue, engine=None, worker_id: str | None = None, tracing=None, **settings):
         from kvgate.engine.simulated import SimulatedEngine
         from kvgate.worker.settings import WorkerSettings
         from kvgate.worker.worker import Worker
@@ -32,7 +32,7 @@ class ThreadWorker:
         s = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, worker_id=worker_id, **settings)
         self.engine = engine or SimulatedEngine(num_blocks=512, block_size=16, max_num_seqs=8, step_overhead_s=0.002,
                                                 per_token_s=0.00005)
-        self.worker = Worker(self.engine, s)
+        self.worker = Worker(self.engine, s, tracing=tracing)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.worker.run, args=(self.stop_event,), daemon=True)
 
