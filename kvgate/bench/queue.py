@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's batch cap (default 32, the published W-QUEUE runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also a queue pass with OpenTelemetry tracing on at 100%% sampling (the SDK's enqueue "
+                             "spans and the worker's, sent over OTLP/HTTP to a local receiver), beside the plain one")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     with redis_for(args) as url:
         report["versions"]["redis_server"] = server_version(url)
         queued, overhead = run_through_queue(engine, requests, url, args)
-    print(f"through the queue {queued['output_tok_s']:9.1f} output tok/s  ({queued['elapsed_s']:.1f}s)")
+        print(f"through the queue {queued['output_tok_s']:9.1f} output tok/s  ({queued['elapsed_s']:.1f}s)")
+        if args.tracing:
+            report["tracing"] = traced_pass(engine, requests, url, args, queued)
     second = run_in_process(engine, requests)
     print(f"in-process again  {second['output_tok_s']:9.1f} output tok/s  ({second['elapsed_s']:.1f}s)")
     baseline = (first["output_tok_s"] + second["output_tok_s"]) / 2
@@ -165,13 +170,40 @@ def run_in_process(engine, requests) -> dict:
     return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tok_s": tokens / elapsed}
 
 
-def run_through_queue(engine, requests, url: str, args) -> tuple[dict, dict]:
+def run_through_queue(engine, requests, url: str, args, tracing=None) -> tuple[dict, dict]:
     """The worker loop on the main thread (see run_in_process); the SDK submits and collects from another."""
     return beside_worker(engine, url, args.max_num_seqs,
-                         lambda client: (submit_all(client, requests), probe_overhead(client, requests[0], args.probes)))
+                         lambda client: (submit_all(client, requests), probe_overhead(client, requests[0], args.probes)),
+                         tracing)
 
 
-def beside_worker(engine, url: str, max_num_seqs: int, produce):
+def traced_pass(engine, requests, url: str, args, plain: dict) -> dict:
+    """The queue pass again with tracing on: the application's tracer provider (the SDK's enqueue spans) and the
+    worker's, both sending every span to a local OTLP receiver; its throughput against the plain pass's."""
+    from opentelemetry import trace
+
+    from kvgate.bench.otlp_sink import OtlpSink
+    from kvgate.worker.tracing import JobTracing, make_provider
+
+    sink = OtlpSink()
+    app_provider, _ = make_provider("w-queue-producer", endpoint=sink.url)
+    trace.set_tracer_provider(app_provider)  # once per process: this pass comes last
+    provider, ids = make_provider("w-queue-worker", endpoint=sink.url)
+    try:
+        traced, overhead = run_through_queue(engine, requests, url, args, JobTracing(provider, ids, "bench-worker"))
+    finally:
+        app_provider.force_flush()
+        sink.close()
+    ratio = traced["output_tok_s"] / plain["output_tok_s"]
+    print(f"traced queue      {traced['output_tok_s']:9.1f} output tok/s  ({traced['elapsed_s']:.1f}s)  "
+          f"ratio {ratio:.3f} (target >= 0.97); {sink.requests} exports, {sink.bytes / 1e6:.2f} MB")
+    for name, p in overhead.items():
+        print(f"traced overhead {name:<17} p50 {p['p50']:.2f} ms  p99 {p['p99']:.2f} ms")
+    return {"queue": traced, "overhead_ms": overhead, "ratio": ratio, "target": ">= 0.97",
+            "exports": sink.requests, "export_bytes": sink.bytes}
+
+
+def beside_worker(engine, url: str, max_num_seqs: int, produce, tracing=None):
     """One worker over `engine` in a fresh namespace on this thread (torch steps fastest on the thread that loaded
     the model) until `produce(client)`, run on another thread with an SDK client of that namespace, returns: its
     value, or its exception raised here."""
@@ -182,7 +214,7 @@ def beside_worker(engine, url: str, max_num_seqs: int, produce):
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     settings = WorkerSettings(redis_url=url, namespace=namespace, worker_id="bench-worker", max_num_seqs=max_num_seqs)
-    worker = Worker(engine, settings, metrics=NullMetrics())
+    worker = Worker(engine, settings, metrics=NullMetrics(), tracing=tracing)
     stop, box = threading.Event(), {}
 
     def run() -> None:
