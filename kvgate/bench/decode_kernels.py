@@ -5,8 +5,8 @@ op that computes (a GEMM, a copy, a cast) by its aten name; views and allocation
     python -m kvgate.bench.decode_kernels --tiny   # no GPU: Triton's interpreter, the same dispatch as on a GPU
 
 Derived from the code path, not timed: one aten op is counted as one launch (cuBLAS may add a split-K reduce, which
-only torch.profiler sees), so `make gpu-profile` prints this beside the profiler's kernels per step. On a CPU it
-forces KVGATE_KERNELS=triton so ops take the branch CUDA tensors take. A layer bound to no cache gets a small one.
+only torch.profiler sees), so `make gpu-profile` prints this beside the profiler's kernels per step. On a CPU main
+forces KVGATE_KERNELS=triton so ops take the branch CUDA tensors take (callers of decode_layer_kernels set it).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import os
 import sys
 from collections import Counter
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -182,21 +183,23 @@ def main(argv: list[str] | None = None) -> int:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("no CUDA GPU and triton is imported without TRITON_INTERPRET=1: run it as its own process")
         os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import; ops then dispatch as on a GPU
-        os.environ["KVGATE_KERNELS"] = "triton"
         from kvgate.bench.triton_interpreter import squeeze_scalar_index
 
         squeeze_scalar_index()  # Triton 3.6's interpreter with numpy >= 2.5: see there
         dtype = torch.float32  # the interpreter's bf16 casts truncate; launches are the same in every dtype
     device = torch.device("cuda" if cuda else "cpu")
     out = {}
-    for model in args.models.split(","):
-        dims = MODELS[model]
-        if args.tiny:
-            dims = (*dims[:3], *TINY[3:])
-        layer = random_layer(layer_config(MODEL_TYPES[model], dims), dtype, device)
-        batch, context = (4, 40) if args.tiny else (args.batch, args.context)
-        out[model] = summary(decode_layer_kernels(layer, batch, context))
-        print(f"{model}: {out[model]['kernels']} kernels per decode layer: {' '.join(out[model]['launches'])}")
+    # on a CPU, the dispatch CUDA tensors take unforced (in the interpreter); restored after, for a caller's process
+    forced = {} if cuda else {"KVGATE_KERNELS": "triton"}
+    with mock.patch.dict(os.environ, forced):
+        for model in args.models.split(","):
+            dims = MODELS[model]
+            if args.tiny:
+                dims = (*dims[:3], *TINY[3:])
+            layer = random_layer(layer_config(MODEL_TYPES[model], dims), dtype, device)
+            batch, context = (4, 40) if args.tiny else (args.batch, args.context)
+            out[model] = summary(decode_layer_kernels(layer, batch, context))
+            print(f"{model}: {out[model]['kernels']} kernels per decode layer: {' '.join(out[model]['launches'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
