@@ -4,9 +4,11 @@ op that computes (a GEMM, a copy, a cast) by its aten name; views and allocation
     python -m kvgate.bench.decode_kernels [--models qwen2.5-0.5b,...] [--json PATH]   # on a GPU: the real path
     python -m kvgate.bench.decode_kernels --tiny   # no GPU: Triton's interpreter, the same dispatch as on a GPU
 
-Derived from the code path, not timed: one aten op is counted as one launch (cuBLAS may add a split-K reduce, which
-only torch.profiler sees), so `make gpu-profile` prints this beside the profiler's kernels per step. On a CPU main
-forces KVGATE_KERNELS=triton so ops take the branch CUDA tensors take (callers of decode_layer_kernels set it).
+From Python: decode_layer_kernels(layer) for one layer, decode_model_kernels(runner.model) for a whole step of an
+engine's model (embedding, rope rows, layers, final norm, logits). Derived from the code path, not timed: one aten
+op is counted as one launch (cuBLAS may add a split-K reduce, which only torch.profiler sees), so `make gpu-profile`
+prints this beside the profiler's kernels per step. On a CPU main forces KVGATE_KERNELS=triton so ops take the
+branch CUDA tensors take (callers of decode_layer_kernels set it themselves).
 """
 from __future__ import annotations
 
@@ -157,6 +159,22 @@ def decode_layer_kernels(layer, batch: int = 4, context: int = 40) -> list[str]:
             layer(*inputs)
     finally:
         attn.k_cache, attn.v_cache = saved
+    return launches
+
+
+def decode_model_kernels(model, batch: int = 4, context: int = 40) -> list[str]:
+    """Launches of one whole decode step of `model` (an engine.models.llama.LlamaForCausalLM with an engine's cache
+    bound, e.g. ModelRunner.model): embedding, rope rows, every layer, the final norm and the logits; sampling is not
+    in it. Run eagerly: a captured CUDA graph replays the same kernels."""
+    first = model.model.layers[0]
+    if first.self_attn.k_cache.numel() == 0:
+        raise ValueError("the model has no KV cache bound: pass an engine's model (ModelRunner.allocate_kv_cache)")
+    meta = decode_step(first, batch, context)[-1]
+    device = first.input_layernorm.weight.device
+    ids = torch.zeros(batch, dtype=torch.long, device=device)
+    positions = torch.full((batch,), context - 1, dtype=torch.long, device=device)
+    with torch.inference_mode(), recording() as launches:
+        model.compute_logits(model(ids, positions, meta))
     return launches
 
 

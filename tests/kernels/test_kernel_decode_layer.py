@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvgate.bench.decode_kernels import (MODEL_TYPES, bind_cache, decode_layer_kernels, decode_step, layer_config,
-                                         random_layer, recording)
+from kvgate.bench.decode_kernels import (MODEL_TYPES, bind_cache, decode_layer_kernels, decode_model_kernels,
+                                         decode_step, layer_config, random_layer, recording)
 from kvgate.bench.kernels import MODELS
 from tests.kernels.kernel_testing import DEVICE, assert_close
 
@@ -61,3 +61,24 @@ def test_the_gpu_path_decode_layer_equals_the_reference_layer(model, monkeypatch
     for got, expected in zip(caches[1], caches[0]):
         assert_close(got, expected)
     assert caches[1][0].abs().sum() > 0  # something was stored
+
+
+def test_a_whole_decode_step_launches_each_layers_kernels_and_the_models_own_few(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvgate.engine.models.llama import LlamaForCausalLM
+
+    monkeypatch.setenv("KVGATE_KERNELS", "triton")
+    config = layer_config("qwen3", (*MODELS["qwen3-0.6b"][:3], *HIDDEN))
+    config = SimpleNamespace(**vars(config), vocab_size=50, num_hidden_layers=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model.init_rope(64)
+    with pytest.raises(ValueError, match="no KV cache bound"):
+        decode_model_kernels(model)
+    for layer in model.model.layers:
+        bind_cache(layer, 4 * 3)
+    launches = decode_model_kernels(model)
+    assert launches.count("triton._qkv_rope_store_kernel") == 2
+    assert launches.count("triton._rms_norm_kernel") == 2 * 2 + 1  # two per layer, the final norm
+    # embedding, the cos and sin rows, the final norm, the logits (in fp32 their .float() is free; bf16 adds a cast)
+    assert launches[:3] == ["aten.embedding", "aten.index", "aten.index"] and len(launches) == 2 * 9 + 5
