@@ -21,11 +21,12 @@ in float32 (norm/activation/store also fp16) on small shapes: GQA groups 1/3/7, 
 page-boundary lengths, -1 slots and block-table padding, 1..8 decode splits with empty splits,
 lengths across 512-token decode chunk edges, more chunks than splits (strided),
 zero-context padding rows, cached prefixes, chunks beside decode rows, head size 24, strided
-per-layer cache views; this dispatch;
-the config fallback; `python -m kvgate.bench.kernels --tiny`.
+per-layer cache views; qkv_rope_store in fp32 and bf16 (within the interpreter's truncating bf16
+casts) for the Qwen2.5/Qwen3/Llama head layouts with -1 slots, and a decode layer through it equal
+to the twins' layer; this dispatch; the config fallback; `python -m kvgate.bench.kernels --tiny`.
 Owed on a GPU: tests/kernels/test_kernel_gpu.py (compiled; bf16, fp16, fp32; Qwen2.5/Qwen3/Llama
-head layouts, pages 16/256, contexts to 4096, CUDA-graph replay) and `python -m kvgate.bench.kernels`
-(time vs the twin, GB/s vs a same-run copy).
+head layouts, pages 16/256, contexts to 4096, CUDA-graph replay), qkv_rope_store's bf16 bit-level
+test, and `python -m kvgate.bench.kernels` (time vs the twin, GB/s vs a same-run copy).
 
 Dispatch: KVGATE_KERNELS=triton forces the kernels (with TRITON_INTERPRET=1 they run on CPU),
 KVGATE_KERNELS=reference forces the twins; unset, CUDA tensors take Triton when it imports.
