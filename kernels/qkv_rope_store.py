@@ -54,18 +54,20 @@ def _qkv_rope_store_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:  # -1: a padding token (e.g. a CUDA-graph slot with no sequence) stores nothing
         k_row = row + num_heads * head_dim
-        k1, k2, heads, dims, mask = _norm_rotate(k_row, k_norm_ptr, num_kv_heads, head_dim, half, eps, cos, sin,
-                                                 HAS_NORM, BLOCK_HK, BLOCK_HALF)
+        # new names: a compiled `if` may not give a variable from before it another shape (kv heads != q heads)
+        k1, k2, kv_heads, kv_dims, kv_mask = _norm_rotate(k_row, k_norm_ptr, num_kv_heads, head_dim, half, eps, cos,
+                                                          sin, HAS_NORM, BLOCK_HK, BLOCK_HALF)
         # k is rounded to the projection's dtype (as the twin's rotary returns it), then to the cache's
         k1, k2 = k1.to(qkv_ptr.dtype.element_ty), k2.to(qkv_ptr.dtype.element_ty)
-        cached = (slot // PAGE_SIZE) * cache_stride_b + (slot % PAGE_SIZE) * cache_stride_t + heads * cache_stride_h
-        tl.store(k_cache_ptr + cached + dims, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_cache_ptr + cached + half + dims, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        v_src = k_row + num_kv_heads * head_dim + heads * head_dim + dims
-        v1 = tl.load(v_src, mask=mask, other=0.0)
-        v2 = tl.load(v_src + half, mask=mask, other=0.0)
-        tl.store(v_cache_ptr + cached + dims, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + cached + half + dims, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        cached = ((slot // PAGE_SIZE) * cache_stride_b + (slot % PAGE_SIZE) * cache_stride_t
+                  + kv_heads * cache_stride_h + kv_dims)
+        tl.store(k_cache_ptr + cached, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache_ptr + cached + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        v_src = k_row + num_kv_heads * head_dim + kv_heads * head_dim + kv_dims
+        v1 = tl.load(v_src, mask=kv_mask, other=0.0)
+        v2 = tl.load(v_src + half, mask=kv_mask, other=0.0)
+        tl.store(v_cache_ptr + cached, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_cache_ptr + cached + half, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def qkv_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
