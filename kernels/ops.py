@@ -8,6 +8,8 @@
 |                 | prefill_attention.py otherwise: causal over cached prefix+chunk  |                     |
 | rms_norm        | rmsnorm.py: fused residual add, fp32 statistics                  | rms_norm            |
 | rotary          | rotary.py: neox style, q and k in one launch                     | rotary              |
+| qkv_rope_store  | qkv_rope_store.py: from the fused qkv output, q/k norm (Qwen3),  | qkv_rope_store      |
+|                 |   rotary and the k/v store in one launch (what the model calls)  |                     |
 | silu_and_mul    | activation.py                                                    | silu_and_mul        |
 Not dispatched here: on CPU in float32 the model's projections and lm_head are swapped at load for
 cpu_linear.py's oneDNN-prepacked GEMMs (kvgate/bench/cpu_linear.py times them against F.linear).
@@ -19,11 +21,12 @@ in float32 (norm/activation/store also fp16) on small shapes: GQA groups 1/3/7, 
 page-boundary lengths, -1 slots and block-table padding, 1..8 decode splits with empty splits,
 lengths across 512-token decode chunk edges, more chunks than splits (strided),
 zero-context padding rows, cached prefixes, chunks beside decode rows, head size 24, strided
-per-layer cache views; this dispatch;
-the config fallback; `python -m kvgate.bench.kernels --tiny`.
+per-layer cache views; qkv_rope_store in fp32 and bf16 (within the interpreter's truncating bf16
+casts) for the Qwen2.5/Qwen3/Llama head layouts with -1 slots, and a decode layer through it equal
+to the twins' layer; this dispatch; the config fallback; `python -m kvgate.bench.kernels --tiny`.
 Owed on a GPU: tests/kernels/test_kernel_gpu.py (compiled; bf16, fp16, fp32; Qwen2.5/Qwen3/Llama
-head layouts, pages 16/256, contexts to 4096, CUDA-graph replay) and `python -m kvgate.bench.kernels`
-(time vs the twin, GB/s vs a same-run copy).
+head layouts, pages 16/256, contexts to 4096, CUDA-graph replay), qkv_rope_store's bf16 bit-level
+test, and `python -m kvgate.bench.kernels` (time vs the twin, GB/s vs a same-run copy).
 
 Dispatch: KVGATE_KERNELS=triton forces the kernels (with TRITON_INTERPRET=1 they run on CPU),
 KVGATE_KERNELS=reference forces the twins; unset, CUDA tensors take Triton when it imports.
@@ -40,7 +43,7 @@ import torch
 
 from kvgate.kernels import reference
 
-__all__ = ["store_kvcache", "paged_attention", "rms_norm", "rotary", "silu_and_mul"]
+__all__ = ["store_kvcache", "paged_attention", "rms_norm", "rotary", "qkv_rope_store", "silu_and_mul"]
 
 
 @lru_cache(maxsize=1)
@@ -89,6 +92,17 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         return reference.rotary(q, k, cos, sin)
     from kvgate.kernels.rotary import rotary as kernel
     return kernel(q, k, cos, sin)
+
+
+def qkv_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0
+                   ) -> torch.Tensor:
+    if not use_triton(qkv):
+        return reference.qkv_rope_store(qkv, num_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache,
+                                        slot_mapping, q_norm, k_norm, eps)
+    from kvgate.kernels.qkv_rope_store import qkv_rope_store as kernel
+    return kernel(qkv, num_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -127,3 +127,20 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
         allowed = F.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     index = rows.long()
     logits[index] = logits[index].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+
+
+def qkv_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0
+                   ) -> torch.Tensor:
+    """The attention's steps between the qkv projection and attention: split the fused [N, (H + 2 H_kv) D] output
+    into heads, RMSNorm q and k over the head dim when given weights (Qwen3), rotate them, store k and v at
+    `slot_mapping`; returns q [N, H, D] (k and v are only read back from the cache)."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps)[0], rms_norm(k, k_norm, eps)[0]
+    q, k = rotary(q, k, cos, sin)
+    store_kvcache(k, v.view(-1, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+    return q

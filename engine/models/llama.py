@@ -71,14 +71,11 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # views into the engine's KV cache, bound later
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        q, k = ops.rotary(q, k, cos, sin)
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        qkv = self.qkv_proj(x)
+        # q/k norm (Qwen3), rotary and the k/v store: one kernel on the GPU, reading heads in place from qkv
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        q = ops.qkv_rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, self.k_cache,
+                               self.v_cache, meta.slot_mapping, *norm)
         o = ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q,
                                 meta.context_lens, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))

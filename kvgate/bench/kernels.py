@@ -132,6 +132,15 @@ def cases(torch, dims, tiny: bool, dtype, device):
            lambda: reference.rotary(q, key, cos, sin),
            2 * n * (num_heads + num_kv_heads) * head_dim * size + n * head_dim * 4, "")
 
+    # decode-sized: what one layer's step runs between the qkv GEMM and attention, Qwen3's q/k norm included
+    from kvgate.kernels.qkv_rope_store import qkv_rope_store
+    b = 4 if tiny else 256
+    qkv = torch.randn(b, (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=dtype)
+    norm = (torch.ones(head_dim, device=device, dtype=dtype),) * 2 + (1e-6,)
+    fused = (qkv, num_heads, num_kv_heads, head_dim, cos[:b], sin[:b], k_cache, v_cache, slots[:b], *norm)
+    yield ("qkv_rope_store", f"B={b} H={num_heads}/{num_kv_heads} D={head_dim}", lambda: qkv_rope_store(*fused),
+           lambda: reference.qkv_rope_store(*fused), b * (2 * qkv.shape[1] + 2 * num_kv_heads * head_dim) * size, "")
+
     gate_up = torch.randn(n, 2 * inner, device=device, dtype=dtype)
     yield ("silu_and_mul", f"N={n} I={inner}", lambda: silu_and_mul(gate_up),
            lambda: reference.silu_and_mul(gate_up), 3 * n * inner * size, "")
