@@ -7,6 +7,7 @@ import json
 import os
 import random
 import statistics
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     repeats = args.repeats or workload.rounds
     report = {"workload": workload.name, "machine": machine_info(device), "versions": versions(),
-              "settings": {**settings_of(workload, device), "repeats": repeats}, "notes": notes_of(device)}
+              "settings": {**settings_of(workload, device), "repeats": repeats}, "notes": notes_of(device, workload)}
     print_header(report)
     if args.prefill_budget_sweep:
         from kvgate.bench.prefill_budget import sweep
@@ -147,7 +148,7 @@ def settings_of(workload: Workload, device) -> dict:
     return {"models": list(workload.models), "dtype": workload.dtype, "device": str(device),
             "num_requests": workload.num_requests, "prompt_len": list(workload.prompt_len),
             "output_len": list(workload.output_len), "max_num_seqs": workload.max_num_seqs,
-            "hf_num_requests": workload.hf_num_requests or workload.num_requests,
+            "hf_num_requests": min(workload.hf_num_requests or workload.num_requests, workload.num_requests),
             "prefill_budget": workload.prefill_budget or "the engine's default",
             "sampling": "greedy, ignore_eos", "prompts": "random token ids, seed shared by every contestant"}
 
@@ -162,11 +163,16 @@ def median_round(rounds: list[dict]) -> dict:
     return {**ordered[(len(ordered) - 1) // 2], "rounds_tok_s": [r["output_tok_s"] for r in rounds], **every}
 
 
-def notes_of(device) -> list[str]:
+def notes_of(device, workload: Workload | None = None) -> list[str]:
     notes = ["hf_generate_batch: transformers' continuous-batching manager (the one generate_batch wraps), driven "
              "directly so that each request gets its own max_new_tokens; generate_batch takes one for all",
              "hf_static: padded batches in request order, left padding; each batch runs to its longest request and "
              "a request is credited only with the tokens it asked for"]
+    if workload is not None and (workload.hf_num_requests or workload.num_requests) < workload.num_requests:
+        notes.append(f"the HF contestants ran the first {workload.hf_num_requests} of the {workload.num_requests} "
+                     "requests (a round in its time slot); their tok/s is on those. HF's step is launch-bound, so at "
+                     "a smaller batch its tok/s is lower than on all the requests: a kvgate/HF ratio here is an upper "
+                     "bound on the one over the whole workload")
     if device.type == "cpu":
         notes.append(f"CPU run: absolute figures count only on a GPU; load average at start "
                      f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores (a shared machine "
@@ -316,6 +322,23 @@ def warm_up(llm, m: ModelRun) -> None:
     params = SamplingParams(temperature=0, max_tokens=WARM_UP_TOKENS, ignore_eos=True)
     llm.generate([[(t + 1) % vocab for t in r.prompt_ids] for r in m.requests], [params] * len(m.requests),
                  use_tqdm=False)
+
+
+@contextmanager
+def after_warm_up(install):
+    """Within it, every kvgate engine this bench builds gets `install(llm, m)` as soon as its warm-up is done, so what
+    `install` puts on it (a step clock) sees the timed round's steps only."""
+    global warm_up
+    warm = warm_up
+
+    def warm_then_install(llm, m: ModelRun) -> None:
+        warm(llm, m)
+        install(llm, m)
+    warm_up = warm_then_install
+    try:
+        yield
+    finally:
+        warm_up = warm
 
 
 def run_kvgate(m: ModelRun, scheduling: str):

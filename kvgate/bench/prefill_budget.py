@@ -46,10 +46,9 @@ class StepTimes:
         """Run `run` with every kvgate engine's steps after its warm-up timed."""
         from kvgate.bench.hf import synchronize
 
-        times, warm = cls(), bench.warm_up
+        times = cls()
 
-        def warm_then_time(llm, m):
-            warm(llm, m)
+        def install(llm, m) -> None:
             forward = llm.engine.runner.run
 
             def step(batch):
@@ -60,11 +59,8 @@ class StepTimes:
                     times.seconds.append(time.perf_counter() - start)
                 return out
             llm.engine.runner.run = step
-        bench.warm_up = warm_then_time
-        try:
+        with bench.after_warm_up(install):
             times.entry = run()
-        finally:
-            bench.warm_up = warm
         return times
 
     def prefill_steps(self) -> dict:

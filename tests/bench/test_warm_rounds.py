@@ -40,7 +40,8 @@ for name, warm_up in (("cold", lambda llm, m: None), ("warm", warm)):
     bench.warm_up = warm_up
     assert main(args) == 0
     entry = json.load(open(folder + ".json"))["models"][folder]["contestants"]["kvgate_continuous"]
-    found[name] = {k: entry[k] for k in ("rounds_triton_compiles", "compiles_counted_by", "rounds_allocator_growth_bytes")}
+    found[name] = {k: entry[k] for k in ("rounds_triton_compiles", "compiles_counted_by",
+                                         "rounds_allocator_growth_bytes")}
 print("FOUND " + json.dumps(found))
 """
 
