@@ -1,9 +1,9 @@
 """What a timed round must not do (issue 41): compile a Triton kernel or grow the allocator. `RoundWatch` counts both
 for one round of `kvgate bench engine`.
 
-Compiles are counted at each launch of every Triton kernel in kvgate.kernels, by the variant it needs: compiled, the
-kernel's own in-memory cache (one entry per variant Triton built or loaded from its disk cache); under TRITON_INTERPRET,
-where nothing is compiled and nothing cached, the key a compiled run would specialise on, by Triton's rule - every
+Compiles are counted over every Triton kernel in kvgate.kernels: compiled, by the entries of each kernel's own
+in-memory cache (one per variant Triton built or loaded from its disk cache); under TRITON_INTERPRET, where nothing
+is compiled and nothing cached, by the key a compiled run would specialise each launch on, by Triton's rule - every
 constexpr and launch option's value, each tensor's dtype and whether its address is 16-byte aligned, and for each
 integer not in `do_not_specialize` whether it is 1 and whether it divides by 16 - so a CPU test sees the variants a GPU
 round would compile. Both count a variant once per process: a later round that launches nothing new counts 0.
@@ -49,7 +49,12 @@ def launched_kernels() -> dict[str, object]:
 
 
 def hook(kernel, name: str) -> None:
-    """Wrap `kernel.run` (what `kernel[grid](...)` calls) to note the variant each launch needs."""
+    """Keep `kernel` to read its cache; an interpreted one (no cache) gets its `run` (what `kernel[grid](...)` calls)
+    wrapped to note the variant each launch needs. A compiled launch is left alone: a key per launch would cost the
+    timed round tens of microseconds of host time each."""
+    _hooked[name] = kernel
+    if hasattr(kernel, "device_caches"):
+        return
     run, fn = kernel.run, getattr(kernel, "fn", kernel)
     params = list(inspect.signature(fn).parameters)
     annotations = getattr(fn, "__annotations__", {})
@@ -62,7 +67,6 @@ def hook(kernel, name: str) -> None:
         _seen.add((name, *variant_key(params, constexpr, unspecialised, args, kw)))
         return run(*args, **kw)
     kernel.run = noted_run
-    _hooked[name] = kernel
 
 
 def variant_key(params: list[str], constexpr: set[str], unspecialised: set[str], args: tuple, kw: dict) -> tuple:

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         from kvgate.bench.prefill_budget import sweep
 
         report["prefill_budget_sweep"] = sweep(workload, budgets(args.prefill_budget_sweep), device, args.seed,
-                                               repeats)
+                                               repeats, run_model, after_warm_up)
         return write_report(report, args.json)
     per_model = {}
     for model in workload.models:
@@ -307,19 +307,23 @@ def greedy_params(requests) -> list:
     return [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
 
 
-WARM_UP_TOKENS = 2  # each warm-up request's output: its prompt's prefill and mixed steps, then a decode step
+WARM_UP_TOKENS = 2  # output tokens past the steps it takes to admit every prompt
 
 
 def warm_up(llm, m: ModelRun) -> None:
-    """A full-shape warm-up before the timed round: every request of the round at its own prompt length, so the
-    round's step shapes are met once untimed - mixed prefill steps as full as the budget and max_num_seqs make them
-    (every prefill-attention BLOCK_B a round can need), decodes beside prefill chunks, the activation peak of the
-    largest step - with token ids shifted by one, so that nothing of the round's prompts is left in the prefix cache.
-    Decode-only steps at every batch size are the captured graphs' (load time); eager, a decode step per request."""
+    """A full-shape warm-up before the timed round: every request of the round at its own prompt length, each
+    generating for as many steps as the prompts take to admit at the step budget (and WARM_UP_TOKENS more), so the
+    batch fills as the round's does and the round's step shapes are met once untimed - mixed steps as full as the
+    budget and max_num_seqs make them (every prefill-attention BLOCK_B the round can need: 64, 128, 256 sequences),
+    decodes beside prefill chunks, the activation peak of the largest step. Token ids are shifted by one, so nothing
+    of the round's prompts is left in the prefix cache. Decode-only steps at every batch size are the captured
+    graphs' (load time)."""
     from kvgate.engine import SamplingParams
 
-    vocab = m.source.config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=WARM_UP_TOKENS, ignore_eos=True)
+    vocab, budget = m.source.config.vocab_size, llm.engine.config.max_num_batched_tokens
+    admitting = -(-sum(len(r.prompt_ids) for r in m.requests) // budget)
+    params = SamplingParams(temperature=0, max_tokens=min(admitting + WARM_UP_TOKENS, m.workload.output_len[1]),
+                            ignore_eos=True)
     llm.generate([[(t + 1) % vocab for t in r.prompt_ids] for r in m.requests], [params] * len(m.requests),
                  use_tqdm=False)
 

@@ -30,7 +30,8 @@ PARITY_TOLERANCE = 2e-3  # float32 logprobs against HF's forward over the same t
 # What the preflight imports: every entry point a step runs, and what the GPU test files import
 ENTRY_POINTS = ("kvgate.engine.model_runner", "kvgate.engine.cuda_graphs", "kvgate.kernels.ops",
                 "kvgate.kernels.decode_attention", "kvgate.kernels.prefill_attention", "kvgate.bench.engine",
-                "kvgate.bench.bound", "kvgate.bench.hf", "kvgate.bench.kernels", "kvgate.bench.report", "tests.support",
+                "kvgate.bench.bound", "kvgate.bench.hf", "kvgate.bench.kernels", "kvgate.bench.report",
+                "kvgate.bench.compiles", "kvgate.bench.gpu_profile_stages", "tests.support",
                 "tests.engine.helpers", "tests.kernels.kernel_testing")
 VERSIONS = ("torch", "triton", "transformers", "tokenizers", "numpy", "numba", "safetensors", "huggingface-hub",
             "accelerate", "pydantic", "pydantic-core", "typing-extensions", "redis", "msgspec", "pytest",

@@ -10,16 +10,15 @@ import time
 from dataclasses import replace
 
 
-def sweep(workload, budgets: list[int], device, seed: int, repeats: int) -> dict:
-    from kvgate.bench import engine as bench
-
+def sweep(workload, budgets: list[int], device, seed: int, repeats: int, run_model, after_warm_up) -> dict:
+    """`run_model` and `after_warm_up` are bench/engine.py's (which calls this: passed, not imported back)."""
     found: dict = {}
     for model in workload.models:
         found[model] = {}
         for budget in budgets:
             timed = replace(workload, prefill_budget=budget)
-            runs = StepTimes.watching(bench, lambda: bench.run_model(model, timed, ["kvgate_continuous"], device,
-                                                                     seed, repeats))
+            runs = StepTimes.watching(after_warm_up, lambda: run_model(model, timed, ["kvgate_continuous"], device,
+                                                                       seed, repeats))
             r = runs.entry["contestants"]["kvgate_continuous"]
             found[model][budget] = {"output_tok_s": r["output_tok_s"], "rounds_tok_s": r["rounds_tok_s"],
                                     "steps": r.get("steps"), **runs.prefill_steps()}
@@ -42,7 +41,7 @@ class StepTimes:
         self.entry: dict = {}
 
     @classmethod
-    def watching(cls, bench, run) -> StepTimes:
+    def watching(cls, after_warm_up, run) -> StepTimes:
         """Run `run` with every kvgate engine's steps after its warm-up timed."""
         from kvgate.bench.hf import synchronize
 
@@ -59,7 +58,7 @@ class StepTimes:
                     times.seconds.append(time.perf_counter() - start)
                 return out
             llm.engine.runner.run = step
-        with bench.after_warm_up(install):
+        with after_warm_up(install):
             times.entry = run()
         return times
 

@@ -61,3 +61,31 @@ def test_a_second_round_compiles_nothing_and_the_warm_up_leaves_the_first_nothin
     assert found["cold"]["rounds_triton_compiles"][1] == 0
     assert found["warm"]["rounds_triton_compiles"] == [0, 0]
     assert found["warm"]["rounds_allocator_growth_bytes"] == [0, 0]  # a CPU has no caching allocator to grow
+
+
+def test_the_warm_up_fills_the_batch_as_the_round_does(tiny_model):
+    """The prefill kernel's BLOCK_B follows the sequences in a mixed step (64, 128, 256): a warm-up of two-token
+    requests would finish each before the next prompts come in and never meet the round's fullest mixed step."""
+    import torch
+
+    from kvgate.bench import engine as bench
+    from kvgate.engine.loader import resolve_model
+
+    workload = bench.Workload("W-GPU", (tiny_model,), "float32", 12, (20, 40), (10, 30), 12, False,
+                              prefill_budget=64)
+    source = resolve_model(tiny_model)
+    m = bench.ModelRun(source, bench.make_requests(workload, source.config.vocab_size, 0), workload,
+                       torch.device("cpu"))
+    llm = bench.kvgate_llm(m, "continuous")
+    seen: list[int] = []
+    run = llm.engine.runner.run
+
+    def counting(batch):
+        if sum(n for _, n in batch) > len(batch):  # a prefill or mixed step
+            seen.append(len(batch))
+        return run(batch)
+    llm.engine.runner.run = counting
+    bench.warm_up(llm, m)
+    warm, seen[:] = max(seen), []
+    llm.generate([r.prompt_ids for r in m.requests], bench.greedy_params(m.requests), use_tqdm=False)
+    assert warm == max(seen) == 12  # every request in one mixed step, in the warm-up as in the round
