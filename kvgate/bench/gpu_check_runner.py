@@ -206,6 +206,9 @@ def step_findings(work: Path, step: Step) -> dict:
                                                     entry["contestants"].items()}
             found.setdefault("rounds_tok_s", {})[model] = {c: [round(x) for x in r.get("rounds_tok_s", [])]
                                                            for c, r in entry["contestants"].items()}
+            found.setdefault("rounds_triton_compiles", {})[model] = {  # a warm round compiles nothing
+                c: r["rounds_triton_compiles"] for c, r in entry["contestants"].items()
+                if "rounds_triton_compiles" in r}
             if "fraction_of_bound" in entry:
                 found.setdefault("bound", {})[model] = {k: entry[k] for k in ("bound_tok_s", "fraction_of_bound",
                                                                               "binds")}
