@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-pythons docs install bench gpu-kit gpu-check gpu-rehearsal clean
+.PHONY: demo test test-pythons docs install bench gpu-kit gpu-site gpu-check gpu-rehearsal gpu-profile gpu-profile-rehearsal clean
 
 install: $(STAMP)
 
@@ -75,18 +75,34 @@ REHEARSAL_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/pyt
 gpu-kit: $(STAMP)
 	$(PY) -m kvgate.bench.gpu_kit kit $(GPU_KIT)
 
-gpu-check:
-	@ls $(GPU_KIT)/wheels/*.whl >/dev/null 2>&1 || { echo "gpu-check: no wheels in $(GPU_KIT)/wheels: run make gpu-kit where PyPI is reachable and carry $(GPU_KIT) along"; exit 2; }
+gpu-check: gpu-site
+	PYTHONPATH=$(abspath $(GPU_KIT))/site KVGATE_DEVICE=$(KVGATE_DEVICE) TRITON_CACHE_DIR=$(TRITON_CACHE_DIR) $(GPU_PYTHON) -m kvgate.bench.gpu_check_runner $(OUT) $(if $(ONLY),--only $(ONLY))
+
+# The kit's wheels installed into its site folder (no index, no network) and a previous run's Triton cache unpacked:
+# what gpu-check and gpu-profile run on.
+gpu-site:
+	@ls $(GPU_KIT)/wheels/*.whl >/dev/null 2>&1 || { echo "gpu-check/gpu-profile: no wheels in $(GPU_KIT)/wheels: run make gpu-kit where PyPI is reachable and carry $(GPU_KIT) along"; exit 2; }
 	@if [ ! -f $(GPU_KIT)/site/.installed ] || [ -n "$$(find $(GPU_KIT)/wheels -name '*.whl' -newer $(GPU_KIT)/site/.installed)" ]; then \
 		echo "installing $(GPU_KIT)/wheels into $(GPU_KIT)/site (no index, no network)"; \
 		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --upgrade --target $(GPU_KIT)/site $(GPU_KIT)/wheels/*.whl && touch $(GPU_KIT)/site/.installed; fi
 	@if [ -f $(GPU_KIT)/triton-cache.tgz ]; then mkdir -p $(TRITON_CACHE_DIR) && tar xzf $(GPU_KIT)/triton-cache.tgz -C $(TRITON_CACHE_DIR); fi
-	PYTHONPATH=$(abspath $(GPU_KIT))/site KVGATE_DEVICE=$(KVGATE_DEVICE) TRITON_CACHE_DIR=$(TRITON_CACHE_DIR) $(GPU_PYTHON) -m kvgate.bench.gpu_check_runner $(OUT) $(if $(ONLY),--only $(ONLY))
+
+# One short profiling run on the same kit (issue 41; kvgate/bench/gpu_profile.py): six stages within 300 s, at most 8
+# files in OUT (default gpu-profile-out). gpu-check stays the pass/fail check; make gpu-profile-rehearsal runs every
+# stage on this CPU at toy sizes in the image's stand-in.
+PROFILE_OUT = $(if $(filter command line,$(origin OUT)),$(OUT),gpu-profile-out)
+gpu-profile: gpu-site
+	PYTHONPATH=$(abspath $(GPU_KIT))/site KVGATE_DEVICE=$(KVGATE_DEVICE) TRITON_CACHE_DIR=$(TRITON_CACHE_DIR) $(GPU_PYTHON) -m kvgate.bench.gpu_profile $(PROFILE_OUT) $(if $(ONLY),--only $(ONLY))
 
 gpu-rehearsal: gpu-kit
 	$(PY) -m kvgate.bench.gpu_kit image $(REHEARSAL)/image --python $(REHEARSAL_PYTHON)
 	rm -rf $(REHEARSAL)/out
 	KVGATE_GPU_CHECK_LIMIT_SCALE=$(REHEARSAL_LIMIT_SCALE) $(MAKE) gpu-check GPU_PYTHON=$(abspath $(REHEARSAL))/image/bin/python KVGATE_DEVICE=cpu OUT=$(REHEARSAL)/out TRITON_CACHE_DIR=$(abspath $(REHEARSAL))/triton-cache
+
+gpu-profile-rehearsal: gpu-kit
+	$(PY) -m kvgate.bench.gpu_kit image $(REHEARSAL)/image --python $(REHEARSAL_PYTHON)
+	rm -rf $(REHEARSAL)/profile-out
+	KVGATE_GPU_CHECK_LIMIT_SCALE=$(REHEARSAL_LIMIT_SCALE) $(MAKE) gpu-profile GPU_PYTHON=$(abspath $(REHEARSAL))/image/bin/python KVGATE_DEVICE=cpu OUT=$(REHEARSAL)/profile-out TRITON_CACHE_DIR=$(abspath $(REHEARSAL))/triton-cache
 
 clean:
 	rm -rf $(VENV) .venv-pythons *.egg-info .pytest_cache $(GPU_KIT) $(REHEARSAL) $(SITE_DIR)

@@ -20,6 +20,10 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="weights and KV cache dtype; auto: the model's half type on cuda, float32 on cpu")
     max_num_seqs: int = Field(256, ge=1, description="most sequences running at once (the batch cap)")
+    # 8,192 until a GPU measures otherwise (issue 41): nano-vllm and Mini-SGLang use 16,384; `kvgate bench engine
+    # --workload gpu --prefill-budget-sweep 2048,4096,8192,16384` gives each budget's tok/s and prefill step time on
+    # W-GPU, and the default moves to the best there. On a CPU a step's cost grows with its tokens, so no CPU figure
+    # can choose it.
     max_num_batched_tokens: int = Field(8192, ge=1, description="token budget of one engine step")
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output; unset: the model's own limit")
     block_size: int = Field(16, ge=1, description="tokens per KV cache block")

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import statistics
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,12 +27,16 @@ class Workload:
     max_num_seqs: int  # kvgate continuous cap, and the static batch of kvgate static and HF static
     find_largest_hf_batch: bool  # W-GPU: HF static with the largest batch that fits, halving on OOM
     rounds: int = 1  # rounds of every contestant unless --repeats says otherwise; the figure is their median
+    # The HF contestants run the first this many requests (None: all), so a round fits its time slot; their figure is
+    # output tok/s like kvgate's, so "kvgate continuous >= 10x HF static" is a ratio of rates on the same prompts.
+    hf_num_requests: int | None = None
+    prefill_budget: int | None = None  # kvgate's max_num_batched_tokens (None: the engine's default)
 
 
 WORKLOADS = {
     "cpu": Workload("W-CPU", ("smollm2-135m",), "float32", 64, (16, 128), (8, 256), 32, False),
     "gpu": Workload("W-GPU", ("random:qwen2.5-0.5b", "random:qwen3-0.6b", "random:llama-3.2-1b"), "bfloat16", 256,
-                    (100, 1024), (100, 1024), 256, True, rounds=3),
+                    (100, 1024), (100, 1024), 256, True, rounds=3, hf_num_requests=64),
 }
 
 
@@ -58,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rounds of every contestant, interleaved; each figure is its median round (a shared "
                              "machine drifts between contestants run minutes apart); default: the workload's "
                              "(W-CPU 1, W-GPU 3)")
+    parser.add_argument("--hf-requests", type=int,
+                        help="the HF contestants run only the first N requests (default: W-GPU 64, W-CPU all)")
+    parser.add_argument("--prefill-budget", type=int, help="kvgate's token budget of one step (max_num_batched_tokens)")
+    parser.add_argument("--prefill-budget-sweep", metavar="N,N,...",
+                        help="kvgate continuous once per step budget (e.g. 2048,4096,8192,16384) instead of the "
+                             "contestants: each budget's median tok/s and prefill step time")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,8 +85,14 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     repeats = args.repeats or workload.rounds
     report = {"workload": workload.name, "machine": machine_info(device), "versions": versions(),
-              "settings": {**settings_of(workload, device), "repeats": repeats}, "notes": notes_of(device)}
+              "settings": {**settings_of(workload, device), "repeats": repeats}, "notes": notes_of(device, workload)}
     print_header(report)
+    if args.prefill_budget_sweep:
+        from kvgate.bench.prefill_budget import sweep
+
+        report["prefill_budget_sweep"] = sweep(workload, budgets(args.prefill_budget_sweep), device, args.seed,
+                                               repeats, run_model, after_warm_up)
+        return write_report(report, args.json)
     per_model = {}
     for model in workload.models:
         per_model[model] = run_model(model, workload, contestants, device, args.seed, repeats)
@@ -85,18 +102,38 @@ def run(args: argparse.Namespace) -> int:
         report.update(only)
     else:
         report["models"] = per_model
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    return write_report(report, args.json)
+
+
+def write_report(report: dict, path: Path | None) -> int:
+    if path:
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {path}")
     return 0
+
+
+def budgets(text: str) -> list[int]:
+    try:
+        found = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--prefill-budget-sweep {text!r}: pass token budgets separated by commas, e.g. "
+                         "2048,4096,8192,16384") from None
+    if not found or min(found) < 1:
+        raise SystemExit(f"--prefill-budget-sweep {text!r}: pass one or more budgets >= 1")
+    return found
 
 
 def scaled_workload(args: argparse.Namespace) -> Workload:
     w = WORKLOADS[args.workload]
-    return replace(w, models=tuple(args.model or w.models), dtype=args.dtype or w.dtype,
-                   num_requests=args.num_requests or w.num_requests,
+    num_requests = args.num_requests or w.num_requests
+    hf = getattr(args, "hf_requests", None) or w.hf_num_requests
+    if hf is not None and hf < 1:
+        raise SystemExit(f"--hf-requests {hf}: pass 1 or more")
+    return replace(w, models=tuple(args.model or w.models), dtype=args.dtype or w.dtype, num_requests=num_requests,
                    prompt_len=capped(w.prompt_len, args.max_prompt), output_len=capped(w.output_len, args.max_output),
-                   max_num_seqs=args.max_num_seqs or w.max_num_seqs)
+                   max_num_seqs=args.max_num_seqs or w.max_num_seqs,
+                   hf_num_requests=min(hf, num_requests) if hf else None,
+                   prefill_budget=getattr(args, "prefill_budget", None) or w.prefill_budget)
 
 
 def capped(bounds: tuple[int, int], cap: int | None) -> tuple[int, int]:
@@ -111,21 +148,31 @@ def settings_of(workload: Workload, device) -> dict:
     return {"models": list(workload.models), "dtype": workload.dtype, "device": str(device),
             "num_requests": workload.num_requests, "prompt_len": list(workload.prompt_len),
             "output_len": list(workload.output_len), "max_num_seqs": workload.max_num_seqs,
+            "hf_num_requests": min(workload.hf_num_requests or workload.num_requests, workload.num_requests),
+            "prefill_budget": workload.prefill_budget or "the engine's default",
             "sampling": "greedy, ignore_eos", "prompts": "random token ids, seed shared by every contestant"}
 
 
 def median_round(rounds: list[dict]) -> dict:
     """The round with the median throughput (the lower one of an even count), with every round's figure beside it
-    in the order they ran: the figure is the median, never the best."""
+    in the order they ran (and, for kvgate's, each round's Triton compiles and allocator growth): the figure is the
+    median, never the best."""
     ordered = sorted(rounds, key=lambda r: r["output_tok_s"])
-    return {**ordered[(len(ordered) - 1) // 2], "rounds_tok_s": [r["output_tok_s"] for r in rounds]}
+    every = {f"rounds_{k}": [r[k] for r in rounds] for k in ("triton_compiles", "allocator_growth_bytes")
+             if all(k in r for r in rounds)}
+    return {**ordered[(len(ordered) - 1) // 2], "rounds_tok_s": [r["output_tok_s"] for r in rounds], **every}
 
 
-def notes_of(device) -> list[str]:
+def notes_of(device, workload: Workload | None = None) -> list[str]:
     notes = ["hf_generate_batch: transformers' continuous-batching manager (the one generate_batch wraps), driven "
              "directly so that each request gets its own max_new_tokens; generate_batch takes one for all",
              "hf_static: padded batches in request order, left padding; each batch runs to its longest request and "
              "a request is credited only with the tokens it asked for"]
+    if workload is not None and (workload.hf_num_requests or workload.num_requests) < workload.num_requests:
+        notes.append(f"the HF contestants ran the first {workload.hf_num_requests} of the {workload.num_requests} "
+                     "requests (a round in its time slot); their tok/s is on those. HF's step is launch-bound, so at "
+                     "a smaller batch its tok/s is lower than on all the requests: a kvgate/HF ratio here is an upper "
+                     "bound on the one over the whole workload")
     if device.type == "cpu":
         notes.append(f"CPU run: absolute figures count only on a GPU; load average at start "
                      f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores (a shared machine "
@@ -143,6 +190,13 @@ class ModelRun:
     @property
     def max_model_len(self) -> int:
         return self.workload.prompt_len[1] + self.workload.output_len[1]
+
+    def for_contestant(self, name: str) -> ModelRun:
+        """The requests `name` runs: an HF contestant the first hf_num_requests of them."""
+        n = self.workload.hf_num_requests
+        if name.startswith("kvgate") or n is None or n >= len(self.requests):
+            return self
+        return replace(self, requests=self.requests[:n])
 
 
 def make_requests(workload: Workload, vocab_size: int, seed: int) -> list:
@@ -167,8 +221,9 @@ def run_model(model, workload: Workload, contestants: list[str], device, seed: i
     traces: dict[str, list] = {name: [] for name in contestants}
     for round_no in range(1, repeats + 1):
         for name in contestants:
-            result = RUNNERS[name](m)
-            rounds[name].append(summarize(m, result))
+            share = m.for_contestant(name)
+            result = RUNNERS[name](share)
+            rounds[name].append(summarize(share, result))
             traces[name].append(result.trace)
             # A CPU run takes an hour on a busy machine: what finished must be visible if the rest never does.
             print(f"{model} round {round_no}/{repeats} {name}: {json.dumps(rounds[name][-1])}", flush=True)
@@ -215,6 +270,8 @@ def summarize(m: ModelRun, result) -> dict:
                "load_avg_after": [round(x, 1) for x in os.getloadavg()]}
     if result.steps is not None:
         summary["steps"] = result.steps
+    if result.round_checks is not None:
+        summary.update(result.round_checks)
     if result.notes:
         summary["notes"] = result.notes
     return summary
@@ -238,8 +295,9 @@ def kvgate_llm(m: ModelRun, scheduling: str):
     """The kvgate engine as every kvgate contestant runs it (also `kvgate bench steps`)."""
     from kvgate.engine import LLM
 
+    budget = {"max_num_batched_tokens": m.workload.prefill_budget} if m.workload.prefill_budget else {}
     return LLM(m.source, device=str(m.device), dtype=m.workload.dtype, max_num_seqs=m.workload.max_num_seqs,
-               max_model_len=m.max_model_len, scheduling=scheduling, seed=0)
+               max_model_len=m.max_model_len, scheduling=scheduling, seed=0, **budget)
 
 
 def greedy_params(requests) -> list:
@@ -249,26 +307,66 @@ def greedy_params(requests) -> list:
     return [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
 
 
+WARM_UP_TOKENS = 2  # output tokens past the steps it takes to admit every prompt
+
+
+def warm_up(llm, m: ModelRun) -> None:
+    """A full-shape warm-up before the timed round: every request of the round at its own prompt length, each
+    generating for as many steps as the prompts take to admit at the step budget (and WARM_UP_TOKENS more), so the
+    batch fills as the round's does and the round's step shapes are met once untimed - mixed steps as full as the
+    budget and max_num_seqs make them (every prefill-attention BLOCK_B the round can need: 64, 128, 256 sequences),
+    decodes beside prefill chunks, the activation peak of the largest step. Token ids are shifted by one, so nothing
+    of the round's prompts is left in the prefix cache. Decode-only steps at every batch size are the captured
+    graphs' (load time)."""
+    from kvgate.engine import SamplingParams
+
+    vocab, budget = m.source.config.vocab_size, llm.engine.config.max_num_batched_tokens
+    admitting = -(-sum(len(r.prompt_ids) for r in m.requests) // budget)
+    params = SamplingParams(temperature=0, max_tokens=min(admitting + WARM_UP_TOKENS, m.workload.output_len[1]),
+                            ignore_eos=True)
+    llm.generate([[(t + 1) % vocab for t in r.prompt_ids] for r in m.requests], [params] * len(m.requests),
+                 use_tqdm=False)
+
+
+@contextmanager
+def after_warm_up(install):
+    """Within it, every kvgate engine this bench builds gets `install(llm, m)` as soon as its warm-up is done, so what
+    `install` puts on it (a step clock) sees the timed round's steps only."""
+    global warm_up
+    warm = warm_up
+
+    def warm_then_install(llm, m: ModelRun) -> None:
+        warm(llm, m)
+        install(llm, m)
+    warm_up = warm_then_install
+    try:
+        yield
+    finally:
+        warm_up = warm
+
+
 def run_kvgate(m: ModelRun, scheduling: str):
     import time
 
     from kvgate.bench.bound import StepTrace
-    from kvgate.engine import SamplingParams
+    from kvgate.bench.compiles import RoundWatch, launched_kernels
     from kvgate.bench.hf import RunResult, synchronize
 
+    launched_kernels()  # from the engine's load on: the graphs' capture and the warm-up compile, the round must not
     llm = kvgate_llm(m, scheduling)
-    warmup = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    llm.generate([m.requests[0].prompt_ids[:8]], [warmup], use_tqdm=False)
+    warm_up(llm, m)
     # the bound counts the steps of the timed round only: the runner reports each batch it is given
     trace, runner = StepTrace(), llm.engine.runner
     runner.run = trace.wrap(runner.run)
     params = greedy_params(m.requests)
     synchronize(m.device)
+    watch = RoundWatch(m.device)
     steps_before, start = llm.engine.steps, time.perf_counter()
     outputs = llm.generate([r.prompt_ids for r in m.requests], params, use_tqdm=True)
     synchronize(m.device)
-    result = RunResult([list(o.token_ids) for o in outputs], time.perf_counter() - start,
-                       steps=llm.engine.steps - steps_before, trace=trace)
+    elapsed = time.perf_counter() - start
+    result = RunResult([list(o.token_ids) for o in outputs], elapsed, steps=llm.engine.steps - steps_before,
+                       trace=trace, round_checks=watch.stop())
     del llm
     free_memory()
     return result

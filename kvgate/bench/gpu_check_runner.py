@@ -152,6 +152,10 @@ class Run:
         self.finish()
         return 0 if all(s["rc"] == 0 for s in self.summary["steps"].values()) else 1
 
+    def conclusions(self) -> dict:
+        """What the summary says across steps at the end."""
+        return {"w_gpu_qwen2.5_kvgate_continuous_over": across_steps(self.work)}
+
     def record(self, step: Step, entry: dict) -> None:
         entry.update(step_findings(self.work, step))
         self.summary["steps"][step.name] = entry
@@ -169,7 +173,7 @@ class Run:
 
     def finish(self) -> None:
         self.summary["seconds"] = round(self.budget_s - self.left(), 1)
-        self.summary["w_gpu_qwen2.5_kvgate_continuous_over"] = across_steps(self.work)
+        self.summary.update(self.conclusions())
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str) + "\n")
         if self.triton_cache.is_dir() and self.left() > 0:
             pack_triton_cache(self.triton_cache, self.out / "triton-cache.tgz")
@@ -202,6 +206,9 @@ def step_findings(work: Path, step: Step) -> dict:
                                                     entry["contestants"].items()}
             found.setdefault("rounds_tok_s", {})[model] = {c: [round(x) for x in r.get("rounds_tok_s", [])]
                                                            for c, r in entry["contestants"].items()}
+            found.setdefault("rounds_triton_compiles", {})[model] = {  # a warm round compiles nothing
+                c: r["rounds_triton_compiles"] for c, r in entry["contestants"].items()
+                if "rounds_triton_compiles" in r}
             if "fraction_of_bound" in entry:
                 found.setdefault("bound", {})[model] = {k: entry[k] for k in ("bound_tok_s", "fraction_of_bound",
                                                                               "binds")}

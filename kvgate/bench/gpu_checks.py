@@ -30,7 +30,8 @@ PARITY_TOLERANCE = 2e-3  # float32 logprobs against HF's forward over the same t
 # What the preflight imports: every entry point a step runs, and what the GPU test files import
 ENTRY_POINTS = ("kvgate.engine.model_runner", "kvgate.engine.cuda_graphs", "kvgate.kernels.ops",
                 "kvgate.kernels.decode_attention", "kvgate.kernels.prefill_attention", "kvgate.bench.engine",
-                "kvgate.bench.bound", "kvgate.bench.hf", "kvgate.bench.kernels", "kvgate.bench.report", "tests.support",
+                "kvgate.bench.bound", "kvgate.bench.hf", "kvgate.bench.kernels", "kvgate.bench.report",
+                "kvgate.bench.compiles", "kvgate.bench.gpu_profile_stages", "tests.support",
                 "tests.engine.helpers", "tests.kernels.kernel_testing")
 VERSIONS = ("torch", "triton", "transformers", "tokenizers", "numpy", "numba", "safetensors", "huggingface-hub",
             "accelerate", "pydantic", "pydantic-core", "typing-extensions", "redis", "msgspec", "pytest",
@@ -55,7 +56,9 @@ class Scale:
 def scale(device: str | None = None) -> Scale:
     device = device or os.environ.get("KVGATE_DEVICE", "cuda")
     if device.startswith("cuda"):
-        return Scale(device, None, None, 48, (20, 200), (8, 3), 4, (16, 120), 16, "8GiB")
+        # HF on 32 of the 256 requests: its step (50 s) runs static and generate_batch, each about 1,000 launch-bound
+        # steps of ~20 ms for the longest of 32 outputs in U[100, 1024]; 64 (`kvgate bench engine`'s) would not fit.
+        return Scale(device, None, None, 48, (20, 200), (8, 3), 4, (16, 120), 16, "8GiB", dict(hf_num_requests=32))
     return Scale(device, 2, 4096, 5, (4, 12), (3, 2), 2, (8, 24), 4, "64MiB",
                  dict(num_requests=3, prompt_len=(8, 16), output_len=(3, 6), max_num_seqs=4, dtype="float32"))
 
@@ -262,7 +265,7 @@ def check_w_gpu(out: Path, sc: Scale, models: list[str], contestants: list[str])
               "settings": {**bench.settings_of(workload, device), "contestants": contestants,
                            "repeats": workload.rounds, "layers": sc.layers or "the model's own",
                            "vocab": sc.vocab or "the model's own"},
-              "notes": bench.notes_of(device), "models": {}}
+              "notes": bench.notes_of(device, workload), "models": {}}
     for name in models:
         source = held_source(name, sc)
         report["models"][name] = bench.run_model(source, workload, contestants, device, seed=0)

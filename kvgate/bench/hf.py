@@ -23,6 +23,7 @@ class RunResult:
     notes: str = ""
     steps: int | None = None  # engine iterations (kvgate's contestants)
     trace: object = None  # kvgate's contestants: the bench.bound.StepTrace of the steps it ran
+    round_checks: dict | None = None  # kvgate's contestants: the round's Triton compiles and allocator growth
 
     @property
     def output_tokens(self) -> int:

@@ -15,6 +15,10 @@ except ImportError:
     torch = None
 
 
+# issue 41's W-GPU targets for kvgate continuous over the HF baselines (each on its own share of the requests)
+TARGETS = {"kvgate_continuous/hf_static": 10.0, "kvgate_continuous/hf_generate_batch": 2.0}
+
+
 def machine_info(device: torch.device | None = None) -> dict:
     """The machine a run measured; device None for runs whose figures do not come from torch."""
     info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads() if torch else None,
@@ -80,8 +84,13 @@ def print_model_result(model: str, entry: dict) -> None:
               + (f"  {' / '.join(f'round {i} {x:.1f}' for i, x in enumerate(rounds, 1))}" if len(rounds) > 1 else "")
               + (f"  bound {r['bound_tok_s']:.0f} tok/s, {r['fraction_of_bound']:.1%} of it, {r['binds']} binds"
                  if "bound_tok_s" in r else ""))
+    for name, r in entry["contestants"].items():
+        if "rounds_triton_compiles" in r:
+            print(f"  {name:<20} Triton compiles by round {r['rounds_triton_compiles']} ({r['compiles_counted_by']}), "
+                  f"allocator growth by round {[f'{b / 2**20:.0f} MiB' for b in r['rounds_allocator_growth_bytes']]}"
+                  " (a warm round has none of either)")
     for name, ratio in entry["ratios"].items():
-        print(f"  {name:<40} {ratio:.2f}x")
+        print(f"  {name:<40} {ratio:.2f}x" + (f"  (target >= {TARGETS[name]:g}x)" if name in TARGETS else ""))
     if "step_ratio" in entry:
         steps = {name: r["steps"] for name, r in entry["contestants"].items() if "steps" in r}
         print(f"  engine steps {steps}: static / continuous {entry['step_ratio']:.2f}x, the most continuous "
