@@ -48,6 +48,7 @@ class ResponsesApi:
         self.serving = serving
         self._store: ResponseStore | None = None
         self._states = None
+        self.outbox = None  # the webhook outbox (app.py) where webhooks are on: background responses are watched
 
     @property
     def store(self) -> ResponseStore:
@@ -97,6 +98,8 @@ class ResponsesApi:
             events = s.metrics.stream(self.events(view, handle, record, asked.background, p.tools),
                                       request.state.kvgate_route, request.state.kvgate_started, preamble=preamble)
             return StreamingResponse(events, media_type="text/event-stream", headers=sse.HEADERS | headers)
+        if asked.background and self.outbox is not None:
+            await self.outbox.watch(view.id)  # its end sends response.completed (or .failed, ...): webhooks/sender.py
         if asked.background:
             return json_response(view.body("queued"), headers=headers)
         (result,) = await s.wait(request, [handle])
@@ -201,6 +204,16 @@ class ResponsesApi:
         return json_response({"id": record.id, "object": "response", "deleted": True})
 
     # -- state ------------------------------------------------------------------------------------
+    async def ended(self, rid: str) -> tuple[str, str] | None:
+        """A watched background response's final status and tenant (`gone` once its record is), None while it runs:
+        what the webhook sender asks."""
+        job_id = job_of(rid)
+        record = None if job_id is None else await self.store.get(rid, job_id)
+        if record is None:
+            return "gone", ""
+        status = (await self.current(record))["status"]
+        return (status, record.tenant) if status in FINAL else None
+
     async def found(self, rid: str, caller: Caller) -> Record:
         """The stored response, if `caller` may see it; another tenant's is answered as one that does not exist."""
         job_id = job_of(rid) if isinstance(rid, str) else None
