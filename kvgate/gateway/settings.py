@@ -125,9 +125,9 @@ class GatewaySettings(BaseSettings):
                                        "real batches need; a test shortens it to watch a batch expire)", ge=1)
 
     # webhooks (docs/webhooks.md)
-    webhook_url: str | None = _s(None, "POST batch.completed/failed/expired/cancelled and response.completed (and the "
-                                       "other ends of background responses) events here, signed as Standard Webhooks "
-                                       "with --webhook-secret; a tenant's entry in --webhooks-file wins", metavar="URL")
+    webhook_url: str | None = _s(None, "send batch.* and background response.* events here, signed with "
+                                       "--webhook-secret (docs/webhooks.md); a tenant's own entry wins",
+                                 metavar="URL")
     webhook_secret: str | None = _s(None, "the signing secret of --webhook-url: whsec_ and base64 of 16 to 64 random "
                                           "bytes", metavar="WHSEC", secret=True)
     webhooks_file: str | None = _s(None, "a TOML file of [tenants.NAME] tables, each a url and secret: that tenant's "
