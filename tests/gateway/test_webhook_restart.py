@@ -54,12 +54,13 @@ def test_an_event_is_delivered_after_its_gateway_is_killed_and_started_again(sha
         if when == "during":
             receiver.wait(1)  # the delivery is in flight, unanswered
         kill(procs[0])
-        assert len(receiver.deliveries) == (1 if when == "during" else 0)  # and none of them answered
+        killed = len(receiver.deliveries)  # none of them answered: the receiver holds every one
+        assert killed >= 1 if when == "during" else killed == 0
         if when == "before":
             receiver.start()
         receiver.hang_s = 0
         procs.append(serve(shared_redis.url, namespace, str(tmp_path), port, receiver))
-        wait_for(lambda: len(receiver.deliveries) >= (2 if when == "during" else 1), 60, "the delivery after restart")
+        wait_for(lambda: len(receiver.deliveries) > killed, 60, "the delivery after restart")
         events = receiver.events(SECRET)
         assert {e.data.id for e in events} == {batch_id} and {e.type for e in events} == {"batch.failed"}
         assert len({d.headers["webhook-id"] for d in receiver.deliveries}) == 1  # the same event each time

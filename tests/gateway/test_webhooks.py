@@ -122,3 +122,10 @@ def test_a_response_that_is_not_background_sends_no_event(client, receiver):
     later = client.responses.create(model="simulated", input="later", max_output_tokens=4, background=True)
     event_about(receiver, later.id)  # sent after the first one's end: had the first sent one, it would be here
     assert not any(out.id.encode() in d.body for d in receiver.deliveries)
+
+
+def test_a_streamed_background_response_sends_its_event_too(client, receiver):
+    with client.responses.create(model="simulated", input="later", max_output_tokens=4, background=True,
+                                 stream=True) as stream:
+        rid = next(iter(stream)).response.id
+    assert event_about(receiver, rid).type == "response.incomplete"

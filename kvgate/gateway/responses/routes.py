@@ -91,6 +91,8 @@ class ResponsesApi:
             record = Record(view.id, handle.job_id, caller.tenant, view.created_at, view.model, asked.echo,
                             asked.conversation, stream, entry, inputs=asked.inputs)
             await self.store.put(record)
+            if asked.background and self.outbox is not None:  # its end sends response.completed (or .failed, ...)
+                await self.outbox.watch(view.id)
         headers = {"x-request-id": handle.job_id}
         if p.stream:
             # the events before any token: the message item opens at once, or, with tools, where the text says
@@ -98,8 +100,6 @@ class ResponsesApi:
             events = s.metrics.stream(self.events(view, handle, record, asked.background, p.tools),
                                       request.state.kvgate_route, request.state.kvgate_started, preamble=preamble)
             return StreamingResponse(events, media_type="text/event-stream", headers=sse.HEADERS | headers)
-        if asked.background and self.outbox is not None:
-            await self.outbox.watch(view.id)  # its end sends response.completed (or .failed, ...): webhooks/sender.py
         if asked.background:
             return json_response(view.body("queued"), headers=headers)
         (result,) = await s.wait(request, [handle])

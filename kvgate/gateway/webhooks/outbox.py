@@ -10,8 +10,8 @@ Keys, under the namespace's shard-0 prefix ns (one slot on a Redis Cluster, besi
                                   lease on, so a gateway killed mid-delivery leaves it due again after the lease
   {ns}:webhooks:failed     zset   event ids given up on -> when (server ms), the newest FAILED_KEEP kept
   {ns}:webhooks:counts     hash   delivered, failed, dropped (no receiver configured for its tenant): fleet totals
-  {ns}:webhooks:watch      zset   background response ids -> when watched (server ms): responses whose end sends
-                                  an event once seen
+  {ns}:webhooks:watch      zset   background response ids -> when last looked at (server ms): responses whose
+                                  end sends an event once seen
 Every time here is the Redis server's clock (TIME), never a gateway's (invariant 9).
 """
 from __future__ import annotations
@@ -172,11 +172,17 @@ class Outbox:
         self._retry = r.register_script(RETRY)
 
     async def watch(self, response_id: str) -> None:
-        """A background response whose end sends an event (its score: only for ordering)."""
+        """A background response whose end sends an event (scored 0: looked at first)."""
         await self.r.zadd(self.keys.watch, {response_id: 0})
 
     async def watched(self, limit: int) -> list[str]:
+        """The `limit` responses looked at longest ago."""
         return [i.decode() for i in await self.r.zrange(self.keys.watch, 0, limit - 1)]
+
+    async def looked_at(self, response_ids: list[str], now_ms: int) -> None:
+        """Responses still running go to the back of the watch list, so that every one is looked at in turn."""
+        if response_ids:
+            await self.r.zadd(self.keys.watch, {rid: now_ms for rid in response_ids}, xx=True)
 
     async def unwatch(self, response_id: str) -> None:
         await self.r.zrem(self.keys.watch, response_id)

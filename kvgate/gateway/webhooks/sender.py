@@ -112,10 +112,12 @@ class WebhookSender:
                         e.attempts, error)
 
     async def _look_at_responses(self, now_ms: int) -> None:
+        running = []
         for rid in await self.outbox.watched(WATCH):
             with contextlib.suppress(Exception):  # one response that cannot be read holds up no other
                 ended = await self.ended(rid)
                 if ended is None:
+                    running.append(rid)
                     continue
                 status, tenant = ended
                 kind = RESPONSE_EVENTS.get(status)
@@ -123,3 +125,4 @@ class WebhookSender:
                     await self.outbox.unwatch(rid)
                 else:
                     await self.outbox.response_ended(rid, kind, tenant, now_ms // 1000)
+        await self.outbox.looked_at(running, now_ms)
