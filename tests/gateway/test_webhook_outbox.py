@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import redis
 import redis.asyncio as aioredis
 
 from kvgate.gateway.webhooks.outbox import Outbox, WebhookKeys, new_event, read_counts
 from kvgate.gateway.webhooks.sender import MAX_BACKOFF_S, Timing
+from tests.support import ROOT
 
 
 def run(coro):
@@ -101,3 +104,10 @@ def test_the_backoff_doubles_from_its_first_delay_up_to_an_hour():
     t = Timing(retry_s=86_400, backoff_s=5, timeout_s=10, poll_s=1)
     assert [t.backoff_ms(a) for a in (1, 2, 3, 4)] == [5000, 10_000, 20_000, 40_000]
     assert t.backoff_ms(30) == MAX_BACKOFF_S * 1000
+
+
+def test_kvgate_stats_reads_the_outbox_without_the_gateway_extra():
+    """The SDK's install has no pydantic-settings or starlette: `kvgate stats` must not need them for its webhook line."""
+    code = ("import sys, kvgate.commands.stats; "
+            "assert not {'pydantic_settings', 'starlette', 'standardwebhooks'} & set(sys.modules), sys.modules.keys()")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
