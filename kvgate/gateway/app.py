@@ -81,6 +81,7 @@ class Gateway:
                              lease_s=s.batch_lease_s, poll_s=s.batch_poll_s, max_backlog=s.max_backlog,
                              models=models)
         self.batches.store, self.batches.runner = store, runner
+        self.files.clock = store.now  # files' created_at and expiry on the Redis server's clock, as batches'
         runner.start()
         if sender is not None:
             sender.start()

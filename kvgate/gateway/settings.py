@@ -123,6 +123,8 @@ class GatewaySettings(BaseSettings):
     batch_poll_s: float = _s(1.0, "how often a replica looks for batches nobody drives, seconds", gt=0)
     batch_min_window_s: int = _s(3600, "for tests only: the shortest completion_window taken, seconds (1 hour, as "
                                        "real batches need; a test shortens it to watch a batch expire)", ge=1)
+    file_min_expiry_s: int = _s(3600, "for tests only: the shortest expires_after / output_expires_after taken, "
+                                      "seconds (1 hour, as OpenAI's)", ge=1)
 
     # webhooks (docs/webhooks.md)
     webhook_url: str | None = _s(None, "send batch.* and background response.* events here, signed with "

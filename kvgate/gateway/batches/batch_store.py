@@ -31,6 +31,7 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 JSON_FIELDS = ("metadata", "errors")
 COUNTS = ("total", "completed", "failed")
+HIDDEN = ("tenant", "output_expires_s")  # kept, not shown: no such field in OpenAI's Batch
 ORDER_CHUNK = 1000  # custom_ids per RPUSH
 
 # KEYS: batch hash, active set, then (with webhooks) the event's hash and the outbox's due zset. ARGV: batch id,
@@ -115,9 +116,10 @@ class Batch:
     completed: int = 0
     failed: int = 0
     tenant: str = DEFAULT_TENANT  # its input file's owner; kept, not shown. Batches from before tenants: default
+    output_expires_s: int | None = None  # output_expires_after's seconds: its output and error files expire then
 
     def body(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in (*COUNTS, "tenant")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in (*COUNTS, *HIDDEN)}
         out["request_counts"] = {"total": self.total, "completed": self.completed, "failed": self.failed}
         return out
 
@@ -174,7 +176,8 @@ class BatchStore:
     # -- batch objects ----------------------------------------------------------------------------
     async def create(self, batch: Batch) -> None:
         values = {k: v for k, v in batch.body().items() if k != "request_counts"}
-        values |= {"total": 0, "completed": 0, "failed": 0, "tenant": batch.tenant}
+        values |= {"total": 0, "completed": 0, "failed": 0, "tenant": batch.tenant,
+                   "output_expires_s": batch.output_expires_s}
         pipe = self.r.pipeline(transaction=True)
         now = time.time()
         pipe.hset(self.key(batch.id), mapping=encode_fields(values))
