@@ -15,7 +15,7 @@ from tests.support import wait_for
 @pytest.fixture(scope="module")
 def client(sim_fleet, tmp_path_factory):
     gw = start_gateway(*sim_fleet, files_dir=str(tmp_path_factory.mktemp("files")), batch_poll_s=0.2,
-                       file_min_expiry_s=1)
+                       file_min_expiry_s=1, models=["ghost"])  # ghost: lines that wait, for no worker serves it
     with openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=60) as c:
         yield c
     gw.stop()
@@ -78,3 +78,14 @@ def test_a_batch_output_past_its_expiry_is_gone(client):
     wait_for(lambda: done.output_file_id not in [x.id for x in client.files.list()], 10, "the output to expire")
     with pytest.raises(openai.NotFoundError):
         client.files.content(done.output_file_id)
+
+
+def test_a_running_batch_whose_input_expires_is_cancelled_as_if_the_input_were_deleted(client):
+    row = request(0)
+    row["body"]["model"] = "ghost"
+    f = client.files.create(file=("in.jsonl", jsonl([row])), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 3})
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "in_progress", 10, "the batch to start")
+    done = wait_final(client.batches.retrieve, batch.id, 30)
+    assert done.status == "cancelled" and done.request_counts.failed == 1
