@@ -73,10 +73,12 @@ class Gateway:
         if s.models:  # the operator's --model: known to the fleet (stats, the exporter, other gateways) from now on
             await run_async(add_models(client.redis, client.keys, s.models))
         models = serving.models = LiveModels(client.redis, client.keys, s.models_cache_s, s.models)
-        hooks = self.webhook_targets.any
+        targets = self.webhook_targets
+        wants = (lambda tenant: targets.of(tenant) is not None) if targets.any else None  # has it a receiver?
         # a cluster's shard 0: batch scripts, one slot, with the webhook outbox a final status writes to
-        store = BatchStore(client.redis, client.keys.prefix, webhooks=hooks)
-        sender = self._webhook_sender(Outbox(client.redis, WebhookKeys(client.keys.prefix))) if hooks else None
+        store = BatchStore(client.redis, client.keys.prefix, webhooks=wants)
+        outbox = None if wants is None else Outbox(client.redis, WebhookKeys(client.keys.prefix), wants)
+        sender = None if outbox is None else self._webhook_sender(outbox)
         runner = BatchRunner(client, store, self.files.store, window=s.batch_window, priority=s.batch_priority,
                              lease_s=s.batch_lease_s, poll_s=s.batch_poll_s, max_backlog=s.max_backlog,
                              models=models)

@@ -111,20 +111,42 @@ def test_a_tenant_in_the_webhooks_file_gets_its_events_at_its_own_url_with_its_o
         gateways.stop()
 
 
-def test_with_only_tenants_receivers_another_tenants_batch_sends_nothing(shared_redis, namespace, gateway_factory,
-                                                                        tmp_path):
+def test_with_only_tenants_receivers_another_tenants_batch_writes_no_event(shared_redis, namespace, gateway_factory,
+                                                                          tmp_path):
     own, secret = Receiver().start(), new_secret()
     try:
         hooks = tmp_path / "webhooks.toml"
         hooks.write_text(f'[tenants.team-a]\nurl = "{own.url}"\nsecret = "{secret}"\n')
         gw = gateway_factory(shared_redis.url, namespace, files_dir=str(tmp_path), api_keys=["ka=team-a", "kb=team-b"],
-                             webhooks_file=str(hooks), **FAST)
+                             webhooks_file=str(hooks), models=["simulated"], **FAST)  # queued: no worker
         with openai.OpenAI(base_url=gw.base_url, api_key="kb", max_retries=0, timeout=60) as b, \
                 openai.OpenAI(base_url=gw.base_url, api_key="ka", max_retries=0, timeout=60) as a:
             failed_batch(b)
+            b.responses.create(model="simulated", input="x", background=True)
             mine = failed_batch(a)
         own.wait(1)
-        wait_for(lambda: counts(shared_redis.url, namespace)["dropped"] == 1, 30, "team-b's event dropped")
+        wait_for(lambda: counts(shared_redis.url, namespace)["delivered"] == 1, 30, "team-a's delivery")
         assert [e.data.id for e in own.events(secret)] == [mine]
+        assert counts(shared_redis.url, namespace) == {"delivered": 1, "failed": 0, "dropped": 0, "pending": 0}
+        with redis.Redis.from_url(shared_redis.url) as r:
+            assert r.zcard(f"{namespace}:webhooks:watch") == 0  # team-b's background response is not watched
     finally:
         own.stop()
+
+
+def test_an_event_whose_tenant_lost_its_receiver_before_delivery_is_dropped_and_counted(shared_redis, namespace,
+                                                                                       gateway_factory, tmp_path):
+    down, other = Receiver(), Receiver().start()
+    try:
+        first = gateway_factory(shared_redis.url, namespace, files_dir=str(tmp_path), webhook_url=down.url,
+                                webhook_secret=SECRET, **FAST)
+        with openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+            failed_batch(c)
+        first.stop()  # its event undelivered: the receiver never came up
+        hooks = tmp_path / "webhooks.toml"  # the operator now sends only team-a's events
+        hooks.write_text(f'[tenants.team-a]\nurl = "{other.url}"\nsecret = "{SECRET}"\n')
+        gateway_factory(shared_redis.url, namespace, files_dir=str(tmp_path), webhooks_file=str(hooks), **FAST)
+        wait_for(lambda: counts(shared_redis.url, namespace)["dropped"] == 1, 30, "the event dropped")
+        assert counts(shared_redis.url, namespace)["pending"] == 0 and other.deliveries == []
+    finally:
+        other.stop()

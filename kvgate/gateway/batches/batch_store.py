@@ -18,7 +18,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import redis.asyncio as aioredis
 
@@ -146,10 +146,10 @@ def decode_batch(raw: dict[bytes, bytes]) -> Batch:
 
 
 class BatchStore:
-    def __init__(self, r: aioredis.Redis, namespace: str, webhooks: bool = False):
+    def __init__(self, r: aioredis.Redis, namespace: str, webhooks: Callable[[str], bool] | None = None):
         """`namespace`: the key prefix of the namespace's fleet keys (Keys.prefix: on a Redis Cluster its shard 0, so
-        that a batch's keys, its index and the active set share one slot). `webhooks`: a final status writes its
-        event (batch.completed, ...) to the webhook outbox."""
+        that a batch's keys, its index and the active set share one slot). `webhooks(tenant)`: whether a final status
+        of that tenant's batch writes its event (batch.completed, ...) to the webhook outbox."""
         self.r, self.ns, self.webhooks = r, namespace, webhooks
         self.hooks = WebhookKeys(namespace)
         self._transition = r.register_script(TRANSITION)
@@ -206,7 +206,8 @@ class BatchStore:
         args, keys = [batch_id, " ".join(allowed), status, "1" if status in TERMINAL else "0"], [self.key(batch_id),
                                                                                                  self.active_set]
         stamp = values.get(f"{status}_at")
-        if self.webhooks and status in TERMINAL and stamp is not None:
+        if self.webhooks is not None and status in TERMINAL and stamp is not None and self.webhooks(
+                (await self.r.hget(self.key(batch_id), "tenant") or DEFAULT_TENANT.encode()).decode()):
             event_id, body = new_event(f"batch.{status}", batch_id, stamp)
             args += [event_id, body]
             keys += [self.hooks.event(event_id), self.hooks.due]

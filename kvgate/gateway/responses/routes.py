@@ -91,8 +91,8 @@ class ResponsesApi:
             record = Record(view.id, handle.job_id, caller.tenant, view.created_at, view.model, asked.echo,
                             asked.conversation, stream, entry, inputs=asked.inputs)
             await self.store.put(record)
-            if asked.background and self.outbox is not None:  # its end sends response.completed (or .failed, ...)
-                await self.outbox.watch(view.id)
+            if asked.background and self.outbox is not None and self.outbox.wants(caller.tenant):
+                await self.outbox.watch(view.id)  # its end sends response.completed (or .failed, ...)
         headers = {"x-request-id": handle.job_id}
         if p.stream:
             # the events before any token: the message item opens at once, or, with tools, where the text says

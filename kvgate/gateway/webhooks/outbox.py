@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 FAILED_KEEP = 1000  # failed event ids kept for inspection
 FAILED_KEEP_S = 7 * 86_400  # how long a failed event's hash is kept
@@ -162,10 +162,10 @@ def read_counts(r: Any, keys: WebhookKeys) -> WebhookCounts:
 
 
 class Outbox:
-    """The outbox over an asyncio Redis client."""
+    """The outbox over an asyncio Redis client; `wants(tenant)`: whether that tenant has a receiver."""
 
-    def __init__(self, r: Any, keys: WebhookKeys):
-        self.r, self.keys = r, keys
+    def __init__(self, r: Any, keys: WebhookKeys, wants: Callable[[str], bool] = lambda tenant: True):
+        self.r, self.keys, self.wants = r, keys, wants
         self._watched = r.register_script(WATCHED)
         self._claim = r.register_script(CLAIM)
         self._done = r.register_script(DONE)
