@@ -111,3 +111,17 @@ def test_kvgate_stats_reads_the_outbox_without_the_gateway_extra():
     code = ("import sys, kvgate.commands.stats; "
             "assert not {'pydantic_settings', 'starlette', 'standardwebhooks'} & set(sys.modules), sys.modules.keys()")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_outbox_shares_the_batches_slot_on_a_redis_cluster():
+    """A batch's transition writes its event in one script: every outbox key must be in the batch hash's slot."""
+    from redis.crc import key_slot
+
+    from kvgate.gateway.batches.batch_store import BatchStore
+    from kvgate.producer.keys import Keys
+
+    prefix = Keys("ns", shards=6, cluster=True).prefix
+    store, hooks = BatchStore(aioredis.Redis(), prefix), WebhookKeys(prefix)
+    slots = {key_slot(k.encode()) for k in (store.key("batch_x"), store.active_set, hooks.event("evt_1"), hooks.due,
+                                           hooks.failed, hooks.counts, hooks.watch)}
+    assert len(slots) == 1 and "{" in prefix
