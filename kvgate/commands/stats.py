@@ -7,6 +7,7 @@ import json
 from kvgate.producer.connection import DEFAULT_URL, resolve_url, translated
 from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
 from kvgate.producer.redis_url import connect, keys_for
+from kvgate.gateway.webhooks.outbox import WebhookCounts, WebhookKeys, read_counts
 
 NO_WORKER = "no live worker: waiting for scale-up"
 
@@ -19,10 +20,23 @@ def run(args: argparse.Namespace) -> int:
     url = resolve_url(args.redis_url, DEFAULT_URL)
     with translated(url):
         r = connect(url)
-        stats = read_queue_stats(r, keys_for(url, r, args.namespace))  # a cluster's: summed over its shards
+        keys = keys_for(url, r, args.namespace)
+        stats = read_queue_stats(r, keys)  # a cluster's: summed over its shards
+        hooks = read_counts(r, WebhookKeys(keys.prefix))  # the gateways' webhook outbox, in shard 0
         r.close()
-    print(json.dumps(stats.to_dict()) if args.json else render(stats, args.namespace))
+    if args.json:
+        print(json.dumps(stats.to_dict() | {"webhooks": hooks.to_dict()}))
+    else:
+        print(render(stats, args.namespace) + _webhook_lines(hooks))
     return 0
+
+
+def _webhook_lines(c: WebhookCounts) -> str:
+    """The gateways' webhook events (docs/webhooks.md), once there were any: failed ones went past --webhook-retry."""
+    if not (c.delivered or c.failed or c.dropped or c.pending):
+        return ""
+    return (f"\n\nwebhooks: delivered {c.delivered}   pending {c.pending}   failed {c.failed}   "
+            f"dropped (no receiver) {c.dropped}")
 
 
 def _age(seconds: float | None) -> str:

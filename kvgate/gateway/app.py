@@ -33,6 +33,9 @@ from .responses.routes import ResponsesApi
 from .serving import Serving
 from .settings import GatewaySettings
 from .vllm.routes import VllmApi
+from .webhooks.outbox import Outbox, WebhookKeys
+from .webhooks.sender import Timing, WebhookSender
+from .webhooks.targets import Listen
 
 CLOSE_TIMEOUT_S = 5.0
 QUOTA_LEASE_MARGIN_S = 60  # a job holds its tenant's slot this long past the request timeout should its replica die
@@ -54,8 +57,10 @@ class Gateway:
         files_dir = namespace_dir(settings.files_dir or default_files_dir(), settings.namespace)
         self.files = FilesApi(settings, LocalFileStore(files_dir), self.serving.keys)
         self.batches = BatchesApi(settings, self.files)
+        self.responses = ResponsesApi(self.serving)
         self.apis = (ChatApi(self.serving), self.files, self.batches, VllmApi(self.serving),
-                     ResponsesApi(self.serving), EmbeddingsApi(self.serving))
+                     self.responses, EmbeddingsApi(self.serving))
+        self.webhook_targets = settings.webhook_targets()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
@@ -68,18 +73,36 @@ class Gateway:
         if s.models:  # the operator's --model: known to the fleet (stats, the exporter, other gateways) from now on
             await run_async(add_models(client.redis, client.keys, s.models))
         models = serving.models = LiveModels(client.redis, client.keys, s.models_cache_s, s.models)
-        store = BatchStore(client.redis, client.keys.prefix)  # a cluster's shard 0: batch scripts, one slot
+        targets = self.webhook_targets
+        wants = (lambda tenant: targets.of(tenant) is not None) if targets.any else None  # has it a receiver?
+        # a cluster's shard 0: batch scripts, one slot, with the webhook outbox a final status writes to
+        store = BatchStore(client.redis, client.keys.prefix, webhooks=wants)
+        outbox = None if wants is None else Outbox(client.redis, WebhookKeys(client.keys.prefix), wants)
+        sender = None if outbox is None else self._webhook_sender(outbox)
         runner = BatchRunner(client, store, self.files.store, window=s.batch_window, priority=s.batch_priority,
                              lease_s=s.batch_lease_s, poll_s=s.batch_poll_s, max_backlog=s.max_backlog,
                              models=models)
         self.batches.store, self.batches.runner = store, runner
+        self.files.clock = store.now  # files' created_at and expiry on the Redis server's clock, as batches'
         runner.start()
+        if sender is not None:
+            sender.start()
         try:
             yield
         finally:
+            if sender is not None:
+                await sender.stop()
             await runner.stop()
             await models.close()
             await close_client(client)
+
+    def _webhook_sender(self, outbox: Outbox) -> WebhookSender:
+        s, counter = self.settings, self.serving.metrics.webhooks
+        self.responses.outbox = outbox
+        timing = Timing(s.webhook_retry_s, s.webhook_backoff_s, s.webhook_timeout_s, s.webhook_poll_s)
+        return WebhookSender(outbox, self.webhook_targets, timing, allow_private=s.webhook_allow_private,
+                             listen=Listen(s.host, s.port), ended=self.responses.ended,
+                             count=lambda outcome: counter.labels(outcome).inc())
 
     # -- the gateway's own routes -----------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:

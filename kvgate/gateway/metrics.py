@@ -35,6 +35,9 @@ class GatewayMetrics:
         self.ttft = Histogram("kvgate_gateway_time_to_first_token_seconds", "Request arrival to the first event "
                               "carrying a token of a streamed answer, by route template", ("route",),
                               buckets=TTFT_BUCKETS, registry=r)
+        self.webhooks = Counter("kvgate_gateway_webhook_deliveries", "Webhook delivery attempts of this process, by "
+                                "outcome: delivered, retried, failed (retry time over), dropped (no receiver for "
+                                "its tenant)", ("outcome",), registry=r)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -15,6 +15,7 @@ from kvgate.producer.quotas import Quota, Quotas
 
 if TYPE_CHECKING:
     from .auth import ApiKeys
+    from .webhooks.targets import Targets
 
 
 def _names(value: object) -> object:
@@ -125,12 +126,49 @@ class GatewaySettings(BaseSettings):
     batch_poll_s: float = _s(1.0, "how often a replica looks for batches nobody drives, seconds", gt=0)
     batch_min_window_s: int = _s(3600, "for tests only: the shortest completion_window taken, seconds (1 hour, as "
                                        "real batches need; a test shortens it to watch a batch expire)", ge=1)
+    file_min_expiry_s: int = _s(3600, "for tests only: the shortest expires_after / output_expires_after taken, "
+                                      "seconds (1 hour, as OpenAI's)", ge=1)
+
+    # webhooks (docs/webhooks.md)
+    webhook_url: str | None = _s(None, "send batch.* and background response.* events here, signed with "
+                                       "--webhook-secret (docs/webhooks.md); a tenant's own entry wins",
+                                 metavar="URL")
+    webhook_secret: str | None = _s(None, "the signing secret of --webhook-url: whsec_ and base64 of 16 to 64 random "
+                                          "bytes", metavar="WHSEC", secret=True)
+    webhooks_file: str | None = _s(None, "a TOML file of [tenants.NAME] tables, each a url and secret: that tenant's "
+                                         "events go there instead; read and checked at start", metavar="PATH")
+    webhook_allow_private: bool = _s(False, "let webhook URLs resolve to private, loopback or link-local addresses "
+                                            "(receivers on premises, tests)")
+    webhook_retry_s: float = _s(259_200.0, "seconds an undelivered event is retried (backing off) before it is "
+                                           "counted failed (kvgate stats); 72 h, as OpenAI's", gt=0)
+    webhook_backoff_s: float = _s(5.0, "seconds before the first retry, doubled each time up to an hour", gt=0)
+    webhook_timeout_s: float = _s(10.0, "seconds a receiver has to answer one delivery (2xx) before it is retried",
+                                  gt=0)
+    webhook_poll_s: float = _s(1.0, "how often a gateway looks for due webhook events and ended background "
+                                    "responses, seconds", gt=0)
 
     @model_validator(mode="after")
     def _keys(self) -> "GatewaySettings":
         self.api_key_table()  # a bad entry, a missing keys file or a key given twice fails the start
         self.quota_table()  # so does a bad quotas file
+        self.webhook_targets()  # and a webhook URL refused, a bad secret or a bad webhooks file
         return self
+
+    def webhook_targets(self) -> "Targets":
+        """Each tenant's webhook receiver, every URL checked (resolved) now."""
+        from .webhooks.targets import Listen, Target, Targets, check_secret, check_url, read_targets
+
+        listen, private = Listen(self.host, self.port), self.webhook_allow_private
+        default = None
+        if (self.webhook_url is None) != (self.webhook_secret is None):
+            raise ValueError("--webhook-url and --webhook-secret go together: give both (KVGATE_WEBHOOK_URL, "
+                             "KVGATE_WEBHOOK_SECRET) or neither")
+        if self.webhook_url is not None:
+            default = Target(check_url(self.webhook_url, "--webhook-url", private, listen),
+                             check_secret(self.webhook_secret, "--webhook-secret"))
+        if self.webhooks_file is None:
+            return Targets(default)
+        return read_targets(self.webhooks_file, default, private, listen)
 
     def quota_table(self) -> Quotas | None:
         """Every tenant's quota: the file's, its [default] filled in from --tenant-max-jobs and

@@ -20,6 +20,7 @@ from ..request_body import read_json
 from ..settings import GatewaySettings
 from .batch_runner import BatchRunner
 from .batch_store import Batch, BatchStore, new_batch_id
+from .expires_after import expiry_seconds
 from .file_routes import FilesApi
 
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
@@ -55,6 +56,8 @@ class BatchesApi:
         except BadWindow as e:
             raise invalid("completion_window", str(e)) from None
         metadata = _metadata(body.get("metadata"))
+        output_expires_s = expiry_seconds(body.get("output_expires_after"), "output_expires_after",
+                                          self.settings.file_min_expiry_s)
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or not file_id:
             raise invalid("input_file_id", f"input_file_id={file_id!r} must be the id of an uploaded file")
@@ -65,7 +68,7 @@ class BatchesApi:
         now = await self.store.now()  # the Redis server's clock, which judges the batch's expiry on every replica
         # the batch is its input's owner's (an admin's batch on a tenant's file too): its jobs carry that tenant
         batch = Batch(new_batch_id(), endpoint, file_id, now, now + window_s, completion_window=window,
-                      metadata=metadata, tenant=source.tenant)
+                      metadata=metadata, tenant=source.tenant, output_expires_s=output_expires_s)
         await self.store.create(batch)
         self.runner.wake()
         return json_response(batch.body())

@@ -28,6 +28,7 @@ from .batch_input import check_input
 from .batch_quota import BatchQuota
 from .batch_store import Batch, BatchStore
 from .batch_work import SUBMIT_CHUNK, ModelCheck, Work
+from .expires_after import expired
 from .file_store import FileStore
 
 log = logging.getLogger(__name__)
@@ -201,12 +202,21 @@ class BatchRunner:
         if not rows:
             return None
         data = ("\n".join(rows) + "\n").encode()
+        now = await self.store.now()  # output_expires_after is anchored at the file's created_at, on this clock
+        expires_at = None if b.output_expires_s is None else now + b.output_expires_s
         obj = await asyncio.to_thread(self.files.put, data, f"{b.id}_{kind}.jsonl", "batch_output",
-                                      result_file_id(b.id, kind), tenant=b.tenant)
+                                      result_file_id(b.id, kind), tenant=b.tenant, created_at=now,
+                                      expires_at=expires_at)
         return obj.id
 
     async def _input(self, b: Batch) -> bytes | None:
+        """The input file's content; None once it is deleted or past its expires_after (as deleted)."""
+        now = await self.store.now()
+
         def read() -> bytes | None:
+            obj = self.files.get(b.input_file_id)
+            if obj is None or expired(obj.expires_at, now):
+                return None
             f = self.files.open(b.input_file_id)
             if f is None:
                 return None

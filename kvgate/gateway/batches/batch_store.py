@@ -18,31 +18,38 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import redis.asyncio as aioredis
 
 from kvgate.producer.cluster import run_script
 from kvgate.producer.limits import DEFAULT_TENANT
 
+from ..webhooks.outbox import ADD as ADD_EVENT, WebhookKeys, new_event
+
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 JSON_FIELDS = ("metadata", "errors")
 COUNTS = ("total", "completed", "failed")
+HIDDEN = ("tenant", "output_expires_s")  # kept, not shown: no such field in OpenAI's Batch
 ORDER_CHUNK = 1000  # custom_ids per RPUSH
 
-# KEYS: batch hash, active set. ARGV: batch id, allowed current statuses (space separated), new status, "1" when
-# it is final, then field/value pairs. Moves the status only from an allowed one, so a cancel and the runner
-# never overwrite each other.
-TRANSITION = """
+# KEYS: batch hash, active set, then (with webhooks) the event's hash and the outbox's due zset. ARGV: batch id,
+# allowed current statuses (space separated), new status, "1" when it is final, the event's id ("" for none) and
+# JSON, then field/value pairs. Moves the status only from an allowed one, so a cancel and the runner never
+# overwrite each other; the webhook event of a final status is written in the same step (webhooks/outbox.py).
+TRANSITION = ADD_EVENT + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 0 end
 local allowed = false
 for s in string.gmatch(ARGV[2], '%S+') do if s == status then allowed = true end end
 if not allowed then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[3])
-for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if ARGV[4] == '1' then redis.call('SREM', KEYS[2], ARGV[1]) end
+if ARGV[5] ~= '' then
+  add_event(KEYS[3], KEYS[4], ARGV[5], ARGV[6], redis.call('HGET', KEYS[1], 'tenant') or 'default')
+end
 return 1
 """
 
@@ -109,9 +116,10 @@ class Batch:
     completed: int = 0
     failed: int = 0
     tenant: str = DEFAULT_TENANT  # its input file's owner; kept, not shown. Batches from before tenants: default
+    output_expires_s: int | None = None  # output_expires_after's seconds: its output and error files expire then
 
     def body(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in (*COUNTS, "tenant")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in (*COUNTS, *HIDDEN)}
         out["request_counts"] = {"total": self.total, "completed": self.completed, "failed": self.failed}
         return out
 
@@ -138,10 +146,12 @@ def decode_batch(raw: dict[bytes, bytes]) -> Batch:
 
 
 class BatchStore:
-    def __init__(self, r: aioredis.Redis, namespace: str):
+    def __init__(self, r: aioredis.Redis, namespace: str, webhooks: Callable[[str], bool] | None = None):
         """`namespace`: the key prefix of the namespace's fleet keys (Keys.prefix: on a Redis Cluster its shard 0, so
-        that a batch's keys, its index and the active set share one slot)."""
-        self.r, self.ns = r, namespace
+        that a batch's keys, its index and the active set share one slot). `webhooks(tenant)`: whether a final status
+        of that tenant's batch writes its event (batch.completed, ...) to the webhook outbox."""
+        self.r, self.ns, self.webhooks = r, namespace, webhooks
+        self.hooks = WebhookKeys(namespace)
         self._transition = r.register_script(TRANSITION)
         self._record = r.register_script(RECORD)
         self._renew = r.register_script(RENEW)
@@ -166,7 +176,8 @@ class BatchStore:
     # -- batch objects ----------------------------------------------------------------------------
     async def create(self, batch: Batch) -> None:
         values = {k: v for k, v in batch.body().items() if k != "request_counts"}
-        values |= {"total": 0, "completed": 0, "failed": 0, "tenant": batch.tenant}
+        values |= {"total": 0, "completed": 0, "failed": 0, "tenant": batch.tenant,
+                   "output_expires_s": batch.output_expires_s}
         pipe = self.r.pipeline(transaction=True)
         now = time.time()
         pipe.hset(self.key(batch.id), mapping=encode_fields(values))
@@ -192,10 +203,19 @@ class BatchStore:
         return int(await self._now(keys=[self.active_set]))
 
     async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str, **values: Any) -> bool:
-        args = [batch_id, " ".join(allowed), status, "1" if status in TERMINAL else "0"]
+        args, keys = [batch_id, " ".join(allowed), status, "1" if status in TERMINAL else "0"], [self.key(batch_id),
+                                                                                                 self.active_set]
+        stamp = values.get(f"{status}_at")
+        if self.webhooks is not None and status in TERMINAL and stamp is not None and self.webhooks(
+                (await self.r.hget(self.key(batch_id), "tenant") or DEFAULT_TENANT.encode()).decode()):
+            event_id, body = new_event(f"batch.{status}", batch_id, stamp)
+            args += [event_id, body]
+            keys += [self.hooks.event(event_id), self.hooks.due]
+        else:
+            args += ["", ""]
         for k, v in encode_fields(values).items():
             args += [k, v]
-        return bool(await self._transition(keys=[self.key(batch_id), self.active_set], args=args))
+        return bool(await self._transition(keys=keys, args=args))
 
     async def set(self, batch_id: str, **values: Any) -> None:
         await self.r.hset(self.key(batch_id), mapping=encode_fields(values))

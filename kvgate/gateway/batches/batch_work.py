@@ -28,6 +28,7 @@ from kvgate.openai.batch_runs import LineRun, line_runs, submit_jobs
 from ..errors import ApiError
 from .batch_quota import BatchCeiling
 from .batch_store import Batch, BatchStore
+from .expires_after import expired
 from .file_store import FileStore
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,10 @@ class Work:
             return status or "gone"
         if now >= expires_at:
             return "expired"
-        if self.files is not None and await asyncio.to_thread(self.files.get, self.batch.input_file_id) is None:
-            return "input_deleted"
+        if self.files is not None:
+            source = await asyncio.to_thread(self.files.get, self.batch.input_file_id)
+            if source is None or expired(source.expires_at, now):  # an input past its expires_after is as deleted
+                return "input_deleted"
         return None
 
     def _take(self) -> list[BatchRequest]:

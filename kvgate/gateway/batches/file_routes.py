@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
@@ -18,6 +19,7 @@ from ..json_answer import json_response
 from ..paging import limit_of, page_body
 from ..request_body import off_loop
 from ..settings import GatewaySettings
+from .expires_after import expired, expiry_seconds
 from .file_store import FileObject, FileStore
 
 PURPOSES = ("batch",)  # what uploads may be for; the gateway itself writes files with purpose batch_output
@@ -29,6 +31,7 @@ class FilesApi:
     settings: GatewaySettings
     store: FileStore
     keys: ApiKeys
+    clock: Callable[[], Awaitable[int]] | None = None  # the Redis server's clock (BatchStore.now), set at start
 
     def routes(self) -> list[Route]:
         return [Route("/v1/files", self.upload, methods=["POST"]),
@@ -50,10 +53,15 @@ class FilesApi:
                                          f"purpose 'batch' only", code="invalid_purpose")
             if not isinstance(upload, UploadFile):
                 raise invalid("file", "no file in the upload: send it as the multipart field `file`")
+            policy = {k[len("expires_after["):-1]: v for k, v in form.items() if k.startswith("expires_after[")}
+            seconds = expiry_seconds(policy or form.get("expires_after"), "expires_after",
+                                     self.settings.file_min_expiry_s)
             data = await _read(upload, limit)
             filename = upload.filename or "upload.jsonl"
         await off_loop(check_jsonl, data)  # every line parsed: up to --max-file-size, off the event loop
-        obj = await asyncio.to_thread(self.store.put, data, filename, purpose, tenant=caller.tenant)
+        now = await self.clock()
+        obj = await asyncio.to_thread(self.store.put, data, filename, purpose, tenant=caller.tenant, created_at=now,
+                                      expires_at=None if seconds is None else now + seconds)
         return json_response(obj.body())
 
     async def list(self, request: Request) -> Response:
@@ -62,7 +70,7 @@ class FilesApi:
         purpose, order = request.query_params.get("purpose"), request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
             raise invalid("order", f"order={shown(order)} must be asc or desc")
-        files = [f for f in await asyncio.to_thread(self.store.list)
+        files = [f for f in await self._live(await asyncio.to_thread(self.store.list))
                  if caller.sees(f.tenant) and (purpose is None or f.purpose == purpose)]
         files = files if order == "desc" else files[::-1]
         if after is not None:
@@ -100,9 +108,19 @@ class FilesApi:
     async def found(self, file_id: str, caller: Caller, param: str | None = None) -> FileObject:
         """The file, if `caller` may see it; another tenant's file is answered as one that does not exist."""
         obj = await asyncio.to_thread(self.store.get, file_id)
-        if obj is None or not caller.sees(obj.tenant):
+        if obj is None or not caller.sees(obj.tenant) or not await self._live([obj]):
             raise not_found(file_id, param)
         return obj
+
+    async def _live(self, files: list[FileObject]) -> list[FileObject]:
+        """The files not past their expires_at on the Redis server's clock; the others are deleted now."""
+        if all(f.expires_at is None for f in files):
+            return files
+        now = await self.clock()
+        for f in files:
+            if expired(f.expires_at, now):
+                await asyncio.to_thread(self.store.delete, f.id)
+        return [f for f in files if not expired(f.expires_at, now)]
 
 
 def not_found(file_id: str, param: str | None = None) -> ApiError:

@@ -71,9 +71,9 @@ class FileStore(Protocol):
     """What the gateway needs from file storage; calls block, so the gateway runs them in a thread."""
 
     def put(self, data: bytes, filename: str, purpose: str, file_id: str | None = None,
-            tenant: str = DEFAULT_TENANT) -> FileObject:
+            tenant: str = DEFAULT_TENANT, created_at: int | None = None, expires_at: int | None = None) -> FileObject:
         """Store `data` as `tenant`'s; with a file_id, replace that file (so a retried write does not leave a second
-        copy)."""
+        copy). `created_at`, `expires_at`: on the Redis server's clock (unset: this machine's time, no expiry)."""
 
     def get(self, file_id: str) -> FileObject | None: ...
 
@@ -94,10 +94,11 @@ class LocalFileStore:
         self.dir = Path(directory)  # created by the first put: a gateway that stores nothing leaves no trace
 
     def put(self, data: bytes, filename: str, purpose: str, file_id: str | None = None,
-            tenant: str = DEFAULT_TENANT) -> FileObject:
+            tenant: str = DEFAULT_TENANT, created_at: int | None = None, expires_at: int | None = None) -> FileObject:
         file_id = file_id or new_file_id()
         self._check(file_id)
-        obj = FileObject(file_id, len(data), int(time.time()), filename, purpose, tenant=tenant)
+        obj = FileObject(file_id, len(data), int(time.time()) if created_at is None else created_at, filename, purpose,
+                         expires_at=expires_at, tenant=tenant)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write(self.dir / file_id, data)
         self._write(self._meta(file_id), json.dumps(asdict(obj)).encode())

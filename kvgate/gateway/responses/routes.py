@@ -48,6 +48,7 @@ class ResponsesApi:
         self.serving = serving
         self._store: ResponseStore | None = None
         self._states = None
+        self.outbox = None  # the webhook outbox (app.py) where webhooks are on: background responses are watched
 
     @property
     def store(self) -> ResponseStore:
@@ -90,6 +91,8 @@ class ResponsesApi:
             record = Record(view.id, handle.job_id, caller.tenant, view.created_at, view.model, asked.echo,
                             asked.conversation, stream, entry, inputs=asked.inputs)
             await self.store.put(record)
+            if asked.background and self.outbox is not None and self.outbox.wants(caller.tenant):
+                await self.outbox.watch(view.id)  # its end sends response.completed (or .failed, ...)
         headers = {"x-request-id": handle.job_id}
         if p.stream:
             # the events before any token: the message item opens at once, or, with tools, where the text says
@@ -201,6 +204,16 @@ class ResponsesApi:
         return json_response({"id": record.id, "object": "response", "deleted": True})
 
     # -- state ------------------------------------------------------------------------------------
+    async def ended(self, rid: str) -> tuple[str, str] | None:
+        """A watched background response's final status and tenant (`gone` once its record is), None while it runs:
+        what the webhook sender asks."""
+        job_id = job_of(rid)
+        record = None if job_id is None else await self.store.get(rid, job_id)
+        if record is None:
+            return "gone", ""
+        status = (await self.current(record))["status"]
+        return (status, record.tenant) if status in FINAL else None
+
     async def found(self, rid: str, caller: Caller) -> Record:
         """The stored response, if `caller` may see it; another tenant's is answered as one that does not exist."""
         job_id = job_of(rid) if isinstance(rid, str) else None
