@@ -1,5 +1,5 @@
 """The work waiting per model and priority, in tokens, and how it stands against its deadlines: what the exporter
-publishes for autoscaling on work rather than on job counts (docs/deploy/autoscaling.md).
+publishes for autoscaling on work rather than on job counts (docs/operations/autoscaling.md).
 
 Bounded cost, whatever the backlog: a stream's entries are never all read. For each job stream with a backlog
 (shared, lanes, shards) the SAMPLE entries served next (just after the group's last-delivered id) and the SAMPLE

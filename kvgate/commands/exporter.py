@@ -148,7 +148,7 @@ def _tenant_view_families(ns: str, snap: QueueStats):
 
 
 def _work_families(ns: str, models: list[ModelWork]):
-    """Work, not job counts (producer/queue_work.py; docs/deploy/autoscaling.md): per model and priority the tokens
+    """Work, not job counts (producer/queue_work.py; docs/operations/autoscaling.md): per model and priority the tokens
     waiting, the time to drain them (and every higher priority's) at the fleet's rate, the least deadline slack and
     the rate every deadline needs; per model the fleet's rate and KV use. A drain or slack needs a measured rate:
     no series while the fleet served nothing over the last minute (KEDA reads a missing series as 0)."""
