@@ -28,6 +28,7 @@ from .steps import Steps, call, run
 from .stream_rows import read_rows
 
 SAMPLE = 64  # entries read at each end of a stream's backlog per look
+DUE_FLOOR_S = 60.0  # a deadline nearer than this is priced as this far (rate_needed)
 UNSAMPLED_JOB_TOKENS = 512  # a job's cost when no job of its priority could be sampled (tenants' streams only)
 
 
@@ -87,10 +88,12 @@ class PriorityWork:
             return None
         return min(left - ahead / rate for ahead, left in self.deadlines)
 
-    def rate_needed(self, floor_s: float = 1.0) -> float:
-        """The least fleet rate (tokens/s) at which every sampled job ends by its deadline (one already past or
-        within `floor_s` counts as due in `floor_s`); 0: no deadline waits."""
-        return max((ahead / max(left, floor_s) for ahead, left in self.deadlines), default=0.0)
+    def rate_needed(self, floor_s: float = DUE_FLOOR_S) -> float:
+        """The least fleet rate (tokens/s) at which every sampled job ends by its deadline; 0: no deadline waits.
+        A job past its deadline asks for nothing (a worker answers it `expired` without running it), and one due
+        within `floor_s` counts as due in `floor_s`: no fleet grows faster than a pod starts, and a job a second from
+        its deadline must not ask for the largest fleet there is."""
+        return max((ahead / max(left, floor_s) for ahead, left in self.deadlines if left > 0), default=0.0)
 
 
 @dataclass(slots=True)
@@ -140,14 +143,23 @@ def sample_streams(r, keys: Keys, streams: list[str]) -> Steps:
     replies = (yield call(pipe.execute, raise_on_error=False)) if asked else []
     out = {}
     for i, stream in enumerate(asked):
-        head, tail = replies[2 * i], replies[2 * i + 1]
-        head = [] if isinstance(head, Exception) else head
+        head, tail = (_entries(reply) for reply in replies[2 * i:2 * i + 2])
         seen = {as_text(i) for i, _ in head}
-        tail = [] if isinstance(tail, Exception) else [e for e in reversed(tail) if as_text(e[0]) not in seen]
+        tail = [e for e in reversed(tail) if as_text(e[0]) not in seen]
         row = rows[stream]
         backlog = row.lag if row.lag is not None else _backlog_62(head, tail)
         out[stream] = stream_work(backlog, _costs(head), _costs(tail))
     return out
+
+
+def _entries(reply) -> list:
+    """A read's entries; a key a producer made of another type holds none, any other error (a user without XRANGE or
+    XREVRANGE) is the caller's."""
+    if isinstance(reply, Exception):
+        if "WRONGTYPE" in str(reply):
+            return []
+        raise reply
+    return reply
 
 
 def _backlog_62(head, tail) -> int:

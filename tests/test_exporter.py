@@ -251,10 +251,12 @@ def test_with_no_fleet_the_work_and_the_rate_its_deadlines_need_show_but_no_drai
     """At zero workers there is no measured rate: a drain time would be infinite. The tokens and the rate needed
     still show, so an autoscaler can size the fleet from zero."""
     keys = Keys("exp")
-    server.xadd(keys.jobs(None, "normal"), _job(300, 100, deadline=_server_now(server) + 40))
+    server.xadd(keys.jobs(None, "normal"), _job(300, 100, deadline=_server_now(server) + 100))
+    server.xadd(keys.jobs(None, "low"), _job(300, 100, deadline=_server_now(server) - 5))  # expired: costs nothing
     m = _work(server, keys)
     assert m[("kvgate_queue_tokens_waiting", "default", "normal")] == 400
-    assert 10 <= m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "normal")] < 10.5
+    assert 4 <= m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "normal")] < 4.2
+    assert m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "low")] == 0
     assert not [k for k in m if k[0] in ("kvgate_queue_drain_seconds", "kvgate_queue_deadline_slack_seconds",
                                          "kvgate_model_kv_usage_ratio")]
 

@@ -103,6 +103,7 @@ class _Run:
         self.served_sum = 0.0
         self.waits: dict[str, list[float]] = {p: [] for p in PRIORITIES}
         self.late = self.batch_done = 0
+        self.batch_last = None
         self.replicas_seen: list[int] = []
         policy = fleet.work if fleet.scaler == "work" else LagScaling()
         self.policy = policy
@@ -115,6 +116,7 @@ class _Run:
         for a in arrivals:
             self.push(a[0], "arrive", a)
         self.lines = sum(a[3] is not None for a in arrivals)
+        self.batch_from = min((a[0] for a in arrivals if a[3] is not None), default=0.0)
         if self.scaler is None:
             for _ in range(self.f.constant):
                 self.add_worker(ready=True)
@@ -150,6 +152,7 @@ class _Run:
         self.served_sum += tokens
         if deadline is not None:
             self.batch_done += 1
+            self.batch_last = self.now
             self.late += self.now > deadline + 1e-9
         if w.draining:
             if not w.running:
@@ -237,6 +240,7 @@ class _Run:
         return {"scaler": self.f.scaler or f"constant {self.f.constant}", "worker_minutes": round(minutes, 1),
                 "batch_on_time": round(1 - self.late / lines, 5) if lines else None,
                 "batch_done": self.batch_done,
+                "batch_took_s": round(self.batch_last - self.batch_from, 1) if self.batch_last is not None else None,
                 "interactive_p99_wait_s": round(high[int(0.99 * (len(high) - 1))], 3) if high else None,
                 "max_replicas": max(self.replicas_seen, default=self.f.constant)}
 

@@ -39,6 +39,7 @@ class FleetCollector:
         started = time.perf_counter()
         try:
             snap = read_queue_stats(self.client, self.keys)
+            work = read_queue_work(self.client, self.keys, snap)
         except redis.RedisError:
             up.add_metric([ns], 0)
             yield up
@@ -50,10 +51,6 @@ class FleetCollector:
         yield from _fleet_families(ns, snap)
         yield from _tenant_families(ns, snap)
         yield from _tenant_view_families(ns, snap)
-        try:
-            work = read_queue_work(self.client, self.keys, snap)
-        except redis.RedisError:
-            work = {}  # the queue gauges above stand; the work ones wait for the next scrape
         yield from _work_families(ns, list(work.values()))
         took = GaugeMetricFamily("kvgate_exporter_scrape_seconds", "Time to read the fleet from Redis",
                                  labels=["kvgate_namespace"])
