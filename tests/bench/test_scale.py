@@ -80,3 +80,12 @@ def test_a_fleet_at_zero_serves_a_lone_job_after_one_cold_start():
 def test_the_constant_fleet_search_finds_the_least_size_that_meets():
     assert smallest(lambda n: n * n >= 50) == 8
     assert smallest(lambda n: True) == 1
+
+
+def test_kvgate_bench_scale_is_a_registered_benchmark_with_the_issues_trace_by_default():
+    from kvgate.bench import scale
+    from kvgate.commands.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "scale"])
+    assert args.bench == "scale" and args._run is scale.run
+    assert (args.batch_lines, args.window_s, args.cold_start_s) == (50_000, 3600.0, 90.0)
