@@ -6,9 +6,10 @@ Bounded cost, whatever the backlog: a stream's entries are never all read. For e
 entries enqueued last are read, in one pipelined round trip for all streams; each is decoded and costed as a quota
 charge is (`estimate_tokens`: prompt token ids or characters / 4, plus max_tokens). With the backlog at most
 2 x SAMPLE the two ends cover it and the figures are exact; past that, the unread middle is counted at the sampled
-jobs' mean. Jobs queued in tenants' streams (fair share) count at the same mean (or UNSAMPLED_JOB_TOKENS when the
-shared streams hold none to sample): their number is queue_stats' backlog, which counts them by their band's counter. So a scrape reads at most 2 x SAMPLE entries a
-stream: 1e6 jobs waiting cost what 200 do.
+jobs' mean. With fair share, the streams of each band's TOP_TENANTS tenants served next are sampled the same way;
+the band's other tenants' jobs count at the mean of what was sampled (UNSAMPLED_JOB_TOKENS when nothing was): their
+number is queue_stats' backlog, which counts them by their band's counter. So a scrape reads at most 2 x SAMPLE entries a
+stream: 1e6 jobs waiting cost what 200 do, and 1e5 tenants what 10 do.
 
 Deadline slack is measured on the sampled jobs only: for each job with a deadline, the tokens that must drain before
 it ends (every higher priority's, its stream's ahead of it, scaled to every stream of its priority, and its own)
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 
 from .keys import PRIORITIES, TENANT_WINDOW_S, Keys, as_text
 from .protocol import FIELD, decode_job
-from .queue_stats import QueueStats, WorkerStats, lanes_of, server_ms
+from .limits import TOP_TENANTS
+from .queue_stats import QueueStats, WorkerStats, fair_queued, lanes_of, server_ms
 from .quotas import estimate_tokens
 from .steps import Steps, call, run
 from .stream_rows import read_rows
@@ -185,17 +187,36 @@ def priority_work(streams: dict[str, StreamWork], names: list[str], jobs: int, a
     return work
 
 
+def next_tenants(r, keys: Keys, names: list[str]) -> Steps:
+    """Fair share: per band (model, priority, shard) with jobs queued in tenants' streams, the streams of the
+    TOP_TENANTS tenants served next (the lowest virtual counters): sampled as shared streams are, so their jobs'
+    tokens and deadlines are seen, whatever the number of tenants."""
+    queued = yield from fair_queued(r, keys, names)
+    bands = [band for band, n in queued.items() if n > 0]
+    if not bands:
+        return {}
+    pipe = r.pipeline(transaction=False)
+    for band in bands:
+        pipe.zrange(Keys.fair_backlog(band), 0, TOP_TENANTS - 1)
+    replies = yield call(pipe.execute, raise_on_error=False)
+    return {band: [Keys.tenant_jobs(band, as_text(t)) for t in _entries(reply)] for band, reply in zip(bands, replies)}
+
+
 def queue_work(r, keys: Keys, snap: QueueStats) -> Steps:
     """Every model of `snap` (queue_stats'): its priorities' work, its fleet's rate and KV use."""
     now_s, lanes = (yield from server_ms(r)) / 1000, (yield from lanes_of(r, keys))
     names = sorted(snap.models)
-    streams = yield from sample_streams(r, keys, [st for m in names for st in keys.all_jobs(m, lanes)])
+    tenants = yield from next_tenants(r, keys, names)
+    shared = [st for m in names for st in keys.all_jobs(m, lanes)]
+    streams = yield from sample_streams(r, keys, shared + [st for band in tenants.values() for st in band])
     out = {}
     for m in names:
         above, priorities = 0.0, {}
         for p in PRIORITIES:
             jobs = snap.models[m].priorities[p].backlog
-            work = priority_work(streams, keys.job_streams(m, p, lanes), jobs, above, p, now_s)
+            own = keys.job_streams(m, p, lanes) + [st for k in range(len(keys.parts))
+                                                   for st in tenants.get(keys.jobs(m, p, shard=k), [])]
+            work = priority_work(streams, own, jobs, above, p, now_s)
             priorities[p], above = work, work.tokens_through
         out[m] = ModelWork(m, priorities, fleet_rate(snap.workers, m), kv_usage(snap.workers, m))
     return out

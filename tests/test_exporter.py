@@ -280,3 +280,23 @@ def test_a_deep_backlog_is_read_at_both_ends_only_and_its_middle_priced_at_their
     m = _work(server, keys)
     assert m[("kvgate_queue_lag", "default", "normal")] == 50
     assert m[("kvgate_queue_tokens_waiting", "default", "normal")] == 400 + 800 + 42 * 150
+
+
+def test_under_fair_share_the_tenants_served_next_are_sampled_for_their_tokens_and_deadlines(server):
+    """Jobs in tenants' streams (fair share) are priced from those streams, not from a guess: two tenants' 3 and 2
+    jobs of 100 + 20 and 500 + 100 tokens, the second tenant's due in 200 s on the server's clock."""
+    keys = Keys("exp")
+    band = keys.jobs(None, "normal")
+    server.set(keys.fair(), 1)
+    due = _server_now(server) + 200
+    for tenant, n, job in (("a", 3, lambda: _job(100, 20)), ("b", 2, lambda: _job(500, 100, deadline=due))):
+        pipe = server.pipeline()
+        for _ in range(n):  # as a producer's fair-share script enqueues
+            pipe.xadd(Keys.tenant_jobs(band, tenant), job())
+        pipe.zadd(Keys.fair_backlog(band), {tenant: 0}, nx=True)
+        pipe.incrby(Keys.fair_queued(band), n)
+        pipe.execute()
+    m = _work(server, keys)
+    assert m[("kvgate_queue_lag", "default", "normal")] == 5
+    assert m[("kvgate_queue_tokens_waiting", "default", "normal")] == 3 * 120 + 2 * 600
+    assert m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "normal")] > 0

@@ -143,4 +143,4 @@ def test_the_lag_keda_scales_on_counts_the_jobs_waiting_in_tenants_streams(share
     assert lag[("default", "normal")] == 4, lag
     tokens = {sample.labels["priority"]: sample.value for family in build_registry(client, keys).collect()
               for sample in family.samples if sample.name == "kvgate_queue_tokens_waiting"}
-    assert tokens["normal"] > 0, tokens  # the work triggers see them too (at queue_work's unsampled estimate)
+    assert tokens["normal"] > 0, tokens  # the work triggers see them too (the tenants served next sampled)
