@@ -6,8 +6,10 @@
 
 Each model NAME=WEIGHTS gets `kvgate-worker-<slug>`: the worker Deployment of k8s/worker-deployment.yaml loading
 WEIGHTS and serving NAME (KVGATE_SERVED_MODEL_NAME) and its aliases, not the `default` model; and the
-ScaledObject of k8s/keda-scaledobject.yaml with one lag trigger per priority for each name it serves
-(`{ns}:jobs:<name>:<priority>`), so a job for a model with no worker wakes that model's Deployment from zero.
+ScaledObject of k8s/keda-scaledobject.yaml with one wake trigger per priority for each name it serves
+(`{ns}:jobs:<name>:<priority>`) and the prometheus triggers that scale on that model's work, over all its names
+(kvgate/bench/scale_policy.py; --worker-tokens-per-s, --deadline-margin, --utilisation and --drain-s set them), so a
+job for a model with no worker wakes that model's Deployment from zero and its work sizes it.
 The base manifests stay the one place to change probes, resources or scaling behaviour. Apply the output
 instead of worker-deployment.yaml and the ScaledObject in keda-scaledobject.yaml (keep its
 TriggerAuthentication); the default model's pair is what those two files are.
