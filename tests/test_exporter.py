@@ -280,6 +280,10 @@ def test_a_deep_backlog_is_read_at_both_ends_only_and_its_middle_priced_at_their
     m = _work(server, keys)
     assert m[("kvgate_queue_lag", "default", "normal")] == 50
     assert m[("kvgate_queue_tokens_waiting", "default", "normal")] == 400 + 800 + 42 * 150
+    from kvgate.producer.steps import run
+
+    work = run(queue_work.sample_streams(server, keys, [stream]))[stream]
+    assert (work.jobs, len(work.sampled)) == (50 if server.info()["redis_version"] >= "7" else 8, 8)  # read: 2 x 4
 
 
 def test_under_fair_share_the_tenants_served_next_are_sampled_for_their_tokens_and_deadlines(server):
