@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -125,3 +127,16 @@ def test_render_flags_set_the_work_triggers_and_refuse_values_out_of_range():
     assert prom["work-deadline"]["threshold"] == "5000" and prom["work-deadline"]["query"].endswith("/ 0.5")
     done = _render("m=/w", "--utilisation", "1.5")
     assert done.returncode == 2 and "--utilisation 1.5 must be in (0, 1]" in done.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool not installed (apt-get install prometheus ships it)")
+def test_every_trigger_query_parses_as_promql(tmp_path):
+    """Each prometheus trigger's query, as a recording rule: promtool parses it as Prometheus would."""
+    queries = {t["metadata"]["query"] for so in checked_in() + [d for d in rendered() if d["kind"] == "ScaledObject"]
+               for t in so["spec"]["triggers"] if t["type"] == "prometheus"}
+    rules = tmp_path / "queries.yml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "keda", "rules": [
+        {"record": f"kvgate:keda_query_{i}", "expr": q} for i, q in enumerate(sorted(queries))]}]}))
+    done = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
