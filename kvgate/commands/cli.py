@@ -37,6 +37,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "prefix": ("kvgate.bench.prefix", "W-PREFIX: prefix-affinity lanes vs one shared stream vs an ideal single cache"),
     "structured": ("kvgate.bench.structured", "W-STRUCT: JSON-schema-constrained vs free generation, mask, compile"),
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),
+    "scale": ("kvgate.bench.scale", "W-SCALE: a simulated day under KEDA scaling on work vs on job counts vs a constant fleet"),
     "embed": ("kvgate.bench.embed", "W-EMBED: embedding jobs through the queue vs in process, and mixed with generation"),
 }
 NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "models", "top", "exporter"}

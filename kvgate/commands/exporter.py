@@ -22,6 +22,7 @@ from kvgate.producer.connection import DEFAULT_URL, mask_url, resolve_url
 from kvgate.producer.keys import Keys
 from kvgate.producer.limits import OTHER_TENANTS
 from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
+from kvgate.producer.queue_work import ModelWork, read_queue_work
 from kvgate.producer.redis_url import connect, keys_for
 
 
@@ -38,6 +39,7 @@ class FleetCollector:
         started = time.perf_counter()
         try:
             snap = read_queue_stats(self.client, self.keys)
+            work = read_queue_work(self.client, self.keys, snap)
         except redis.RedisError:
             up.add_metric([ns], 0)
             yield up
@@ -49,6 +51,7 @@ class FleetCollector:
         yield from _fleet_families(ns, snap)
         yield from _tenant_families(ns, snap)
         yield from _tenant_view_families(ns, snap)
+        yield from _work_families(ns, list(work.values()))
         took = GaugeMetricFamily("kvgate_exporter_scrape_seconds", "Time to read the fleet from Redis",
                                  labels=["kvgate_namespace"])
         took.add_metric([ns], time.perf_counter() - started)
@@ -139,6 +142,40 @@ def _tenant_view_families(ns: str, snap: QueueStats):
             if (wait := t.wait_quantile(q / 100)) is not None:
                 family.add_metric([ns, t.tenant], wait)
     yield from (backlog, running, tokens, *waits.values())
+
+
+def _work_families(ns: str, models: list[ModelWork]):
+    """Work, not job counts (producer/queue_work.py; docs/operations/autoscaling.md): per model and priority the tokens
+    waiting, the time to drain them (and every higher priority's) at the fleet's rate, the least deadline slack and
+    the rate every deadline needs; per model the fleet's rate and KV use. A drain or slack needs a measured rate:
+    no series while the fleet served nothing over the last minute (KEDA reads a missing series as 0)."""
+    labels, by_model = ["kvgate_namespace", "model", "priority"], ["kvgate_namespace", "model"]
+    tokens = GaugeMetricFamily("kvgate_queue_tokens_waiting", "Estimated prompt plus max_tokens of the jobs not yet "
+                               "delivered (sampled at both ends of each stream)", labels=labels)
+    drain = GaugeMetricFamily("kvgate_queue_drain_seconds", "Seconds to drain this priority's and every higher "
+                              "priority's tokens waiting at the fleet's rate over the last minute", labels=labels)
+    slack = GaugeMetricFamily("kvgate_queue_deadline_slack_seconds", "Least over sampled waiting jobs of deadline "
+                              "minus now minus the drain of the work ahead of them and their own (server clock)",
+                              labels=labels)
+    needed = GaugeMetricFamily("kvgate_queue_deadline_tokens_per_second_needed", "Least fleet rate in tokens/s at "
+                               "which every sampled waiting job ends by its deadline (0: no deadline waits)",
+                               labels=labels)
+    rate = GaugeMetricFamily("kvgate_model_tokens_per_second", "Prompt plus generated tokens/s of jobs the live "
+                             "workers serving the model finished over their last minute", labels=by_model)
+    kv = GaugeMetricFamily("kvgate_model_kv_usage_ratio", "Used share of the KV blocks of the live workers "
+                           "serving the model", labels=by_model)
+    for m in models:
+        rate.add_metric([ns, m.model], m.tokens_per_s)
+        if m.kv_usage is not None:
+            kv.add_metric([ns, m.model], m.kv_usage)
+        for p in m.priorities.values():
+            tokens.add_metric([ns, m.model, p.priority], p.tokens)
+            needed.add_metric([ns, m.model, p.priority], p.rate_needed())
+            if (seconds := p.drain_s(m.tokens_per_s)) is not None:
+                drain.add_metric([ns, m.model, p.priority], seconds)
+            if (least := p.least_slack_s(m.tokens_per_s)) is not None:
+                slack.add_metric([ns, m.model, p.priority], least)
+    yield from (tokens, drain, slack, needed, rate, kv)
 
 
 def build_registry(client: redis.Redis, keys: Keys) -> CollectorRegistry:

@@ -13,7 +13,7 @@ from redis.crc import key_slot
 
 from kvgate.producer.cluster import parse_cluster_url
 from kvgate.producer.keys import PRIORITIES, Keys
-from tests.deploy.test_render_models import SCRIPT, _module
+from tests.deploy.test_render_models import _module, _render
 
 DEPLOY = Path(__file__).parents[2] / "deploy/k8s"
 
@@ -23,7 +23,7 @@ def docs(path: Path) -> list[dict]:
 
 
 def render(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60)
+    return _render(*argv)
 
 
 def single_lag() -> dict[str, int]:
@@ -38,15 +38,14 @@ def test_the_cluster_scaled_object_watches_every_shard_stream_of_the_default_mod
     assert auth["kind"] == "TriggerAuthentication" and scaled["kind"] == "ScaledObject"
     keys = Keys("kvgate", url.shards, cluster=True)
     streams = []
-    lags = [t["metadata"]["query"] for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
-    assert lags == [f'sum(kvgate_queue_lag{{kvgate_namespace="kvgate",model="default",priority="{p}"}})'
-                    for p in ("high", "normal", "low")]  # every shard's lanes and tenants' streams, summed
+    work = [t["name"] for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
+    assert work == ["work-deadline", "work-work", "work-wake"]  # every shard's work, summed by the exporter
     for trigger in [t for t in scaled["spec"]["triggers"] if t["type"] != "prometheus"]:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-cluster-streams" and meta["consumerGroup"] == Keys.GROUP
         assert all(isinstance(v, str) for v in meta.values())  # KEDA metadata is a string map
         assert tuple((h, int(p)) for h, p in (a.rsplit(":", 1) for a in meta["addresses"].split(","))) == url.nodes
-        assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"] and meta["activationLagCount"] == "0"
+        assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"] and meta["activationLagCount"] == "1"
         streams.append(meta["stream"])
     assert sorted(streams) == sorted(keys.served_jobs(["default"]))  # what a worker reads, every shard
     assert scaled["spec"]["minReplicaCount"] == 0 and scaled["spec"]["scaleTargetRef"]["name"] == "kvgate-worker"
@@ -63,7 +62,7 @@ def test_render_models_gives_each_model_one_trigger_per_shard_and_priority_in_th
     keys, lag = Keys("prod", 4, cluster=True), single_lag()
     triggers = [t for t in scaled["spec"]["triggers"] if t["type"] != "prometheus"]
     lags = [t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
-    assert len(lags) == 2 * len(PRIORITIES)  # one per name and priority: the exporter sums the shards
+    assert len(lags) == 3  # the work triggers over both names: the exporter sums the shards
     assert len(triggers) == 2 * len(PRIORITIES) * 4  # two names served
     assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(keys.served_jobs(["Qwen/Qwen2.5-7B-Instruct",
                                                                                          "qwen"]))

@@ -109,21 +109,22 @@ def test_keda_scales_the_worker_to_zero_on_lag_of_every_job_stream():
     assert streams == set(keys.all_jobs(None))
 
 
-def test_keda_sees_the_jobs_waiting_in_tenants_streams_through_the_exporters_lag():
-    """Fair share puts jobs in tenants' streams, which no redis-streams trigger names (nor can: one per tenant): a
-    prometheus trigger per priority on the exporter's kvgate_queue_lag, which sums the shared stream, its lanes and
-    the band's tenants' queued jobs, scales on them at the stream trigger's lagCount and wakes the fleet from zero."""
-    from kvgate.producer.keys import PRIORITIES
-
+def test_keda_scales_on_the_exporters_work_and_wakes_on_one_job_of_any_stream():
+    """Fair share and lanes put jobs in streams no redis-streams trigger names (nor can: one per tenant): the
+    prometheus triggers read the exporter, whose gauges sum the shared stream, its lanes and the band's tenants'
+    queued jobs. The wake trigger is 1 while any job waits (activationThreshold 0: one job wakes the fleet); the
+    others size the fleet in workers (AverageValue over a worker's tokens/s)."""
     so = named("ScaledObject", "kvgate-worker")["spec"]
-    lag = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t["metadata"]["lagCount"]
-           for t in so["triggers"] if t["type"] == "redis-streams"}
-    prom = {t["metadata"]["query"]: t["metadata"] for t in so["triggers"] if t["type"] == "prometheus"}
-    assert len(prom) == len(PRIORITIES), sorted(prom)
-    for priority in PRIORITIES:
-        meta = prom[f'sum(kvgate_queue_lag{{kvgate_namespace="kvgate",model="default",priority="{priority}"}})']
-        assert meta["threshold"] == lag[priority] and meta["activationThreshold"] == "0"
-        assert meta["serverAddress"].startswith("http://") and all(isinstance(v, str) for v in meta.values())
+    prom = {t["name"]: t for t in so["triggers"] if t["type"] == "prometheus"}
+    assert sorted(prom) == ["work-deadline", "work-wake", "work-work"]
+    wake = prom["work-wake"]["metadata"]
+    assert wake["query"] == 'clamp_max(sum(kvgate_queue_lag{kvgate_namespace="kvgate",model=~"default"}), 1)'
+    assert (wake["threshold"], wake["activationThreshold"]) == ("1", "0")
+    assert "kvgate_queue_deadline_tokens_per_second_needed" in prom["work-deadline"]["metadata"]["query"]
+    assert "kvgate_queue_tokens_waiting" in prom["work-work"]["metadata"]["query"]
+    for t in prom.values():
+        assert t["metricType"] == "AverageValue" and t["metadata"]["serverAddress"].startswith("http://")
+        assert all(isinstance(v, str) for v in t["metadata"].values())
 
 
 def test_pod_and_service_monitors_select_the_worker_exporter_and_gateway_ports():

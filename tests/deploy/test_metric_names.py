@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import yaml
 
 from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, encode
 from kvgate.commands.exporter import build_registry
 from kvgate.gateway.metrics import GatewayMetrics
 from kvgate.worker.metrics import WorkerMetrics
@@ -45,11 +46,14 @@ def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
     worker.on_steals(2)
     client, keys = shared_redis.client(), Keys(namespace)
     client.xadd(keys.jobs(None, "normal"), {"p": b"x"})
+    seconds, _ = client.time()  # a job with a deadline: the work gauges' slack and the rate it needs
+    client.xadd(keys.jobs(None, "high"), {FIELD: encode(Job(v=PROTOCOL_VERSION, job_id="j", client_id="c",
+                                                            enqueued_at=seconds, prompt="x", deadline=seconds + 3600))})
     client.set(keys.fair(), 1)  # fair share on: the per-tenant backlog is exported
     load = TenantLoad()
     load.admitted("team-a", 0.2, now=1.0)
     load.finished("team-a", 40, now=1.0)
-    write_beat(client, keys, "w", {"worker_id": "w", "free_blocks": 3,
+    write_beat(client, keys, "w", {"worker_id": "w", "free_blocks": 3, "total_blocks": 4, "models": "default",
                                    "tenants": json.dumps(load.snapshot(["team-a"], now=2.0))}, ttl_s=60)
     gateway = GatewayMetrics()
     gateway.requests.labels("/v1/chat/completions", "200").inc()
@@ -87,7 +91,9 @@ def test_every_design_metric_is_exported(shared_redis, namespace):
               "queue_lag", "queue_pending", "queue_length", "queue_oldest_job_age_seconds", "live_workers",
               "fleet_free_kv_blocks", "fleet_free_kv_tokens", "dead_stream_length",
               "affinity_lanes_owned", "affinity_steals_total", "tenant_backlog", "tenant_running_jobs",
-              "tenant_tokens_per_second", "tenant_queue_wait_p50_seconds", "tenant_queue_wait_p99_seconds"]
+              "tenant_tokens_per_second", "tenant_queue_wait_p50_seconds", "tenant_queue_wait_p99_seconds",
+              "queue_tokens_waiting", "queue_drain_seconds", "queue_deadline_slack_seconds",  # autoscaling on work
+              "queue_deadline_tokens_per_second_needed", "model_tokens_per_second", "model_kv_usage_ratio"]
     assert not {f"kvgate_{d}" for d in design} - names
 
 
@@ -115,6 +121,12 @@ def test_a_real_worker_feeds_the_series_the_dashboard_plots(shared_redis, namesp
         while fleet_sim.count_results(client, keys, jobs) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.2)  # the finish hook runs after the publish that made the result visible
+        registry = build_registry(client, keys)  # the work autoscaling reads: the rate from the workers' heartbeats
+        served = lambda: registry.get_sample_value("kvgate_model_tokens_per_second",
+                                                   {"kvgate_namespace": namespace, "model": "default"}) or 0
+        while not served() and time.monotonic() < deadline + 10:  # the next beat carries the finished jobs
+            time.sleep(0.1)
+        assert served() > 0
     finally:
         fleet.stop()
     metrics = fleet.workers[0].metrics
@@ -141,3 +153,6 @@ def test_the_lag_keda_scales_on_counts_the_jobs_waiting_in_tenants_streams(share
            for family in build_registry(client, keys).collect() for sample in family.samples
            if sample.name == "kvgate_queue_lag"}
     assert lag[("default", "normal")] == 4, lag
+    tokens = {sample.labels["priority"]: sample.value for family in build_registry(client, keys).collect()
+              for sample in family.samples if sample.name == "kvgate_queue_tokens_waiting"}
+    assert tokens["normal"] > 0, tokens  # the work triggers see them too (the tenants served next sampled)

@@ -81,6 +81,14 @@ def test_monitor_user_serves_the_exporter_but_writes_nothing(acl_server):
     write_beat(acl_server("worker"), keys, "w1", {"worker_id": "w1", "free_blocks": 7}, ttl_s=60)  # as workers do
     snap = read_queue_stats(monitor, keys)
     assert snap.priorities["low"].backlog == 1 and snap.workers[0].free_blocks == 7
+    from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, encode
+    from kvgate.producer.queue_work import read_queue_work
+
+    producer.xadd(keys.jobs(None, "high"), {FIELD: encode(Job(v=PROTOCOL_VERSION, job_id="j", client_id="c",
+                                                             enqueued_at=0.0, prompt_token_ids=[1] * 40))})
+    snap = read_queue_stats(monitor, keys)
+    work = read_queue_work(monitor, keys, snap)["default"]  # both ends of each stream: XRANGE and XREVRANGE
+    assert work.priorities["high"].tokens == 40 + 256  # its prompt and the default max_tokens
     assert denied(lambda: monitor.xadd(keys.jobs(None, "low"), {"p": b"x"}))
     assert denied(lambda: monitor.delete(keys.worker("w1")))
 
