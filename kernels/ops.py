@@ -9,6 +9,7 @@
 | rms_norm        | rmsnorm.py: fused residual add, fp32 statistics                  | rms_norm            |
 | rotary          | rotary.py: neox style, q and k in one launch                     | rotary              |
 | silu_and_mul    | activation.py                                                    | silu_and_mul        |
+| lora_apply      | lora.py: BGMV, a row and an output tile per program, per-row slot | lora_apply          |
 Not dispatched here: on CPU in float32 the model's projections and lm_head are swapped at load for
 cpu_linear.py's oneDNN-prepacked GEMMs (kvgate/bench/cpu_linear.py times them against F.linear).
 Shared: paged_kv.py (KV gather through block tables, online softmax), config.py (tiles, warps,
@@ -40,7 +41,7 @@ import torch
 
 from kvgate.kernels import reference
 
-__all__ = ["store_kvcache", "paged_attention", "rms_norm", "rotary", "silu_and_mul"]
+__all__ = ["store_kvcache", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "lora_apply"]
 
 
 @lru_cache(maxsize=1)
@@ -96,3 +97,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
     from kvgate.kernels.activation import silu_and_mul as kernel
     return kernel(x)
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], offsets: list[int],
+               rows: torch.Tensor) -> torch.Tensor:
+    if not use_triton(x):
+        return reference.lora_apply(y, x, a, bs, offsets, rows)
+    from kvgate.kernels.lora import lora_apply as kernel
+    return kernel(y, x, a, bs, offsets, rows)
