@@ -42,8 +42,9 @@ class EngineConfig(BaseModel):
     max_loras: int = Field(0, ge=0, description="LoRA adapters the device holds at once, each in a slot of one step's "
                                                "batch; 0: LoRA off (no adapter layers)")
     max_lora_rank: int = Field(16, ge=1, description="the largest LoRA rank served; an adapter above it is refused")
-    max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters kept in host memory, ready for a slot; "
-                                                               "unset: max_loras")
+    max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters kept in host memory, ready for a slot "
+                                                               "(adding one more drops the oldest unused); unset: "
+                                                               "every adapter added")
 
     @field_validator("device")
     @classmethod

@@ -4,8 +4,8 @@ The rule, in one place (`can_acquire`): a sequence of adapter X starts only when
 free, or a slot holds an adapter no running sequence uses (the least recently used such slot is overwritten). When
 none is, the sequence waits at the head of the queue, as it would for KV blocks, until a running sequence of
 another adapter finishes; a running sequence's adapter is never evicted. Preempting a sequence unpins its adapter
-(it stays loaded: the sequence resumes first and finds it). Host memory keeps at most `max_cpu_loras` adapters;
-adding one more drops the least recently added one that no queued request names, or refuses.
+(it stays loaded: the sequence resumes first and finds it). Host memory keeps at most `max_cpu_loras` adapters
+(unset: all): adding one more drops the least recently added one that no queued request names, or refuses.
 
 Each `add` gives the adapter a fresh prefix-cache seed (block_manager: a sequence's chained block hashes start from
 it), so two adapters, the base model and an adapter re-added with new weights under its old name never share a KV
@@ -26,7 +26,7 @@ _generations = itertools.count()
 class LoraSlots:
     def __init__(self, max_loras: int, max_cpu_loras: int | None, device: Any = None) -> None:
         self.device = device  # the runner's LoraModel: read(name, path) -> adapter, load(slot, adapter)
-        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.max_cpu_loras = max(max_cpu_loras, max_loras) if max_cpu_loras else None
         self.adapters: OrderedDict[str, Any] = OrderedDict()  # host copies, oldest first
         self.seeds: dict[str, int] = {}
         self.slots: list[str | None] = [None] * max_loras
@@ -54,7 +54,7 @@ class LoraSlots:
                             "name, or once they finish")
         adapter = self.device.read(name, path)
         self._drop(name)
-        if len(self.adapters) >= self.max_cpu_loras:
+        if self.max_cpu_loras is not None and len(self.adapters) >= self.max_cpu_loras:
             spare = next((n for n in self.adapters if not self.queued[n]), None)
             if spare is None:
                 raise LoraError(f"cannot add adapter {name!r}: host memory holds max_cpu_loras={self.max_cpu_loras} "
