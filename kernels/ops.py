@@ -9,7 +9,7 @@
 | rms_norm        | rmsnorm.py: fused residual add, fp32 statistics                  | rms_norm            |
 | rotary          | rotary.py: neox style, q and k in one launch                     | rotary              |
 | silu_and_mul    | activation.py                                                    | silu_and_mul        |
-| lora_apply      | lora.py: BGMV, a row and an output tile per program, per-row slot | lora_apply          |
+| lora_apply      | lora.py: BGMV shrink + expand, a row's own adapter slot per program | lora_apply       |
 Not dispatched here: on CPU in float32 the model's projections and lm_head are swapped at load for
 cpu_linear.py's oneDNN-prepacked GEMMs (kvgate/bench/cpu_linear.py times them against F.linear).
 Shared: paged_kv.py (KV gather through block tables, online softmax), config.py (tiles, warps,
