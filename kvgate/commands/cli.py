@@ -38,6 +38,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "structured": ("kvgate.bench.structured", "W-STRUCT: JSON-schema-constrained vs free generation, mask, compile"),
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),
     "embed": ("kvgate.bench.embed", "W-EMBED: embedding jobs through the queue vs in process, and mixed with generation"),
+    "lora": ("kvgate.bench.lora", "W-LORA (engine): W-CPU's requests over 8 rank-16 adapters vs the base model, one run"),
 }
 NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "models", "top", "exporter"}
 SUBMITS = {"submit", "batch"}  # commands that enqueue jobs, so take --tenant
