@@ -94,9 +94,8 @@ class LLMEngine:
         """Queue a request; returns its prompt length. `ahead`: at the head of the waiting queue (make_room made
         room for it). `lora`: an adapter's name, as `loras.add` named it. `stream_text=False` skips incremental
         detokenization (the text is decoded once at the end) unless stop strings need it. `detokenize=False` leaves
-        all text to
-        the caller (an engine.detokenizer.Detokenizer off this thread): outputs carry token ids only, stop
-        strings are not looked for here, and the caller aborts the request when it finds one."""
+        all text to the caller (an engine.detokenizer.Detokenizer off this thread): outputs carry token ids only,
+        stop strings are not looked for here, and the caller aborts the request when it finds one."""
         if request_id in self.seqs:
             raise RequestRejected(f"request_id {request_id!r} is already in the engine: use a unique id")
         if not isinstance(params, SamplingParams):
