@@ -105,7 +105,7 @@ def measure(source, requests, workload, device, names: list[str], folder: str, r
                                  "steps": llm.engine.steps - steps, "requests_with_wrong_length": sum(
                                      len(o.token_ids) != r.max_tokens for o, r in zip(outputs, requests))})
             print(f"round {round_no}/{repeats} {mode}: {json.dumps(rounds[mode][-1])}", flush=True)
-    ratio = statistics.median(lo["output_tok_s"] / b["output_tok_s"] for b, lo in zip(rounds["base"], rounds["lora"]))
+    ratio = statistics.median_low(lo["output_tok_s"] / b["output_tok_s"] for b, lo in zip(rounds["base"], rounds["lora"]))
     return {"base": median_round(rounds["base"]), "lora": median_round(rounds["lora"]), "ratio": ratio,
             "target_ratio": TARGET_RATIO, "meets_target": ratio >= TARGET_RATIO,
             "adapter_loads": llm.engine.loras.loads}
