@@ -31,12 +31,13 @@ def _unshadow_kernels() -> None:
 
 _unshadow_kernels()
 
+from kvgate.engine.lora import LoraError
 from kvgate.engine.outputs import Admission, EmbeddingOutput, EngineStats, RequestOutput, RequestRejected, StepOutput
 from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "PoolingParams", "RequestOutput", "EmbeddingOutput", "StepOutput",
-           "Admission", "EngineStats", "RequestRejected"]
+           "Admission", "EngineStats", "RequestRejected", "LoraError"]
 
 
 def __getattr__(name: str):

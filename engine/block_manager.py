@@ -1,5 +1,9 @@
 """The KV block pool: ref-counted fixed-size blocks, a free list in LRU order, and a prefix cache of full
-blocks keyed by a chained hash (hash(parent_hash, token_ids)) and verified against the token ids on a hit."""
+blocks keyed by a chained hash (hash(parent_hash, token_ids)) and verified against the token ids on a hit.
+
+A LoRA adapter's sequence starts its chain from the adapter's seed (Sequence.lora_seed; None for the base model) and
+a hit checks the seed too: the same tokens under two adapters, or under an adapter and the base model, have
+different K/V, so they never share a block."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -14,6 +18,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None  # set only once the block is full and its K/V are computed
     token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # the chain's LoRA seed: whose K/V these are
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -46,7 +51,7 @@ class BlockManager:
         bs = self.block_size
         while len(seq.block_hashes) <= index:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if i else None
+            parent = seq.block_hashes[-1] if i else seq.lora_seed
             seq.block_hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return seq.block_hashes[index]
 
@@ -59,26 +64,28 @@ class BlockManager:
         bs, hits = self.block_size, []
         for i in range((seq.num_tokens - 1) // bs):
             block_id = self.hash_to_block.get(self.block_hash(seq, i))
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]) \
+                    or self.blocks[block_id].seed != seq.lora_seed:
                 break
             hits.append(block_id)
         return hits
 
-    def held_prefix(self, token_ids: list[int], hashes: list[int]) -> int:
+    def held_prefix(self, token_ids: list[int], hashes: list[int], seed: int | None = None) -> int:
         """Leading full blocks of these tokens that sequences hold now (cached, ref count > 0): a new sequence
         starting with them shares those blocks instead of taking free ones. Cached blocks nobody holds are not
-        counted: reviving one takes a free block. `hashes` keeps the chained hashes between calls."""
+        counted: reviving one takes a free block. `hashes` keeps the chained hashes between calls; `seed`: the
+        LoRA adapter's (Sequence.lora_seed)."""
         if not self.enable_prefix_caching:
             return 0
         bs, held = self.block_size, 0
         for i in range((len(token_ids) - 1) // bs):
             if len(hashes) <= i:
-                hashes.append(chain_hash(hashes[-1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs])))
+                hashes.append(chain_hash(hashes[-1] if i else seed, tuple(token_ids[i * bs:(i + 1) * bs])))
             block_id = self.hash_to_block.get(hashes[i])
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.ref_count == 0 or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+            if block.ref_count == 0 or block.token_ids != tuple(token_ids[i * bs:(i + 1) * bs]) or block.seed != seed:
                 break
             held += 1
         return held
@@ -119,7 +126,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             h = self.block_hash(seq, i)
             if block.hash is None and h not in self.hash_to_block:
-                block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                block.hash, block.token_ids, block.seed = h, tuple(seq.token_ids[i * bs:(i + 1) * bs]), seq.lora_seed
                 self.hash_to_block[h] = block.block_id
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
 
@@ -146,7 +153,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.seed = None, (), None
         else:
             raise RuntimeError("no free KV block: the scheduler must check can_append/can_allocate first")
         self.blocks[block_id].ref_count = 1

@@ -43,6 +43,12 @@ class EngineConfig(BaseModel):
     jump_forward: bool = Field(True, description="append the tokens a structured-output grammar forces (a JSON "
                                                  "key, its quotes and colon) in one step instead of a forward each")
     enforce_eager: bool = Field(False, description="run decode steps eagerly, without CUDA graphs (a CPU has none)")
+    max_loras: int = Field(0, ge=0, description="LoRA adapters the device holds at once, each in a slot of one step's "
+                                               "batch; 0: LoRA off (no adapter layers)")
+    max_lora_rank: int = Field(16, ge=1, description="the largest LoRA rank served; an adapter above it is refused")
+    max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters kept in host memory, ready for a slot "
+                                                               "(adding one more drops the oldest unused); unset: "
+                                                               "every adapter added")
 
     @field_validator("device")
     @classmethod

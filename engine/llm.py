@@ -18,13 +18,23 @@ class LLM:
     def __init__(self, model: Any, *, device: str = "auto", dtype: str = "auto", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None, block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
-                 enable_prefix_caching: bool = True, scheduling: str = "continuous", seed: int = 0) -> None:
+                 enable_prefix_caching: bool = True, scheduling: str = "continuous", seed: int = 0,
+                 max_loras: int = 0, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
+                 loras: dict[str, str] | None = None) -> None:
+        """`loras`: adapter name -> PEFT adapter folder, served when `max_loras` >= 1 (engine/lora.py)."""
         self.engine = LLMEngine(model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                                 kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                                scheduling=scheduling, seed=seed)
+                                scheduling=scheduling, seed=seed, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                max_cpu_loras=max_cpu_loras)
+        for name, path in (loras or {}).items():
+            self.add_lora(name, path)
         self._ids = itertools.count()
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in folder `path` as `name` (a LoraError says what is wrong with it)."""
+        self.engine.loras.add(name, path)
 
     @property
     def tokenizer(self) -> Any:
@@ -32,8 +42,9 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+                 use_tqdm: bool = True, lora: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. `lora`: the adapter of every prompt,
+        or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if params is not None else SamplingParams()
@@ -41,7 +52,10 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: pass one, or one each")
-        order = self._add_all(prompts, params)
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} adapters for {len(prompts)} prompts: pass one, or one each")
+        order = self._add_all(prompts, params, loras)
         results = {rid: RequestOutput(rid, ids, [], "", None, [] if p.logprobs is not None else None)
                    for (rid, ids), p in zip(self._prompt_ids.items(), params)}
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm) as bar:
@@ -83,13 +97,13 @@ class LLM:
                         bar.update(1)
         return [results[rid] for rid in order]
 
-    def _add_all(self, prompts, params) -> list[str]:
+    def _add_all(self, prompts, params, loras) -> list[str]:
         order: list[str] = []
         self._prompt_ids: dict[str, list[int]] = {}
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, stream_text=False)
+                self.engine.add_request(rid, prompt, p, stream_text=False, lora=lora)
                 self._prompt_ids[rid] = self.engine.seqs[rid].prompt_token_ids
                 order.append(rid)
         except Exception:

@@ -15,6 +15,7 @@ from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import find_stop, held_back, take_increment
 from kvgate.engine.fim import FimFormat
+from kvgate.engine.lora_slots import LoraSlots
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
 from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.prompts import Prompts
@@ -46,6 +47,7 @@ class Runner(Protocol):
     num_blocks: int  # KV cache blocks of the engine's block_size
     embedding_size: int  # the length of an embedding request's vector before `dimensions` cuts it
     pooling: str  # the model's own pooling (last, mean, cls): what an embedding request's `model` pooling means
+    lora: Any  # the model's LoRA adapter layers (engine/lora_layers.py); None: it serves no adapters
 
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
         """Compute each (sequence, n) chunk; a next token (and logprobs) for each sequence now fully computed."""
@@ -74,8 +76,9 @@ class LLMEngine:
         self.max_num_seqs = config.max_num_seqs
         self.embedding_size: int = runner.embedding_size
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.loras = LoraSlots(config.max_loras, config.max_cpu_loras, runner.lora)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling)
+                                   config.scheduling, self.loras)
         self.seqs: dict[str, Sequence] = {}
         self.structured = StructuredRequests(runner, config)  # structured output: compile wait, matchers
         self.grammars = self.structured.grammars  # its compile cache, whose counts tell hits from compiles
@@ -88,12 +91,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, stream_text: bool = True, detokenize: bool = True,
-                    ahead: bool = False) -> int:
+                    ahead: bool = False, lora: str | None = None) -> int:
         """Queue a request; returns its prompt length. `ahead`: at the head of the waiting queue (make_room made
-        room for it). `stream_text=False` skips incremental detokenization
-        (the text is decoded once at the end) unless stop strings need it. `detokenize=False` leaves all text to
-        the caller (an engine.detokenizer.Detokenizer off this thread): outputs carry token ids only, stop
-        strings are not looked for here, and the caller aborts the request when it finds one."""
+        room for it). `lora`: an adapter's name, as `loras.add` named it. `stream_text=False` skips incremental
+        detokenization (the text is decoded once at the end) unless stop strings need it. `detokenize=False` leaves
+        all text to the caller (an engine.detokenizer.Detokenizer off this thread): outputs carry token ids only,
+        stop strings are not looked for here, and the caller aborts the request when it finds one."""
         if request_id in self.seqs:
             raise RequestRejected(f"request_id {request_id!r} is already in the engine: use a unique id")
         if not isinstance(params, SamplingParams):
@@ -117,7 +120,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(token_ids), params, max_tokens,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                        stream_text=detokenize and (stream_text or bool(params.stop)) and self.tokenizer is not None,
-                       detokenize=detokenize, ahead=ahead)
+                       detokenize=detokenize, ahead=ahead, lora=lora, lora_seed=self.loras.seed(lora))
         seq.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
@@ -305,7 +308,7 @@ class LLMEngine:
     def _reserve_of(self, seq: Sequence) -> float:
         bs, bm = self.block_size, self.block_manager
         held = 0 if seq.block_table or seq.pooling is not None else \
-            bm.held_prefix(seq.token_ids, seq.block_hashes)  # shared, not claimed (an embedding shares none)
+            bm.held_prefix(seq.token_ids, seq.block_hashes, seq.lora_seed)  # shared, not claimed (embeddings: none)
         return max(0, seq.num_tokens - (len(seq.block_table) + held) * bs) + self.reserve_ratio * seq.remaining_tokens
 
     def admission(self) -> Admission:

@@ -103,6 +103,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.decode_inputs: DecodeInputs | None = None  # built at the first decode-only step
         self.graphs: DecodeGraphs | None = None  # set by load on CUDA unless enforce_eager
+        self.lora = None  # engine/lora_layers.LoraModel when load gives the model adapter slots
 
     @classmethod
     def load(cls, model: Any, config: EngineConfig) -> ModelRunner:
@@ -125,6 +126,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         built = build_model(hf_config, dtype, device, source.weights(dtype), max_model_len)
         runner = cls(built, config.block_size, device, config.seed, config.max_num_seqs)
+        if config.max_loras:  # before sizing the KV cache: the slots take device memory too
+            from kvgate.engine.lora_layers import LoraModel
+            runner.lora = LoraModel(built, config.max_loras, config.max_lora_rank, (source.name, str(source.path or "")))
         num_blocks = runner.size_kv_cache(config.kv_cache_memory, config.gpu_memory_utilization,
                                           config.max_num_seqs, max_model_len, config.max_num_batched_tokens)
         if num_blocks < 1:
@@ -262,7 +266,8 @@ class ModelRunner:
             sampling = SamplingBatch.of(seqs) if seqs else None
         if sampling is not None and sampling.constrained:  # structured output: its mask fills during the forward
             self.sampler.start_mask(seqs, sampling.constrained)
-        hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None)
+        lora = self.lora is not None and self.lora.set_rows(batch)  # a step with adapter rows runs eagerly
+        hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None and not lora)
         if pooling:
             self._pool(batch, hidden)
         if sample_rows is not None:

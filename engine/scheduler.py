@@ -5,12 +5,15 @@ from the waiting queue while the token budget, the sequence cap and free blocks 
 the newest running sequence is preempted by recompute (its blocks freed; the prefix cache usually keeps them).
 `step_aside` preempts chosen sequences on purpose, to start a request put at the head of the waiting queue now
 (fair share's newcomer, engine.make_room); it is not a shortage, so it is counted apart.
-Static: the baseline; a batch is filled only when the previous one has completely finished."""
+Static: the baseline; a batch is filled only when the previous one has completely finished.
+LoRA: a sequence starts only when its adapter has a device slot (engine/lora_slots.py says when); otherwise it waits
+at the head of the queue, as for blocks. Starting pins the adapter; finishing or preemption unpins it."""
 from __future__ import annotations
 
 from collections import deque
 
 from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.lora_slots import LoraSlots
 from kvgate.engine.sequence import Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, number of new tokens to compute this step)
@@ -24,8 +27,9 @@ class AllDecode(list):
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "continuous") -> None:
+                 policy: str = "continuous", loras: LoraSlots | None = None) -> None:
         self.block_manager = block_manager
+        self.loras = loras if loras is not None else LoraSlots(0, 0)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -40,6 +44,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence: at the end of the waiting queue, or at its head when room was made for it."""
         seq.status = SequenceStatus.WAITING
+        self.loras.enqueue(seq)
         if seq.ahead:
             self.waiting.appendleft(seq)
         else:
@@ -56,7 +61,7 @@ class Scheduler:
                 return batch
         budget = self.max_num_batched_tokens
         if self.policy == "static" and not self.running:
-            while self.waiting and len(self.running) < self.max_num_seqs:
+            while self.waiting and len(self.running) < self.max_num_seqs and self.loras.can_acquire(self.waiting[0]):
                 self._start(self.waiting.popleft())
         scheduled, budget, preempted = self._schedule_running(budget)
         if self.policy == "continuous" and not preempted:
@@ -109,6 +114,8 @@ class Scheduler:
     def _admit(self, scheduled: dict[Sequence, int], budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self.loras.can_acquire(seq):
+                break  # its adapter has no slot: it waits, first in line
             n = self._grow(seq, budget)
             if n is None:
                 break
@@ -120,6 +127,7 @@ class Scheduler:
 
     def _start(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
+        self.loras.acquire(seq)
         self.running.append(seq)
         self.pooling += seq.pooling is not None
 
@@ -158,6 +166,7 @@ class Scheduler:
     def _requeue(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pooling -= seq.pooling is not None
+        self.loras.release(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -167,8 +176,11 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.pooling -= seq.pooling is not None
+            self.loras.release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        if seq.status is not SequenceStatus.FINISHED:
+            self.loras.dequeue(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -58,6 +58,10 @@ class Sequence:
     text: str = ""
     emitted: int = 0  # characters of `text` already handed out
     first_token_time: float | None = None
+    # LoRA (engine/lora_slots.py): the adapter's name (None: the base model), its prefix-cache seed, its device slot
+    lora: str | None = None
+    lora_seed: int | None = None  # starts the chain of block hashes, so adapters never share a KV block
+    lora_slot: int = -1  # set while running with an adapter
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

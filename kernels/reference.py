@@ -144,3 +144,23 @@ def qkv_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
     q, k = rotary(q, k, cos, sin)
     store_kvcache(k, v.view(-1, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
     return q
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], offsets: list[int],
+               rows: torch.Tensor) -> torch.Tensor:
+    """y [N, out] += each row's LoRA delta, in place (kernels/lora.py has the layout; rows[n] = -1: none).
+
+    Vectorised over slots, not rows: every row is shrunk by every slot's `a` in one GEMM, the products of the slots
+    that are not the row's own are zeroed (a one-hot mask, so exactly 0), and one GEMM per slice expands them. The
+    extra work is max_loras x rank columns, small beside the projection; gathering each row's own matrices would
+    copy rank x (in + out) weights per row."""
+    slots, rank_total, in_features = a.shape
+    onehot = (rows.long()[:, None] == torch.arange(slots, device=rows.device)[None, :]).to(torch.float32)
+    t = (x.float() @ a.reshape(slots * rank_total, in_features).float().T).view(-1, slots, rank_total)
+    t = t * onehot[:, :, None]
+    for i, (b, offset) in enumerate(zip(bs, offsets)):
+        rank, out_features = b.shape[1], b.shape[2]
+        part = t[:, :, i * rank:(i + 1) * rank].reshape(-1, slots * rank)
+        delta = part @ b.reshape(slots * rank, out_features).float()
+        y[:, offset:offset + out_features] += delta.to(y.dtype)
+    return y

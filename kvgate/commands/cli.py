@@ -39,6 +39,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "durability": ("kvgate.bench.durability", "W-DURABILITY: submit and finish latency with and without WAIT"),
     "scale": ("kvgate.bench.scale", "W-SCALE: a simulated day under KEDA scaling on work vs on job counts vs a constant fleet"),
     "embed": ("kvgate.bench.embed", "W-EMBED: embedding jobs through the queue vs in process, and mixed with generation"),
+    "lora": ("kvgate.bench.lora", "W-LORA (engine): W-CPU's requests over 8 rank-16 adapters vs the base model, one run"),
 }
 NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "models", "top", "exporter"}
 SUBMITS = {"submit", "batch"}  # commands that enqueue jobs, so take --tenant
