@@ -4,22 +4,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-
 from kvgate.commands.cli import main
-
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("bench") / "tiny-llama"
-    AutoModelForCausalLM.from_config(LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])).save_pretrained(folder)
-    return str(folder)
 
 
 def test_lora_bench_scaled_down_runs_base_and_adapters_in_one_run(tiny_model, tmp_path):

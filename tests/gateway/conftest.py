@@ -54,6 +54,17 @@ def start_gateway(redis_url: str, namespace: str, **settings) -> Gateway:
     return Gateway(f"http://127.0.0.1:{port}/v1", server, thread)
 
 
+def gateway_up(client) -> bool:
+    """Whether a gateway answers an `openai` client's request (a subprocess gateway still starting does not)."""
+    import openai
+
+    try:
+        client.models.list()
+        return True
+    except openai.APIConnectionError:
+        return False
+
+
 def wait_for_workers(redis_url: str, namespace: str, count: int = 1, timeout: float = 120.0,
                      proc=None) -> None:
     """Until `count` heartbeats are up: a worker that has one is reading jobs."""

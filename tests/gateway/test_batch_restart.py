@@ -14,7 +14,7 @@ import redis
 
 from kvgate.producer.keys import Keys
 from tests.gateway.batch_files import jsonl, request, rows_of, wait_final
-from tests.gateway.conftest import running_worker
+from tests.gateway.conftest import gateway_up, running_worker
 from tests.support import ROOT, free_port, wait_for
 
 N = 80
@@ -26,14 +26,6 @@ def serve(url: str, ns: str, files_dir: str, port: int) -> subprocess.Popen:
            "--files-dir", files_dir, "--batch-window", "8", "--batch-lease", str(LEASE_S), "--log-level", "warning"]
     return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-
-
-def up(client: openai.OpenAI) -> bool:
-    try:
-        client.models.list()
-        return True
-    except openai.APIConnectionError:
-        return False
 
 
 @pytest.fixture
@@ -51,7 +43,7 @@ def test_a_batch_resumes_after_its_gateway_is_killed_and_runs_no_job_twice(slow_
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     second = None
     try:
-        wait_for(lambda: up(client), 60, "the first gateway")
+        wait_for(lambda: gateway_up(client), 60, "the first gateway")
         f = client.files.create(file=("in.jsonl", jsonl([request(i, max_tokens=25) for i in range(N)])),
                                 purpose="batch")
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -63,7 +55,7 @@ def test_a_batch_resumes_after_its_gateway_is_killed_and_runs_no_job_twice(slow_
         assert killed_at < N, "the batch finished before the kill: slow the fleet down"
 
         second = serve(url, ns, str(tmp_path), port)
-        wait_for(lambda: up(client), 60, "the second gateway")
+        wait_for(lambda: gateway_up(client), 60, "the second gateway")
         done = wait_final(client.batches.retrieve, batch.id, timeout=120)
         assert done.status == "completed", done
         client_counts = done.request_counts
@@ -104,7 +96,7 @@ def test_a_batch_of_several_input_embeddings_lines_resumes_with_one_line_each_an
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     second = None
     try:
-        wait_for(lambda: up(client), 60, "the first gateway")
+        wait_for(lambda: gateway_up(client), 60, "the first gateway")
         f = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
         wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, 60, "some answers")
@@ -115,7 +107,7 @@ def test_a_batch_of_several_input_embeddings_lines_resumes_with_one_line_each_an
         assert killed_at < lines, "the batch finished before the kill: slow the fleet down"
 
         second = serve(url, ns, str(tmp_path), port)
-        wait_for(lambda: up(client), 60, "the second gateway")
+        wait_for(lambda: gateway_up(client), 60, "the second gateway")
         done = wait_final(client.batches.retrieve, batch.id, timeout=120)
         assert done.status == "completed", done
         counts = done.request_counts  # lines, not jobs

@@ -11,6 +11,7 @@ import sys
 import openai
 import pytest
 
+from tests.gateway.conftest import gateway_up
 from tests.gateway.test_webhook_delivery import SECRET, counts, failed_batch
 from tests.gateway.webhook_receiver import Receiver
 from tests.support import ROOT, free_port, wait_for
@@ -27,14 +28,6 @@ def serve(url: str, ns: str, files_dir: str, port: int, receiver: Receiver) -> s
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def up(client: openai.OpenAI) -> bool:
-    try:
-        client.models.list()
-        return True
-    except openai.APIConnectionError:
-        return False
-
-
 def kill(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
@@ -49,7 +42,7 @@ def test_an_event_is_delivered_after_its_gateway_is_killed_and_started_again(sha
     procs = [serve(shared_redis.url, namespace, str(tmp_path), port, receiver)]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     try:
-        wait_for(lambda: up(client), 60, "the first gateway")
+        wait_for(lambda: gateway_up(client), 60, "the first gateway")
         batch_id = failed_batch(client)
         if when == "during":
             receiver.wait(1)  # the delivery is in flight, unanswered
