@@ -39,6 +39,10 @@ class EngineConfig(BaseModel):
     jump_forward: bool = Field(True, description="append the tokens a structured-output grammar forces (a JSON "
                                                  "key, its quotes and colon) in one step instead of a forward each")
     enforce_eager: bool = Field(False, description="run decode steps eagerly, without CUDA graphs (a CPU has none)")
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="launch a decode step before the previous one's tokens are read, so the host's work "
+                            "overlaps the device's (a stopped sequence is found a step late; its extra token is "
+                            "dropped); auto: on for cuda, off for cpu, whose cores do both")
 
     @field_validator("device")
     @classmethod

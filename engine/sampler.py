@@ -199,6 +199,15 @@ class Sampler:
         weights over them (the runner's fresh logits each step), touching a megabyte less of the cache."""
         if batch is None:
             batch = SamplingBatch.of(seqs)
+        tokens = self.sample(logits, seqs, batch, consume)
+        if not batch.logprob_rows:
+            return tokens.tolist(), [None] * len(seqs)
+        return self._with_logprobs(logits, tokens, batch.logprob_rows, batch.logprob_tops)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, consume: bool = False
+               ) -> torch.Tensor:
+        """The next tokens [B], left on the logits' device: no transfer, so a step launched ahead (engine/overlap.py)
+        feeds them to the next step's inputs there; `logits` stay the model's own where logprob rows need them."""
         raw = logits
         if batch.constrained:  # before everything else; the logprobs stay the model's own
             if batch.logprob_rows or not consume:
@@ -212,13 +221,10 @@ class Sampler:
             logits = logits.clone() if logits is raw else logits
             apply_penalties(logits, seqs, batch.penalized)
         if batch.all_greedy:
-            tokens = argmax_rows(logits)
-        else:  # weights may overwrite logits nothing reads after: a penalized copy, or the caller's without logprobs
-            spare = batch.greedy is None and (logits is not raw or (consume and not batch.logprob_rows))
-            tokens = self._sample(logits, seqs, batch, spare)
-        if not batch.logprob_rows:
-            return tokens.tolist(), [None] * len(seqs)
-        return self._with_logprobs(raw, tokens, batch.logprob_rows, batch.logprob_tops)
+            return argmax_rows(logits)
+        # weights may overwrite logits nothing reads after: a penalized copy, or the caller's without logprobs
+        spare = batch.greedy is None and (logits is not raw or (consume and not batch.logprob_rows))
+        return self._sample(logits, seqs, batch, spare)
 
     def start_mask(self, seqs: list[Sequence], rows: list[int]) -> None:
         """Begin filling the mask of `rows` of `seqs` on another thread (llguidance's executor works without the
