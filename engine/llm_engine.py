@@ -114,6 +114,8 @@ class LLMEngine:
             raise RequestRejected(f"structured output needs a tokenizer and model {self.model_name!r} has none")
         if params.structured is None or self.structured.start(seq):  # else it waits for its grammar to compile
             self.scheduler.add(seq)
+        if self.overlap:
+            self.overlap.add(seq)
         self.seqs[request_id] = seq
         return n
 
@@ -174,10 +176,8 @@ class LLMEngine:
         self.steps += 1
         self._adapt_reserve()
         failed += read
-        if ahead:
-            return failed
-        if not batch:
-            if self.structured and not failed:
+        if not batch:  # launched ahead, or nothing to run
+            if self.structured and not failed and not ahead:
                 time.sleep(0.001)  # nothing to run until a grammar compiles: do not spin a core the compiler needs
             return failed
         seqs, tokens, logprobs = self.runner.run(batch)

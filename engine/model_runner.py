@@ -293,14 +293,15 @@ class ModelRunner:
         return seqs, tokens, logprobs
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence]) -> LaunchedStep:
+    def launch(self, batch: AllDecode) -> LaunchedStep:
         """A decode-only step (every sequence computes its last token) launched without waiting for its tokens
         (engine/overlap.py): a last token the previous launch sampled is still on the device (negative on the host)
         and is fed from there; this step's tokens are kept there for the next launch, and reach the host through
         the returned step. No logprobs, no structured rows: Overlap's rule keeps those to the plain step."""
         if self.home_thread not in (None, threading.get_ident()):
             self._warn_foreign_thread()
-        input_ids, positions, meta, _ = self._prepare_decode(seqs)
+        seqs = batch.seqs
+        input_ids, positions, meta, _ = self.prepare(batch)
         d = self.decode_inputs
         sampling = d.sampling_batch(seqs)
         hidden = self.forward(d.fed(input_ids), positions, meta, decode=True)

@@ -20,14 +20,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.outputs import StepOutput
+from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.sampling_rows import is_penalized
 from kvgate.engine.scheduler import AllDecode
-from kvgate.engine.sequence import Sequence
+from kvgate.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from kvgate.engine.llm_engine import LLMEngine
 
 PENDING = -1  # a sequence's last token while it is still on the device: a token id is never negative
+RUNNING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.FINISHED
 
 
 class Launched(Protocol):
@@ -53,10 +55,9 @@ def overlapped(config: EngineConfig, runner: Any) -> bool:
     return config.overlap == "on"
 
 
-def needs_host(seq: Sequence) -> bool:
-    """Whether `seq`'s next step needs its last token on the host (the module's rule)."""
-    p = seq.params
-    return seq.matcher is not None or p.logprobs is not None or is_penalized(p)
+def needs_host(p: SamplingParams) -> bool:
+    """Whether a request's every next step needs its last token on the host (the module's rule)."""
+    return p.structured is not None or p.logprobs is not None or is_penalized(p)
 
 
 def drop_pending(seq: Sequence) -> None:
@@ -72,13 +73,20 @@ class Overlap:
         self.engine = engine
         self.pending: Launched | None = None
         self.launched = self.synced = 0  # steps launched ahead; launched steps read at a sync point
+        self.host_bound: set[Sequence] = set()  # unfinished requests that need their tokens on the host
+
+    def add(self, seq: Sequence) -> None:
+        """A new request: one that needs its tokens on the host keeps every step plain while it runs."""
+        if needs_host(seq.params):
+            self.host_bound.add(seq)
 
     def decode_batch(self) -> AllDecode | None:
         """The rule: this step's batch when it may be launched ahead, else None (and nothing scheduled)."""
-        s = self.engine.scheduler
-        if any(needs_host(seq) for seq in s.running):
-            return None
-        return s.schedule_decode()
+        if self.host_bound:
+            self.host_bound = {seq for seq in self.host_bound if seq.status is not FINISHED}
+            if any(seq.status is RUNNING for seq in self.host_bound):
+                return None
+        return self.engine.scheduler.schedule_decode()
 
     def step(self) -> tuple[bool, list[StepOutput]]:
         """Launch this step ahead when the rule allows, then read the previous launched step while it runs: (True,
@@ -89,9 +97,9 @@ class Overlap:
         if batch is None:
             self.synced += previous is not None
             return False, self.read(previous)
-        launched = self.engine.runner.launch(batch.seqs)
+        launched = self.engine.runner.launch(batch)
         outputs = self.read(previous)  # the host's work of step N while the device computes N + 1
-        live = [seq for seq in launched.seqs if not seq.is_finished]  # those found finished in `previous` are out
+        live = [seq for seq in launched.seqs if seq.status is not FINISHED]  # found finished in `previous`: out
         self.engine._computed(live)
         for seq in live:
             seq.token_ids.append(PENDING)
@@ -105,7 +113,7 @@ class Overlap:
             return []
         seqs, tokens = [], []
         for seq, token in zip(launched.seqs, launched.tokens()):
-            if seq.is_finished:
+            if seq.status is FINISHED:
                 continue
             seq.token_ids.pop()  # PENDING, as the launch left it (a sequence preempted since keeps its tokens)
             seqs.append(seq)

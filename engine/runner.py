@@ -1,6 +1,6 @@
 """What computes the engine's scheduled batches: the torch ModelRunner for a real model, a CostModelRunner for the
-simulated fleet. One that can also launch a decode step without waiting for its tokens has `launch(seqs)`, which
-returns an engine.overlap.Launched (ModelRunner does). Torch-free: the protocol only."""
+simulated fleet. A runner that can also launch a decode-only batch (scheduler.AllDecode) without waiting for its
+tokens has `launch(batch)`, returning an engine.overlap.Launched (ModelRunner does). Torch-free: the protocol only."""
 from __future__ import annotations
 
 from typing import Any, Protocol
