@@ -62,10 +62,11 @@ def cases_of(args: argparse.Namespace) -> list[dict]:
                   stub=False, seed=args.seed)
              for b in (int(x) for x in args.batches.split(",")) for t in (0.0, 0.6)
              for d in ((None, "inline", "thread") if args.detok == "all" else (None,))]
-    if not args.no_overlap:  # the same decode steps over a GPU-like device, plain then launched ahead
-        cases += [dict(name=f"b256 device {args.device_ms:g} ms {mode}", batch=256, temperature=0.0, stream=False,
-                       num_requests=args.num_requests, prompt=(32, 128), output=out, stub=True, seed=args.seed,
-                       device_ms=args.device_ms, overlap=mode) for mode in ("off", "on")]
+    if not args.no_overlap:  # the largest batch's decode steps over a GPU-like device, plain then launched ahead
+        b = max(int(x) for x in args.batches.split(","))
+        cases += [dict(name=f"b{b} device {args.device_ms:g} ms overlap {mode}", batch=b, temperature=0.0,
+                       stream=False, detok=None, num_requests=args.num_requests, prompt=(32, 128), output=out,
+                       stub=True, seed=args.seed, device_ms=args.device_ms, overlap=mode) for mode in ("off", "on")]
     if not args.no_gpu_shaped:
         gpu_out = (min(100, out_hi), min(1024, args.max_output or 1024))
         cases.append(dict(name="W-GPU-shaped stub", batch=256, temperature=0.0, stream=False,
