@@ -61,7 +61,7 @@ def needs_host(p: SamplingParams) -> bool:
 
 
 def drop_pending(seq: Sequence) -> None:
-    """Forget seq's token still on the device (it is aborted or finished): never emitted, so never in its output."""
+    """Forget seq's token still on the device (it is aborted): never emitted, so never in its output."""
     if seq.token_ids and seq.token_ids[-1] == PENDING:
         seq.token_ids.pop()
 
@@ -72,7 +72,7 @@ class Overlap:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.pending: Launched | None = None
-        self.launched = self.synced = 0  # steps launched ahead; launched steps read at a sync point
+        self.launched = 0  # steps launched ahead
         self.host_bound: set[Sequence] = set()  # unfinished requests that need their tokens on the host
 
     def add(self, seq: Sequence) -> None:
@@ -95,7 +95,6 @@ class Overlap:
         batch = self.decode_batch()
         previous, self.pending = self.pending, None
         if batch is None:
-            self.synced += previous is not None
             return False, self.read(previous)
         launched = self.engine.runner.launch(batch)
         outputs = self.read(previous)  # the host's work of step N while the device computes N + 1

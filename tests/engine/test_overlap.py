@@ -9,9 +9,14 @@ import pytest
 from kvgate.engine import LLMEngine, SamplingParams
 from kvgate.engine.cost_model_runner import CostModelRunner
 from kvgate.engine.overlap import PENDING
-from tests.engine.helpers import BLOCK_BYTES, random_prompts, tiny_source
+from tests.engine.helpers import BLOCK_BYTES, random_prompts, tiny_source, vocab_source
 from tests.engine.test_llm_engine import ByteTokenizer
-from tests.engine.test_structured import PERSON, smol_tokenizer, structured, tiny_with_vocab  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def tiny_with_vocab():
+    from kvgate.engine.loader import resolve_model
+    return vocab_source(resolve_model("smollm2-135m").tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +108,7 @@ def test_structured_output_and_jump_forward_are_sync_points_and_write_the_same(t
     """A structured request's mask needs its last token on the host: no step is launched ahead while one runs; the
     plain requests beside it go on ahead once it has finished. Answers, forced tokens included, are the same."""
     pytest.importorskip("llguidance")
+    from tests.engine.test_structured import PERSON, structured  # jsonschema: not on a bare GPU image
     schema = structured("json_schema", PERSON)
     requests = [("Record 1:", SamplingParams(temperature=0, max_tokens=60, structured=schema)),
                 ("Record 2:", SamplingParams(temperature=0.8, seed=4, max_tokens=60, structured=schema)),
@@ -211,3 +217,18 @@ def test_auto_is_off_on_a_cpu_and_on_needs_a_runner_that_launches_ahead(source):
     with pytest.raises(ValueError, match="overlap='on' needs a runner"):
         LLMEngine(runner=CostModelRunner(64, sleep=False), overlap="on")
     assert LLMEngine(runner=CostModelRunner(64, sleep=False)).overlap is None
+
+
+@pytest.mark.gpu
+def test_on_cuda_auto_overlaps_and_writes_the_plain_steps_tokens():
+    """The device half of the mechanism: tokens fed from the GPU into the next graph's inputs, a non-blocking copy
+    to the host read a step later; greedy, seeded, mixed temperatures and top-k/top-p rows (their host arrays
+    copied without blocking), and max_tokens and stop ids ending sequences a step late."""
+    source, _ = tiny_source("qwen3", seed=8)
+    requests = [(p, SamplingParams(temperature=(0.0, 0.8, 1.1)[i % 3], top_k=(0, 0, 20)[i % 3], top_p=0.9,
+                                   seed=i, max_tokens=3 + 5 * i, stop_token_ids=[7]))
+                for i, p in enumerate(random_prompts(13, 2, 90, seed=8))]
+    config = dict(device="cuda", dtype="bfloat16", kv_cache_memory=1 << 24, max_num_seqs=13)
+    plain = generate(source, requests, "off", **config)
+    ahead = generate(source, requests, "auto", **config)
+    assert_same(plain, ahead)
