@@ -7,6 +7,11 @@ DetokenizerThread decodes each step while the next one runs; there the engine th
 step over and taking the previous step's text back, the wall time per step shows what the detokenizer thread's
 share of the GIL costs the step, and the detokenizer thread's own CPU time per step is reported beside it.
 
+The overlap rows (issue 41) run the largest batch's decode steps over a GPU-like device stub (`StubDevice`:
+`--device-ms` of device time a step, on the engine thread's CPU clock) with the plain step and with steps launched
+ahead (engine/overlap.py), and report the device's idle time before each full-batch decode step: the host time a
+GPU would see exposed, overall and over the steps launched while the one before was still outstanding.
+
 `--baseline-ref REF` runs the same cases on the engine of another commit in the same run (`--rounds N`: N times,
 the engines taking turns at going first): the commit is extracted with `git archive` into a temporary folder (the
 repository's worktrees are not touched) and each engine's cases run in a fresh subprocess of this file with that
