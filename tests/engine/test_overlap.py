@@ -28,8 +28,8 @@ def source():
 
 def generate(source, requests: list[tuple[object, SamplingParams]], overlap: str, **config) -> dict:
     """Every request to its end: per request its final output and everything streamed; the engine's stats."""
-    engine = LLMEngine(source, overlap=overlap, device="cpu", **{"kv_cache_memory": 64 * BLOCK_BYTES,
-                                                                   "max_num_seqs": 4, **config})
+    engine = LLMEngine(source, overlap=overlap, **{"device": "cpu", "kv_cache_memory": 64 * BLOCK_BYTES,
+                                                     "max_num_seqs": 4, **config})
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(str(i), prompt, params)
     launched_ids, launch = set(), engine.runner.launch  # the requests in steps launched ahead
@@ -219,16 +219,23 @@ def test_auto_is_off_on_a_cpu_and_on_needs_a_runner_that_launches_ahead(source):
     assert LLMEngine(runner=CostModelRunner(64, sleep=False)).overlap is None
 
 
+def sampling_mix() -> list[tuple[list[int], SamplingParams]]:
+    """Greedy, seeded and top-k/top-p rows in one batch, ending by max_tokens or a stop id."""
+    return [(p, SamplingParams(temperature=(0.0, 0.8, 1.1)[i % 3], top_k=(-1, -1, 20)[i % 3], top_p=0.9, seed=i,
+                               max_tokens=3 + 5 * i, stop_token_ids=[7]))
+            for i, p in enumerate(random_prompts(13, 2, 90, seed=8))]
+
+
+def test_greedy_temperature_and_top_k_top_p_rows_in_one_batch_write_the_same(source):
+    config = dict(kv_cache_memory=1 << 22, max_num_seqs=13)
+    assert_same(generate(source, sampling_mix(), "off", **config), generate(source, sampling_mix(), "on", **config))
+
+
 @pytest.mark.gpu
 def test_on_cuda_auto_overlaps_and_writes_the_plain_steps_tokens():
     """The device half of the mechanism: tokens fed from the GPU into the next graph's inputs, a non-blocking copy
-    to the host read a step later; greedy, seeded, mixed temperatures and top-k/top-p rows (their host arrays
-    copied without blocking), and max_tokens and stop ids ending sequences a step late."""
+    to the host read a step later; greedy, seeded and top-k/top-p rows (their host arrays copied without
+    blocking), and max_tokens and stop ids ending sequences a step late."""
     source, _ = tiny_source("qwen3", seed=8)
-    requests = [(p, SamplingParams(temperature=(0.0, 0.8, 1.1)[i % 3], top_k=(0, 0, 20)[i % 3], top_p=0.9,
-                                   seed=i, max_tokens=3 + 5 * i, stop_token_ids=[7]))
-                for i, p in enumerate(random_prompts(13, 2, 90, seed=8))]
     config = dict(device="cuda", dtype="bfloat16", kv_cache_memory=1 << 24, max_num_seqs=13)
-    plain = generate(source, requests, "off", **config)
-    ahead = generate(source, requests, "auto", **config)
-    assert_same(plain, ahead)
+    assert_same(generate(source, sampling_mix(), "off", **config), generate(source, sampling_mix(), "auto", **config))
