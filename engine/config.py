@@ -49,6 +49,10 @@ class EngineConfig(BaseModel):
     max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters kept in host memory, ready for a slot "
                                                                "(adding one more drops the oldest unused); unset: "
                                                                "every adapter added")
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="launch a decode step before the previous one's tokens are read, so the host's work "
+                            "overlaps the device's (a stopped sequence is found a step late; its extra token is "
+                            "dropped); auto: on for cuda, off for cpu, whose cores do both")
 
     @field_validator("device")
     @classmethod

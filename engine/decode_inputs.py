@@ -24,6 +24,7 @@ class DecodeBatch:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     context_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, width] int32, -1 past each sequence's blocks
+    rows: torch.Tensor  # [B] int64: each sequence's row, where a step launched ahead keeps its tokens (`keep`)
 
 
 class DecodeInputs:
@@ -42,6 +43,8 @@ class DecodeInputs:
         self.rows = self.positions = np.zeros(0, dtype=np.int64)  # the last build's, for its sampling batch
         self.step = 0
         self.pinned = device.type == "cuda"
+        self.device_rows: torch.Tensor | None = None  # the last build's rows, on the device
+        self.last_tokens: torch.Tensor | None = None  # [capacity] int64: each row's token sampled ahead (`keep`)
 
     def build(self, seqs: list[Sequence], width: int | None = None) -> DecodeBatch:
         """Inputs for one new token per sequence (the last of each); `width` fixes the block-table width (a CUDA
@@ -58,13 +61,29 @@ class DecodeInputs:
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         cu = np.arange(n + 1, dtype=np.int32)
         if self.device.type == "cpu":  # the arrays themselves, no copy and no conversion
-            return DecodeBatch(*map(torch.from_numpy, (ids, positions, slots, cu, (positions + 1).astype(np.int32),
-                                                       tables)))
-        packed = np.concatenate([ids, positions, slots, cu, positions + 1, tables.reshape(-1)])
-        flat = self._to_device(packed)
-        views = torch.split(flat, [n, n, n, n + 1, n, n * width])
-        return DecodeBatch(views[0], views[1], views[2], views[3].to(torch.int32), views[4].to(torch.int32),
-                           views[5].view(n, width).to(torch.int32))
+            batch = DecodeBatch(*map(torch.from_numpy, (ids, positions, slots, cu, (positions + 1).astype(np.int32),
+                                                        tables, rows)))
+        else:
+            packed = np.concatenate([ids, positions, slots, cu, positions + 1, tables.reshape(-1), rows])
+            flat = self._to_device(packed)
+            views = torch.split(flat, [n, n, n, n + 1, n, n * width, n])
+            batch = DecodeBatch(views[0], views[1], views[2], views[3].to(torch.int32), views[4].to(torch.int32),
+                                views[5].view(n, width).to(torch.int32), views[6])
+        self.device_rows = batch.rows
+        return batch
+
+    def fed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The last build's input ids with each one still on the device taken from there: a sequence whose last
+        token was sampled by the step launched just before (engine/overlap.py) has a negative id on the host."""
+        if self.last_tokens is None:
+            return input_ids
+        return torch.where(input_ids < 0, self.last_tokens[self.device_rows], input_ids)
+
+    def keep(self, tokens: torch.Tensor) -> None:
+        """The last build's sampled tokens [B], kept on the device in their rows for the next step's `fed`."""
+        if self.last_tokens is None:
+            self.last_tokens = torch.zeros(self.capacity, dtype=torch.long, device=self.device)
+        self.last_tokens[self.device_rows] = tokens.to(self.device, torch.long)
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The sampling parameters of the last build's sequences, `seqs`, gathered from their rows."""

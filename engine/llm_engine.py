@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.config import EngineConfig
@@ -17,8 +17,10 @@ from kvgate.engine.detokenizer import find_stop, held_back, take_increment
 from kvgate.engine.fim import FimFormat
 from kvgate.engine.lora_slots import LoraSlots
 from kvgate.engine.outputs import Admission, EngineStats, RequestRejected, StepOutput
+from kvgate.engine.overlap import Overlap, drop_pending, overlapped
 from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.prompts import Prompts
+from kvgate.engine.runner import Runner
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import AllDecode, ScheduledBatch, Scheduler
 from kvgate.engine.sequence import Sequence
@@ -35,23 +37,6 @@ def quiet_gc() -> None:
     A larger young generation collects as surely, far less often; the engine makes few reference cycles."""
     if gc.get_threshold()[0] < GC_GEN0_THRESHOLD:
         gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
-
-
-class Runner(Protocol):
-    """What computes a scheduled batch, and the facts about its model the engine needs."""
-    model_name: str
-    tokenizer: Any  # None: the engine takes token ids only
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: set[int]
-    num_blocks: int  # KV cache blocks of the engine's block_size
-    embedding_size: int  # the length of an embedding request's vector before `dimensions` cuts it
-    pooling: str  # the model's own pooling (last, mean, cls): what an embedding request's `model` pooling means
-    lora: Any  # the model's LoRA adapter layers (engine/lora_layers.py); None: it serves no adapters
-
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
-        """Compute each (sequence, n) chunk; a next token (and logprobs) for each sequence now fully computed."""
-        ...
 
 
 class LLMEngine:
@@ -85,6 +70,7 @@ class LLMEngine:
         self.reserve_ratio = RESERVE_RATIO_START
         self.steps = self.prompt_tokens = self.generation_tokens = 0
         self._seen_preemptions = 0
+        self.overlap = Overlap(self) if overlapped(config, runner) else None  # decode steps launched ahead
         quiet_gc()
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -130,6 +116,8 @@ class LLMEngine:
             raise RequestRejected(f"structured output needs a tokenizer and model {self.model_name!r} has none")
         if params.structured is None or self.structured.start(seq):  # else it waits for its grammar to compile
             self.scheduler.add(seq)
+        if self.overlap:
+            self.overlap.add(seq)
         self.seqs[request_id] = seq
         return n
 
@@ -171,6 +159,7 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return None
+        drop_pending(seq)
         if not self.structured.abort(seq):  # one still waiting for its grammar was never scheduled
             self.scheduler.finish(seq, "abort")
         return self._finish_output(seq, [], None)
@@ -181,13 +170,16 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """One scheduler iteration; outputs only for requests that produced something."""
+        """One scheduler iteration; outputs only for requests that produced something. With overlap, a decode step
+        is launched ahead and its outputs come with the next step (engine/overlap.py)."""
         failed = self._compiled() if self.structured else []
-        batch = self.scheduler.schedule()
+        ahead, read = self.overlap.step() if self.overlap else (False, [])
+        batch = None if ahead else self.scheduler.schedule()
         self.steps += 1
         self._adapt_reserve()
-        if not batch:
-            if self.structured and not failed:
+        failed += read
+        if not batch:  # launched ahead, or nothing to run
+            if self.structured and not failed and not ahead:
                 time.sleep(0.001)  # nothing to run until a grammar compiles: do not spin a core the compiler needs
             return failed
         seqs, tokens, logprobs = self.runner.run(batch)
@@ -226,16 +218,26 @@ class LLMEngine:
         return outputs
 
     def _step_decode(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> list[StepOutput]:
-        """The pure-decode step: every sequence computed its last token and takes one more, accounted and appended
-        in one pass. A token that may end its sequence, one with logprobs and a sequence streaming text go
-        through `_append_token`; the rest need only the new id and the counts."""
-        bs, commit, now, outputs = self.block_size, self.block_manager.commit, time.monotonic(), []
-        for seq, token, lp in zip(seqs, tokens, logprobs):
+        """The pure-decode step: every sequence computed its last token and takes one more."""
+        self._computed(seqs)
+        return self._appended(seqs, tokens, logprobs)
+
+    def _computed(self, seqs: list[Sequence]) -> None:
+        """Each sequence's last token computed (a step launched ahead: as it is launched): counted, and a block
+        it filled published in the prefix cache."""
+        bs, commit = self.block_size, self.block_manager.commit
+        for seq in seqs:
             if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt's last token, after a cache hit
                 self.prompt_tokens += seq.prefilled(1)
             computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
             if computed // bs > seq.num_committed_blocks:
                 commit(seq)
+
+    def _appended(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> list[StepOutput]:
+        """Each decode step's token appended. A token that may end its sequence, one with logprobs and a sequence
+        streaming text go through `_append_token`; the rest need only the new id and the counts."""
+        now, outputs = time.monotonic(), []
+        for seq, token, lp in zip(seqs, tokens, logprobs):
             if seq.first_token_time is None:
                 seq.first_token_time = now
             ids, prompt = seq.token_ids, seq.num_prompt_tokens

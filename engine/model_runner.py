@@ -79,6 +79,25 @@ def prompt_logprob_rows(batch: ScheduledBatch) -> list[tuple[Sequence, int, int]
     return out
 
 
+class LaunchedStep:
+    """A launched decode step's sequences and sampled tokens, copied to the host without blocking (on CUDA into
+    pinned memory, an event marking the copy's end); `tokens` waits for them."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        self.seqs, self.ready = seqs, None
+        if tokens.device.type == "cuda":
+            self.host = tokens.to("cpu", non_blocking=True)  # pinned: torch pins a non-blocking copy off the GPU
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host = tokens
+
+    def tokens(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class ModelRunner:
     """The engine's runner for a real model; the facts the engine needs about the model (name, tokenizer,
     vocabulary, context limit, EOS ids, KV blocks) are set by `load`."""
@@ -279,6 +298,23 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler(logits, seqs, sampling, consume=True)
         return seqs, tokens, logprobs
+
+    @torch.inference_mode()
+    def launch(self, batch: AllDecode) -> LaunchedStep:
+        """A decode-only step (every sequence computes its last token) launched without waiting for its tokens
+        (engine/overlap.py): a last token the previous launch sampled is still on the device (negative on the host)
+        and is fed from there; this step's tokens are kept there for the next launch, and reach the host through
+        the returned step. No logprobs, no structured rows: Overlap's rule keeps those to the plain step."""
+        if self.home_thread not in (None, threading.get_ident()):
+            self._warn_foreign_thread()
+        seqs = batch.seqs
+        input_ids, positions, meta, _ = self.prepare(batch)
+        d = self.decode_inputs
+        sampling = d.sampling_batch(seqs)
+        hidden = self.forward(d.fed(input_ids), positions, meta, decode=True)
+        tokens = self.sampler.sample(self.model.compute_logits(hidden), seqs, sampling, consume=True)
+        d.keep(tokens)
+        return LaunchedStep(seqs, tokens)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Sequence, int, int]]) -> None:
         """Each row's log-softmax at the prompt token that follows it, and its top alternatives, written on its

@@ -76,6 +76,13 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array on the sampler's device without waiting for it: a copy from pageable memory is staged before
+    the call returns, so the host never stalls on the work queued before it (a step launched ahead,
+    engine/overlap.py, would stall on the step in flight)."""
+    return torch.from_numpy(array).to(device, dtype, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
     """In place on `logits` rows `rows`: repetition (HF: divide positive scores of every token seen in prompt or
     output, multiply negative ones), then frequency and presence (OpenAI: subtract per output occurrence, and
@@ -199,6 +206,15 @@ class Sampler:
         weights over them (the runner's fresh logits each step), touching a megabyte less of the cache."""
         if batch is None:
             batch = SamplingBatch.of(seqs)
+        tokens = self.sample(logits, seqs, batch, consume)
+        if not batch.logprob_rows:
+            return tokens.tolist(), [None] * len(seqs)
+        return self._with_logprobs(logits, tokens, batch.logprob_rows, batch.logprob_tops)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, consume: bool = False
+               ) -> torch.Tensor:
+        """The next tokens [B], left on the logits' device: no transfer, so a step launched ahead (engine/overlap.py)
+        feeds them to the next step's inputs there; `logits` stay the model's own where logprob rows need them."""
         raw = logits
         if batch.constrained:  # before everything else; the logprobs stay the model's own
             if batch.logprob_rows or not consume:
@@ -212,13 +228,10 @@ class Sampler:
             logits = logits.clone() if logits is raw else logits
             apply_penalties(logits, seqs, batch.penalized)
         if batch.all_greedy:
-            tokens = argmax_rows(logits)
-        else:  # weights may overwrite logits nothing reads after: a penalized copy, or the caller's without logprobs
-            spare = batch.greedy is None and (logits is not raw or (consume and not batch.logprob_rows))
-            tokens = self._sample(logits, seqs, batch, spare)
-        if not batch.logprob_rows:
-            return tokens.tolist(), [None] * len(seqs)
-        return self._with_logprobs(raw, tokens, batch.logprob_rows, batch.logprob_tops)
+            return argmax_rows(logits)
+        # weights may overwrite logits nothing reads after: a penalized copy, or the caller's without logprobs
+        spare = batch.greedy is None and (logits is not raw or (consume and not batch.logprob_rows))
+        return self._sample(logits, seqs, batch, spare)
 
     def start_mask(self, seqs: list[Sequence], rows: list[int]) -> None:
         """Begin filling the mask of `rows` of `seqs` on another thread (llguidance's executor works without the
@@ -249,14 +262,13 @@ class Sampler:
         dev = logits.device
         if batch.top_k is not None:
             scaled = apply_top_k_top_p(logits * self._per_row(batch.inv_temperature, logits),
-                                       torch.from_numpy(batch.top_k).to(dev),
-                                       torch.from_numpy(batch.top_p).to(dev, logits.dtype))
+                                       to_device(batch.top_k, dev), to_device(batch.top_p, dev, logits.dtype))
             weights = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_()
         else:  # softmax(logits / T) up to each row's total, into a buffer kept between steps
             out = logits if spare else self._scratch(logits)
             weights = self._exponent(logits, self._per_row(batch.inv_temperature * LOG2_E, logits), out).exp2_()
         if batch.min_p is not None:  # each row's largest weight is 1: drop those under min_p of it
-            weights.masked_fill_(weights < torch.from_numpy(batch.min_p).to(dev, weights.dtype)[:, None], 0.0)
+            weights.masked_fill_(weights < to_device(batch.min_p, dev, weights.dtype)[:, None], 0.0)
         for i in batch.unseeded:
             batch.seeds[i] = self._seed_of(seqs[i])
         if dev.type == "cpu":
@@ -266,10 +278,10 @@ class Sampler:
         else:  # on a GPU the whole-vocabulary cumsum is one fast kernel
             u = uniform_for(batch.seeds, batch.positions)
             cdf = weights.cumsum(-1)
-            target = (torch.from_numpy(u).to(dev, non_blocking=True) * cdf[:, -1].double()).to(cdf.dtype)[:, None]
+            target = (to_device(u, dev) * cdf[:, -1].double()).to(cdf.dtype)[:, None]
             sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
         if batch.greedy is not None:
-            sampled = torch.where(torch.from_numpy(batch.greedy).to(dev), argmax_rows(logits), sampled)
+            sampled = torch.where(to_device(batch.greedy, dev), argmax_rows(logits), sampled)
         return sampled
 
     @staticmethod
@@ -289,7 +301,7 @@ class Sampler:
         if isinstance(values, float):
             exact = like.dtype in (torch.float32, torch.float64)  # a CPU scalar is rounded to them as a tensor is
             return values if exact else torch.tensor(values, dtype=like.dtype).item()
-        return torch.from_numpy(values).to(like.device, like.dtype)[:, None]
+        return to_device(values, like.device, like.dtype)[:, None]
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A [B, V] buffer like `like`, kept: a fresh megabyte each step costs the CPU its page faults each time.

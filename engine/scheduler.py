@@ -54,11 +54,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        admits = self.policy == "continuous" and self.waiting and len(self.running) < self.max_num_seqs
-        if self.running and not admits:
-            batch = self._decode_all()
-            if batch is not None:
-                return batch
+        batch = self.schedule_decode()
+        if batch is not None:
+            return batch
         budget = self.max_num_batched_tokens
         if self.policy == "static" and not self.running:
             while self.waiting and len(self.running) < self.max_num_seqs and self.loras.can_acquire(self.waiting[0]):
@@ -68,7 +66,13 @@ class Scheduler:
             budget = self._admit(scheduled, budget)
         return list(scheduled.items())
 
-    def _decode_all(self) -> ScheduledBatch | None:
+    def schedule_decode(self) -> AllDecode | None:
+        """The step `schedule` takes when it can: every running sequence decodes one token (none waits to be
+        admitted, none is short of a block). None, with nothing changed, when this step must take the general path."""
+        admits = self.policy == "continuous" and self.waiting and len(self.running) < self.max_num_seqs
+        return self._decode_all() if self.running and not admits else None
+
+    def _decode_all(self) -> AllDecode | None:
         """The common step, without the general path's per-sequence bookkeeping: every running sequence decodes
         one token and the free blocks cover those that need a new one. None when that is not the case."""
         running, bm = self.running, self.block_manager

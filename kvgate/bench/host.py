@@ -7,6 +7,11 @@ DetokenizerThread decodes each step while the next one runs; there the engine th
 step over and taking the previous step's text back, the wall time per step shows what the detokenizer thread's
 share of the GIL costs the step, and the detokenizer thread's own CPU time per step is reported beside it.
 
+The overlap rows (issue 41) run the largest batch's decode steps over a GPU-like device stub (`StubDevice`:
+`--device-ms` of device time a step, on the engine thread's CPU clock) with the plain step and with steps launched
+ahead (engine/overlap.py), and report the device's idle time before each full-batch decode step: the host time a
+GPU would see exposed, overall and over the steps launched while the one before was still outstanding.
+
 `--baseline-ref REF` runs the same cases on the engine of another commit in the same run (`--rounds N`: N times,
 the engines taking turns at going first): the commit is extracted with `git archive` into a temporary folder (the
 repository's worktrees are not touched) and each engine's cases run in a fresh subprocess of this file with that
@@ -45,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every case this many times, the engines taking turns at going first; the "
                              "report gives each case's median and each round's temperature / greedy ratio")
+    parser.add_argument("--device-ms", type=float, default=3.5,
+                        help="device time of a decode step in the overlap rows' GPU-like stub (default 3.5 ms: a "
+                             "batch-256 step at 70k tok/s)")
+    parser.add_argument("--no-overlap", action="store_true", help="skip the overlap rows (plain and overlapped step "
+                                                                  "over a device stub)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -57,6 +67,11 @@ def cases_of(args: argparse.Namespace) -> list[dict]:
                   stub=False, seed=args.seed)
              for b in (int(x) for x in args.batches.split(",")) for t in (0.0, 0.6)
              for d in ((None, "inline", "thread") if args.detok == "all" else (None,))]
+    if not args.no_overlap:  # the largest batch's decode steps over a GPU-like device, plain then launched ahead
+        b = max(int(x) for x in args.batches.split(","))
+        cases += [dict(name=f"b{b} device {args.device_ms:g} ms overlap {mode}", batch=b, temperature=0.0,
+                       stream=False, detok=None, num_requests=args.num_requests, prompt=(32, 128), output=out,
+                       stub=True, seed=args.seed, device_ms=args.device_ms, overlap=mode) for mode in ("off", "on")]
     if not args.no_gpu_shaped:
         gpu_out = (min(100, out_hi), min(1024, args.max_output or 1024))
         cases.append(dict(name="W-GPU-shaped stub", batch=256, temperature=0.0, stream=False,
@@ -164,14 +179,20 @@ def tiny_source(tokenizer, seed: int):
 def measure(case: dict) -> dict:
     import torch
 
+    from kvgate.engine.config import EngineConfig
     from kvgate.engine.llm_engine import LLMEngine
     from kvgate.engine.loader import resolve_model
     from kvgate.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     tokenizer = _TOKENIZER.get("smollm2") or _TOKENIZER.setdefault("smollm2", resolve_model("smollm2-135m").tokenizer)
+    overlap = {} if case.get("overlap") is None else {"overlap": case["overlap"]}
+    if overlap and "overlap" not in EngineConfig.model_fields:  # an engine before it: its plain step is "off"
+        if case["overlap"] == "on":
+            return {"skipped": "this engine cannot launch a step ahead"}
+        overlap = {}
     engine = LLMEngine(tiny_source(tokenizer, case["seed"]), max_num_seqs=case["batch"], device="cpu",
-                       dtype="float32", seed=case["seed"])
+                       dtype="float32", seed=case["seed"], **overlap)
     detok = None
     if case.get("detok") == "thread":
         if "detokenize" not in inspect.signature(LLMEngine.add_request).parameters:
@@ -188,34 +209,46 @@ def measure(case: dict) -> dict:
         else:
             engine.add_request(str(i), prompt, params, detokenize=False)
             detok.add(str(i), None, incremental=True)
-    clock, current, batches = time.thread_time, {}, []
+    clock, current, last, active = time.thread_time, {}, [None], set()
     runner = engine.runner
 
     def timed(name, fn):
         def wrapper(*a, **kw):
+            if name in active:  # called inside itself (schedule calls schedule_decode): counted once
+                return fn(*a, **kw)
+            active.add(name)
             start = clock()
             try:
                 return fn(*a, **kw)
             finally:
+                active.discard(name)
                 current[name] = current.get(name, 0.0) + clock() - start
         return wrapper
 
-    schedule = engine.scheduler.schedule
+    def scheduling(fn):  # the step's batch, which ever of the scheduler's two entries made it
+        return lambda: last.__setitem__(0, fn()) or last[0]
 
-    def scheduled():
-        batch = schedule()
-        batches.append(batch)
-        return batch
-
-    engine.scheduler.schedule = timed("schedule", scheduled)
+    for entry in ("schedule", "schedule_decode")[:1 + (getattr(engine, "overlap", None) is not None)]:
+        setattr(engine.scheduler, entry, timed("schedule", scheduling(getattr(engine.scheduler, entry))))
     runner.prepare = timed("prepare", runner.prepare)
+    device = StubDevice(case["device_ms"] / 1e3, case["batch"]) if case.get("device_ms") else None
     if case["stub"]:
         hidden = torch.randn(16384, TINY["hidden_size"])
-        runner.forward = timed("forward", lambda ids, *_, **__: hidden[: ids.shape[0]])
+
+        def stub(ids, positions, meta, decode=False):
+            if device is not None:
+                device.launch(ids.shape[0], decode)
+            return hidden[: ids.shape[0]]
+        runner.forward = timed("forward", stub)
     else:
         runner.forward = timed("forward", runner.forward)
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
-    runner.sampler = timed("sampler", runner.sampler)
+    if device is not None:
+        device.hold(engine)
+    if getattr(engine, "overlap", None) is not None:  # launch samples through `sample`, not the sampler's call
+        runner.sampler.sample = timed("sampler", runner.sampler.sample)
+    else:
+        runner.sampler = timed("sampler", runner.sampler)
     steps = []
     gc.collect()  # the previous case's engine is garbage: its collection is not this case's host work
     detok_clock = (lambda: time.clock_gettime(time.pthread_getcpuclockid(detok.thread.ident))) if detok else None
@@ -228,8 +261,8 @@ def measure(case: dict) -> dict:
             detok.submit(outputs, 0.0)
             detok.results(lag=1 if engine.has_unfinished() else 0)
         total, wall = clock() - start, time.perf_counter() - wall
-        batch = batches[-1]
-        full = len(batch) == case["batch"] and all(n == 1 for _, n in batch)
+        batch = last[0]
+        full = batch is not None and len(batch) == case["batch"] and all(n == 1 for _, n in batch)
         model = current.get("forward", 0.0) + current.get("logits", 0.0)
         parts = {p: current.get(p, 0.0) for p in PARTS[:-1]}
         parts["post"] = total - model - sum(parts.values())
@@ -247,7 +280,56 @@ def measure(case: dict) -> dict:
                                "host": mean([s[1] for s in full]), "model": mean([s[2] for s in full]),
                                "wall": mean([s[4] for s in full])},
             # the detokenizer thread's own CPU time over the whole run, per step: where the decoding went
-            "detok_thread_ms_per_step": 1e3 * detok_s / len(steps) if detok_s is not None else None}
+            "detok_thread_ms_per_step": 1e3 * detok_s / len(steps) if detok_s is not None else None,
+            # the overlap rows: the device's idle time before each full-batch decode step, the host time not hidden
+            **({"device_ms": case["device_ms"], "exposed_host_ms": mean(device.gaps), "device_gaps": len(device.gaps),
+                "exposed_host_ms_ahead": mean(device.gaps_ahead), "device_gaps_ahead": len(device.gaps_ahead),
+                "overlapped_steps": getattr(getattr(engine, "overlap", None), "launched", 0)} if device else {})}
+
+
+class StubDevice:
+    """A GPU-like device under the forward stub: a step's forward takes `seconds` of device time from its launch or
+    the end of the step before, whichever is later, and the host waits only for a step's tokens (a plain step's at
+    the end of `run`, a launched step's when they are read). Time is the engine thread's CPU time plus its waits
+    for the device (a wait moves that clock to the step's end, without sleeping), so, as for the rest of W-HOST,
+    other load on the machine does not count. The device's idle time before each full-batch decode step, `gaps`,
+    is the host time that step did not hide; `gaps_ahead` are those of the steps launched while the one before was
+    still outstanding (an overlapped step after another: the steady state), apart from those after a sync point."""
+
+    def __init__(self, seconds: float, batch: int) -> None:
+        self.seconds, self.batch, self.ready, self.waited = seconds, batch, None, 0.0
+        self.gaps, self.gaps_ahead, self.drained = [], [], True  # drained: the host waited for the last step
+
+    def now(self) -> float:
+        return time.thread_time() + self.waited
+
+    def launch(self, rows: int, decode: bool) -> None:
+        now = self.now()
+        if self.ready is not None and decode and rows == self.batch:
+            self.gaps.append(max(0.0, now - self.ready))
+            if not self.drained:
+                self.gaps_ahead.append(self.gaps[-1])
+        self.ready, self.drained = max(now, self.ready or now) + self.seconds, False
+
+    def wait(self, ready: float) -> None:
+        self.waited += max(0.0, ready - self.now())
+        self.drained |= ready == self.ready
+
+    def hold(self, engine) -> None:
+        """Make `engine`'s runner wait for the device where the host takes a step's tokens."""
+        runner = engine.runner
+        run = runner.run
+        runner.run = lambda batch: (run(batch), self.wait(self.ready))[0]
+        if getattr(engine, "overlap", None) is None:
+            return
+        launch = runner.launch
+
+        def launched(batch):
+            step, ready = launch(batch), self.ready
+            tokens = step.tokens
+            step.tokens = lambda: (self.wait(ready), tokens())[1]
+            return step
+        runner.launch = launched
 
 
 def median_round(results: list[dict]) -> dict:
@@ -297,7 +379,12 @@ def print_case(entry: dict) -> None:
         return (f"{parts} | host {ms['host']:.3f} ms/step (wall {ms['wall']:.3f}) over {r['full_decode_steps']} "
                 f"full decode steps; all {r['steps']} steps {r['host_s_all_steps']:.2f} s "
                 f"({r['host_ms_per_step_all']:.3f} ms/step)"
-                + (f"; detokenizer thread {detok:.3f} ms CPU/step" if detok is not None else ""))
+                + (f"; detokenizer thread {detok:.3f} ms CPU/step" if detok is not None else "")
+                + (f"; device idle before a full decode step (exposed host time) {r['exposed_host_ms']:.3f} ms of "
+                   f"{r['device_ms']:g} ms steps, {r['overlapped_steps']} steps launched ahead"
+                   + (f", {r['exposed_host_ms_ahead']:.3f} ms over the {r['device_gaps_ahead']} launched behind "
+                      "an outstanding one" if r.get("device_gaps_ahead") else "")
+                   if r.get("device_ms") else ""))
     print(entry["case"]["name"])
     for label in ("baseline", "current"):
         if label in entry:

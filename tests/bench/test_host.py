@@ -19,8 +19,8 @@ def test_host_bench_measures_baseline_and_current_engines_side_by_side(tmp_path)
                               "--json", str(out)])
     assert host.run(args) == 0
     report = json.loads(out.read_text())
-    # 2 temperatures x (no detok, inline detok, detok thread) + gpu-shaped
-    assert report["workload"] == "W-HOST" and len(report["cases"]) == 7
+    # 2 temperatures x (no detok, inline detok, detok thread) + overlap off and on + gpu-shaped
+    assert report["workload"] == "W-HOST" and len(report["cases"]) == 9
     for entry in report["cases"]:
         base, cur = entry["baseline"], entry["current"]
         assert cur["engine"] == str(ROOT / "engine")  # the editable install: this tree
@@ -33,8 +33,12 @@ def test_host_bench_measures_baseline_and_current_engines_side_by_side(tmp_path)
             assert r["full_decode_steps"] > 0
             assert abs(sum(ms[p] for p in host.PARTS) - ms["host"]) < 1e-6
             assert all(ms[p] >= 0 for p in ("schedule", "prepare", "sampler"))
-            threaded = entry["case"]["detok"] == "thread"
+            threaded = entry["case"].get("detok") == "thread"
             assert (r["detok_thread_ms_per_step"] > 0) if threaded else r["detok_thread_ms_per_step"] is None
+    overlap = {e["case"]["overlap"]: e["current"] for e in report["cases"] if e["case"].get("overlap")}
+    assert overlap["off"]["overlapped_steps"] == 0 and overlap["off"]["device_gaps_ahead"] == 0
+    assert overlap["on"]["overlapped_steps"] > 0 and overlap["on"]["device_gaps_ahead"] > 0
+    assert overlap["on"]["exposed_host_ms_ahead"] is not None and overlap["off"]["exposed_host_ms"] > 0
 
 
 def test_host_bench_rounds_report_medians_and_each_rounds_temperature_ratio(tmp_path):
@@ -42,7 +46,7 @@ def test_host_bench_rounds_report_medians_and_each_rounds_temperature_ratio(tmp_
     host.add_arguments(parser)
     out = tmp_path / "host.json"
     args = parser.parse_args(["--batches", "4", "--num-requests", "6", "--max-output", "12", "--detok", "none",
-                              "--no-gpu-shaped", "--rounds", "3", "--json", str(out)])
+                              "--no-gpu-shaped", "--no-overlap", "--rounds", "3", "--json", str(out)])
     assert host.run(args) == 0
     report = json.loads(out.read_text())
     assert [e["case"]["name"] for e in report["cases"]] == ["b4 greedy", "b4 t0.6"]

@@ -81,3 +81,14 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) 
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def vocab_source(tokenizer) -> TinySource:
+    """A tiny random Llama over `tokenizer`'s real vocabulary, so grammars and stop strings have real tokens."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    config = LlamaConfig(**(COMMON | {"vocab_size": len(tokenizer), "max_position_embeddings": 512}),
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return TinySource("tiny-smol-vocab", config, tokenizer, None,
+                      {k: v.detach().clone() for k, v in model.state_dict().items()})

@@ -15,7 +15,7 @@ from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.constraints import allowed_by_reference
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.sampler import Sampler
-from tests.engine.helpers import COMMON, TinySource
+from tests.engine.helpers import vocab_source
 
 pytest.importorskip("llguidance")
 
@@ -41,13 +41,7 @@ def smol_tokenizer():
 @pytest.fixture(scope="module")
 def tiny_with_vocab(smol_tokenizer):
     """A tiny random Llama over SmolLM2's real vocabulary, so grammars have real tokens to allow."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    torch.manual_seed(0)
-    config = LlamaConfig(**(COMMON | {"vocab_size": len(smol_tokenizer), "max_position_embeddings": 512}),
-                         eos_token_id=smol_tokenizer.eos_token_id, tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return TinySource("tiny-smol-vocab", config, smol_tokenizer, None,
-                      {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return vocab_source(smol_tokenizer)
 
 
 def test_the_mask_applied_at_every_step_is_what_the_matcher_alone_accepts(tiny_with_vocab, monkeypatch):
