@@ -7,7 +7,6 @@ import json
 import pytest
 
 from kvgate.commands.cli import main
-from tests.bench.test_bench import tiny_model  # noqa: F401 - the fixture: a 2-layer Llama in an HF folder
 
 
 def test_each_budget_runs_kvgate_continuous_with_that_step_budget(tiny_model, tmp_path):

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-from tests.bench.test_bench import tiny_model  # noqa: F401 - the fixture: a 2-layer Llama in an HF folder
 from tests.support import ROOT
 
 
