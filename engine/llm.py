@@ -20,14 +20,14 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
                  enable_prefix_caching: bool = True, scheduling: str = "continuous", seed: int = 0,
                  max_loras: int = 0, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 loras: dict[str, str] | None = None) -> None:
+                 loras: dict[str, str] | None = None, overlap: str = "auto") -> None:
         """`loras`: adapter name -> PEFT adapter folder, served when `max_loras` >= 1 (engine/lora.py)."""
         self.engine = LLMEngine(model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                                 kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                                 scheduling=scheduling, seed=seed, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                                max_cpu_loras=max_cpu_loras)
+                                max_cpu_loras=max_cpu_loras, overlap=overlap)
         for name, path in (loras or {}).items():
             self.add_lora(name, path)
         self._ids = itertools.count()

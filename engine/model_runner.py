@@ -311,7 +311,8 @@ class ModelRunner:
         input_ids, positions, meta, _ = self.prepare(batch)
         d = self.decode_inputs
         sampling = d.sampling_batch(seqs)
-        hidden = self.forward(d.fed(input_ids), positions, meta, decode=True)
+        lora = self.lora is not None and self.lora.set_rows(batch)  # this step's rows, not the last step's
+        hidden = self.forward(d.fed(input_ids), positions, meta, decode=not lora)
         tokens = self.sampler.sample(self.model.compute_logits(hidden), seqs, sampling, consume=True)
         d.keep(tokens)
         return LaunchedStep(seqs, tokens)

@@ -146,3 +146,15 @@ def test_an_unknown_adapter_is_rejected_and_lora_off_refuses_adapters(adapters):
     from kvgate.engine import LoraError
     with pytest.raises(LoraError, match="max_loras >= 1"):
         LLM(source, kv_cache_memory=1 << 20).add_lora("full", paths["full"])
+
+
+def test_adapter_rows_in_overlapped_decode_steps_write_what_the_plain_steps_write(adapters):
+    """Overlap launches decode steps ahead (engine/overlap.py): each launched step must carry its rows' adapters, as
+    the plain step does, not the base model's weights or the adapters of the step before."""
+    source, _, paths, _, prompts = adapters
+    plain = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)  # no logprobs: overlap may launch ahead
+    loras = [name for name in paths for _ in prompts]
+    every = [p for _ in paths for p in prompts]
+    runs = {mode: make_llm(source, paths, overlap=mode).generate(every, plain, use_tqdm=False, lora=loras)
+            for mode in ("off", "on")}
+    assert [o.token_ids for o in runs["on"]] == [o.token_ids for o in runs["off"]]
