@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.outputs import StepOutput
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.sampling_rows import is_penalized
 from kvgate.engine.scheduler import AllDecode
 from kvgate.engine.sequence import Sequence, SequenceStatus
 
@@ -57,7 +56,7 @@ def overlapped(config: EngineConfig, runner: Any) -> bool:
 
 def needs_host(p: SamplingParams) -> bool:
     """Whether a request's every next step needs its last token on the host (the module's rule)."""
-    return p.structured is not None or p.logprobs is not None or is_penalized(p)
+    return p.structured is not None or p.logprobs is not None or p.penalized
 
 
 def drop_pending(seq: Sequence) -> None:

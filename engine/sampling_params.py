@@ -88,5 +88,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens!r} must be an integer >= 0")
 
     @property
+    def penalized(self) -> bool:
+        """A repetition, frequency or presence penalty: its logits depend on the tokens generated so far."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5

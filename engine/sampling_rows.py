@@ -46,7 +46,7 @@ class SamplingBatch:
         top_k = np.array([p.top_k for p in params], dtype=np.int64)
         top_p = np.array([p.top_p for p in params], dtype=np.float64)
         uses_top = bool(((top_k > 0) | (top_p < 1.0)).any())
-        penalized = [i for i, p in enumerate(params) if is_penalized(p)]
+        penalized = [i for i, p in enumerate(params) if p.penalized]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         lp_tops = [params[i].logprobs for i in lp_rows]
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
@@ -62,10 +62,6 @@ class SamplingBatch:
         return cls(False, greedy if greedy.any() else None, inv, top_k if uses_top else None,
                    top_p if uses_top else None, seeds, unseeded, positions, penalized, lp_rows, lp_tops, constrained,
                    adjusted, min_p if min_p.any() else None)
-
-
-def is_penalized(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
 
 def is_adjusted(p: SamplingParams) -> bool:
@@ -102,7 +98,7 @@ class SamplingRows:
         self.greedy[row] = greedy
         self.inv_temperature[row] = 1.0 if greedy else 1.0 / p.temperature
         self.top_k[row], self.top_p[row] = p.top_k, p.top_p
-        self.penalized[row] = is_penalized(p)
+        self.penalized[row] = p.penalized
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.first_output[row] = seq.num_prompt_tokens - 1
         self.seeded[row] = seq.sample_seed is not None

@@ -217,11 +217,14 @@ def test_the_plain_simulated_tokenizer_decodes_every_id_as_the_fast_one_does():
 
 
 def test_without_transformers_the_simulated_engine_serves_with_the_plain_tokenizer():
-    """The torch-free install (kvgate[gateway]) runs simulated workers in its tests: they must still serve, and a
-    structured job there is an error naming what is missing."""
+    """The torch-free install (kvgate[gateway]) runs simulated workers in its tests (make test-pythons): they must
+    still serve, and a structured job there is an error naming what is missing. Nothing on the simulated engine's
+    import path may need the real engine's packages (the overlap rule's import of the sampler's numpy rows once
+    stopped every such worker)."""
     code = """
 import sys
-sys.modules["transformers"] = None  # as if not installed
+for name in ("transformers", "numpy", "torch", "tokenizers", "triton"):
+    sys.modules[name] = None  # as if not installed
 from kvgate.engine import SamplingParams
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.engine.simulated_tokenizer import SimulatedTokenizer
@@ -237,3 +240,4 @@ assert done["s"].finish_reason == "error" and "transformers" in done["s"].error,
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.returncode, run.stdout[-1000:], run.stderr[-3000:])
+
