@@ -30,6 +30,7 @@ class CostModelRunner:
         self.step_overhead_s, self.per_token_s = step_overhead_s, per_token_s
         self.tokenizer = simulated_tokenizer(vocab_size)
         self.lora = None  # the simulated model serves no LoRA adapters
+        self.launch_device = None  # nor launches a step ahead: its cost model runs when the step is taken
         self.vocab_size = len(self.tokenizer)  # the words, then the bytes and end-of-text a grammar may need
         # only a grammar draws the end-of-text token, so an unconstrained request still ends by length or stop ids
         self.eos_token_ids: set[int] = {self.tokenizer.eos_token_id}

@@ -300,6 +300,11 @@ class ModelRunner:
         return seqs, tokens, logprobs
 
     @torch.inference_mode()
+    @property
+    def launch_device(self) -> str:
+        """Where `launch` computes (the Runner protocol's: this runner launches ahead on any device)."""
+        return self.device.type
+
     def launch(self, batch: AllDecode) -> LaunchedStep:
         """A decode-only step (every sequence computes its last token) launched without waiting for its tokens
         (engine/overlap.py): a last token the previous launch sampled is still on the device (negative on the host)

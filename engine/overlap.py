@@ -45,12 +45,12 @@ def overlapped(config: EngineConfig, runner: Any) -> bool:
     the host works; off on a CPU, whose forward runs on the cores the host work needs (one thread, the engine's
     own: another one would get an OpenMP pool of its own), so nothing overlaps and a finished sequence would
     cost a wasted row a step."""
-    launches = callable(getattr(runner, "launch", None))
+    launches = runner.launch_device is not None
     if config.overlap == "on" and not launches:
         raise ValueError(f"overlap='on' needs a runner that launches a decode step ahead (ModelRunner); "
                          f"{type(runner).__name__} does not: set overlap to 'auto' or 'off'")
     if config.overlap == "auto":
-        return launches and getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        return runner.launch_device == "cuda"
     return config.overlap == "on"
 
 

@@ -20,6 +20,7 @@ class Runner(Protocol):
     embedding_size: int  # the length of an embedding request's vector before `dimensions` cuts it
     pooling: str  # the model's own pooling (last, mean, cls): what an embedding request's `model` pooling means
     lora: Any  # the model's LoRA adapter layers (engine/lora_layers.py); None: it serves no adapters
+    launch_device: str | None  # where `launch` computes a decode step ahead ("cuda", "cpu"); None: it cannot
 
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
         """Compute each (sequence, n) chunk; a next token (and logprobs) for each sequence now fully computed."""
