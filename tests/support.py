@@ -96,10 +96,12 @@ class RawQueue:
         return self.r.zcard(self.keys.due_index(self.keys.jobs(model, priority)))
 
     def pending(self, priority: str = "normal", model: str | None = None) -> int:
+        """Jobs workers hold: pending to the group, less those parked for deadline order (waiting still)."""
         try:
-            return self.r.xpending(self.keys.jobs(model, priority), Keys.GROUP)["pending"]
+            held = self.r.xpending(self.keys.jobs(model, priority), Keys.GROUP)["pending"]
         except redis.ResponseError:  # no group yet: nobody has read anything
             return 0
+        return held - self.parked(priority, model)
 
 
 # ---- `kvgate worker` processes --------------------------------------------------------------------------------

@@ -40,17 +40,34 @@ local function unpad(member)
   local ms, seq = string.match(member, '^0*(%d+)-0*(%d+)$')
   return ms .. '-' .. seq
 end
+local function due_at(e)  -- when a new entry is due: its ms + its relative deadline (none: when it arrived)
+  local f, rel = e[2], 0
+  for i = 1, #f - 1, 2 do
+    if f[i] == due_field then rel = math.max(tonumber(f[i + 1]) or 0, 0) end
+  end
+  return tonumber(string.match(e[1], '^(%d+)')) + rel
+end
 local function park(key, index, n)  -- up to n new entries, read under the holder, listed by when each is due
   if n <= 0 then return end
   local reply = redis.call('XREADGROUP', 'GROUP', group, holder, 'COUNT', n, 'STREAMS', key, '>')
-  if not reply then return end
-  for _, e in ipairs(reply[1][2]) do
-    local f, rel = e[2], 0
-    for i = 1, #f - 1, 2 do
-      if f[i] == due_field then rel = math.max(tonumber(f[i + 1]) or 0, 0) end
+  for _, e in ipairs(reply and reply[1][2] or {}) do redis.call('ZADD', index, due_at(e), pad(e[1])) end
+end
+-- None parked: n + window new entries read for us, the earliest due n kept and the rest parked, so a stream the fleet
+-- keeps up with costs one read and a sort, as without deadline order.
+local function sorted_read(key, index, n)
+  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n + window, 'STREAMS', key, '>')
+  local got, mine = reply and reply[1][2] or {}, {}
+  for _, e in ipairs(got) do e[3], e[4] = pad(e[1]), due_at(e) end
+  table.sort(got, function(a, b) return a[4] < b[4] or (a[4] == b[4] and a[3] < b[3]) end)
+  for i, e in ipairs(got) do
+    if i <= n then
+      mine[i] = {e[1], e[2]}
+    else
+      redis.call('XCLAIM', key, group, holder, 0, e[1], 'JUSTID')  -- counts no delivery
+      redis.call('ZADD', index, e[4], e[3])
     end
-    redis.call('ZADD', index, tonumber(string.match(e[1], '^(%d+)')) + rel, pad(e[1]))
   end
+  return mine
 end
 local function unpark(key, index, n)  -- up to n parked entries, earliest due first, claimed for us
   local got = {}
@@ -70,8 +87,11 @@ end
 local function take(key, n)  -- up to n entries of a stream: with an index, earliest due first
   if n <= 0 then return {} end
   local index, entries = index_of[key], {}
-  if index then
-    if window > 0 then park(key, index, window + n - redis.call('ZCARD', index)) end
+  local parked = index and redis.call('ZCARD', index) or 0
+  if index and window > 0 and parked == 0 then
+    entries = sorted_read(key, index, n)
+  elseif index then
+    if window > 0 then park(key, index, window + n - parked) end
     entries = unpark(key, index, n)
   end
   if #entries < n and (window == 0 or not index) then  -- parked ones first; with a window every new one is parked

@@ -236,17 +236,18 @@ class Reader:
         keys = ScriptKeys()
         inputs: dict[str, Any] = {"group": Keys.GROUP, "consumer": self.consumer, "want": count,
                                   "reclaim_ms": reclaim_idle_ms, "streams": []}
+        due = self.keys is not None and plan.home is None  # lanes park nothing (a thief would not see it: due.py)
         for stream, lane in zip(group.streams, group.lanes):
             inputs["streams"].append({"key": keys.add(stream), "lane": lane})
-            if self.keys is not None:  # parked entries are taken first even with deadline order off here
+            if due:  # parked entries are taken first even with deadline order off here
                 inputs["streams"][-1]["due"] = keys.add(self.keys.due_index(stream))
             if (tenants := plan.tenants_inputs(stream, keys.add)) is not None:
                 inputs["streams"][-1]["tenants"] = tenants
         if plan.home is not None:
             inputs["lanes"] = lane_read_inputs(self.steal_age_ms, plan.steal_max, plan.overdue_ms,
                                                [keys.add(k) for k in group.overdue])
-        if self.keys is not None:  # lanes: no parking, which would hide a lane's entries from thieves (affinity.py)
-            inputs["due"] = due_read_inputs(self.deadline_window if plan.home is None else 0)
+        if due:
+            inputs["due"] = due_read_inputs(self.deadline_window)
         if (shares := plan.shares_inputs()) is not None:
             inputs["shares"] = shares
         if self.keys is not None and plan.handed:
