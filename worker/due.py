@@ -28,6 +28,7 @@ DEFAULT_WINDOW = 64  # entries parked per stream: the reorder window
 DUE_READ_LUA = """
 local due = input.due or {}
 local window, holder, due_field = due.window or 0, due.holder or '', due.field or ''
+local MAX_DUE_MS = 1e15  -- some 31,000 years
 local index_of = {}  -- stream key -> its due index
 for _, stream in ipairs(streams) do
   if stream.due then index_of[KEYS[stream.key]] = KEYS[stream.due] end
@@ -43,7 +44,8 @@ end
 local function due_at(e)  -- when a new entry is due: its ms + its relative deadline (none: when it arrived)
   local f, rel = e[2], 0
   for i = 1, #f - 1, 2 do
-    if f[i] == due_field then rel = math.max(tonumber(f[i + 1]) or 0, 0) end
+    local v = f[i] == due_field and tonumber(f[i + 1])
+    if v and v > 0 and v < MAX_DUE_MS then rel = v end  -- a producer's nan, inf or junk: no deadline
   end
   return tonumber(string.match(e[1], '^(%d+)')) + rel
 end

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvgate.producer.keys import Keys
-from kvgate.producer.protocol import decode_job
+from kvgate.producer.protocol import DUE_FIELD, decode_job, encode
 from kvgate.worker.reader import Reader, ReadPlan
 
 HOUR = 3600.0
@@ -111,6 +111,14 @@ def test_a_parked_entry_missing_from_the_index_is_taken_over_once_idle(q):
     ids = [row["message_id"] for row in q.r.xpending_range(stream, Keys.GROUP, "-", "+", 10, Keys.PARKED)]
     q.r.xclaim(stream, Keys.GROUP, Keys.PARKED, 0, ids, idle=10**7, justid=True)
     assert job_ids(r.read(1, reclaim_idle_ms=1000)) == ["b"]
+
+
+def test_a_producers_junk_deadline_field_reads_as_no_deadline(q):
+    r = reader(q)
+    submit(q, "early", HOUR)
+    for junk in ("nan", "inf", "-inf", "abc", "1e400", "-5", ""):
+        q.xadd(encode(q.job(job_id=f"junk{junk}")), due={DUE_FIELD: junk})
+    assert job_ids(r.read(10)) == ["junknan", "junkinf", "junk-inf", "junkabc", "junk1e400", "junk-5", "junk", "early"]
 
 
 def test_the_due_index_is_in_the_streams_slot_outside_jobs():
