@@ -13,7 +13,9 @@ A parked entry is pending to PARKED, so every reader of the group's pending entr
 reclaim here skips parked entries that are in the index (one missing from it, stranded, is taken over as an orphan),
 `job_status` says `queued` for them, and queue stats count them as waiting (lag + the index's size). Trimming keeps
 them (they are pending). A worker with deadline order off (`window` 0) parks nothing but still takes from the index
-first, so a fleet that mixes the setting, or turns it off, strands nothing.
+first, so a fleet that mixes the setting, or turns it off, strands nothing. A read of affinity lanes names no index
+(reader.py): parking would hide a lane's entries from thieves' ripeness look (affinity.py), and for its reclaim a
+parked entry idle past the timeout is a dead worker's, so nothing strands there either.
 """
 from __future__ import annotations
 
