@@ -22,8 +22,6 @@ from __future__ import annotations
 from kvgate.producer.keys import Keys
 from kvgate.producer.protocol import DUE_FIELD
 
-DEFAULT_WINDOW = 64  # entries parked per stream: the reorder window
-
 # The read script's part (worker/reader.py READ_LUA; its locals there): `take` and `orphans` for the streams whose index
 # the inputs name (`stream.due`: its KEYS index; `input.due`: {window, holder, field}); other streams are read as
 # before. Replaces the plain XREADGROUP and the reclaim's XAUTOCLAIM, which would take parked entries for orphans.

@@ -128,3 +128,13 @@ def test_the_due_index_is_in_the_streams_slot_outside_jobs():
     assert index == f"{keys.at(1).prefix}:due:m:high" and ":jobs:" not in index
     assert keys.of_stream(stream).prefix == keys.at(1).prefix and index.startswith(keys.at(1).prefix + ":")
     assert Keys("ns").due_index(Keys("ns").jobs(None, "low", 3)) == "ns:due:default:low:3"
+
+
+def test_no_worker_may_take_the_parked_entries_consumer_name():
+    from pydantic import ValidationError
+
+    from kvgate.worker.settings import WorkerSettings
+
+    with pytest.raises(ValidationError, match="parked for deadline order"):
+        WorkerSettings(worker_id=Keys.PARKED)
+    assert WorkerSettings(deadline_order="off").read_window == 0 and WorkerSettings().read_window == 64
