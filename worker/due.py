@@ -12,7 +12,8 @@ while both are parked: order beyond the window is the stream's.
 A parked entry is pending to PARKED, so every reader of the group's pending entries must tell parked from running: the
 reclaim here skips parked entries that are in the index (one missing from it, stranded, is taken over as an orphan),
 `job_status` says `queued` for them, and queue stats count them as waiting (lag + the index's size). Trimming keeps
-them (they are pending). A worker with deadline order off (`window` 0) parks nothing but still takes from the index
+them (they are pending). Under fair share a tenant's stream has its own window and index, beside its band's (fair.py takes
+through `take`). A worker with deadline order off (`window` 0) parks nothing but still takes from the index
 first, so a fleet that mixes the setting, or turns it off, strands nothing. A read of affinity lanes names no index
 (reader.py): parking would hide a lane's entries from thieves' ripeness look (affinity.py), and for its reclaim a
 parked entry idle past the timeout is a dead worker's, so nothing strands there either.
@@ -32,6 +33,10 @@ local MAX_DUE_MS = 1e15  -- some 31,000 years
 local index_of = {}  -- stream key -> its due index
 for _, stream in ipairs(streams) do
   if stream.due then index_of[KEYS[stream.key]] = KEYS[stream.due] end
+end
+local function index_for(key)  -- a stream's due index: named in the inputs, or a band's tenant's beside the band's
+  local band, tenant = string.match(key, '^(.*):t:([^:]*)$')
+  return index_of[key] or (band and index_of[band] and index_of[band] .. ':t:' .. tenant) or nil
 end
 local function pad(id)  -- a member whose order is the ids' order
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
@@ -88,7 +93,7 @@ local function unpark(key, index, n)  -- up to n parked entries, earliest due fi
 end
 local function take(key, n)  -- up to n entries of a stream: with an index, earliest due first
   if n <= 0 then return {} end
-  local index, entries = index_of[key], {}
+  local index, entries = index_for(key), {}
   local parked = index and redis.call('ZCARD', index) or 0
   if index and window > 0 and parked == 0 then
     entries = sorted_read(key, index, n)
@@ -105,7 +110,7 @@ local function take(key, n)  -- up to n entries of a stream: with an index, earl
 end
 local function orphans(key)  -- entries idle past min_idle (their worker is dead), taken over; parked ones stay
   local mine = {}
-  local index = index_of[key]
+  local index = index_for(key)
   local parked = index and redis.call('ZCARD', index) or 0
   for _, row in ipairs(redis.call('XPENDING', key, group, 'IDLE', min_idle, '-', '+', want + parked)) do
     if #mine >= want then break end

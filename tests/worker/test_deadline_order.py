@@ -138,3 +138,51 @@ def test_no_worker_may_take_the_parked_entries_consumer_name():
     with pytest.raises(ValidationError, match="parked for deadline order"):
         WorkerSettings(worker_id=Keys.PARKED)
     assert WorkerSettings(deadline_order="off").read_window == 0 and WorkerSettings().read_window == 64
+
+
+def fair_reads(q, ns: str, window: int) -> list[str]:
+    """Two tenants' jobs under fair share, read two at a time: their prompts in read order."""
+    from kvgate.producer import Client
+
+    keys = Keys(ns)
+    q.r.set(keys.fair(), 1)
+    band = keys.jobs(None, "normal")
+    q.r.xgroup_create(band, Keys.GROUP, id="0", mkstream=True)
+    with Client(q.server.url, ns, tenant="a") as a, Client(q.server.url, ns, tenant="b") as b:
+        for client, name in ((a, "a"), (b, "b")):
+            for i, ttl in enumerate((4 * HOUR, 2 * HOUR, 3 * HOUR, HOUR, None, 5 * HOUR)):
+                client.submit(prompt=f"{name}{i}", ttl_s=ttl)
+    r = Reader(q.r, "w1", ReadPlan([band], fair={band}, charge=16), keys=keys, deadline_window=window)
+    got = [e for _ in range(6) for e in r.read(2)]
+    assert q.r.zcard(keys.due_index(Keys.tenant_jobs(band, "a"))) == 0 and all(e.deliveries == 1 for e in got)
+    return [decode_job(e.fields[b"p"]).prompt for e in got]
+
+
+def test_under_fair_share_a_tenants_jobs_are_read_earliest_deadline_first_and_shares_hold(q):
+    prompts = fair_reads(q, q.ns, window=8)
+    for name in ("a", "b"):
+        assert [p for p in prompts if p[0] == name] == [f"{name}{i}" for i in (4, 3, 1, 2, 0, 5)]  # due order
+    arrival = fair_reads(q, q.ns + "-off", window=0)
+    assert [p[0] for p in prompts] == [p[0] for p in arrival]  # the tenants' turns are fair share's, unchanged
+
+
+def test_a_reclaim_of_a_tenants_stream_leaves_its_parked_entries_alone(q):
+    from kvgate.producer import Client
+
+    q.r.set(q.keys.fair(), 1)
+    band = q.keys.jobs(None, "normal")
+    q.r.xgroup_create(band, Keys.GROUP, id="0", mkstream=True)
+    with Client(q.server.url, q.ns, tenant="a") as a:
+        for ttl in (3 * HOUR, 2 * HOUR, HOUR):
+            a.submit(prompt=f"due in {ttl}", ttl_s=ttl)
+    plan = ReadPlan([band], fair={band}, charge=16)
+    assert [e.deliveries for e in Reader(q.r, "dead", plan, keys=q.keys, deadline_window=4).read(1)] == [1]
+    stream = Keys.tenant_jobs(band, "a")
+    assert q.r.zcard(q.keys.due_index(stream)) == 2
+    for consumer in ("dead", Keys.PARKED):  # every entry idle long past the reclaim timeout
+        ids = [row["message_id"] for row in q.r.xpending_range(stream, Keys.GROUP, "-", "+", 10, consumer)]
+        q.r.xclaim(stream, Keys.GROUP, consumer, 0, ids, idle=10**7, justid=True)
+    q.r.zadd(Keys.fair_pending(band), {"a": 0})  # read long ago: the reclaim looks at it
+    got = Reader(q.r, "alive", plan, keys=q.keys, deadline_window=4).read(3, reclaim_idle_ms=1000)
+    assert sorted(e.deliveries for e in got) == [1, 1, 2]  # the dead worker's again; the parked ones once
+    assert [decode_job(e.fields[b"p"]).prompt for e in got if e.deliveries == 1] == ["due in 7200.0", "due in 10800.0"]
