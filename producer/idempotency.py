@@ -21,7 +21,7 @@ from .job_status import ENTRY_STATE_LUA
 IDEMPOTENCY_TTL_S = 24 * 3600
 
 # KEYS[1] claim, KEYS[2] job stream (KEYS[3..6] with fair share: the band's Keys.fair_keys, ARGV[8] the tenant); ARGV: claim ("job_id digest owner"), ttl, field, payload, group, result key
-# prefix, digest. Returns {0, held claim} when an earlier job holds the key and is alive (or the bodies differ:
+# prefix, digest, tenant, then the deadline's field and value where the job has one (protocol.due_fields). Returns {0, held claim} when an earlier job holds the key and is alive (or the bodies differ:
 # a conflict), {1, entry id} when this call enqueued the job, {2, entry id} when it did so because the earlier
 # job's result is gone (expired) or the job was lost. The result key is built here from the held job id, so
 # it cannot be declared: fine on one Redis, and a cluster puts all of a namespace in one slot anyway.
@@ -51,7 +51,7 @@ if held then
   end
   if alive then return {0, held} end
 end
-local id = redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4])
+local id = redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[4], unpack(ARGV, 9))
 if KEYS[3] then fair_join(KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[8]) end  -- fair share
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. id, 'EX', ARGV[2])
 if held then return {2, id} end

@@ -30,7 +30,7 @@ State = Literal["queued", "running", "finished", "lost", "unknown"]
 # read result keys after these: an acknowledged job always has its result by then, unless it expired. XRANGE
 # tells whether an undelivered entry is still there; a least-privilege producer (deploy/redis/acl.conf) may not
 # read job payloads, so for it the group's lag (Redis 7) or the stream's length answers instead.
-ENTRY_STATE_LUA = ID_AFTER_LUA + """
+ENTRY_STATE_LUA = ID_AFTER_LUA + f"local PARKED = '{Keys.PARKED}'\n" + """
 local function group_view(stream, group)
   local view = {length = redis.call('XLEN', stream)}
   local groups = redis.pcall('XINFO', 'GROUPS', stream)
@@ -46,7 +46,10 @@ end
 local function entry_state(stream, group, view, id)
   if view.delivered then
     local row = redis.pcall('XPENDING', stream, group, id, id, 1)
-    if type(row) == 'table' and row[1] then return 'running', row[1][2] end
+    if type(row) == 'table' and row[1] then  -- parked for deadline order (Keys.PARKED): read, still waiting
+      if row[1][2] == PARKED then return 'queued', '' end
+      return 'running', row[1][2]
+    end
     if not id_after(id, view.delivered) then return 'acked', '' end
   end
   local found = redis.pcall('XRANGE', stream, id, id, 'COUNT', 1)
@@ -150,6 +153,8 @@ def find_running(r, keys: Keys, job_id: str) -> Steps:
         payload = found[0][1].get(FIELD.encode()) if found and not isinstance(found, Exception) else None
         try:
             if payload is not None and _job_id.decode(payload).job_id == job_id:
+                if as_text(row["consumer"]) == Keys.PARKED:  # parked for deadline order: waiting still
+                    return JobStatus(job_id, "queued")
                 return JobStatus(job_id, "running", as_text(row["consumer"]))
         except msgspec.DecodeError:
             continue

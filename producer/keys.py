@@ -34,6 +34,9 @@ class Keys:
     fleet's own keys (heartbeats, models, lanes) in shard 0; `at(k)` and `of_stream` name one shard's keys."""
 
     GROUP = "workers"
+    # The consumer that holds the entries a reorder window parked for deadline order (worker/due.py): read, not
+    # running; never a worker's id (settings refuse it), and the one consumer a reclaim never takes over from.
+    PARKED = "kvgate:due"
 
     def __init__(self, namespace: str = "kvgate", shards: int = 1, cluster: bool = False):
         if not namespace or any(c in namespace for c in " \n\r\t{}"):
@@ -153,6 +156,15 @@ class Keys:
         scored by when (server ms): `giver\\nentry id\\nstream`; any worker's next read takes them before new entries.
         Outside `jobs:*`, which producers may write: only workers may make an entry move."""
         return f"{self.parts[shard].prefix}:handed"
+
+    def due_index(self, stream: str) -> str:
+        """Sorted set of a job stream's entries parked for deadline order (worker/due.py), scored by when each is
+        due (server ms: entry ms + its relative deadline, or entry ms with none): `entry ms-seq`, zero-padded, so ties
+        go in id order. In the stream's shard (its slot), outside `jobs:*`, which producers may write."""
+        prefix = self.of_stream(stream).prefix + ":jobs:"
+        if not stream.startswith(prefix):
+            raise ValueError(f"{stream!r} is no job stream of namespace {self.ns!r} (it does not start {prefix!r})")
+        return f"{prefix[:-len('jobs:')]}due:{stream[len(prefix):]}"
 
     def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
         """One model's streams, highest priority first, each priority's shared stream before its lanes."""

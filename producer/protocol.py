@@ -46,6 +46,9 @@ PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 JOB_VERSION = 1
 FIELD = "p"  # the single stream field that holds a msgpack payload
+# A job with a deadline also carries its length in ms (deadline - enqueued_at, both the producer's clock, so its offset
+# cancels: invariant 9) in this field, which the read script orders by without decoding the payload (worker/due.py).
+DUE_FIELD = "d"
 
 Priority = Literal["high", "normal", "low"]
 Status = Literal["done", "error", "expired", "cancelled"]
@@ -401,3 +404,10 @@ def message_problem(m: Message) -> str | None:
     if m.name is not None and not 0 < len(m.name) <= 64:
         return "name must have 1 to 64 characters"
     return None
+
+
+def due_fields(job: Job) -> dict[str, str]:
+    """The stream fields a job's entry carries beside its payload: DUE_FIELD where it has a deadline (at least 0 ms)."""
+    if job.deadline is None:
+        return {}
+    return {DUE_FIELD: str(max(0, round((job.deadline - job.enqueued_at) * 1000)))}

@@ -173,10 +173,11 @@ def count_lag(r, stream: str, last_delivered: str, length: int) -> Steps:
 
 
 def lag_of(r, stream: str, row: StreamRow) -> Steps:
-    """A stream's entries not yet delivered to the workers' group, counted here where the server has no lag."""
+    """A stream's entries waiting: not yet delivered to the workers' group (counted here where the server has no
+    lag), and those parked for deadline order (delivered to no worker: worker/due.py)."""
     if row.lag is not None:
-        return row.lag
-    return (yield from count_lag(r, stream, row.last_delivered, row.length))
+        return row.lag + row.parked
+    return (yield from count_lag(r, stream, row.last_delivered, row.length)) + row.parked
 
 
 def lanes_of(r, keys: Keys) -> Steps:
@@ -233,7 +234,7 @@ def read_stream(r, stream: str, priority: str, now_ms: int, row: StreamRow) -> S
     stats = PriorityStats(priority, length=row.length)
     if row.length == 0:
         return stats
-    stats.backlog, stats.pending = (yield from lag_of(r, stream, row)), row.pending
+    stats.backlog, stats.pending = (yield from lag_of(r, stream, row)), row.pending - row.parked
     oldest = [_id_ms(entry) for entry in (row.oldest_pending, row.next_undelivered) if entry]
     if oldest:
         stats.oldest_age_s = max(0.0, (now_ms - min(oldest)) / 1000)

@@ -1,5 +1,8 @@
 """Many job streams' figures in two pipelined round trips, for backlog checks and stats.
 
+Entries parked for deadline order (worker/due.py) are pending to the group but waiting: each row says how many (the
+stream's due index's size), and lag_of counts them as not yet delivered.
+
 Read one command at a time, a stats look cost up to four round trips per stream and a backlog check one, for each
 known model's 3 priorities x (lanes + 1) streams: 99 a model with 32 lanes, every 0.1 s in a busy producer. Here every
 stream's length and group come in one pipeline, and (for stats) the oldest entries of the streams that hold any in a
@@ -23,6 +26,7 @@ class StreamRow:
     last_delivered: str = ""  # '': no group yet (nothing was ever delivered)
     oldest_pending: str = ""  # entry ids, '' for none
     next_undelivered: str = ""
+    parked: int = 0  # pending to Keys.PARKED: read for deadline order, waiting still (worker/due.py)
 
 
 def _row(length, groups) -> StreamRow:
@@ -42,8 +46,11 @@ def read_rows(r, keys: Keys, streams: list[str], oldest: bool = False) -> Steps:
     for stream in streams:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)
+        pipe.zcard(keys.due_index(stream))
     replies = yield call(pipe.execute, raise_on_error=False)  # XINFO of a stream not made yet is an error
-    rows = {st: _row(length, groups) for st, length, groups in zip(streams, replies[::2], replies[1::2])}
+    rows = {st: _row(length, groups) for st, length, groups in zip(streams, replies[::3], replies[1::3])}
+    for row, parked in zip(rows.values(), replies[2::3]):
+        row.parked = min(parked, row.pending) if isinstance(parked, int) else 0
     if not oldest:
         return rows
     pipe, asked = r.pipeline(transaction=False), []

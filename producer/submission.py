@@ -14,7 +14,7 @@ from .lanes import lane_of, routing_key
 from .redis_url import FAILOVER_BUDGET_S, FAILOVER_ERRORS
 from .keys import DEFAULT_MODEL, Keys, as_text
 from .limits import DEFAULT_TENANT
-from .protocol import FIELD, Job
+from .protocol import FIELD, Job, due_fields
 from .quotas import estimate_tokens
 from .request import build_job, encode_job, new_job_id, validate_request
 from .spread import TenantSpread
@@ -100,19 +100,21 @@ def add_to_pipeline(pipe, script, prepared: Prepared):
     queues nothing until awaited: the caller must await what this returns when it is awaitable."""
     fair = Keys.fair_keys(prepared.band) if prepared.band else []
     tenant = prepared.job.tenant or DEFAULT_TENANT
+    due = [x for pair in due_fields(prepared.job).items() for x in pair]  # with a deadline: its field and value
     if prepared.claim is None:
         if not fair:
-            return pipe.xadd(prepared.stream, {FIELD: prepared.payload})
-        return run_script(fair_script(script), [prepared.stream, *fair], [FIELD, prepared.payload, tenant], pipe)
+            return pipe.xadd(prepared.stream, {FIELD: prepared.payload, **due_fields(prepared.job)})
+        return run_script(fair_script(script), [prepared.stream, *fair], [FIELD, prepared.payload, tenant, *due], pipe)
     return run_script(script, [prepared.claim_key, prepared.stream, *fair],
                       [prepared.claim.encode(), prepared.claim_ttl_s, FIELD, prepared.payload, Keys.GROUP,
-                       prepared.result_prefix, prepared.claim.digest, tenant], pipe)
+                       prepared.result_prefix, prepared.claim.digest, tenant, *due], pipe)
 
 
-# KEYS[1] a tenant's job stream, KEYS[2..5] its band's Keys.fair_keys; ARGV field, payload, tenant. The job and its
-# tenant's place in the backlog in one step (FAIR_JOIN_LUA).
+# KEYS[1] a tenant's job stream, KEYS[2..5] its band's Keys.fair_keys; ARGV field, payload, tenant, then the deadline's
+# field and value where the job has one (protocol.due_fields). The job and its tenant's place in the backlog in one
+# step (FAIR_JOIN_LUA).
 FAIR_ENQUEUE = FAIR_JOIN_LUA + """
-local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+local id = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2], unpack(ARGV, 4))
 fair_join(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[3])
 return id
 """

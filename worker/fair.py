@@ -75,6 +75,8 @@ FAIR_BLOCK_MS = 50  # an idle worker's wait while a band's backlog still has ten
 # the worker gave that band rooms: of the PREEMPT_LOOK lowest counters, the first tenant whose job may make room there
 # with at most PREEMPT_BACKLOG jobs waiting, the next of which has waited preempt_ms. A reclaim also looks at the
 # tenants' streams read more than min idle ago (`<band>:fair:pending`), which may hold a dead worker's entries.
+# A tenant's jobs are taken by deadline order (due.py's `take`, with the tenant's own window and index): the counters
+# pick the tenant, its earliest due job goes first; its parked jobs count as waiting for the preempting look.
 TENANTS_READ_LUA = """
 local fair = input.shares or {}
 local charge, weights = math.max(fair.charge or 1, 1), fair.weights or {}
@@ -96,11 +98,32 @@ local function tenant_orphans(stream)  -- a reclaim: the band's tenants' streams
     end
   end
 end
-local function waited(key, cutoff)  -- a few new entries only, the next at least as old as the cutoff?
+local function waited(key, cutoff)  -- a few new or parked entries only, the next at least as old as the cutoff?
   local ok, last = pcall(delivered, key)  -- no stream: nothing waits; no group yet: every entry is new
   if not ok then return false end
   local next = redis.call('XRANGE', key, '(' .. (last or '0-0'), '+', 'COUNT', PREEMPT_BACKLOG + 1)
-  return #next > 0 and #next <= PREEMPT_BACKLOG and tonumber(string.match(next[1][1], '^(%d+)')) <= cutoff
+  local index = index_for(key)  -- deadline order (due.py): the earliest due parked one goes next
+  local parked = index and redis.call('ZRANGE', index, 0, 0) or {}
+  local first = parked[1] and unpad(parked[1]) or (next[1] and next[1][1])
+  local n = #next + (parked[1] and redis.call('ZCARD', index) or 0)
+  return first ~= nil and n <= PREEMPT_BACKLOG and tonumber(string.match(first, '^(%d+)')) <= cutoff
+end
+local function drained(key, entries)  -- nothing new nor parked left after these?
+  local index = index_for(key)
+  if index and redis.call('EXISTS', index) == 1 then return false end
+  local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1][1]
+  for _, e in ipairs(entries) do
+    if e[1] == last then return true end
+  end
+  return false
+end
+local function tenant_take(key, n)  -- by deadline order (due.py); producers leave groups to the first reader
+  local ok, entries = pcall(take, key, n)
+  if not ok and string.find(type(entries) == 'table' and tostring(entries.err) or tostring(entries), 'NOGROUP') then
+    redis.pcall('XGROUP', 'CREATE', key, group, '0')  -- no stream: nothing to read
+    ok, entries = pcall(take, key, n)
+  end
+  return ok and entries or {}
 end
 local looked = false  -- a preempting look is over once a band with backlogged tenants was seen
 local function tenants_take(stream)
@@ -120,17 +143,9 @@ local function tenants_take(stream)
   end
   local function serve(tenant, score, n, few, alone)  -- read up to n of its jobs, charge it, drop it once it has none
     local key = band .. ':t:' .. tenant
-    local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
-    if type(reply) == 'table' and reply.err and string.find(reply.err, 'NOGROUP') then
-      redis.pcall('XGROUP', 'CREATE', key, group, '0')  -- producers leave groups to the first reader (none: no stream)
-      reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
-    end
-    local entries = {}
-    if type(reply) == 'table' and not reply.err and reply[1] then entries = reply[1][2] end
+    local entries = tenant_take(key, n)  -- counted off `want`
     if #entries > 0 then
-      want = want - #entries
-      few = few or (#entries <= PREEMPT_BACKLOG and (#entries < n or
-                    redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1][1] == entries[#entries][1]))  -- drained
+      few = few or (#entries <= PREEMPT_BACKLOG and (#entries < n or drained(key, entries)))
       table.insert(out, {'stream', key, 'new', entries, 'few', few and 1 or 0, 'alone', alone and 1 or 0})
       if redis.call('DECRBY', backlog .. ':queued', #entries) < 0 then redis.call('SET', backlog .. ':queued', 0) end
       redis.call('ZADD', pending, 'NX', now, tenant)

@@ -19,6 +19,7 @@ import redis
 from kvgate.producer.cluster import run_script
 from kvgate.producer.keys import Keys
 from kvgate.worker.affinity import LANES_READ_LUA, lane_read_inputs
+from kvgate.worker.due import DUE_READ_LUA, due_read_inputs
 from kvgate.worker.fair import TENANTS_READ_LUA
 from kvgate.worker.hand_back import TAKE_HANDED_LUA, hand_back_inputs
 from kvgate.worker.read_plan import ReadPlan
@@ -28,7 +29,8 @@ from kvgate.worker.shard_turns import ShardTurns
 # KEYS: every key the read touches, each named by its index in the inputs. ARGV[1]: the inputs, one JSON object read
 # by name (ScriptInputs): group, consumer, want (jobs wanted), reclaim_ms (0: no reclaim), and `streams`, the job
 # streams in the order read, highest priority first, each {key (its KEYS index), lane (affinity.py), tenants (a
-# band's tenants' streams: fair.py)}; `handed`, the hand-back index (hand_back.py); `lanes` (affinity.py); `shares`.
+# band's tenants' streams: fair.py), due (its due index: due.py)}; `handed`, the hand-back index (hand_back.py); `lanes`
+# (affinity.py); `shares`; `due` (deadline order: due.py, which reads new entries and takes orphans over).
 # Each feature's part of the script lives beside its owner and is spliced in below; they share the locals here.
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none; a handed-back entry's take counts
 # none), and its payload is read with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or
@@ -54,29 +56,7 @@ local function delivered(key)  -- the group's last delivered id in this stream, 
   end
   return nil
 end
-local function take(key, n)
-  if n <= 0 then return {} end
-  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
-  if not reply then return {} end
-  want = want - #reply[1][2]
-  return reply[1][2]
-end
-local function orphans(key)  -- entries idle past min_idle (their worker is dead), taken over
-  local mine = {}
-  local reply = redis.call('XAUTOCLAIM', key, group, consumer, min_idle, '0-0', 'COUNT', want, 'JUSTID')
-  for _, id in ipairs(reply[2]) do
-    local row = redis.call('XPENDING', key, group, id, id, 1)[1]
-    local n = (row and row[4] or 0) + 1
-    redis.call('XCLAIM', key, group, consumer, 0, id, 'RETRYCOUNT', n, 'JUSTID')
-    local found = redis.call('XRANGE', key, id, id)[1]
-    mine[#mine + 1] = {id, found and found[2] or false, n}
-  end
-  for _, id in ipairs(reply[3] or {}) do  -- Redis 7: deleted while pending, already dropped from the PEL
-    mine[#mine + 1] = {id, false, 1}
-  end
-  want = want - #mine
-  return mine
-end
+-- @DUE
 -- @LANES
 -- @TENANTS
 local claimed = {}
@@ -102,7 +82,7 @@ for i, stream in ipairs(streams) do
 end
 return {'streams', out, 'queued', bands_queued()}
 """
-for mark, part in (("-- @LANES\n", LANES_READ_LUA), ("-- @TENANTS\n", TENANTS_READ_LUA),
+for mark, part in (("-- @DUE\n", DUE_READ_LUA), ("-- @LANES\n", LANES_READ_LUA), ("-- @TENANTS\n", TENANTS_READ_LUA),
                    ("-- @TAKE_HANDED\n", TAKE_HANDED_LUA)):
     READ_LUA = READ_LUA.replace(mark, part.lstrip("\n"))
 
@@ -172,6 +152,7 @@ class Reader:
     shard_turn: int = 0
     turns: ShardTurns = field(default_factory=ShardTurns)  # a cluster, tenants' bands: the shards' turns by backlog
     handed_grace_ms: int = 0  # with keys: how long entries we handed back are left to others (worker/hand_back.py)
+    deadline_window: int = 0  # with keys: entries parked per stream for deadline order (worker/due.py); 0: none
 
     def __post_init__(self) -> None:
         self.script = self.client.register_script(READ_LUA)
@@ -255,13 +236,18 @@ class Reader:
         keys = ScriptKeys()
         inputs: dict[str, Any] = {"group": Keys.GROUP, "consumer": self.consumer, "want": count,
                                   "reclaim_ms": reclaim_idle_ms, "streams": []}
+        due = self.keys is not None and plan.home is None  # lanes park nothing (a thief would not see it: due.py)
         for stream, lane in zip(group.streams, group.lanes):
             inputs["streams"].append({"key": keys.add(stream), "lane": lane})
+            if due:  # parked entries are taken first even with deadline order off here
+                inputs["streams"][-1]["due"] = keys.add(self.keys.due_index(stream))
             if (tenants := plan.tenants_inputs(stream, keys.add)) is not None:
                 inputs["streams"][-1]["tenants"] = tenants
         if plan.home is not None:
             inputs["lanes"] = lane_read_inputs(self.steal_age_ms, plan.steal_max, plan.overdue_ms,
                                                [keys.add(k) for k in group.overdue])
+        if due:
+            inputs["due"] = due_read_inputs(self.deadline_window)
         if (shares := plan.shares_inputs()) is not None:
             inputs["shares"] = shares
         if self.keys is not None and plan.handed:

@@ -102,7 +102,7 @@ class Refill:
         self.fair = fair if fair is not None else Fair(client, keys, "keep")
         self.reader = Reader(client, worker_id, ReadPlan(list(streams)), per_priority,
                              steal_age_ms=settings.affinity_steal_age_ms, keys=keys,
-                             handed_grace_ms=grace_ms(settings.hand_back_ms))
+                             handed_grace_ms=grace_ms(settings.hand_back_ms), deadline_window=settings.read_window)
         self.cursors: dict[str, str | None] = {st: "0" for st in streams}  # own pending first, then ">"
         self.reclaim_due = False  # the next read takes over dead workers' entries before new ones
         self.held_dry_until = 0.0  # a read of the lanes whose prefix we hold found none: no such read till then

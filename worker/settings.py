@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvgate.engine.config import EngineConfig
 from kvgate.producer.job_checks import ProtocolError, check_model_name
+from kvgate.producer.keys import Keys
 from kvgate.producer.urls import DEFAULT_URL, check_url
 from kvgate.producer.redis_url import Durability
 
@@ -146,6 +147,27 @@ class WorkerSettings(BaseSettings, EngineConfig):
         "primary", "replicated: a finished job counts as settled only once a replica has its result (WAIT 1), "
         "else its final is sent again; primary: once the primary has it")
     replica_timeout_ms: int = _s(1000, "WAIT timeout of the replicated durability, milliseconds", ge=1)
+
+    # deadline order within a priority (worker/due.py)
+    deadline_order: Literal["on", "off"] = _s(
+        "on", "on: within a priority, serve jobs earliest deadline first (a job without one is due when it arrived), "
+        "from a window of up to deadline_window new jobs per stream parked in Redis; off: in arrival order (jobs "
+        "other workers parked are still taken first). Not with affinity lanes, which keep arrival order")
+    deadline_window: int = _s(64, "with deadline order: new jobs per stream looked at to find the earliest due (a job "
+                              "further back waits its turn in arrival order)", ge=1, le=4096)
+
+    @field_validator("worker_id")
+    @classmethod
+    def _not_parked(cls, worker_id: str | None) -> str | None:
+        if worker_id == Keys.PARKED:
+            raise ValueError(f"worker_id {worker_id!r} is the consumer that holds jobs parked for deadline order; "
+                             "choose another name")
+        return worker_id
+
+    @property
+    def read_window(self) -> int:
+        """Entries parked per stream for deadline order (worker/due.py); 0: off."""
+        return self.deadline_window if self.deadline_order == "on" else 0
 
     @field_validator("redis_url")
     @classmethod

@@ -59,7 +59,7 @@ class FleetCollector:
 
 
 def _stream_families(ns: str, models: list[ModelStats]):
-    specs = (("queue_lag", "Jobs in the stream not yet delivered to any worker", "backlog"),
+    specs = (("queue_lag", "Jobs waiting: not yet delivered to any worker, or parked for deadline order", "backlog"),
              ("queue_pending", "Jobs delivered to a worker and not yet acknowledged", "pending"),
              ("queue_length", "Entries in the job stream (XLEN)", "length"),
              ("queue_oldest_job_age_seconds", "Age of the oldest job not yet acknowledged", "oldest_age_s"))
