@@ -2,8 +2,8 @@
 publishes for autoscaling on work rather than on job counts (docs/operations/autoscaling.md).
 
 Bounded cost, whatever the backlog: a stream's entries are never all read. For each job stream with a backlog
-(shared, lanes, shards) the SAMPLE entries served next (just after the group's last-delivered id) and the SAMPLE
-entries enqueued last are read, in one pipelined round trip for all streams; each is decoded and costed as a quota
+(shared, lanes, shards) the SAMPLE entries served next (those parked for deadline order, earliest due first, then
+those just after the group's last-delivered id) and the SAMPLE entries enqueued last are read, in one pipelined round trip for all streams; each is decoded and costed as a quota
 charge is (`estimate_tokens`: prompt token ids or characters / 4, plus max_tokens). With the backlog at most
 2 x SAMPLE the two ends cover it and the figures are exact; past that, the unread middle is counted at the sampled
 jobs' mean. With fair share, the streams of each band's TOP_TENANTS tenants served next are sampled the same way;
@@ -131,27 +131,43 @@ def _costs(entries) -> list[tuple[int, float | None]]:
 
 
 def sample_streams(r, keys: Keys, streams: list[str]) -> Steps:
-    """Each stream's StreamWork: two reads of at most SAMPLE entries each, pipelined over every stream."""
+    """Each stream's StreamWork: two reads of at most SAMPLE entries each, pipelined over every stream, and the first
+    SAMPLE entries parked for deadline order (worker/due.py), which are served next: their ids from the due index
+    in the first round trip, their entries in a second."""
     rows = yield from read_rows(r, keys, streams)
     pipe, asked = r.pipeline(transaction=False), []
     for stream, row in rows.items():
         backlog = row.lag if row.lag is not None else row.length  # 6.2: bounded by the samples below anyway
-        if not backlog:
+        if not backlog and not row.parked:
             continue
         after = f"({row.last_delivered}" if row.last_delivered else "-"
         pipe.xrange(stream, min=after, max="+", count=SAMPLE)
         pipe.xrevrange(stream, max="+", min=after, count=SAMPLE)
+        pipe.zrange(keys.due_index(stream), 0, SAMPLE - 1)
         asked.append(stream)
     replies = (yield call(pipe.execute, raise_on_error=False)) if asked else []
+    parked = {stream: [unpad(m) for m in _entries(replies[3 * i + 2])] for i, stream in enumerate(asked)}
+    pipe = r.pipeline(transaction=False)
+    for stream, ids in parked.items():
+        for entry_id in ids:
+            pipe.xrange(stream, min=entry_id, max=entry_id)
+    found = iter((yield call(pipe.execute, raise_on_error=False)) if any(parked.values()) else [])
     out = {}
     for i, stream in enumerate(asked):
-        head, tail = (_entries(reply) for reply in replies[2 * i:2 * i + 2])
+        head, tail = (_entries(reply) for reply in replies[3 * i:3 * i + 2])
         seen = {as_text(i) for i, _ in head}
         tail = [e for e in reversed(tail) if as_text(e[0]) not in seen]
+        first = [e for _ in parked[stream] for e in _entries(next(found))]  # in due order; gone: trimmed since
         row = rows[stream]
         backlog = row.lag if row.lag is not None else _backlog_62(head, tail)
-        out[stream] = stream_work(backlog, _costs(head), _costs(tail))
+        out[stream] = stream_work(backlog + row.parked, _costs(first + head), _costs(tail))
     return out
+
+
+def unpad(member) -> str:
+    """An entry id from a due index's member (`entry ms-seq`, zero-padded: worker/due.py)."""
+    ms, seq = as_text(member).split("-")
+    return f"{int(ms)}-{int(seq)}"
 
 
 def _entries(reply) -> list:

@@ -286,6 +286,35 @@ def test_a_deep_backlog_is_read_at_both_ends_only_and_its_middle_priced_at_their
     assert (work.jobs, len(work.sampled)) == (50 if server.info()["redis_version"] >= "7" else 8, 8)  # read: 2 x 4
 
 
+def test_jobs_parked_for_deadline_order_are_the_work_served_next_and_their_deadlines_are_seen(server, monkeypatch):
+    """Deadline order (worker/due.py) parks a window of new entries, delivered to no worker: they are waiting work,
+    and the earliest due of them are served next. With SAMPLE 2: 7 jobs, the fourth of 1,000 + 1 tokens due in
+    50 s, the others of 100 + 1 due in about an hour; a worker's read takes the earliest due (the 50 s one) and
+    parks the other 6. All 6 waiting are parked, none after the last delivered id: the first 2 by due time are
+    read, the rest priced at their mean, and their deadlines are seen."""
+    from kvgate.producer import queue_work
+    from kvgate.producer.protocol import DUE_FIELD
+    from kvgate.worker.reader import Reader, ReadPlan
+
+    monkeypatch.setattr(queue_work, "SAMPLE", 2)
+    keys = Keys("exp")
+    stream = keys.jobs(None, "normal")
+    server.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+    now = _server_now(server)
+    for i in range(7):
+        ttl = 50 if i == 3 else 3600 + i
+        job = _job(1000 if i == 3 else 100, 1, deadline=now + ttl)
+        job[DUE_FIELD] = str(ttl * 1000)
+        server.xadd(stream, job)
+    taken = Reader(server, "w1", ReadPlan([stream]), keys=keys, deadline_window=8).read(1)
+    assert len(taken) == 1 and server.zcard(keys.due_index(stream)) == 6  # the 50 s job taken, the rest parked
+    m = _work(server, keys)
+    assert m[("kvgate_queue_lag", "default", "normal")] == 6
+    assert m[("kvgate_queue_tokens_waiting", "default", "normal")] == 6 * 101  # two read, four at their mean
+    needed = m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "normal")]
+    assert 2 * 101 / 3601 <= needed < 2 * 101 / 3500  # the two parked jobs read: due in an hour, 202 tokens ahead
+
+
 def test_under_fair_share_the_tenants_served_next_are_sampled_for_their_tokens_and_deadlines(server):
     """Jobs in tenants' streams (fair share) are priced from those streams, not from a guess: two tenants' 3 and 2
     jobs of 100 + 20 and 500 + 100 tokens, the second tenant's due in 200 s on the server's clock."""
