@@ -105,7 +105,9 @@ class ResponseView:
 
 def usage(r: Result) -> dict[str, Any]:
     u = r.usage
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+    # cache_write_tokens: no prompt cache write is billed apart (the openai client 3.x's ResponseUsage requires it)
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
