@@ -1,7 +1,7 @@
 """The OpenAI Batch file format: request lines in, response lines out.
 
-In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings",
-      "body": {...}}
+In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings"
+      | "/v1/responses" (the gateway's managed batches only), "body": {...}}
 Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}
   or {"id", "custom_id", "response": null, "error": {"code", "message"}} for a line that failed.
 
@@ -9,13 +9,17 @@ A line runs one job (chat, completions) or one per input (/v1/embeddings, as POS
 answered by exactly one output line once all of them are final: the body /v1/embeddings would answer, or, when any
 input's job failed, one error line naming that input (never a partial answer). `LineRun` is a submitted line: its
 request and the ids of the jobs it owns (kvgate/openai/batch_runs.py).
+
+An endpoint whose body is read by a layer above this one (/v1/responses: the gateway's Responses parser) is taken
+through a `Translator`: it turns the body into a chat body, run as a chat line is, and says how its one result is
+answered. A caller that gives none (`kvgate batch`) answers such lines with an invalid_url error line.
 """
 from __future__ import annotations
 
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import msgspec
 
@@ -30,7 +34,7 @@ from kvgate.producer.keys import Keys
 from kvgate.producer.result import Result
 from kvgate.producer.submission import prepare
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 # Body fields we honour, by their submit name (the wire's sampling fields; logprobs are read by requested_logprobs,
 # stop_token_ids is not taken in batch files, nor prompt_logprobs, which an output line has no place for); others are
 # refused rather than silently ignored.
@@ -49,6 +53,18 @@ class BadLine(ValueError):
         super().__init__(message)
 
 
+@dataclass(slots=True, frozen=True)
+class Translated:
+    """A line body of another endpoint as the chat body it asks for, and how its one result is answered: `answer`
+    makes the response body from the result and the model that served it."""
+
+    chat: dict[str, Any]
+    answer: Callable[[Result, str], dict[str, Any]]
+
+
+Translator = Callable[[dict[str, Any]], Translated]  # raises BadLine naming the body field it refuses
+
+
 @dataclass(slots=True)
 class BatchRequest:
     """One input line ready to run: the submit arguments of each job it runs, in input order, each with its own
@@ -60,14 +76,17 @@ class BatchRequest:
     model: str
     jobs: list[dict[str, Any]]  # one for chat and completions; an /v1/embeddings line's: one per input
     embeddings: EmbeddingsBody | None = None  # an /v1/embeddings line's body: its answer's encoding_format
+    translated: Translated | None = None  # a line of a translated endpoint (/v1/responses): its answer's maker
 
     def input_name(self, part: int) -> str:
         """How an error names the line's job `part`: by its input where the line has several."""
         return f"body.input[{part}]" if len(self.jobs) > 1 else "body"
 
 
-def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
-    """One input line as submit arguments; BadLine says what is wrong with it."""
+def parse_line(line_no: int, line: str, file_digest: str,
+               translators: Mapping[str, Translator] | None = None) -> BatchRequest:
+    """One input line as submit arguments; BadLine says what is wrong with it. `translators`: the endpoints taken
+    beside chat, completions and embeddings, by url."""
     try:
         data = parse_json(line)
     except BadJson as e:
@@ -79,16 +98,22 @@ def parse_line(line_no: int, line: str, file_digest: str) -> BatchRequest:
         raise BadLine("invalid_request", f"line {line_no}: custom_id must be a non-empty string")
     if data.get("method", "POST") != "POST":
         raise BadLine("invalid_request", f"method {shown(data.get('method'))} is not supported; use POST")
-    url, body = data.get("url"), data.get("body")
-    if url not in (CHAT, COMPLETIONS, EMBEDDINGS):
-        raise BadLine("invalid_url", f"url {shown(url)} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}")
+    url, body, translators = data.get("url"), data.get("body"), translators or {}
+    if url not in (CHAT, COMPLETIONS, EMBEDDINGS, *translators):
+        taken = ", ".join((CHAT, COMPLETIONS, EMBEDDINGS, *translators))
+        where = f" ({RESPONSES} lines run in the gateway's managed batches)" if url == RESPONSES else ""
+        raise BadLine("invalid_url", f"url {shown(url)} is not supported here{where}; use one of {taken}")
     if not isinstance(body, dict):
         raise BadLine("invalid_request", "body must be a JSON object")
     embeddings = _embeddings_body(body) if url == EMBEDDINGS else None
-    jobs = submit_args(embeddings) if embeddings is not None else [_submit_args(url, body)]
+    translated = translators[url](body) if url in translators else None
+    if embeddings is not None:
+        jobs = submit_args(embeddings)
+    else:
+        jobs = [_submit_args(CHAT, translated.chat) if translated is not None else _submit_args(url, body)]
     for part, args in enumerate(jobs):
         args["idempotency_key"] = idempotency_key(file_digest, custom_id, part)
-    return BatchRequest(line_no, custom_id, url, str(body.get("model", "")), jobs, embeddings)
+    return BatchRequest(line_no, custom_id, url, str(body.get("model", "")), jobs, embeddings, translated)
 
 
 def _embeddings_body(body: dict[str, Any]) -> EmbeddingsBody:
@@ -240,6 +265,10 @@ def success_line(req: BatchRequest, results: list[Result], model: str | None = N
                              "body": response_body(req.embeddings, results, model or req.model)}, "error": None}
     if len(results) != 1:
         raise ValueError(f"line {req.line_no} ({req.url}) runs one job, not {len(results)}")
+    if req.translated is not None:
+        body = req.translated.answer(result, model or req.model)
+        return {"id": f"batch_req_{result.job_id}", "custom_id": req.custom_id,
+                "response": {"status_code": 200, "request_id": result.job_id, "body": body}, "error": None}
     created = int(result.timings.finished or time.time())
     kind, prefix = ("chat.completion", "chatcmpl") if req.url == CHAT else ("text_completion", "cmpl")
     u = result.usage
@@ -274,16 +303,16 @@ def invalid_request_line(req: BatchRequest, err: InvalidRequest | str, digest: s
     return error_line(line_id(digest, req.line_no), req.custom_id, "invalid_request", f"line {req.line_no}: {err}")
 
 
-def plan_line(line_no: int, raw: str, seed: str, priority: str, keys: Keys,
-              client_id: str) -> BatchRequest | dict[str, Any]:
+def plan_line(line_no: int, raw: str, seed: str, priority: str, keys: Keys, client_id: str,
+              translators: Mapping[str, Translator] | None = None) -> BatchRequest | dict[str, Any]:
     """One input line of a file that passed file_problems as a request ready to submit, or its error line: the one
     per-line check `kvgate batch` and the gateway's /v1/batches share. `seed` makes the idempotency keys (the file
-    digest, or the batch id)."""
+    digest, or the batch id); `translators`: as parse_line's."""
     custom_id = custom_id_of(raw)
     if custom_id is None:  # file_problems refuses such a file; naming the line here could take a real custom_id
         raise ValueError(f"line {line_no} has no usable custom_id: check the file with file_problems first")
     try:
-        req = parse_line(line_no, raw, seed)
+        req = parse_line(line_no, raw, seed, translators)
     except BadLine as e:
         return error_line(line_id(seed, line_no), custom_id, e.code, str(e))
     for part, args in enumerate(req.jobs):

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvgate.openai.batch import CHAT, COMPLETIONS
+from kvgate.openai.batch import CHAT, COMPLETIONS, RESPONSES
 from kvgate.openai.completion_window import BadWindow, window_seconds
 from kvgate.openai.embeddings import EMBEDDINGS
 
@@ -23,7 +23,7 @@ from .batch_store import Batch, BatchStore, new_batch_id
 from .expires_after import expiry_seconds
 from .file_routes import FilesApi
 
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
 CANCELLABLE = ("validating", "in_progress")
 MAX_METADATA = 16
 
@@ -49,7 +49,7 @@ class BatchesApi:
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:
             raise invalid("endpoint",
-                          f"endpoint={endpoint!r} is not supported; use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}",
+                          f"endpoint={endpoint!r} is not supported; use one of {', '.join(ENDPOINTS)}",
                           code="invalid_endpoint")
         try:
             window_s = window_seconds(window, min_s=self.settings.batch_min_window_s)

@@ -26,6 +26,7 @@ from kvgate.openai.batch import BatchRequest, is_success, plan_line, request_lin
 from kvgate.openai.batch_runs import LineRun, line_runs, submit_jobs
 
 from ..errors import ApiError
+from ..responses.batch_line import TRANSLATORS
 from .batch_quota import BatchCeiling
 from .batch_store import Batch, BatchStore
 from .expires_after import expired
@@ -66,8 +67,9 @@ class Work:
         """Queue the lines not yet answered; lines that fail on their own are answered with their error now."""
         b, answered = self.batch, await self.store.answered(self.batch.id)
         keys, client_id = self.client.keys, self.client.client_id
-        # in a thread: validating tens of thousands of lines would hold up every other request of this gateway
-        lines = await asyncio.to_thread(lambda: [plan_line(n, raw, b.id, self.priority, keys, client_id)
+        # in a thread: validating tens of thousands of lines would hold up every other request of this gateway;
+        # /v1/responses lines are read by the Responses API's own parser (TRANSLATORS)
+        lines = await asyncio.to_thread(lambda: [plan_line(n, raw, b.id, self.priority, keys, client_id, TRANSLATORS)
                                                  for n, raw in request_lines(data)])
         rejected = []
         for planned in lines:
