@@ -3,8 +3,8 @@
 Each sequence owns a row of a numpy block table for as long as it decodes; a step writes only the blocks
 appended since the last one (usually none), and a row is rewritten whole when its sequence's table changed
 under it (`Sequence.table_version`: preemption frees the table). Everything a step needs is packed into one
-int64 array, so a device gets it in one (pinned, non-blocking) host-to-device copy; on the CPU the arrays are
-the tensors."""
+byte array, its int64 fields then its int32 ones, so a device gets it in one (pinned, non-blocking) host-to-device
+copy and views each field in its own dtype: no cast kernel per step. On the CPU the arrays are the tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,6 +43,7 @@ class DecodeInputs:
         self.rows = self.positions = np.zeros(0, dtype=np.int64)  # the last build's, for its sampling batch
         self.step = 0
         self.pinned = device.type == "cuda"
+        self.one_copy = device.type != "cpu"  # pack and copy once; on the CPU the arrays are used as they are
         self.device_rows: torch.Tensor | None = None  # the last build's rows, on the device
         self.last_tokens: torch.Tensor | None = None  # [capacity] int64: each row's token sampled ahead (`keep`)
 
@@ -60,15 +61,16 @@ class DecodeInputs:
         tables = self.tables[rows, :width]
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         cu = np.arange(n + 1, dtype=np.int32)
-        if self.device.type == "cpu":  # the arrays themselves, no copy and no conversion
-            batch = DecodeBatch(*map(torch.from_numpy, (ids, positions, slots, cu, (positions + 1).astype(np.int32),
-                                                        tables, rows)))
+        context_lens = (positions + 1).astype(np.int32)
+        if not self.one_copy:  # the arrays themselves, no copy and no conversion
+            batch = DecodeBatch(*map(torch.from_numpy, (ids, positions, slots, cu, context_lens, tables, rows)))
         else:
-            packed = np.concatenate([ids, positions, slots, cu, positions + 1, tables.reshape(-1), rows])
-            flat = self._to_device(packed)
-            views = torch.split(flat, [n, n, n, n + 1, n, n * width, n])
-            batch = DecodeBatch(views[0], views[1], views[2], views[3].to(torch.int32), views[4].to(torch.int32),
-                                views[5].view(n, width).to(torch.int32), views[6])
+            wide = np.concatenate([ids, positions, slots, rows])
+            flat = self._to_device(np.concatenate([wide.view(np.uint8), cu.view(np.uint8), context_lens.view(np.uint8),
+                                                   np.ascontiguousarray(tables).reshape(-1).view(np.uint8)]))
+            ids_t, positions_t, slots_t, rows_t = torch.split(flat[:wide.nbytes].view(torch.int64), n)
+            cu_t, context_t, tables_t = torch.split(flat[wide.nbytes:].view(torch.int32), [n + 1, n, n * width])
+            batch = DecodeBatch(ids_t, positions_t, slots_t, cu_t, context_t, tables_t.view(n, width), rows_t)
         self.device_rows = batch.rows
         return batch
 

@@ -286,25 +286,28 @@ class ModelRunner:
         if sampling is not None and sampling.constrained:  # structured output: its mask fills during the forward
             self.sampler.start_mask(seqs, sampling.constrained)
         lora = self.lora is not None and self.lora.set_rows(batch)  # a step with adapter rows runs eagerly
-        hidden = self.forward(input_ids, positions, meta, decode=sample_rows is None and not lora)
-        if pooling:
-            self._pool(batch, hidden)
-        if sample_rows is not None:
+        if sample_rows is None:
+            logits, greedy = self.decode(input_ids, positions, meta, sampling, graphed=not lora)
+            if greedy is not None:
+                return seqs, greedy.tolist(), [None] * len(seqs)
+        else:
+            hidden = self.forward(input_ids, positions, meta)
+            if pooling:
+                self._pool(batch, hidden)
             if rows := prompt_logprob_rows(batch):  # a prefill step: one pass over its sequences
                 self._prompt_logprobs(hidden, rows)
             if not seqs:
                 return [], [], []
-            hidden = hidden[sample_rows]
-        logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden[sample_rows])
         tokens, logprobs = self.sampler(logits, seqs, sampling, consume=True)
         return seqs, tokens, logprobs
 
-    @torch.inference_mode()
     @property
     def launch_device(self) -> str:
         """Where `launch` computes (the Runner protocol's: this runner launches ahead on any device)."""
         return self.device.type
 
+    @torch.inference_mode()
     def launch(self, batch: AllDecode) -> LaunchedStep:
         """A decode-only step (every sequence computes its last token) launched without waiting for its tokens
         (engine/overlap.py): a last token the previous launch sampled is still on the device (negative on the host)
@@ -317,8 +320,9 @@ class ModelRunner:
         d = self.decode_inputs
         sampling = d.sampling_batch(seqs)
         lora = self.lora is not None and self.lora.set_rows(batch)  # this step's rows, not the last step's
-        hidden = self.forward(d.fed(input_ids), positions, meta, decode=not lora)
-        tokens = self.sampler.sample(self.model.compute_logits(hidden), seqs, sampling, consume=True)
+        logits, tokens = self.decode(d.fed(input_ids), positions, meta, sampling, graphed=not lora)
+        if tokens is None:
+            tokens = self.sampler.sample(logits, seqs, sampling, consume=True)
         d.keep(tokens)
         return LaunchedStep(seqs, tokens)
 
@@ -355,11 +359,20 @@ class ModelRunner:
                        "~50%% slower; load and step it on the same thread, as `kvgate worker` does")
         self.home_thread = None  # said once
 
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               sampling: SamplingBatch, graphed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A decode-only step: (None, tokens) where it replays a graph and every row is plain greedy
+        (SamplingBatch.plain_greedy: the graph's argmax of the model-dtype logits, no float32 cast), else
+        (float32 logits, None) for the sampler. `graphed` False (adapter rows) runs it eagerly."""
+        out = self.graphs.run(input_ids, positions, meta) if graphed and self.graphs is not None else None
+        if out is None:
+            return self.model.compute_logits(self.forward(input_ids, positions, meta, decode=True)), None
+        if sampling.plain_greedy:
+            return None, out.tokens
+        return out.logits.float(), None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 decode: bool = False) -> torch.Tensor:
-        """A decode-only step replays its bucket's graph when there is one; everything else runs eagerly."""
-        if decode and self.graphs is not None:
-            hidden = self.graphs.run(input_ids, positions, meta)
-            if hidden is not None:
-                return hidden
+        """The hidden states of an eager step; `decode` marks a decode-only one (that the host bench's stub device
+        times as such), which runs here when no graph serves it."""
         return self.model(input_ids, positions, meta)

@@ -36,6 +36,13 @@ class SamplingBatch:
     adjusted: list[int] = ()  # rows with a logit_bias or a min_tokens: the sampler checks which still apply
     min_p: np.ndarray | None = None  # [B] float64 (0: off), when some sampled row uses it
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of the model's own logits: greedy, no logprobs, penalties, logit_bias,
+        min_tokens or grammar. Such a decode batch takes its tokens from the decode graph (engine/cuda_graphs.py)
+        and its logits are never cast to float32; the one rule both the plain and the launched step ask."""
+        return self.all_greedy and not (self.logprob_rows or self.penalized or self.constrained or self.adjusted)
+
     @classmethod
     def of(cls, seqs: list[Sequence]) -> SamplingBatch:
         """From the sequences themselves: a step that is not decode-only."""

@@ -153,9 +153,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32, what the sampler takes (from bf16 the cast is exact: it only widens)."""
+        return self.logits(hidden).float()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype, as the GEMM writes them (a decode graph takes its argmax from these)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered exactly."""

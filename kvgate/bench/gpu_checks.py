@@ -155,18 +155,18 @@ class ReplayProbe:
     def __call__(self, input_ids, positions, meta):
         import torch
 
-        hidden = self.replay(input_ids, positions, meta)
-        if hidden is None:
+        out = self.replay(input_ids, positions, meta)
+        if out is None:
             return None
         model = self.runner.model
         with torch.inference_mode():
-            graphed = model.compute_logits(hidden).log_softmax(-1)
+            graphed = out.logits.float().log_softmax(-1)  # the graph's own logits, and its own argmax below
             eager = model.compute_logits(model(input_ids, positions, meta)).log_softmax(-1)
-        token = graphed.argmax(-1, keepdim=True)
+        token = out.tokens[:, None]
         self.max_diff = max(self.max_diff, (graphed.gather(-1, token) - eager.gather(-1, token)).abs().max().item())
         self.same_argmax += int((eager.argmax(-1, keepdim=True) == token).sum().item())
         self.steps, self.rows = self.steps + 1, self.rows + token.shape[0]
-        return hidden
+        return out
 
 
 def check_graphs(out: Path, sc: Scale) -> dict:

@@ -2,10 +2,11 @@
 preemptions (a freed table rewritten whole) and row reuse."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvgate.engine import LLMEngine, SamplingParams
-from kvgate.engine.decode_inputs import DecodeInputs
+from kvgate.engine.decode_inputs import DecodeBatch, DecodeInputs
 from kvgate.engine.sequence import Sequence
 from tests.engine.helpers import BLOCK_BYTES, random_prompts, tiny_source
 
@@ -63,3 +64,27 @@ def test_rows_of_sequences_gone_from_the_batch_are_reused():
         seq.block_table, seq.num_computed_tokens = [i], 1
         assert inputs.build([seq]).block_tables.tolist() == [[i]]
     assert len(inputs.row_of) <= 2
+
+
+def test_a_device_gets_the_inputs_in_one_copy_each_field_in_its_dtype_without_a_cast(monkeypatch):
+    """The device path (forced on the CPU): one host-to-device copy of one packed byte array; the int32 fields are
+    views of it, not cast kernels, and every field equals the CPU path's."""
+    def built(one_copy: bool):
+        inputs = DecodeInputs(max_num_seqs=4, max_blocks_per_seq=4, block_size=4, device=torch.device("cpu"))
+        inputs.one_copy = one_copy
+        copies = []
+        to_device = inputs._to_device
+        monkeypatch.setattr(inputs, "_to_device", lambda packed: copies.append(packed.dtype) or to_device(packed))
+        seqs = [Sequence(str(i), list(range(3 + 5 * i)), SamplingParams(), 8) for i in range(3)]
+        for seq in seqs:
+            seq.block_table = [9 - j for j in range(-(-seq.num_tokens // 4))]
+            seq.num_computed_tokens = seq.num_tokens - 1
+        return inputs.build(seqs), copies
+
+    (plain, no_copies), (packed, copies) = built(False), built(True)
+    assert no_copies == [] and copies == [np.uint8]
+    copied = packed.input_ids.untyped_storage().data_ptr()
+    for name in DecodeBatch.__slots__:
+        ours, ref = getattr(packed, name), getattr(plain, name)
+        assert ours.dtype == ref.dtype and torch.equal(ours, ref), name
+        assert ours.untyped_storage().data_ptr() == copied, name  # a view of the one copy: no cast made it

@@ -213,7 +213,8 @@ def test_a_request_made_room_for_while_a_step_is_outstanding_changes_no_tokens(s
 
 
 def test_auto_is_off_on_a_cpu_and_on_needs_a_runner_that_launches_ahead(source):
-    assert LLMEngine(source, device="cpu", kv_cache_memory=64 * BLOCK_BYTES).overlap is None
+    engine = LLMEngine(source, device="cpu", kv_cache_memory=64 * BLOCK_BYTES)
+    assert engine.overlap is None and engine.runner.launch_device == "cpu"  # a str, not a method: CUDA's is "cuda"
     with pytest.raises(ValueError, match="overlap='on' needs a runner"):
         LLMEngine(runner=CostModelRunner(64, sleep=False), overlap="on")
     assert LLMEngine(runner=CostModelRunner(64, sleep=False)).overlap is None

@@ -82,3 +82,26 @@ def test_a_whole_decode_step_launches_each_layers_kernels_and_the_models_own_few
     assert launches.count("triton._rms_norm_kernel") == 2 * 2 + 1  # two per layer, the final norm
     # embedding, the cos and sin rows, the final norm, the logits (in fp32 their .float() is free; bf16 adds a cast)
     assert launches[:3] == ["aten.embedding", "aten.index", "aten.index"] and len(launches) == 2 * 9 + 5
+
+
+def test_a_plain_greedy_step_ends_in_the_argmax_of_the_model_dtype_logits_one_kernel_fewer(monkeypatch):
+    """bf16: the eager greedy step is logits, their float32 cast, the sampler's argmax; the graph's is logits and
+    argmax (engine/cuda_graphs.py), the cast of [batch, vocab] gone."""
+    from types import SimpleNamespace
+
+    from kvgate.engine.models.llama import LlamaForCausalLM
+
+    monkeypatch.setenv("KVGATE_KERNELS", "triton")
+    config = layer_config("qwen3", (*MODELS["qwen3-0.6b"][:3], *HIDDEN))
+    config = SimpleNamespace(**vars(config), vocab_size=50, num_hidden_layers=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval().requires_grad_(False)
+    model.init_rope(64)
+    for layer in model.model.layers:
+        bind_cache(layer, 4 * 3)
+    plain, greedy = decode_model_kernels(model), decode_model_kernels(model, greedy=True)
+    logits = torch.zeros(4, 50, dtype=torch.float32)
+    with torch.inference_mode(), recording() as sampled:  # the sampler's greedy argmax_rows, as on a GPU
+        logits.argmax(-1)
+    assert plain[-1] == "aten.to(copy)" and sampled == ["aten.argmax"]  # the eager step: the cast, then the argmax
+    assert greedy == plain[:-1] + ["aten.argmax"]
+    assert len(greedy) == len(plain + sampled) - 1
