@@ -3,6 +3,8 @@ hold (a worker's heartbeat fields and per-tenant windows). Producers, workers an
 it; README.md's Architecture section and docs/architecture.md describe them."""
 from __future__ import annotations
 
+import json
+
 from .shards import check_shards, shard_of, shard_tags
 
 PRIORITIES = ("high", "normal", "low")  # read in this order
@@ -170,6 +172,12 @@ class Keys:
         scanning key names."""
         return f"{self.prefix}:models"
 
+    def loras(self) -> str:
+        """Hash of the fleet's LoRA adapters: name -> JSON {"path", "base"} (`lora_entry`), written by `kvgate loras`,
+        the SDK (producer/loras.py) and workers' `--lora`; an adapter's jobs are on its own streams (`jobs(name, p)`),
+        served by the workers of its base model."""
+        return f"{self.prefix}:loras"
+
     def lanes(self) -> str:
         """The namespace's lane count, one for every model: set once by the first worker with affinity on;
         absent: no lanes."""
@@ -246,6 +254,20 @@ class Keys:
 
     def deads(self) -> list[str]:
         return [self.dead(k) for k in range(len(self.parts))]
+
+
+def lora_entry(path: str, base: str) -> str:
+    """An adapter's value in `Keys.loras()`: where its PEFT folder is (on the workers' file system) and its base model."""
+    return json.dumps({"path": path, "base": base}, sort_keys=True)
+
+
+def parse_lora_entry(value) -> tuple[str, str] | None:
+    """(path, base) of a `Keys.loras()` value; None for one that is not an adapter's entry (written by hand)."""
+    try:
+        entry = json.loads(as_text(value))
+        return (entry["path"], entry["base"]) if all(isinstance(entry.get(k), str) for k in ("path", "base")) else None
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 # Fields of the `{ns}:worker:<id>` heartbeat hash; shared by the worker, `kvgate stats/top` and the exporter.
