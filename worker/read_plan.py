@@ -13,6 +13,7 @@ class ReadPlan:
     """Which streams one read looks at and how (with lanes: made by `Affinity`, sized by the worker's refill)."""
 
     streams: list[str]  # priority by priority
+    per_priority: int = 0  # without lanes: streams of each priority (the models read); 0: the reader's own count
     home: int | None = None  # with lanes: streams[:home] are ours, the rest are read only when ripe (stealing)
     urgent: int = 0  # with lanes: streams[home:home + urgent] are full owners' lanes, read without waiting to ripen
     overdue: list[str] = field(default_factory=list)  # others' lanes to check for overdue entries on this read

@@ -1,0 +1,87 @@
+"""A worker serves its model's registered LoRA adapters (worker/adapters.py), each from its own streams: it loads an
+adapter on its first job, answers a bad one's jobs with an error result and keeps serving, leaves an adapter's jobs
+for a worker that holds it while its slots are busy (until they age), and answers jobs of a removed adapter."""
+from __future__ import annotations
+
+import pytest
+
+from kvgate.engine.simulated import SimulatedEngine
+from kvgate.producer import Client
+from kvgate.producer.keys import Keys
+from tests.support import wait_for
+
+BASE = "org/base"
+
+
+def _adapter(tmp_path, name: str) -> str:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    return str(folder)
+
+
+def _engine(max_loras: int = 2, load_s: float = 0.0) -> SimulatedEngine:
+    return SimulatedEngine(num_blocks=512, max_num_seqs=8, step_overhead_s=0.002, per_token_s=0.00005,
+                           max_loras=max_loras, lora_load_s=load_s)
+
+
+def _worker(thread_worker, engine, worker_id, **settings):
+    settings = {"served_model_name": BASE, "max_loras": len(engine.loras.slots), "heartbeat_interval_s": 0.1,
+                **settings}
+    return thread_worker(engine=engine, worker_id=worker_id, **settings)
+
+
+def test_a_job_for_a_registered_adapter_is_answered_by_a_worker_that_loads_it_on_first_use(
+        thread_worker, queue, tmp_path):
+    url, ns = queue.server.url, queue.ns
+    engine = _engine()
+    with Client(url, ns) as client:
+        client.add_lora("c1", _adapter(tmp_path, "c1"), BASE)
+        with _worker(thread_worker, engine, "w1", loras=[f"c0={_adapter(tmp_path, 'c0')}"]):
+            assert "c0" in engine.loras and "c1" not in engine.loras  # --lora: loaded at start
+            assert set(client.loras()) == {"c0", "c1"} and client.loras()["c0"].base == BASE
+            done = [client.submit("hi", lora=name, max_tokens=3).result(timeout=60) for name in ("c1", "c0")]
+            assert [(r.status, r.model) for r in done] == [("done", "c1"), ("done", "c0")]
+            assert client.submit("hi", model=BASE, max_tokens=3).result(timeout=60).model == BASE
+            client.add_lora("c2", _adapter(tmp_path, "c2"), BASE)  # registered while the worker runs: its next beat
+            assert client.submit("hi", lora="c2", max_tokens=3).result(timeout=60).model == "c2"
+            assert "c1" in engine.loras and engine.loras.loads >= 2
+
+
+def test_a_bad_adapter_is_its_jobs_error_result_and_the_worker_keeps_serving(thread_worker, queue, tmp_path):
+    url, ns = queue.server.url, queue.ns
+    with Client(url, ns) as client:
+        client.add_lora("broken", str(tmp_path / "no-such-folder"), BASE)
+        with _worker(thread_worker, _engine(), "w1"):
+            bad = client.submit("hi", lora="broken", max_tokens=3).result(timeout=60)
+            assert bad.status == "error" and "adapter_config.json is missing" in bad.error
+            assert client.submit("hi", model=BASE, max_tokens=3).result(timeout=60).status == "done"
+
+
+def test_a_worker_without_adapter_slots_refuses_a_lora_flag(thread_worker, tmp_path):
+    with pytest.raises(ValueError, match="--max-loras >= 1"):
+        thread_worker(engine=_engine(0), worker_id="w0", served_model_name=BASE,
+                      loras=[f"c0={_adapter(tmp_path, 'c0')}"])
+
+
+def test_jobs_of_an_adapter_removed_while_they_wait_get_error_results(thread_worker, queue, tmp_path):
+    url, ns = queue.server.url, queue.ns
+    with Client(url, ns) as client:
+        client.add_lora("gone", _adapter(tmp_path, "gone"), BASE)
+        with _worker(thread_worker, _engine(), "w1") as w:
+            assert client.submit("hi", lora="gone", max_tokens=2).result(timeout=60).status == "done"
+            w.worker.refill.models_now = lambda: [BASE]  # the worker looks away from the adapter's streams for now
+            handles = [client.submit("hi", lora="gone", max_tokens=2) for _ in range(3)]
+            assert client.remove_lora("gone")
+            wait_for(lambda: "gone" not in w.worker.adapters.paths, 30, "the worker to see the removal")
+            w.worker.refill.models_now = w.worker.adapters.reads(w.worker.served.names)
+            results = [h.result(timeout=60) for h in handles]
+    assert all(r.status == "error" and "removed from the fleet's registry" in r.error for r in results)
+    assert redis_keys_left(queue) == 0
+
+
+def redis_keys_left(queue) -> int:
+    """Jobs of the adapter's streams not acknowledged: none may be left behind."""
+    r, keys = queue.server.client(), Keys(queue.ns)
+    return sum(g["pending"] + (g.get("lag") or 0) for p in ("high", "normal", "low")
+               for g in r.xinfo_groups(keys.jobs("gone", p)) if r.exists(keys.jobs("gone", p)))

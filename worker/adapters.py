@@ -1,0 +1,109 @@
+"""The LoRA adapters a worker serves: every adapter of its model registered in Redis (`{ns}:loras`, Keys.loras), each
+read from its own streams `{ns}:jobs:<adapter>:<priority>` like a model of its own.
+
+At start a worker registers its `--lora NAME=PATH` adapters and loads them; it reads the registry again every
+heartbeat, and the streams of an adapter registered since join those it reads (they only grow, as lanes do). A job of
+adapter X is read only while X has room in the engine's slots (Engine.lora_room: loaded, or a slot free or idle) and
+is otherwise left in Redis for a worker that holds X, unless X's oldest job has waited `lora_aging_ms`: then any worker
+with room takes it (aging), so a cold adapter is never starved by hot ones. The adapter is read from its folder on
+its first job here (a bad one is that job's error result); a job of an adapter removed from the registry while it
+waited is answered with an error result, never left waiting."""
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from kvgate.producer.keys import PRIORITIES, Keys, as_text, lora_entry, parse_lora_entry
+from kvgate.worker.clock import ServerClock, entry_ms
+from kvgate.worker.engine import Engine
+
+log = logging.getLogger("kvgate.worker")
+
+
+class Adapters:
+    def __init__(self, client: redis.Redis, keys: Keys, engine: Engine, base: str, max_loras: int,
+                 aging_ms: int, clock: ServerClock) -> None:
+        self.client, self.keys, self.engine, self.base = client, keys, engine, base
+        self.enabled, self.aging_ms, self.clock = max_loras >= 1, aging_ms, clock
+        self.paths: dict[str, str] = {}  # the registered adapters of our model now: name -> folder
+        self.streamed: list[str] = []  # adapters whose streams we read, in the order they joined (never shrinks)
+        self.aged: set[str] = set()  # adapters without room here whose oldest job waited past aging_ms
+
+    def start(self, loras: list[str]) -> list[str]:
+        """Register and load `--lora NAME=PATH` adapters (a bad one stops the start, naming it), then read the
+        registry; the adapters whose streams we read."""
+        if loras and not self.enabled:
+            raise ValueError(f"--lora {loras[0]}: this worker has no adapter slots; start it with --max-loras >= 1")
+        for entry in loras:
+            name, _, path = entry.partition("=")
+            self.engine.loras.add(name, path)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(self.keys.loras(), name, lora_entry(path, self.base))
+            pipe.sadd(self.keys.models(), name)
+            pipe.execute()
+        return self.refresh()
+
+    def refresh(self) -> list[str]:
+        """Read the registry; the adapters of our model whose streams we did not read yet."""
+        if not self.enabled:
+            return []
+        entries = {as_text(k): parse_lora_entry(v) for k, v in self.client.hgetall(self.keys.loras()).items()}
+        self.paths = {name: e[0] for name, e in entries.items() if e is not None and e[1] == self.base}
+        new = [name for name in sorted(self.paths) if name not in self.streamed]
+        self.streamed += new
+        if new:
+            log.info("serving LoRA adapters %s of %s", ", ".join(new), self.base)
+        return new
+
+    def of_job(self, model: str | None) -> tuple[str | None, str | None]:
+        """(the adapter a job of `model` runs with, or None; the refusal of a job whose adapter was removed)."""
+        if model in self.paths:
+            return model, None
+        if model in self.streamed:
+            return None, (f"LoRA adapter {model!r} was removed from the fleet's registry while this job waited; "
+                          "register it again (kvgate loras add NAME PATH --base MODEL) and resubmit")
+        return None, None
+
+    def sync(self) -> list[str]:
+        """On each heartbeat: the streams of adapters registered since (to read from now on); which are aged."""
+        streams = self.keys.served_jobs(self.refresh())
+        self.check_aging()
+        return streams
+
+    def reads(self, names: tuple[str, ...]):
+        """What a read looks at (Refill.models_now): `readable(names)`; None without adapter slots (all we serve)."""
+        return (lambda: self.readable(names)) if self.enabled else None
+
+    def readable(self, names: tuple[str, ...]) -> list[str]:
+        """The model names whose streams a read looks at now: ours, and the adapters with room here or aged; an
+        adapter removed from the registry too (its jobs get their error result)."""
+        return [*names, *(a for a in self.streamed if a not in self.paths or a in self.aged or
+                          self.engine.lora_room(a))]
+
+    def check_aging(self) -> None:
+        """Which adapters without room here have a job that waited past aging_ms: two round trips over their
+        streams (the group's last delivered id, then the entry after it), once per heartbeat."""
+        waiting = [a for a in self.streamed if a in self.paths and not self.engine.lora_room(a)]
+        streams = [(a, self.keys.jobs(a, p, shard=k)) for a in waiting for p in PRIORITIES
+                   for k in range(len(self.keys.parts))]
+        if not streams:
+            self.aged = set()
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for _, stream in streams:
+            pipe.xinfo_groups(stream)
+        delivered = [_last_delivered(g) for g in pipe.execute(raise_on_error=False)]
+        pipe = self.client.pipeline(transaction=False)
+        for (_, stream), after in zip(streams, delivered):
+            pipe.xrange(stream, f"({after}", "+", count=1)
+        now_ms = int(self.clock.now() * 1000)
+        self.aged = {a for (a, _), first in zip(streams, pipe.execute(raise_on_error=False))
+                     if first and not isinstance(first, Exception)
+                     and now_ms - entry_ms(as_text(first[0][0])) >= self.aging_ms}
+
+
+def _last_delivered(groups) -> str:
+    if isinstance(groups, Exception):
+        return "0-0"
+    return next((as_text(g["last-delivered-id"]) for g in groups if as_text(g.get("name")) == Keys.GROUP), "0-0")
