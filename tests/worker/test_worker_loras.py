@@ -85,3 +85,41 @@ def redis_keys_left(queue) -> int:
     r, keys = queue.server.client(), Keys(queue.ns)
     return sum(g["pending"] + (g.get("lag") or 0) for p in ("high", "normal", "low")
                for g in r.xinfo_groups(keys.jobs("gone", p)) if r.exists(keys.jobs("gone", p)))
+
+
+def _pin_the_slot(client, w1_engine, adapter: str):
+    """A long job of `adapter` running on the worker: its one slot is pinned until the job is cancelled."""
+    long = client.submit("hold the slot", lora=adapter, max_tokens=3000)
+    wait_for(lambda: w1_engine.loras.running.get(adapter), 60, f"a running job of {adapter}")
+    return long
+
+
+def test_a_worker_whose_slots_are_busy_leaves_an_adapters_job_for_a_worker_with_room(thread_worker, queue, tmp_path):
+    url, ns = queue.server.url, queue.ns
+    busy = _engine(max_loras=1)
+    with Client(url, ns) as client:
+        for name in ("hot", "cold"):
+            client.add_lora(name, _adapter(tmp_path, name), BASE)
+        with _worker(thread_worker, busy, "w1", lora_aging_ms=600_000):
+            long = _pin_the_slot(client, busy, "hot")
+            cold = client.submit("hi", lora="cold", max_tokens=3)
+            with _worker(thread_worker, _engine(max_loras=1), "w2"):
+                result = cold.result(timeout=60)
+            long.cancel()
+    assert result.status == "done" and result.worker == "w2" and "cold" not in busy.loras
+
+
+def test_an_adapters_job_waiting_past_the_aging_bound_is_read_by_a_worker_without_room_for_it(
+        thread_worker, queue, tmp_path):
+    url, ns = queue.server.url, queue.ns
+    busy = _engine(max_loras=1)
+    with Client(url, ns) as client:
+        for name in ("hot", "cold"):
+            client.add_lora(name, _adapter(tmp_path, name), BASE)
+        with _worker(thread_worker, busy, "w1", lora_aging_ms=200):
+            long = _pin_the_slot(client, busy, "hot")
+            cold = client.submit("hi", lora="cold", max_tokens=3)
+            wait_for(lambda: cold.status().state != "queued", 60, "the aged job to be read")
+            long.cancel()  # the slot frees: the aged job, waiting in the engine here, takes it
+            result = cold.result(timeout=60)
+    assert result.status == "done" and result.worker == "w1"
