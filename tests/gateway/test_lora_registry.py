@@ -20,7 +20,8 @@ ASK = dict(max_tokens=3, messages=[{"role": "user", "content": "hi"}])
 def base_fleet(shared_redis):
     """One simulated worker of `org/base`, and an open gateway reading the fleet afresh on every request."""
     ns = f"gwl{os.getpid()}-{time.monotonic_ns() % 10**8}"
-    with running_worker(shared_redis.url, ns, *SIM, "--served-model-name", "org/base", worker_id="w-base"):
+    with running_worker(shared_redis.url, ns, *SIM, "--served-model-name", "org/base", "--max-loras", "2",
+                        worker_id="w-base"):
         gw = start_gateway(shared_redis.url, ns, models_cache_s=0.0)
         try:
             yield gw, shared_redis.url, ns
@@ -80,3 +81,17 @@ def test_only_an_admin_key_may_register_adapters_when_keys_are_set(base_fleet, g
     assert as_admin.status_code == 200
     assert httpx.post(f"{gw.base_url}/unload_lora_adapter", json={"lora_name": "guarded"},
                       headers={"Authorization": "Bearer admin-key"}).status_code == 200
+
+
+def test_the_openai_client_names_a_registered_adapter_as_its_model_and_a_worker_of_the_base_answers(base_fleet,
+                                                                                                     tmp_path):
+    gw, url, ns = base_fleet
+    (tmp_path / "adapter_config.json").write_text("{}")  # the simulated engine reads no weights
+    load = httpx.post(f"{gw.base_url}/load_lora_adapter", json={"lora_name": "c9", "lora_path": str(tmp_path)})
+    assert load.status_code == 200
+    client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=60)
+    out = client.chat.completions.create(model="c9", **ASK)
+    assert out.model == "c9" and out.choices[0].finish_reason == "length"
+    streamed = list(client.completions.create(model="c9", prompt="x y", max_tokens=2, stream=True))
+    assert {chunk.model for chunk in streamed} == {"c9"}
+    assert httpx.post(f"{gw.base_url}/unload_lora_adapter", json={"lora_name": "c9"}).status_code == 200
