@@ -278,4 +278,5 @@ HEARTBEAT_FIELDS = (
     "admissible_tokens", "tokens_per_s", "jobs_done",
     "tenants",  # JSON {tenant: [running, tokens, wait counts...]}: worker/tenant_load.py, read by queue_stats
     "fim",  # the model's fill-in-the-middle family (engine/fim.py), "" for none: the gateway refuses `suffix` early
+    "loras",  # JSON {"loaded": adapters in its slots, "loads", "evictions"} (worker/adapters.py); "" without slots
 )

@@ -10,6 +10,7 @@ its first job here (a bad one is that job's error result); a job of an adapter r
 waited is answered with an error result, never left waiting."""
 from __future__ import annotations
 
+import json
 import logging
 
 import redis
@@ -70,6 +71,14 @@ class Adapters:
         streams = self.keys.served_jobs(self.refresh())
         self.check_aging()
         return streams
+
+    def beat(self) -> str:
+        """The heartbeat's `loras`: the adapters in the engine's slots, its loads and evictions; "" without slots."""
+        if not self.enabled:
+            return ""
+        slots = self.engine.loras
+        return json.dumps({"loaded": sorted(slots.loaded), "loads": slots.loads, "evictions": slots.evictions},
+                          separators=(",", ":"))
 
     def reads(self, names: tuple[str, ...]):
         """What a read looks at (Refill.models_now): `readable(names)`; None without adapter slots (all we serve)."""

@@ -360,7 +360,7 @@ class Worker:
         adm = self.engine.admission()
         self.heartbeat.beat(state="draining" if self.draining else "serving", stats=self.engine.stats,
                             admissible_tokens=adm.admissible_tokens, waiting=len(self.queue),
-                            jobs_done=self.answers.jobs_done,
+                            jobs_done=self.answers.jobs_done, loras=self.adapters.beat(),
                             tenants=self.tenant_load.snapshot((t.job.tenant for t in self.flights.tickets()),
                                                               time.monotonic()))
 

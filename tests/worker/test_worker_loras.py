@@ -3,6 +3,8 @@ adapter on its first job, answers a bad one's jobs with an error result and keep
 for a worker that holds it while its slots are busy (until they age), and answers jobs of a removed adapter."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvgate.engine.simulated import SimulatedEngine
@@ -46,6 +48,14 @@ def test_a_job_for_a_registered_adapter_is_answered_by_a_worker_that_loads_it_on
             client.add_lora("c2", _adapter(tmp_path, "c2"), BASE)  # registered while the worker runs: its next beat
             assert client.submit("hi", lora="c2", max_tokens=3).result(timeout=60).model == "c2"
             assert "c1" in engine.loras and engine.loras.loads >= 2
+
+            def beat():  # the heartbeat says which adapters the slots hold, and the loads so far
+                raw = queue.r.hget(Keys(ns).worker("w1"), "loras")
+                seen = json.loads(raw) if raw else None
+                return seen if seen and seen["loads"] == engine.loras.loads else None
+
+            seen = wait_for(beat, 30, "a heartbeat with the adapters loaded")
+            assert seen["loaded"] == sorted(engine.loras.loaded) and seen["evictions"] == engine.loras.evictions
 
 
 def test_a_bad_adapter_is_its_jobs_error_result_and_the_worker_keeps_serving(thread_worker, queue, tmp_path):
