@@ -12,21 +12,24 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import redis
 
 from kvgate.producer.keys import PRIORITIES, Keys, as_text, lora_entry, parse_lora_entry
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.engine import Engine
+from kvgate.worker.settings import WorkerSettings
 
 log = logging.getLogger("kvgate.worker")
 
 
 class Adapters:
-    def __init__(self, client: redis.Redis, keys: Keys, engine: Engine, base: str, max_loras: int,
-                 aging_ms: int, clock: ServerClock) -> None:
-        self.client, self.keys, self.engine, self.base = client, keys, engine, base
-        self.enabled, self.aging_ms, self.clock = max_loras >= 1, aging_ms, clock
+    def __init__(self, client: redis.Redis, keys: Keys, engine: Engine, base: str, settings: WorkerSettings,
+                 clock: ServerClock, metrics: Any) -> None:
+        self.client, self.keys, self.engine, self.base, self.metrics = client, keys, engine, base, metrics
+        # settings.max_loras: the engine's slots (0: no adapters served)
+        self.enabled, self.aging_ms, self.clock = settings.max_loras >= 1, settings.lora_aging_ms, clock
         self.paths: dict[str, str] = {}  # the registered adapters of our model now: name -> folder
         self.streamed: list[str] = []  # adapters whose streams we read, in the order they joined (never shrinks)
         self.aged: set[str] = set()  # adapters without room here whose oldest job waited past aging_ms
@@ -77,6 +80,7 @@ class Adapters:
         if not self.enabled:
             return ""
         slots = self.engine.loras
+        self.metrics.on_loras(len(slots.loaded), slots.loads, slots.evictions)
         return json.dumps({"loaded": sorted(slots.loaded), "loads": slots.loads, "evictions": slots.evictions},
                           separators=(",", ":"))
 

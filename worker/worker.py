@@ -64,9 +64,9 @@ class Worker:
                               retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
         self.keys = keys_for(s.redis_url, self.client, s.namespace)  # on a cluster: learns the namespace's shards
         self.clock = ServerClock(self.client)
-        self.adapters = Adapters(self.client, self.keys, engine, self.model, s.max_loras, s.lora_aging_ms, self.clock)
-        self.streams = self.keys.served_jobs(names := [*self.served.names, *self.adapters.start(s.loras)])
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
+        self.adapters = Adapters(self.client, self.keys, engine, self.model, s, self.clock, self.metrics)
+        self.streams = self.keys.served_jobs(names := [*self.served.names, *self.adapters.start(s.loras)])
         self.queue = AdmissionQueue(s.local_queue_size, float(s.initial_tokens_per_job))
         self.flights = Flights(engine, self.metrics, tracing or job_tracing(s.otel_endpoint, self.worker_id))
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,

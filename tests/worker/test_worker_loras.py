@@ -39,7 +39,7 @@ def test_a_job_for_a_registered_adapter_is_answered_by_a_worker_that_loads_it_on
     engine = _engine()
     with Client(url, ns) as client:
         client.add_lora("c1", _adapter(tmp_path, "c1"), BASE)
-        with _worker(thread_worker, engine, "w1", loras=[f"c0={_adapter(tmp_path, 'c0')}"]):
+        with _worker(thread_worker, engine, "w1", loras=[f"c0={_adapter(tmp_path, 'c0')}"]) as w:
             assert "c0" in engine.loras and "c1" not in engine.loras  # --lora: loaded at start
             assert set(client.loras()) == {"c0", "c1"} and client.loras()["c0"].base == BASE
             done = [client.submit("hi", lora=name, max_tokens=3).result(timeout=60) for name in ("c1", "c0")]
@@ -56,6 +56,8 @@ def test_a_job_for_a_registered_adapter_is_answered_by_a_worker_that_loads_it_on
 
             seen = wait_for(beat, 30, "a heartbeat with the adapters loaded")
             assert seen["loaded"] == sorted(engine.loras.loaded) and seen["evictions"] == engine.loras.evictions
+            metrics = w.worker.metrics  # and the Prometheus figures, from the same look
+            assert metrics.lora_loads._value.get() == seen["loads"] and metrics.loras_loaded._value.get() >= 1
 
 
 def test_a_bad_adapter_is_its_jobs_error_result_and_the_worker_keeps_serving(thread_worker, queue, tmp_path):
