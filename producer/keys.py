@@ -261,10 +261,19 @@ def lora_entry(path: str, base: str) -> str:
     return json.dumps({"path": path, "base": base}, sort_keys=True)
 
 
-def parse_lora_entry(value) -> tuple[str, str] | None:
-    """(path, base) of a `Keys.loras()` value; None for one that is not an adapter's entry (written by hand)."""
+def lora_removed_entry(base: str) -> str:
+    """A removed adapter's value in `Keys.loras()` (a tombstone): the workers of `base` still read its streams, to
+    answer the jobs left there with an error result; registering the name again overwrites it."""
+    return json.dumps({"base": base, "removed": True}, sort_keys=True)
+
+
+def parse_lora_entry(value) -> tuple[str | None, str] | None:
+    """(path, base) of a `Keys.loras()` value, path None for a removed adapter; None for one that is not an
+    adapter's entry (written by hand)."""
     try:
         entry = json.loads(as_text(value))
+        if entry.get("removed") is True and isinstance(entry.get("base"), str):
+            return None, entry["base"]
         return (entry["path"], entry["base"]) if all(isinstance(entry.get(k), str) for k in ("path", "base")) else None
     except (ValueError, TypeError, AttributeError):
         return None

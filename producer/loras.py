@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .errors import FieldError, InvalidRequest
 from .job_checks import ProtocolError, check_model_name
-from .keys import Keys, as_text, lora_entry, parse_lora_entry
+from .keys import Keys, as_text, lora_entry, lora_removed_entry, parse_lora_entry
 from .model_set import add_models
 from .steps import Steps, call
 
@@ -48,8 +48,10 @@ def check_lora(name: object, path: object, base: object) -> Lora:
 def add_lora(r, keys: Keys, name: str, path: str, base: str) -> Steps:
     """Register (or re-point) an adapter fleet-wide; whether it was new."""
     lora = check_lora(name, path, base)
+    had = yield from get_lora(r, keys, lora.name)
     yield from add_models(r, keys, [lora.name])
-    return bool((yield call(r.hset, keys.loras(), lora.name, lora_entry(lora.path, lora.base))))
+    yield call(r.hset, keys.loras(), lora.name, lora_entry(lora.path, lora.base))
+    return had is None
 
 
 def list_loras(r, keys: Keys) -> Steps:
@@ -57,7 +59,7 @@ def list_loras(r, keys: Keys) -> Steps:
     raw = yield call(r.hgetall, keys.loras())
     out = {}
     for name, value in raw.items():
-        if (entry := parse_lora_entry(value)) is not None:
+        if (entry := parse_lora_entry(value)) is not None and entry[0] is not None:  # not a removed one
             out[as_text(name)] = Lora(as_text(name), *entry)
     return dict(sorted(out.items()))
 
@@ -66,13 +68,16 @@ def get_lora(r, keys: Keys, name: str) -> Steps:
     """One registered adapter, or None."""
     value = yield call(r.hget, keys.loras(), name)
     entry = parse_lora_entry(value) if value is not None else None
-    return Lora(name, *entry) if entry is not None else None
+    return Lora(name, *entry) if entry is not None and entry[0] is not None else None
 
 
 def remove_lora(r, keys: Keys, name: str) -> Steps:
-    """Unregister an adapter and forget its name (its waiting jobs get error results from the workers); whether
-    it was registered."""
-    removed = yield call(r.hdel, keys.loras(), name)
-    if removed:
-        yield call(r.srem, keys.models(), name)
-    return bool(removed)
+    """Unregister an adapter and forget its name; whether it was registered. Its entry becomes a tombstone
+    (`lora_removed_entry`): the workers of its base answer the jobs still waiting for it with an error result,
+    also those of a base no worker serves yet."""
+    lora = yield from get_lora(r, keys, name)
+    if lora is None:
+        return False
+    yield call(r.hset, keys.loras(), name, lora_removed_entry(lora.base))
+    yield call(r.srem, keys.models(), name)
+    return True

@@ -53,8 +53,9 @@ class Adapters:
         if not self.enabled:
             return []
         entries = {as_text(k): parse_lora_entry(v) for k, v in self.client.hgetall(self.keys.loras()).items()}
-        self.paths = {name: e[0] for name, e in entries.items() if e is not None and e[1] == self.base}
-        new = [name for name in sorted(self.paths) if name not in self.streamed]
+        ours = {name: e[0] for name, e in entries.items() if e is not None and e[1] == self.base}
+        self.paths = {name: path for name, path in ours.items() if path is not None}  # the others: removed
+        new = [name for name in sorted(ours) if name not in self.streamed]  # removed ones too: their jobs answered
         self.streamed += new
         if new:
             log.info("serving LoRA adapters %s of %s", ", ".join(new), self.base)

@@ -153,8 +153,9 @@ class LiveModels:
             pairs = replies[per_model * i:per_model * (i + 1)]
             models[name].backlog = sum(_unfinished(n, g) for n, g in zip(pairs[::2], pairs[1::2]))
         for name, value in loras.items():
-            if (entry := parse_lora_entry(value)) is not None and (adapter := models.get(as_text(name))) is not None:
-                adapter.root, adapter.parent = entry
+            entry = parse_lora_entry(value)
+            if entry is not None and entry[0] is not None and (adapter := models.get(as_text(name))) is not None:
+                adapter.root, adapter.parent = entry  # a removed adapter's tombstone is no model
         return FleetModels({k: m for k, m in models.items() if m.workers}, models,
                            {k: m for k, m in models.items() if m.parent is not None})
 

@@ -39,7 +39,11 @@ def test_the_loras_command_adds_lists_and_removes_adapters_and_refuses_bad_ones(
     assert _cli(url, keys.ns, "loras", "remove", "sql") == 1
     assert "no adapter 'sql'" in capsys.readouterr().err
     assert redis_server.client().smembers(keys.models()) == {b"customer-7"}
-    assert redis_server.client().hkeys(keys.loras()) == [b"customer-7"]
+    assert sorted(redis_server.client().hkeys(keys.loras())) == [b"customer-7", b"sql"]  # sql: a tombstone
+    assert _cli(url, keys.ns, "loras") == 0
+    assert capsys.readouterr().out.splitlines() == ["customer-7\torg/base\t/adapters/c7-v2"]
+    assert _cli(url, keys.ns, "loras", "add", "sql", "/adapters/sql2", "--base", "org/base") == 0
+    assert "added adapter sql" in capsys.readouterr().out  # registered again over its tombstone
 
 
 def test_the_client_registers_lists_and_removes_adapters(client):

@@ -92,6 +92,19 @@ def test_jobs_of_an_adapter_removed_while_they_wait_get_error_results(thread_wor
     assert redis_keys_left(queue) == 0
 
 
+def test_jobs_of_an_adapter_removed_before_any_worker_of_its_base_started_get_error_results(
+        thread_worker, queue, tmp_path):
+    url, ns = queue.server.url, queue.ns
+    with Client(url, ns) as client:
+        client.add_lora("gone", _adapter(tmp_path, "gone"), BASE)
+        handles = [client.submit("hi", lora="gone", max_tokens=2) for _ in range(3)]
+        assert client.remove_lora("gone") and "gone" not in client.loras()
+        with _worker(thread_worker, _engine(), "w1"):  # it never knew the adapter: the tombstone tells it
+            results = [h.result(timeout=60) for h in handles]
+    assert all(r.status == "error" and "removed from the fleet's registry" in r.error for r in results)
+    assert redis_keys_left(queue) == 0
+
+
 def redis_keys_left(queue) -> int:
     """Jobs of the adapter's streams not acknowledged: none may be left behind."""
     r, keys = queue.server.client(), Keys(queue.ns)
