@@ -107,6 +107,10 @@ class LoraSlots:
         uses (the worker asks before it reads such a job: Engine.lora_room)."""
         return name in self.slots or None in self.slots or bool(self.idle)
 
+    def spare(self) -> int:
+        """Slots a new adapter could take now: free ones and those no running sequence uses."""
+        return self.slots.count(None) + len(self.idle)
+
     def acquire(self, seq: Sequence) -> None:
         """Pin the sequence's adapter in a slot, loading it there first if need be; `can_acquire` said yes."""
         if seq.lora is None:

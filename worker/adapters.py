@@ -33,6 +33,7 @@ class Adapters:
         self.paths: dict[str, str] = {}  # the registered adapters of our model now: name -> folder
         self.streamed: list[str] = []  # adapters whose streams we read, in the order they joined (never shrinks)
         self.aged: set[str] = set()  # adapters without room here whose oldest job waited past aging_ms
+        self.turn = 0  # adapters not loaded take turns at being read when fewer slots are spare than they are
 
     def start(self, loras: list[str]) -> list[str]:
         """Register and load `--lora NAME=PATH` adapters (a bad one stops the start, naming it), then read the
@@ -90,10 +91,16 @@ class Adapters:
         return (lambda: self.readable(names)) if self.enabled else None
 
     def readable(self, names: tuple[str, ...]) -> list[str]:
-        """The model names whose streams a read looks at now: ours, and the adapters with room here or aged; an
-        adapter removed from the registry too (its jobs get their error result)."""
-        return [*names, *(a for a in self.streamed if a not in self.paths or a in self.aged or
-                          self.engine.lora_room(a))]
+        """The model names whose streams a read looks at now: ours; the adapters in a slot with room, and of those
+        not loaded at most as many as slots could take them (in turns, so none is always left out); aged ones; and
+        removed ones (their jobs get their error result)."""
+        loaded = self.engine.loras.loaded
+        self.turn += 1
+        cold = [a for a in self.streamed if a in self.paths and a not in loaded and a not in self.aged]
+        shift = self.turn % len(cold) if cold else 0
+        taken = set((cold[shift:] + cold[:shift])[:self.engine.loras.spare()])
+        return [*names, *(a for a in self.streamed if a not in self.paths or a in self.aged or a in taken or
+                          (a in loaded and self.engine.lora_room(a)))]
 
     def check_aging(self) -> None:
         """Which adapters without room here have a job that waited past aging_ms: two round trips over their

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client
 from kvgate.producer.keys import Keys
@@ -103,6 +104,29 @@ def test_jobs_of_an_adapter_removed_before_any_worker_of_its_base_started_get_er
             results = [h.result(timeout=60) for h in handles]
     assert all(r.status == "error" and "removed from the fleet's registry" in r.error for r in results)
     assert redis_keys_left(queue) == 0
+
+
+def test_a_read_looks_at_no_more_unloaded_adapters_than_slots_could_take_taking_turns(queue, tmp_path):
+    from kvgate.worker.adapters import Adapters
+    from kvgate.worker.clock import ServerClock
+    from kvgate.worker.null_metrics import NullMetrics
+    from kvgate.worker.settings import WorkerSettings
+
+    engine = _engine(max_loras=2)
+    names = ["a", "b", "c", "d"]
+    with Client(queue.server.url, queue.ns) as client:
+        for name in names:
+            client.add_lora(name, _adapter(tmp_path, name), BASE)
+    settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=2)
+    adapters = Adapters(queue.r, Keys(queue.ns), engine, BASE, settings, ServerClock(queue.r), NullMetrics())
+    assert adapters.start([]) == names
+    reads = [adapters.readable((BASE,)) for _ in range(4)]
+    assert all(r[0] == BASE and len(r) == 3 for r in reads)  # two slots spare: two adapters per read
+    assert {a for r in reads for a in r[1:]} == set(names)  # in turns: every adapter is looked at
+    engine.loras.add("a", adapters.paths["a"])
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), lora="a")
+    engine.step()  # a runs: its slot is pinned, one is spare
+    assert all("a" in r and len(r) == 3 for r in (adapters.readable((BASE,)) for _ in range(3)))
 
 
 def redis_keys_left(queue) -> int:
