@@ -100,7 +100,16 @@ class LoraSlots:
 
     def can_acquire(self, seq: Sequence) -> bool:
         """May this sequence start now as far as adapters go (the module docstring's rule)?"""
-        return seq.lora is None or seq.lora in self.slots or None in self.slots or bool(self.idle)
+        return seq.lora is None or self.has_room(seq.lora)
+
+    def has_room(self, name: str) -> bool:
+        """Could a sequence of adapter `name` start now: in a slot already, a slot free, or one no running sequence
+        uses (the worker asks before it reads such a job: Engine.lora_room)."""
+        return name in self.slots or None in self.slots or bool(self.idle)
+
+    def spare(self) -> int:
+        """Slots a new adapter could take now: free ones and those no running sequence uses."""
+        return self.slots.count(None) + len(self.idle)
 
     def acquire(self, seq: Sequence) -> None:
         """Pin the sequence's adapter in a slot, loading it there first if need be; `can_acquire` said yes."""

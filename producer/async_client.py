@@ -18,6 +18,7 @@ from .connection import translated
 from .durable import DurableSubmitter
 from .job_status import JobStatus, job_states_script
 from .keys import DEFAULT_MODEL, Keys
+from .loras import Lora
 from .queue_stats import QueueStats
 from .redis_url import connect_async, keys_for_async
 from .reply_reader import ReaderState
@@ -92,8 +93,9 @@ class AsyncClient(ClientBase):
     @takes_submit_arguments
     async def submit(self, prompt: str | None = None, **arguments) -> AsyncJobHandle:
         """As Client.submit."""
+        lora = arguments.pop("lora", None)
         with enqueue_span():  # the job's traceparent names it, where the caller traces with OpenTelemetry
-            return await self._run(self._submit(submit_arguments(self, prompt, arguments)))
+            return await self._run(self._submit(submit_arguments(self, prompt, arguments), lora))
 
     async def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                           chunk_size: int | None = CHUNK, quota: bool = True) -> list[AsyncJobHandle]:
@@ -124,6 +126,18 @@ class AsyncClient(ClientBase):
 
     async def stats(self) -> QueueStats:
         return await self._run(self._stats())
+
+    async def add_lora(self, name: str, path: str, base: str) -> bool:
+        """As Client.add_lora."""
+        return await self._run(self._add_lora(name, path, base))
+
+    async def loras(self) -> dict[str, Lora]:
+        """As Client.loras."""
+        return await self._run(self._loras())
+
+    async def remove_lora(self, name: str) -> bool:
+        """As Client.remove_lora."""
+        return await self._run(self._remove_lora(name))
 
     # -- the reader task --------------------------------------------------------------------------
     async def _read(self, conn: aioredis.Redis, state: ReaderState) -> None:

@@ -14,6 +14,7 @@ from .errors import ResultTimeout
 from .handle import JobHandle
 from .job_status import JobStatus, job_states_script
 from .keys import DEFAULT_MODEL
+from .loras import Lora
 from .queue_stats import QueueStats
 from .redis_url import connect, keys_for
 from .reply_reader import ReaderState, ReplyReader
@@ -59,9 +60,11 @@ class Client(ClientBase):
     def submit(self, prompt: str | None = None, **arguments) -> JobHandle:
         """Validate, then enqueue one job on its model's streams (`model=None`: the `default` model, which
         every worker serves unless told not to). Raises InvalidRequest before anything is enqueued. The keywords
-        are SubmitRequest's: the sampling fields of wire.Sampling and the job's own (see help())."""
+        are SubmitRequest's: the sampling fields of wire.Sampling and the job's own (see help()); and `lora=NAME`, a
+        registered LoRA adapter (the same as `model=NAME`, but refused at once when no adapter has that name)."""
+        lora = arguments.pop("lora", None)
         with enqueue_span():  # the job's traceparent names it, where the caller traces with OpenTelemetry
-            return self._run(self._submit(submit_arguments(self, prompt, arguments)))
+            return self._run(self._submit(submit_arguments(self, prompt, arguments), lora))
 
     def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                     chunk_size: int | None = CHUNK, quota: bool = True) -> list[JobHandle]:
@@ -121,6 +124,19 @@ class Client(ClientBase):
 
     def stats(self) -> QueueStats:
         return self._run(self._stats())
+
+    # -- the fleet's LoRA adapters (producer/loras.py) ---------------------------------------------
+    def add_lora(self, name: str, path: str, base: str) -> bool:
+        """Register adapter `name` of model `base`, its PEFT folder at `path` on the workers; whether it was new."""
+        return self._run(self._add_lora(name, path, base))
+
+    def loras(self) -> dict[str, Lora]:
+        """The registered adapters by name."""
+        return self._run(self._loras())
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter (workers answer its waiting jobs with an error result); whether it was registered."""
+        return self._run(self._remove_lora(name))
 
     # -- waiting ----------------------------------------------------------------------------------
     def _notify(self) -> None:

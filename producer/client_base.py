@@ -21,6 +21,7 @@ from .errors import FieldError, InvalidRequest, JobFailed, KvgateError, Partiall
 from .idempotency import owner_tag
 from .job_status import job_status
 from .lane_count import LaneCount
+from .loras import add_lora, get_lora, list_loras, remove_lora
 from .mailbox import ReplyRouter
 from .keys import Keys
 from .protocol import check_tenant_name, decode_final
@@ -120,11 +121,37 @@ class ClientBase:
                 bar.update(len(chunk))
         return handles
 
-    def _submit(self, args: dict[str, Any]) -> Steps:
+    def _submit(self, args: dict[str, Any], lora: str | None = None) -> Steps:
+        if lora is not None:
+            args = yield from self._on_adapter(args, lora)
         lanes = yield from self._lanes()
         prepared = prepare(self._own(args), self.keys, self.client_id, lanes=lanes, fair=self._lane_count.fair,
                            spread=self._spread())
         return (yield from self._enqueue([prepared]))[0]
+
+    def _on_adapter(self, args: dict[str, Any], lora: object) -> Steps:
+        """`lora=NAME`: the job goes on the registered adapter's own streams (its `model` is the adapter, as OpenAI
+        clients name it); InvalidRequest for an adapter nobody registered or a `model` other than it or its base."""
+        found = (yield from get_lora(self.redis, self.keys, lora)) if isinstance(lora, str) else None
+        if found is None:
+            known = sorted((yield from list_loras(self.redis, self.keys)))[:20]
+            raise InvalidRequest([FieldError("lora", lora, f"no LoRA adapter of that name is registered (registered: "
+                                                           f"{known}); register it first: kvgate loras add NAME PATH "
+                                                           "--base MODEL, or Client.add_lora")])
+        if args.get("model") not in (None, found.name, found.base):
+            raise InvalidRequest([FieldError("model", args["model"], f"lora={found.name!r} is an adapter of "
+                                                                     f"{found.base!r}: name that model or none")])
+        return {**args, "model": found.name}
+
+    # -- the fleet's adapters (producer/loras.py) ---------------------------------------------------
+    def _add_lora(self, name: str, path: str, base: str) -> Steps:
+        return (yield from add_lora(self.redis, self.keys, name, path, base))
+
+    def _loras(self) -> Steps:
+        return (yield from list_loras(self.redis, self.keys))
+
+    def _remove_lora(self, name: str) -> Steps:
+        return (yield from remove_lora(self.redis, self.keys, name))
 
     def _spread(self) -> TenantSpread | None:
         """Fair share on a cluster deals each tenant's jobs out over the shards (producer/spread.py); made once the

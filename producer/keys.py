@@ -3,6 +3,8 @@ hold (a worker's heartbeat fields and per-tenant windows). Producers, workers an
 it; README.md's Architecture section and docs/architecture.md describe them."""
 from __future__ import annotations
 
+import json
+
 from .shards import check_shards, shard_of, shard_tags
 
 PRIORITIES = ("high", "normal", "low")  # read in this order
@@ -182,6 +184,12 @@ class Keys:
         scanning key names."""
         return f"{self.prefix}:models"
 
+    def loras(self) -> str:
+        """Hash of the fleet's LoRA adapters: name -> JSON {"path", "base"} (`lora_entry`), written by `kvgate loras`,
+        the SDK (producer/loras.py) and workers' `--lora`; an adapter's jobs are on its own streams (`jobs(name, p)`),
+        served by the workers of its base model."""
+        return f"{self.prefix}:loras"
+
     def lanes(self) -> str:
         """The namespace's lane count, one for every model: set once by the first worker with affinity on;
         absent: no lanes."""
@@ -260,6 +268,29 @@ class Keys:
         return [self.dead(k) for k in range(len(self.parts))]
 
 
+def lora_entry(path: str, base: str) -> str:
+    """An adapter's value in `Keys.loras()`: where its PEFT folder is (on the workers' file system) and its base model."""
+    return json.dumps({"path": path, "base": base}, sort_keys=True)
+
+
+def lora_removed_entry(base: str) -> str:
+    """A removed adapter's value in `Keys.loras()` (a tombstone): the workers of `base` still read its streams, to
+    answer the jobs left there with an error result; registering the name again overwrites it."""
+    return json.dumps({"base": base, "removed": True}, sort_keys=True)
+
+
+def parse_lora_entry(value) -> tuple[str | None, str] | None:
+    """(path, base) of a `Keys.loras()` value, path None for a removed adapter; None for one that is not an
+    adapter's entry (written by hand)."""
+    try:
+        entry = json.loads(as_text(value))
+        if entry.get("removed") is True and isinstance(entry.get("base"), str):
+            return None, entry["base"]
+        return (entry["path"], entry["base"]) if all(isinstance(entry.get(k), str) for k in ("path", "base")) else None
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
 # Fields of the `{ns}:worker:<id>` heartbeat hash; shared by the worker, `kvgate stats/top` and the exporter.
 # `model` is the canonical name; `models` every name it serves (canonical, aliases, `default`), comma-separated.
 HEARTBEAT_FIELDS = (
@@ -268,4 +299,5 @@ HEARTBEAT_FIELDS = (
     "admissible_tokens", "tokens_per_s", "jobs_done",
     "tenants",  # JSON {tenant: [running, tokens, wait counts...]}: worker/tenant_load.py, read by queue_stats
     "fim",  # the model's fill-in-the-middle family (engine/fim.py), "" for none: the gateway refuses `suffix` early
+    "loras",  # JSON {"loaded": adapters in its slots, "loads", "evictions"} (worker/adapters.py); "" without slots
 )

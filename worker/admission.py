@@ -32,6 +32,8 @@ class Ticket:
     tool_parser: str | None = None  # a job with tools of choice auto: the format its calls are read in
     may_preempt: bool = False  # fair share: its tenant had few jobs waiting, so it may make room (worker/room.py)
     queued_at: float = 0.0  # when it entered the local queue (monotonic): one waiting long goes back (hand_back.py)
+    lora: str | None = None  # the LoRA adapter it runs with (its model names one: worker/adapters.py)
+    lora_path: str | None = None  # that adapter's folder, read on its first job here
 
     @property
     def key(self) -> str:

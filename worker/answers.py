@@ -25,7 +25,7 @@ class Answers:
 
     def answer(self, ended: Ended) -> None:
         t = ended.ticket
-        final = final_of(ended, worker=self.worker_id, model=self.model, finished_at=time.time())
+        final = final_of(ended, worker=self.worker_id, model=t.lora or self.model, finished_at=time.time())
         self.publisher.finish(Finish(final, t.job.client_id, t.stream, t.entry_id, ended.dead_reason,
                                      t.payload if ended.dead_reason else b"", tenant=t.job.tenant))
         if ended.dead_reason:

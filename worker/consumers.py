@@ -80,6 +80,13 @@ class Consumers:
             if isinstance(reply, redis.ResponseError) and "BUSYGROUP" not in str(reply):
                 raise reply
 
+    def add(self, streams: list[str]) -> list[str]:
+        """Streams that join those we read (lanes learnt, LoRA adapters registered since; the list only grows): their
+        groups made, onto the worker's list (ours is the same list); returned."""
+        self.create_groups(streams)
+        self.streams += streams
+        return streams
+
     def prune(self) -> list[str]:
         """Delete departed consumers (idle, nothing pending, no heartbeat); returns their names."""
         args = [Keys.GROUP, self.min_idle_ms, "" if self.keys.cluster else self.keys.worker(""), self.consumer]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvgate.engine.fim import FimFormat
+from kvgate.engine.lora_slots import LoraSlots
 from kvgate.engine.outputs import Admission, EngineStats, StepOutput
 from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
@@ -18,13 +19,14 @@ class Engine(Protocol):
     max_num_seqs: int
     embedding_size: int  # an embedding's length before `dimensions` cuts it
     fim: FimFormat | None  # the model's fill-in-the-middle tokens (engine/fim.py); None: it has none
+    loras: LoraSlots  # its LoRA adapters: `add(name, path)` reads one (LoraError), `in` says whether it is known
 
     @property
     def stats(self) -> EngineStats: ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, stream_text: bool = True, detokenize: bool = True,
-                    ahead: bool = False) -> int: ...
+                    ahead: bool = False, lora: str | None = None) -> int: ...
 
     def add_embedding_request(self, request_id: str, prompt: str | list[int], pooling: PoolingParams, *,
                               arrival_time: float | None = None, ahead: bool = False) -> int: ...
@@ -36,6 +38,8 @@ class Engine(Protocol):
     def step(self) -> list[StepOutput]: ...
 
     def admission(self) -> Admission: ...
+
+    def lora_room(self, name: str) -> bool: ...
 
     def shared_prefix_tokens(self, prompt_ids: list[int], hashes: list[int] | None = None) -> int: ...
 

@@ -198,7 +198,11 @@ class Flights:
                 self.engine.add_embedding_request(ticket.key, ticket.prompt_ids, ticket.pooling, ahead=ahead)
                 self.detok.add(ticket.key, None, incremental=False)
             else:
-                self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params, detokenize=False, ahead=ahead)
+                if ticket.lora is not None and ticket.lora not in self.engine.loras:  # LoraError: this job's error
+                    self.engine.loras.add(ticket.lora, ticket.lora_path)
+                adapter = {"lora": ticket.lora} if ticket.lora is not None else {}
+                self.engine.add_request(ticket.key, ticket.prompt_ids, ticket.params, detokenize=False, ahead=ahead,
+                                        **adapter)
                 self.detok.add(ticket.key, ticket.params.stop, incremental=ticket.job.stream,
                                skip_special_tokens=ticket.params.skip_special_tokens)
         except (RequestRejected, ValueError) as e:

@@ -66,7 +66,7 @@ class Heartbeat:
         self._stop = self.client.register_script(STOP_LUA)
 
     def beat(self, *, state: str, stats, admissible_tokens: int, waiting: int, jobs_done: int,
-             tenants: dict[str, list[int]] | None = None) -> None:
+             tenants: dict[str, list[int]] | None = None, loras: str = "") -> None:
         """`tenants`: TenantLoad.snapshot(), per tenant running jobs, tokens and queue wait counts (bounded)."""
         now = time.monotonic()
         tokens_per_s = (stats.generation_tokens - self._last_tokens) / max(now - self._last_time, 1e-6)
@@ -77,7 +77,7 @@ class Heartbeat:
                       max_num_seqs=self.max_num_seqs, free_blocks=stats.free_blocks, total_blocks=stats.total_blocks,
                       block_size=stats.block_size, admissible_tokens=admissible_tokens,
                       tokens_per_s=round(max(tokens_per_s, 0.0), 2), jobs_done=jobs_done,
-                      tenants=json.dumps(tenants or {}, separators=(",", ":")), fim=self.fim)
+                      tenants=json.dumps(tenants or {}, separators=(",", ":")), fim=self.fim, loras=loras)
         assert set(values) == set(HEARTBEAT_FIELDS)
         write_beat(self.client, self.keys, self.worker_id, values, self.ttl_s, self._beat)
 

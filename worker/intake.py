@@ -113,6 +113,7 @@ class Intake:
     metrics: Any
     embeddings: str = "on"  # on | off | only (worker settings)
     tool_call_parser: str = "auto"  # the format `auto` tool calls are read in; auto: the chat template's
+    adapters: Any = None  # worker/adapters.py: which LoRA adapter a job's model names; None: no adapters
     tool_prompts: ToolPrompts = field(init=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +145,11 @@ class Intake:
                         may_preempt=e.may_preempt)
         if self.clock.expired(job, e.entry_id):
             return Rejection(e.stream, e.entry_id, "expired", "deadline passed before the job started", ticket)
+        if self.adapters is not None:
+            ticket.lora, removed = self.adapters.of_job(job.model)
+            if removed is not None:
+                return Rejection(e.stream, e.entry_id, "error", removed, ticket)
+            ticket.lora_path = self.adapters.paths.get(ticket.lora)
         if job.task in ("tokenize", "detokenize"):
             return self._tokenizer_answer(e, ticket)
         if (refusal := self._refusal(job.task)) is not None:

@@ -63,6 +63,8 @@ class _Seen:
     prefix_query: _Cumulative = field(default_factory=_Cumulative)
     prompt: _Cumulative = field(default_factory=_Cumulative)
     generation: _Cumulative = field(default_factory=_Cumulative)
+    lora_loads: _Cumulative = field(default_factory=_Cumulative)
+    lora_evictions: _Cumulative = field(default_factory=_Cumulative)
 
 
 @dataclass(slots=True)
@@ -127,6 +129,9 @@ class WorkerMetrics:
                                  (*LABELS, "status"), registry=r)
         self.lanes_owned = gauge("affinity_lanes_owned", "Prefix-affinity lanes this worker owns now")
         self.steals = counter("affinity_steals", "Jobs read from a lane another worker owns (ours were empty)")
+        self.loras_loaded = gauge("lora_adapters_loaded", "LoRA adapters in the engine's device slots now")
+        self.lora_loads = counter("lora_loads", "LoRA adapters loaded into a device slot (a free or evicted one)")
+        self.lora_evictions = counter("lora_evictions", "LoRA adapters evicted from a slot for another adapter")
         self.redeliveries = counter("redeliveries", "Jobs this worker received that were delivered before")
         self._dead = Counter("kvgate_dead_letters", "Jobs this worker moved to the dead stream, by reason",
                              (*LABELS, "reason"), registry=r)
@@ -183,6 +188,12 @@ class WorkerMetrics:
 
     def on_lanes(self, owned: int) -> None:
         self.lanes_owned.set(owned)
+
+    def on_loras(self, loaded: int, loads: int, evictions: int) -> None:
+        """The engine's adapter slots as the heartbeat reads them (worker/adapters.py): cumulative loads, evictions."""
+        self.loras_loaded.set(loaded)
+        self.lora_loads.inc(self._seen.lora_loads.delta(loads))
+        self.lora_evictions.inc(self._seen.lora_evictions.delta(evictions))
 
     def on_steals(self, n: int) -> None:
         self.steals.inc(n)

@@ -25,6 +25,7 @@ class ReadPlan:
     handed: bool = True  # takes jobs workers handed back first (worker/hand_back.py); not a read of tails that fit
     # fair share, that look: per band, what the worker runs there (worker/fair.py), for the bands it may preempt in
     occupancy: dict[str, Occupancy] = field(default_factory=dict)
+    per_priority: int = 0  # without lanes: streams of each priority (the models read); 0: the reader's own count
 
     def urgent_streams(self) -> list[str]:
         return self.streams[self.home:self.home + self.urgent] if self.home is not None else []

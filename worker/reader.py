@@ -159,7 +159,8 @@ class Reader:
 
     def order(self) -> list[str]:
         streams = self.plan.streams
-        n, shift = self.per_priority, self.turn % self.per_priority
+        n = self.plan.per_priority or self.per_priority  # a plan may leave out models (LoRA adapters without room)
+        shift = self.turn % n
         blocks = [streams[i:i + n] for i in range(0, len(streams), n)]
         return [st for block in blocks for st in block[shift:] + block[:shift]]
 

@@ -95,6 +95,7 @@ class Refill:
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, streams: list[str], settings: WorkerSettings,
                  engine: Engine, queue: AdmissionQueue, affinity: Affinity, lane_prefixes: LanePrefixes,
                  leases: Leases, clock: ServerClock, metrics: Any, per_priority: int, fair: Fair | None = None,
+                 models_now: Callable[[], list[str]] | None = None,
                  occupancy: Callable[[], dict[str, Occupancy]] = dict) -> None:
         self.client, self.keys, self.worker_id, self.settings = client, keys, worker_id, settings
         self.engine, self.queue, self.affinity, self.lane_prefixes = engine, queue, affinity, lane_prefixes
@@ -113,6 +114,7 @@ class Refill:
         self.tenant_streams: dict[str, None] = {}  # fair share: tenants' streams we read lately, oldest first
         self.preempt_look_at = 0.0  # fair share, full: the next preempting look, not before
         self.occupancy = occupancy  # fair share: the jobs we run by band and tenant
+        self.models_now = models_now  # without lanes: the model names a read looks at (None: all we serve)
 
     def use_queue(self, queue: AdmissionQueue) -> None:
         self.queue = queue  # the local queue whose room and estimates size our reads
@@ -356,6 +358,9 @@ class Refill:
     # ---- both ------------------------------------------------------------------------------------------
     def _plan(self, reclaim_ms: int, full: bool = False) -> ReadPlan:
         plan = self.affinity.read_plan(full=full or reclaim_ms > 0)  # a reclaim looks at every lane
+        if self.models_now is not None and not self.affinity.lanes:  # LoRA adapters without room here are left
+            names = self.models_now()
+            plan.streams, plan.per_priority = self.keys.served_jobs(names), len(names)
         lag = self.settings.affinity_max_lag_ms
         plan.overdue_ms = self.affinity.own_wait_ms + lag if lag else 0
         # A stolen job should start now, not wait in our local queue behind a wrong size estimate: one at a time,

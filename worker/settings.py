@@ -50,6 +50,12 @@ class WorkerSettings(BaseSettings, EngineConfig):
     model_aliases: Annotated[list[str], NoDecode, BeforeValidator(_names)] = _s(
         [], "more model names this worker serves (repeat the flag, or comma-separate)", "--model-alias")
     serve_default: bool = _s(True, "also serve jobs that name no model (the 'default' model)")
+    loras: Annotated[list[str], NoDecode, BeforeValidator(_names)] = _s(
+        [], "a LoRA adapter NAME=PATH (its PEFT folder) registered fleet-wide as an adapter of this worker's model and "
+            "loaded at start (repeat the flag); needs --max-loras >= 1. The worker also serves every adapter of its "
+            "model registered in Redis (kvgate loras add), loading it on first use", "--lora")
+    lora_aging_ms: int = _s(5000, "a job of an adapter with no slot free here is left to workers that hold it, until "
+                                  "the adapter's oldest job waited this long: then any worker with room reads it", ge=0)
     embeddings: Literal["on", "off", "only"] = _s(
         "on", "embedding jobs (task embed): on: served beside generation; only: this worker's model names serve "
         "embeddings alone (a generation job gets an error result saying so); off: refused with an error result")
@@ -63,6 +69,7 @@ class WorkerSettings(BaseSettings, EngineConfig):
     sim_num_blocks: int = _s(2048, "KV blocks of the simulated engine", ge=1)
     sim_step_ms: float = _s(2.0, "simulated cost of one step, milliseconds", ge=0)
     sim_per_token_ms: float = _s(0.1, "simulated cost per scheduled token, milliseconds", ge=0)
+    sim_lora_load_ms: float = _s(0.0, "simulated cost of loading a LoRA adapter into a slot, milliseconds", ge=0)
 
     # admission
     local_queue_size: int = _s(4, "jobs read from Redis that may wait locally for KV room", ge=2)
@@ -131,6 +138,19 @@ class WorkerSettings(BaseSettings, EngineConfig):
     otel_endpoint: str | None = _s(None, "send each job's OpenTelemetry spans over OTLP/HTTP to this collector "
                                          "(http://collector:4318); unset: the standard OTEL_EXPORTER_OTLP_[TRACES_]"
                                          "ENDPOINT, else no tracing (needs kvgate[tracing])")
+
+    @field_validator("loras")
+    @classmethod
+    def _loras(cls, value):
+        for entry in value:
+            name, eq, path = entry.partition("=")
+            try:
+                check_model_name(name)
+            except ProtocolError as e:
+                raise ValueError(f"--lora {entry!r}: {e}") from None
+            if not eq or not path:
+                raise ValueError(f"--lora {entry!r} must be NAME=PATH, the adapter's name and its PEFT folder")
+        return value
 
     @field_validator("served_model_name", "model_aliases")
     @classmethod

@@ -38,6 +38,7 @@ from kvgate.worker.publisher import Publisher, Settled
 from kvgate.worker.refill import Capacity, Refill
 from kvgate.worker.room import Room
 from kvgate.worker.round_trip import RoundTrip
+from kvgate.worker.adapters import Adapters
 from kvgate.worker.served import served_models
 from kvgate.worker.settings import WorkerSettings, default_worker_id
 from kvgate.worker.tenant_load import TenantLoad
@@ -62,8 +63,10 @@ class Worker:
         self.client = connect(s.redis_url, socket_timeout=s.block_ms / 1000 + 5, socket_connect_timeout=2,
                               retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 1))
         self.keys = keys_for(s.redis_url, self.client, s.namespace)  # on a cluster: learns the namespace's shards
-        self.streams = self.keys.served_jobs(list(self.served.names))
+        self.clock = ServerClock(self.client)
         self.metrics = metrics if metrics is not None else make_metrics(self.worker_id, self.model)
+        self.adapters = Adapters(self.client, self.keys, engine, self.model, s, self.clock, self.metrics)
+        self.streams = self.keys.served_jobs(names := [*self.served.names, *self.adapters.start(s.loras)])
         self.queue = AdmissionQueue(s.local_queue_size, float(s.initial_tokens_per_job))
         self.flights = Flights(engine, self.metrics, tracing or job_tracing(s.otel_endpoint, self.worker_id))
         self.publisher = Publisher(self.client, self.keys, s.result_ttl_s, s.reply_ttl_s, s.reply_maxlen,
@@ -74,11 +77,10 @@ class Worker:
         self.hand_back = HandBack(self.client, self.keys, self.worker_id, s.hand_back_ms)
         self.consumers = Consumers(self.client, self.keys, self.worker_id, self.streams, s.reclaim_idle_ms)
         self.renewed_at = time.monotonic()
-        self.clock = ServerClock(self.client)
         self.affinity = Affinity(self.client, self.keys, self.worker_id, s.affinity == "on", s.affinity_lanes,
                                  s.heartbeat_ttl_s * 1000, weight=kv_weight(engine.stats.total_blocks),
                                  lapse_ms=lane_lapse_ms(s.reclaim_idle_ms, s.heartbeat_interval_s),
-                                 models=self.served.names)
+                                 models=names)
         self.lane_prefixes = LanePrefixes(engine.block_size)
         self.fair = Fair(self.client, self.keys, s.fair_share, set(self.streams))  # the bands: before lanes join
         self.room = Room(engine, self.flights, self.fair, self.clock, s.fair_preempt_ms)
@@ -86,10 +88,10 @@ class Worker:
             self.fair.write_weights(read_weights(s.tenant_weights))
         self.refill = Refill(self.client, self.keys, self.worker_id, self.streams, s, engine, self.queue,
                              self.affinity, self.lane_prefixes, self.leases, self.clock, self.metrics,
-                             len(self.served.names), self.fair,
+                             len(names), self.fair, self.adapters.reads(self.served.names),
                              lambda: self.flights.occupancy(self.fair.band_of_job, self.fair.weights))
         self.intake = Intake(engine, self.clock, self.affinity, self.lane_prefixes, s.max_deliveries, self.metrics,
-                             s.embeddings, s.tool_call_parser)
+                             s.embeddings, s.tool_call_parser, self.adapters)
         self.cancellation = Cancellation(self.keys, s.cancel_poll_ms)
         self.tenant_load = TenantLoad()  # per tenant: running, tokens, queue wait, for the heartbeat
         self.answers = Answers(self.publisher, self.metrics, self.worker_id, self.model, self.fair, self.tenant_load,
@@ -179,10 +181,8 @@ class Worker:
         whether it has fair share, with the tenants' weights."""
         self.fair.sync()
         if self.affinity.sync():
-            new = [st for st in self.affinity.streams() if st not in self.streams]
-            self.consumers.create_groups(new)
-            self.streams += new  # in place: the consumers' list is this one
-            self.refill.add_streams(new)
+            self.refill.add_streams(self.consumers.add([s for s in self.affinity.streams() if s not in self.streams]))
+        self.refill.add_streams(self.consumers.add(self.adapters.sync()))  # LoRA adapters registered since
         self.metrics.on_lanes(self.affinity.owned_count)
 
     def _every(self, name: str, interval_s: float) -> bool:
@@ -360,7 +360,7 @@ class Worker:
         adm = self.engine.admission()
         self.heartbeat.beat(state="draining" if self.draining else "serving", stats=self.engine.stats,
                             admissible_tokens=adm.admissible_tokens, waiting=len(self.queue),
-                            jobs_done=self.answers.jobs_done,
+                            jobs_done=self.answers.jobs_done, loras=self.adapters.beat(),
                             tenants=self.tenant_load.snapshot((t.job.tenant for t in self.flights.tickets()),
                                                               time.monotonic()))
 

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "batch": ("kvgate.commands.batch", "run an OpenAI Batch-format JSONL file through the fleet"),
     "stats": ("kvgate.commands.stats", "backlog, pending and live workers per queue"),
     "models": ("kvgate.commands.models", "list the models the fleet knows; add or remove some (scale from zero)"),
+    "loras": ("kvgate.commands.loras", "list the fleet's LoRA adapters; add or remove one (name, folder, base model)"),
     "top": ("kvgate.commands.top", "live terminal view of the fleet"),
     "serve": ("kvgate.commands.serve", "OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models"),
     "exporter": ("kvgate.commands.exporter", "Prometheus exporter for queue lag, backlog and live workers"),
@@ -41,7 +42,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "embed": ("kvgate.bench.embed", "W-EMBED: embedding jobs through the queue vs in process, and mixed with generation"),
     "lora": ("kvgate.bench.lora", "W-LORA (engine): W-CPU's requests over 8 rank-16 adapters vs the base model, one run"),
 }
-NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "models", "top", "exporter"}
+NEEDS_REDIS = {"worker", "submit", "get", "cancel", "batch", "stats", "models", "loras", "top", "exporter"}
 SUBMITS = {"submit", "batch"}  # commands that enqueue jobs, so take --tenant
 
 

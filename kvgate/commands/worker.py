@@ -55,7 +55,8 @@ def build_engine(s: WorkerSettings):
         from kvgate.engine.simulated import SimulatedEngine
 
         return SimulatedEngine(s.sim_num_blocks, s.block_size, s.max_num_seqs, s.sim_step_ms / 1000,
-                               s.sim_per_token_ms / 1000, s.seed)
+                               s.sim_per_token_ms / 1000, s.seed, max_loras=s.max_loras,
+                               max_cpu_loras=s.max_cpu_loras, lora_load_s=s.sim_lora_load_ms / 1000)
     check_model(s.model)
     check_device(s.device)
     print(f"kvgate worker: loading {s.model} (importing torch)...", file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ from .models import LiveModels, model_object
 from .responses.routes import ResponsesApi
 from .serving import Serving
 from .settings import GatewaySettings
+from .vllm.lora_routes import LoraRoutes
 from .vllm.routes import VllmApi
 from .webhooks.outbox import Outbox, WebhookKeys
 from .webhooks.sender import Timing, WebhookSender
@@ -58,7 +59,7 @@ class Gateway:
         self.files = FilesApi(settings, LocalFileStore(files_dir), self.serving.keys)
         self.batches = BatchesApi(settings, self.files)
         self.responses = ResponsesApi(self.serving)
-        self.apis = (ChatApi(self.serving), self.files, self.batches, VllmApi(self.serving),
+        self.apis = (ChatApi(self.serving), self.files, self.batches, VllmApi(self.serving), LoraRoutes(self.serving),
                      self.responses, EmbeddingsApi(self.serving))
         self.webhook_targets = settings.webhook_targets()
 

@@ -13,6 +13,10 @@ operator allowed it (`--model`, for models whose autoscaler has never started a 
 to `{ns}:models` when it starts); with an allow list, only allowed and live models are accepted. Anything else is OpenAI's 404 model_not_found, so a typo
 fails at once instead of waiting forever for a worker that will never come.
 
+A registered LoRA adapter (`{ns}:loras`, producer/loras.py) is a model of its own: listed with its `parent` (the base
+model) and `root` (its folder) as vLLM lists adapters, and accepted while its base model is. An adapter nobody
+registered is a 404 like any unknown model.
+
 Heartbeats also say which fill-in-the-middle format a worker's model has (`fim`, "" for none): a completion with
 `suffix` for a model whose live workers all have none is a 400 before anything is queued (check_fim).
 """
@@ -27,7 +31,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvgate.producer.lanes import parse_lanes
-from kvgate.producer.keys import DEFAULT_MODEL, Keys, as_text
+from kvgate.producer.keys import DEFAULT_MODEL, Keys, as_text, parse_lora_entry
 
 from .errors import ApiError
 
@@ -44,12 +48,15 @@ class LiveModel:
     # the fill-in-the-middle families its live workers' heartbeats name ("": a model without FIM tokens; a worker
     # from before the field names none)
     fim: set[str] = field(default_factory=set)
+    parent: str | None = None  # a LoRA adapter's base model
+    root: str | None = None  # a LoRA adapter's folder
 
 
 @dataclass(slots=True)
 class FleetModels:
     live: dict[str, LiveModel]  # served by live workers, with their backlog
     known: dict[str, LiveModel]  # in {ns}:models: served by a worker or added by an operator
+    loras: dict[str, LiveModel] = field(default_factory=dict)  # registered adapters ({ns}:loras), with their backlog
 
     def listed(self, allowed: tuple[str, ...]) -> dict[str, LiveModel]:
         """GET /v1/models: live models and models with a backlog; `default` only while jobs wait in it
@@ -57,14 +64,14 @@ class FleetModels:
         out = {k: m for k, m in self.known.items() if m.backlog and (not allowed or k in allowed)}
         out |= {k: m for k, m in self.live.items() if k != DEFAULT_MODEL or m.backlog}
         out |= {k: self.known.get(k) or LiveModel(k, 0, 0) for k in allowed if k not in out}
+        out |= self.loras
         return dict(sorted(out.items()))
 
 
 class LiveModels:
     def __init__(self, r: aioredis.Redis, keys: Keys, cache_s: float, allowed: tuple[str, ...] = ()):
         self.r, self.keys, self.cache_s, self.allowed = r, keys, cache_s, allowed
-        self._models: FleetModels | None = None
-        self._read_at = float("-inf")  # when the read that made the snapshot started
+        self.forget()
         self._reading: asyncio.Task | None = None
 
     async def fleet(self, fresh: bool = False) -> FleetModels:
@@ -74,6 +81,11 @@ class LiveModels:
             return self._models
         reading = self._refresh()
         return await asyncio.shield(reading) if fresh or self._models is None else self._models
+
+    def forget(self) -> None:
+        """Drop the snapshot (an adapter registered or removed here): the next request waits for a fresh read."""
+        self._models: FleetModels | None = None
+        self._read_at = float("-inf")  # when the read that made the snapshot started
 
     def _stale(self) -> bool:
         return time.monotonic() - self._read_at > self.cache_s
@@ -111,9 +123,10 @@ class LiveModels:
         pipe = self.r.pipeline(transaction=False)
         pipe.smembers(self.keys.models())
         pipe.get(self.keys.lanes())
+        pipe.hgetall(self.keys.loras())
         for worker_id in ids:
             pipe.hmget(self.keys.worker(as_text(worker_id)), "model", "models", "started_at", "fim")
-        known_names, lanes, *beats = await pipe.execute()
+        known_names, lanes, loras, *beats = await pipe.execute()
         lanes = parse_lanes(lanes)
         live: dict[str, LiveModel] = {}
         for model, models, started, fim in beats:
@@ -139,7 +152,12 @@ class LiveModels:
             per_model = 2 * len(self.keys.all_jobs(name, lanes))  # XLEN and XINFO GROUPS of each stream (lanes, shards)
             pairs = replies[per_model * i:per_model * (i + 1)]
             models[name].backlog = sum(_unfinished(n, g) for n, g in zip(pairs[::2], pairs[1::2]))
-        return FleetModels({k: m for k, m in models.items() if m.workers}, models)
+        for name, value in loras.items():
+            entry = parse_lora_entry(value)
+            if entry is not None and entry[0] is not None and (adapter := models.get(as_text(name))) is not None:
+                adapter.root, adapter.parent = entry  # a removed adapter's tombstone is no model
+        return FleetModels({k: m for k, m in models.items() if m.workers}, models,
+                           {k: m for k, m in models.items() if m.parent is not None})
 
     async def served_as(self, model: str) -> str | None:
         """The canonical name an alias will be answered under, when every live worker serving it agrees; streamed
@@ -148,6 +166,8 @@ class LiveModels:
         return next(iter(live.canonical)) if live is not None and len(live.canonical) == 1 else None
 
     def _accepts(self, fleet: FleetModels, model: str) -> bool:
+        if (adapter := fleet.loras.get(model)) is not None:
+            model = adapter.parent  # one step: an adapter's base is a model, never another adapter
         return model in fleet.live or model in self.allowed or (not self.allowed and model in fleet.known)
 
     async def check(self, model: str) -> None:
@@ -200,5 +220,6 @@ def _unfinished(length, groups) -> int:
 
 
 def model_object(m: LiveModel) -> dict:
-    return {"id": m.id, "object": "model", "created": m.created, "owned_by": "kvgate", "live_workers": m.workers,
-            "backlog": m.backlog}
+    """OpenAI's model object, with vLLM's `root` and `parent` (a LoRA adapter's folder and base model)."""
+    return {"id": m.id, "object": "model", "created": m.created, "owned_by": "kvgate", "root": m.root or m.id,
+            "parent": m.parent, "live_workers": m.workers, "backlog": m.backlog}
