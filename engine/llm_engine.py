@@ -62,7 +62,6 @@ class LLMEngine:
         self.embedding_size: int = runner.embedding_size
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.loras = LoraSlots(config.max_loras, config.max_cpu_loras, runner.lora)
-        self.lora_room = self.loras.has_room  # could adapter X's request start now (the worker asks before reading)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling, self.loras)
         self.seqs: dict[str, Sequence] = {}

@@ -104,7 +104,7 @@ class LoraSlots:
 
     def has_room(self, name: str) -> bool:
         """Could a sequence of adapter `name` start now: in a slot already, a slot free, or one no running sequence
-        uses (the worker asks before it reads such a job: Engine.lora_room)."""
+        uses (the worker asks before it reads such a job: engine.loras.has_room)."""
         return name in self.slots or None in self.slots or bool(self.idle)
 
     def spare(self) -> int:

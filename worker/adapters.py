@@ -3,7 +3,7 @@ read from its own streams `{ns}:jobs:<adapter>:<priority>` like a model of its o
 
 At start a worker registers its `--lora NAME=PATH` adapters and loads them; it reads the registry again every
 heartbeat, and the streams of an adapter registered since join those it reads (they only grow, as lanes do). A job of
-adapter X is read only while X has room in the engine's slots (Engine.lora_room: loaded, or a slot free or idle) and
+adapter X is read only while X has room in the engine's slots (engine.loras.has_room: loaded, or a slot free or idle) and
 is otherwise left in Redis for a worker that holds X, unless X's oldest job has waited `lora_aging_ms`: then any worker
 with room takes it (aging), so a cold adapter is never starved by hot ones. The adapter is read from its folder on
 its first job here (a bad one is that job's error result); a job of an adapter removed from the registry while it
@@ -100,12 +100,12 @@ class Adapters:
         shift = self.turn % len(cold) if cold else 0
         taken = set((cold[shift:] + cold[:shift])[:self.engine.loras.spare()])
         return [*names, *(a for a in self.streamed if a not in self.paths or a in self.aged or a in taken or
-                          (a in loaded and self.engine.lora_room(a)))]
+                          (a in loaded and self.engine.loras.has_room(a)))]
 
     def check_aging(self) -> None:
         """Which adapters without room here have a job that waited past aging_ms: two round trips over their
         streams (the group's last delivered id, then the entry after it), once per heartbeat."""
-        waiting = [a for a in self.streamed if a in self.paths and not self.engine.lora_room(a)]
+        waiting = [a for a in self.streamed if a in self.paths and not self.engine.loras.has_room(a)]
         streams = [(a, self.keys.jobs(a, p, shard=k)) for a in waiting for p in PRIORITIES
                    for k in range(len(self.keys.parts))]
         if not streams:

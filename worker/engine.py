@@ -19,7 +19,8 @@ class Engine(Protocol):
     max_num_seqs: int
     embedding_size: int  # an embedding's length before `dimensions` cuts it
     fim: FimFormat | None  # the model's fill-in-the-middle tokens (engine/fim.py); None: it has none
-    loras: LoraSlots  # its LoRA adapters: `add(name, path)` reads one (LoraError), `in` says whether it is known
+    loras: LoraSlots  # its LoRA adapters: `add(name, path)` reads one (LoraError), `in` says whether it is known,
+    # `has_room(name)` whether a request of that adapter could start now (the worker asks before reading its jobs)
 
     @property
     def stats(self) -> EngineStats: ...
@@ -38,8 +39,6 @@ class Engine(Protocol):
     def step(self) -> list[StepOutput]: ...
 
     def admission(self) -> Admission: ...
-
-    def lora_room(self, name: str) -> bool: ...
 
     def shared_prefix_tokens(self, prompt_ids: list[int], hashes: list[int] | None = None) -> int: ...
 
