@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import redis
@@ -171,17 +173,20 @@ def test_a_worker_with_affinity_on_owns_lanes_and_beats_under_its_least_privileg
 
 
 def test_the_gateway_serves_chat_models_and_batches_as_its_acl_user_with_a_worker_as_its_own(acl_server, tmp_path):
-    """The whole path under least privilege: the gateway user enqueues, lists models, reads replies and runs
-    a managed batch."""
+    """The whole path under least privilege: the gateway user enqueues, lists models, reads replies, runs a managed
+    batch and delivers its webhook event from the outbox; the monitor user reads the webhook counts (kvgate stats)."""
     import openai
 
     from tests.gateway.conftest import SIM, start_gateway, stop_worker
+    from tests.gateway.webhook_receiver import Receiver, new_secret
     from tests.support import spawn_worker, wait_for
 
     port = acl_server("monitor").connection_pool.connection_kwargs["port"]
     url = lambda user: f"redis://{user}:CHANGE_ME_{user}@127.0.0.1:{port}/0"  # noqa: E731
     worker = spawn_worker(url("worker"), "kvgate", *SIM, worker_id="acl-w", log=tmp_path / "worker.log")
-    gw = start_gateway(url("gateway"), "kvgate")
+    receiver, secret = Receiver().start(), new_secret()
+    gw = start_gateway(url("gateway"), "kvgate", webhook_url=receiver.url, webhook_secret=secret,
+                       webhook_allow_private=True, webhook_poll_s=0.1)
     try:
         client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=30)
         wait_for(lambda: client.models.list().data, timeout=60, what="the worker's model in /v1/models")
@@ -197,6 +202,11 @@ def test_the_gateway_serves_chat_models_and_batches_as_its_acl_user_with_a_worke
         assert done.status == "completed" and done.request_counts.completed == 5, done
         assert len(rows_of(client.files.content(done.output_file_id).content)) == 5
         assert [b.id for b in client.batches.list().data] == [batch.id]
+        wait_for(lambda: receiver.deliveries, timeout=30, what="the batch.completed webhook")
+        assert [(e.type, e.data.id) for e in receiver.events(secret)] == [("batch.completed", batch.id)]
+        stats = subprocess.run([sys.executable, "-m", "kvgate.commands.cli", "stats", "--redis-url", url("monitor")],
+                               capture_output=True, text=True, timeout=60)
+        assert stats.returncode == 0 and "webhooks: delivered 1" in stats.stdout, stats.stdout + stats.stderr
         # the Responses API: a stored background response is written, read back while it runs and when done
         model = client.models.list().data[0].id
         queued = client.responses.create(model=model, input="hi", max_output_tokens=3, background=True)
@@ -206,6 +216,7 @@ def test_the_gateway_serves_chat_models_and_batches_as_its_acl_user_with_a_worke
     finally:
         gw.stop()
         stop_worker(worker)
+        receiver.stop()
 
 
 def test_workers_and_gateways_list_models_in_the_model_set_and_producers_and_the_monitor_only_read_it(acl_server):
