@@ -54,6 +54,17 @@ def answered_ids(output: Path) -> set[str]:
     return done
 
 
+def gateway_translators() -> dict:
+    """The endpoints the gateway's managed batches take beside chat, completions and embeddings (/v1/responses: its
+    Responses parser and Response object), where the gateway's extra is installed; without it none, and such lines
+    are answered with an invalid_url error line that says so."""
+    try:
+        from kvgate.gateway.responses.batch_line import TRANSLATORS
+    except ImportError:  # no starlette: pip install 'kvgate[gateway]'
+        return {}
+    return TRANSLATORS
+
+
 def read_requests(data: bytes, done: set[str], priority: str, out: IO[str],
                   client: Client) -> tuple[list[BatchRequest], int]:
     """Parse and validate the lines still to do; bad lines get their error line now, and are counted. A line for a
@@ -61,8 +72,9 @@ def read_requests(data: bytes, done: set[str], priority: str, out: IO[str],
     it: a typo would otherwise wait in streams nobody reads until --timeout."""
     digest, todo, rejected = file_digest(data), [], 0
     known = set(run_steps(known_models(client.redis, client.keys)))
+    translators = gateway_translators()
     for line_no, raw in request_lines(data):
-        planned = plan_line(line_no, raw, digest, priority, client.keys, client.client_id)
+        planned = plan_line(line_no, raw, digest, priority, client.keys, client.client_id, translators)
         if isinstance(planned, BatchRequest) and planned.model and planned.model not in known:
             planned = unknown_model_line(planned, f"model {planned.model!r} is not known to the fleet: no worker has "
                                                   f"served it and no operator added it (known: {', '.join(sorted(known))}"

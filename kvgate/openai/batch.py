@@ -1,7 +1,7 @@
 """The OpenAI Batch file format: request lines in, response lines out.
 
 In:  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings"
-      | "/v1/responses" (the gateway's managed batches only), "body": {...}}
+      | "/v1/responses" (with the gateway's extra installed), "body": {...}}
 Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}
   or {"id", "custom_id", "response": null, "error": {"code", "message"}} for a line that failed.
 
@@ -12,7 +12,8 @@ request and the ids of the jobs it owns (kvgate/openai/batch_runs.py).
 
 An endpoint whose body is read by a layer above this one (/v1/responses: the gateway's Responses parser) is taken
 through a `Translator`: it turns the body into a chat body, run as a chat line is, and says how its one result is
-answered. A caller that gives none (`kvgate batch`) answers such lines with an invalid_url error line.
+answered. The gateway's managed batches and `kvgate batch` give it where the gateway's extra is installed; a caller
+that gives none answers such lines with an invalid_url error line.
 """
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def parse_line(line_no: int, line: str, file_digest: str,
     url, body, translators = data.get("url"), data.get("body"), translators or {}
     if url not in (CHAT, COMPLETIONS, EMBEDDINGS, *translators):
         taken = ", ".join((CHAT, COMPLETIONS, EMBEDDINGS, *translators))
-        where = f" ({RESPONSES} lines run in the gateway's managed batches)" if url == RESPONSES else ""
+        where = f" ({RESPONSES} lines need the gateway's Responses parser: pip install 'kvgate[gateway]')" \
+            if url == RESPONSES else ""
         raise BadLine("invalid_url", f"url {shown(url)} is not supported here{where}; use one of {taken}")
     if not isinstance(body, dict):
         raise BadLine("invalid_request", "body must be a JSON object")

@@ -1,7 +1,7 @@
 """/v1/responses as a batch endpoint, with the official openai client against a simulated worker: each output line's
 body is the Response object POST /v1/responses returns; a line asking for what a batch cannot do (stream,
 background, previous_response_id, store) gets its error line naming the field while the others run; a file that
-mixes endpoints fails the batch as one of chat lines does; `kvgate batch` answers such lines with invalid_url."""
+mixes endpoints fails the batch as one of chat lines does; `kvgate batch` runs such lines too."""
 from __future__ import annotations
 
 import json
@@ -116,9 +116,21 @@ def test_the_refused_fields_are_declared_once_and_each_refused_by_name():
             parse_line(1, json.dumps(line(0, **{name: 1})), "d", TRANSLATORS)  # 1 is not True, nor accepted
 
 
-def test_kvgate_batch_answers_a_responses_line_with_an_invalid_url_error_line():
-    """`kvgate batch` plans its lines with plan_line and no translators (it needs no gateway): such a line is its
-    error line, the call kvgate/commands/batch.py makes."""
-    row = plan_line(1, json.dumps(line(0)), "digest", "low", Keys("ns"), "client")
-    assert row["custom_id"] == "resp-0" and row["response"] is None
-    assert row["error"]["code"] == "invalid_url" and "managed batches" in row["error"]["message"], row
+def test_kvgate_batch_runs_responses_lines_through_the_gateways_parser(sim_fleet, tmp_path):
+    """`kvgate batch` answers /v1/responses lines as the managed batches do (each body a Response object) where the
+    gateway's extra is installed; without translators a line is its invalid_url error line saying what to install."""
+    from kvgate.commands.cli import main
+
+    url, ns = sim_fleet
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps(line(i)) for i in range(3)) + "\n")
+    assert main(["batch", "--redis-url", url, "--namespace", ns, str(src), "-o", str(out), "--no-progress",
+                 "--timeout", "60"]) == 0
+    rows = [json.loads(r) for r in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == ["resp-0", "resp-1", "resp-2"]
+    for row in rows:
+        resp = Response.model_validate(row["response"]["body"])
+        assert row["error"] is None and resp.object == "response" and resp.output_text, row
+        assert resp.usage.output_tokens == 4
+    bare = plan_line(1, json.dumps(line(0)), "digest", "low", Keys("ns"), "client")  # no translators given
+    assert bare["error"]["code"] == "invalid_url" and "kvgate[gateway]" in bare["error"]["message"], bare
