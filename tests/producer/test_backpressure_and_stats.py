@@ -38,7 +38,7 @@ def _heartbeat(r: redis.Redis, keys: Keys, worker_id: str, free: int) -> None:
               "started_at": time.time() - 5,
               "updated_at": time.time(), "state": "serving", "running": 2, "waiting": 1, "max_num_seqs": 32,
               "free_blocks": free, "total_blocks": 100, "block_size": 16, "admissible_tokens": free * 16,
-              "tokens_per_s": 123.5, "jobs_done": 7, "tenants": "{}", "fim": ""}
+              "tokens_per_s": 123.5, "jobs_done": 7, "tenants": "{}", "fim": "", "loras": ""}
     assert set(values) == set(HEARTBEAT_FIELDS)
     write_beat(r, keys, worker_id, values, ttl_s=10)
 
