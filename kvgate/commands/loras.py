@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvgate.producer.connection import DEFAULT_URL, resolve_url, translated
+from kvgate.commands.namespace import namespace_redis
 from kvgate.producer.errors import InvalidRequest
 from kvgate.producer.loras import add_lora, list_loras, remove_lora
-from kvgate.producer.redis_url import connect, keys_for
 from kvgate.producer.steps import run as run_steps
 
 
@@ -38,10 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if (problem := _usage(args)) is not None:
         print(f"kvgate loras {args.action}: {problem}", file=sys.stderr)
         return 2
-    url = resolve_url(args.redis_url, DEFAULT_URL)
-    with translated(url):
-        r = connect(url)
-        keys = keys_for(url, r, args.namespace)
+    with namespace_redis(args.redis_url, args.namespace) as (r, keys):
         try:
             if args.action == "add":
                 new = run_steps(add_lora(r, keys, args.name, args.path, args.base))
@@ -58,6 +54,4 @@ def run(args: argparse.Namespace) -> int:
         except (InvalidRequest, ValueError) as e:  # a bad name or path, or too many known models
             print(f"kvgate loras {args.action}: {e}", file=sys.stderr)
             return 2
-        finally:
-            r.close()
     return 0

@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvgate.producer.connection import DEFAULT_URL, resolve_url, translated
+from kvgate.commands.namespace import namespace_redis
 from kvgate.producer.model_set import add_models, known_models, remove_models
-from kvgate.producer.redis_url import connect, keys_for
 from kvgate.producer.steps import run as run_steps
 
 
@@ -27,10 +26,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate models {args.action}: name at least one model (for example kvgate models {args.action} "
               "Qwen/Qwen2.5-7B-Instruct)", file=sys.stderr)
         return 2
-    url = resolve_url(args.redis_url, DEFAULT_URL)
-    with translated(url):
-        r = connect(url)
-        keys = keys_for(url, r, args.namespace)
+    with namespace_redis(args.redis_url, args.namespace) as (r, keys):
         try:
             if args.action == "add":
                 print(f"added {run_steps(add_models(r, keys, args.names))} of {len(set(args.names))} models")
@@ -41,6 +37,4 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:  # a bad name, or too many models
             print(f"kvgate models {args.action}: {e}", file=sys.stderr)
             return 2
-        finally:
-            r.close()
     return 0

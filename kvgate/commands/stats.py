@@ -4,9 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvgate.producer.connection import DEFAULT_URL, resolve_url, translated
+from kvgate.commands.namespace import namespace_redis
 from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
-from kvgate.producer.redis_url import connect, keys_for
 from kvgate.gateway.webhooks.outbox import WebhookCounts, WebhookKeys, read_counts
 
 NO_WORKER = "no live worker: waiting for scale-up"
@@ -17,13 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    url = resolve_url(args.redis_url, DEFAULT_URL)
-    with translated(url):
-        r = connect(url)
-        keys = keys_for(url, r, args.namespace)
+    with namespace_redis(args.redis_url, args.namespace) as (r, keys):
         stats = read_queue_stats(r, keys)  # a cluster's: summed over its shards
         hooks = read_counts(r, WebhookKeys(keys.prefix))  # the gateways' webhook outbox, in shard 0
-        r.close()
     if args.json:
         print(json.dumps(stats.to_dict() | {"webhooks": hooks.to_dict()}))
     else:
