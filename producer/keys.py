@@ -168,6 +168,12 @@ class Keys:
             raise ValueError(f"{stream!r} is no job stream of namespace {self.ns!r} (it does not start {prefix!r})")
         return f"{prefix[:-len('jobs:')]}due:{stream[len(prefix):]}"
 
+    @staticmethod
+    def due_entry_id(member: bytes | str) -> str:
+        """The entry id a due index's member names (`entry ms-seq` zero-padded, as worker/due.py's script writes it)."""
+        ms, seq = as_text(member).split("-")
+        return f"{int(ms)}-{int(seq)}"
+
     def all_jobs(self, model: str | None, lanes: int = 0) -> list[str]:
         """One model's streams, highest priority first, each priority's shared stream before its lanes."""
         return [st for p in PRIORITIES for st in self.job_streams(model, p, lanes)]
@@ -269,7 +275,8 @@ class Keys:
 
 
 def lora_entry(path: str, base: str) -> str:
-    """An adapter's value in `Keys.loras()`: where its PEFT folder is (on the workers' file system) and its base model."""
+    """An adapter's value in `Keys.loras()`: where its PEFT folder is (on the workers' file system) and its base
+    model."""
     return json.dumps({"path": path, "base": base}, sort_keys=True)
 
 

@@ -3,13 +3,14 @@ publishes for autoscaling on work rather than on job counts (docs/operations/aut
 
 Bounded cost, whatever the backlog: a stream's entries are never all read. For each job stream with a backlog
 (shared, lanes, shards) the SAMPLE entries served next (those parked for deadline order, earliest due first, then
-those just after the group's last-delivered id) and the SAMPLE entries enqueued last are read, in one pipelined round trip for all streams; each is decoded and costed as a quota
+those just after the group's last-delivered id) and the SAMPLE entries enqueued last are read, in one pipelined
+round trip for all streams (and one more for the parked ones' entries); each is decoded and costed as a quota
 charge is (`estimate_tokens`: prompt token ids or characters / 4, plus max_tokens). With the backlog at most
 2 x SAMPLE the two ends cover it and the figures are exact; past that, the unread middle is counted at the sampled
 jobs' mean. With fair share, the streams of each band's TOP_TENANTS tenants served next are sampled the same way;
 the band's other tenants' jobs count at the mean of what was sampled (UNSAMPLED_JOB_TOKENS when nothing was): their
-number is queue_stats' backlog, which counts them by their band's counter. So a scrape reads at most 2 x SAMPLE entries a
-stream: 1e6 jobs waiting cost what 200 do, and 1e5 tenants what 10 do.
+number is queue_stats' backlog, which counts them by their band's counter. So a scrape reads at most 3 x SAMPLE
+entries a stream (2 x SAMPLE where nothing is parked): 1e6 jobs waiting cost what 200 do, and 1e5 tenants what 10 do.
 
 Deadline slack is measured on the sampled jobs only: for each job with a deadline, the tokens that must drain before
 it ends (every higher priority's, its stream's ahead of it, scaled to every stream of its priority, and its own)
@@ -146,7 +147,7 @@ def sample_streams(r, keys: Keys, streams: list[str]) -> Steps:
         pipe.zrange(keys.due_index(stream), 0, SAMPLE - 1)
         asked.append(stream)
     replies = (yield call(pipe.execute, raise_on_error=False)) if asked else []
-    parked = {stream: [unpad(m) for m in _entries(replies[3 * i + 2])] for i, stream in enumerate(asked)}
+    parked = {stream: [Keys.due_entry_id(m) for m in _entries(replies[3 * i + 2])] for i, stream in enumerate(asked)}
     pipe = r.pipeline(transaction=False)
     for stream, ids in parked.items():
         for entry_id in ids:
@@ -162,12 +163,6 @@ def sample_streams(r, keys: Keys, streams: list[str]) -> Steps:
         backlog = row.lag if row.lag is not None else _backlog_62(head, tail)
         out[stream] = stream_work(backlog + row.parked, _costs(first + head), _costs(tail))
     return out
-
-
-def unpad(member) -> str:
-    """An entry id from a due index's member (`entry ms-seq`, zero-padded: worker/due.py)."""
-    ms, seq = as_text(member).split("-")
-    return f"{int(ms)}-{int(seq)}"
 
 
 def _entries(reply) -> list:
