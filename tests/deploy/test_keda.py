@@ -1,10 +1,9 @@
 """KEDA: every ScaledObject deploy/ holds or render_models.py renders fits the pinned release's ScaledObject schema
-(deploy/keda/, transcribed) and the activation rules of that release; the Deployments it renders fit Kubernetes'
+(deploy/keda/, the release's CRD byte for byte) and the activation rules of that release; the Deployments it renders fit Kubernetes'
 schemas; and what it renders is the policy W-SCALE simulates (kvgate/bench/scale_policy.py)."""
 from __future__ import annotations
 
 import copy
-import json
 import re
 import shutil
 import subprocess
@@ -15,11 +14,11 @@ import pytest
 import yaml
 
 from kvgate.bench.scale_policy import Behavior, WorkScaling
+from tests.deploy.keda_crd import CRD, CRD_BLOB, VERSION, blob_id, scaled_object_schema, strict
 from tests.deploy.test_render_models import _render
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
-VERSION = (DEPLOY / "keda/VERSION").read_text().strip()
-SCHEMA = json.loads((DEPLOY / f"keda/scaledobject-v{VERSION}.schema.json").read_text())
+SCHEMA = scaled_object_schema()
 STREAM_SCALERS = ("redis-streams", "redis-cluster-streams", "redis-sentinel-streams")
 
 
@@ -56,7 +55,8 @@ def activation_problems(so: dict) -> list[str]:
 
 def test_the_pinned_release_is_one_fact_the_manifests_and_docs_name():
     assert re.fullmatch(r"\d+\.\d+\.\d+", VERSION)
-    assert "TRANSCRIBED" in SCHEMA["$comment"] and f"v{VERSION}" in SCHEMA["$comment"]
+    assert blob_id(CRD.read_bytes()) == CRD_BLOB, f"{CRD} is not KEDA v{VERSION}'s file: take it from the release"
+    assert f"v{VERSION}" in (DEPLOY / "keda/README.md").read_text() and CRD_BLOB in (DEPLOY / "keda/README.md").read_text()
     for text in ((DEPLOY / "k8s/keda-scaledobject.yaml").read_text(), (DEPLOY / "keda/README.md").read_text(),
                  (DEPLOY.parent / "docs/operations/autoscaling.md").read_text()):
         assert f"--version {VERSION}" in text and not re.search(r"--version (?!" + re.escape(VERSION) + r")\d", text)
@@ -69,6 +69,23 @@ def test_every_scaled_object_fits_the_pinned_keda_schema_and_its_activation_rule
     for so in objects:
         jsonschema.validate(so, SCHEMA)
         assert not activation_problems(so)
+
+
+def test_strictness_closes_listed_objects_only_and_is_what_refuses_a_misspelt_field():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                                               "m": {"type": "object", "additionalProperties": {"type": "string"}},
+                                               "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                                                        "properties": {"c": {"type": "string"}}}}}
+    closed = strict(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["m"]["additionalProperties"] == {"type": "string"}
+    assert "additionalProperties" not in closed["properties"]["free"] and "additionalProperties" not in schema
+    so = copy.deepcopy(checked_in()[0])
+    so["spec"]["coolDownPeriod"] = 300
+    (served,) = yaml.safe_load(CRD.read_bytes())["spec"]["versions"]
+    jsonschema.validate(so, served["schema"]["openAPIV3Schema"])  # the CRD as it is would let it through
+    with pytest.raises(jsonschema.ValidationError, match="coolDownPeriod"):
+        jsonschema.validate(so, SCHEMA)
 
 
 def test_the_schema_and_the_rules_refuse_what_keda_would():
