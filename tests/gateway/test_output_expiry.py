@@ -34,10 +34,15 @@ def test_an_upload_with_expires_after_expires_at_its_created_at_plus_the_seconds
     assert upload(client).expires_at is None
 
 
+# Expiries here are a few seconds, not 1: expires_at is whole seconds from a created_at rounded down, so a 1 s file can
+# be gone 0.1 s after its upload, before the test's first read on a loaded machine (CI saw a 404 there).
+SHORT_S = 4
+
+
 def test_an_upload_past_its_expiry_is_gone(client):
-    f, kept = upload(client, 1), upload(client)
+    f, kept = upload(client, SHORT_S), upload(client)
     assert client.files.retrieve(f.id).id == f.id
-    wait_for(lambda: f.id not in [x.id for x in client.files.list()], 10, "the file to expire")
+    wait_for(lambda: f.id not in [x.id for x in client.files.list()], SHORT_S + 15, "the file to expire")
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
     with pytest.raises(openai.NotFoundError):
@@ -72,10 +77,12 @@ def test_a_batch_with_output_expires_after_writes_files_that_expire_so(client):
 
 def test_a_batch_output_past_its_expiry_is_gone(client):
     batch = client.batches.create(input_file_id=upload(client).id, endpoint="/v1/chat/completions",
-                                  completion_window="24h", output_expires_after={"anchor": "created_at", "seconds": 1})
+                                  completion_window="24h", output_expires_after={"anchor": "created_at",
+                                                                                 "seconds": SHORT_S})
     done = wait_final(client.batches.retrieve, batch.id)
     assert client.files.retrieve(done.output_file_id).expires_at is not None
-    wait_for(lambda: done.output_file_id not in [x.id for x in client.files.list()], 10, "the output to expire")
+    wait_for(lambda: done.output_file_id not in [x.id for x in client.files.list()], SHORT_S + 15,
+             "the output to expire")
     with pytest.raises(openai.NotFoundError):
         client.files.content(done.output_file_id)
 
@@ -84,7 +91,7 @@ def test_a_running_batch_whose_input_expires_is_cancelled_as_if_the_input_were_d
     row = request(0)
     row["body"]["model"] = "ghost"
     f = client.files.create(file=("in.jsonl", jsonl([row])), purpose="batch",
-                            expires_after={"anchor": "created_at", "seconds": 3})
+                            expires_after={"anchor": "created_at", "seconds": SHORT_S})
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(lambda: client.batches.retrieve(batch.id).status == "in_progress", 10, "the batch to start")
     done = wait_final(client.batches.retrieve, batch.id, 30)
