@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import IO
 
@@ -22,6 +23,7 @@ from kvgate.producer.steps import run as run_steps
 from kvgate.producer.errors import ResultTimeout
 from kvgate.openai.batch import BatchRequest, file_digest, file_problems, plan_line, request_lines, unknown_model_line
 from kvgate.openai.batch_runs import line_runs, submit_jobs
+from kvgate.openai.completion_window import BadWindow, window_seconds
 
 MAX_PROBLEMS = 20  # listed when a file is refused; the message says how many more there are
 
@@ -31,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", type=Path, required=True, help="output JSONL (appended to on resume)")
     parser.add_argument("--priority", choices=("high", "normal", "low"), default="low",
                         help="queue for these jobs (default low, so interactive work goes first)")
+    parser.add_argument("--completion-window", metavar="WINDOW",
+                        help="finish the lines within this window, as OpenAI's completion_window ('24h', '90m', 1h to "
+                             "7d): every job carries the window's end as its deadline, so the fleet serves it "
+                             "earliest deadline first, and a line not started by then is answered batch_expired "
+                             "(default: no window). It starts when the command starts, on a resume too")
     parser.add_argument("--timeout", type=float, help="seconds to wait for all results (default: forever)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -100,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"kvgate batch: cannot read {args.input}: {e}", file=sys.stderr)
         return 2
+    try:
+        window_s = None if args.completion_window is None else window_seconds(args.completion_window)
+    except BadWindow as e:
+        print(f"kvgate batch: --completion-window: {e}", file=sys.stderr)
+        return 2
     problems = file_problems(request_lines(data))
     if problems:  # as /v1/batches fails such a file: every line needs its own custom_id to be answered under
         more = f"\n  ... and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
@@ -111,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Client(args.redis_url, args.namespace, tenant=args.tenant) as client, args.output.open("a", encoding="utf-8") as out:
             todo, rejected = read_requests(data, done, args.priority, out, client)
-            failed = _process(client, todo, out, args)
+            deadline = None if window_s is None else time.time() + window_s
+            failed = _process(client, todo, out, args, file_digest(data), deadline)
     except ResultTimeout as e:
         print(f"kvgate batch: {e}; run the same command again to resume", file=sys.stderr)
         return 3
@@ -122,11 +135,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argparse.Namespace) -> int:
-    """Submit the lines to do and write each line's answer once all its jobs are final; returns how many lines
-    failed on the fleet."""
+def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argparse.Namespace, digest: str,
+             deadline: float | None) -> int:
+    """Submit the lines to do (each job due by `deadline`, the window's end, where there is a window) and write each
+    line's answer once all its jobs are final; returns how many lines failed on the fleet. `digest`: the input
+    file's, which names the lines a window expired."""
     show = not args.no_progress
-    handles = client.submit_many(submit_jobs(todo), progress=show)
+    handles = client.submit_many(submit_jobs(todo, **({} if deadline is None else {"deadline": deadline})),
+                                 progress=show)
     by_job = {job_id: run for run in line_runs(todo, [h.job_id for h in handles]) for job_id in run.job_ids}
     models: dict[str, str | None] = {}
     failed = 0
@@ -136,7 +152,7 @@ def _process(client: Client, todo: list[BatchRequest], out: IO[str], args: argpa
             if not run.add(result):
                 continue
             first = run.results[run.job_ids[0]]
-            row = run.answer(first.model or _served_by(client, first.worker, models))
+            row = run.answer(digest, first.model or _served_by(client, first.worker, models))
             failed += row["error"] is not None
             _write(out, row)
             bar.update(1)

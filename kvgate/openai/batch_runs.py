@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.openai.batch import BatchRequest, answer_line
+from kvgate.openai.batch import BatchRequest, answer_line, unrun_line
 from kvgate.producer.result import Result
 
 
@@ -35,8 +35,17 @@ class LineRun:
         self.results[result.job_id] = result
         return self.complete
 
-    def answer(self, model: str | None = None) -> dict[str, Any]:
-        """The line's one output line; `model`: the model the serving worker reports."""
+    @property
+    def expired(self) -> bool:
+        """A job of the line was answered expired: its batch's window (the job's deadline) passed before it started."""
+        return any(r.status == "expired" for r in self.results.values())
+
+    def answer(self, seed: str, model: str | None = None) -> dict[str, Any]:
+        """The line's one output line: OpenAI's batch_expired line where the window passed first (named as a batch
+        that ends expired names the lines it never answered, by `seed`, the batch's id or file digest), else its
+        answer; `model`: the model the serving worker reports."""
+        if self.expired:
+            return unrun_line(seed, self.request.custom_id, "expired")
         return answer_line(self.request, [self.results[j] for j in self.job_ids], model)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -202,6 +203,48 @@ def test_batch_resumes_skipping_answered_lines_and_reusing_in_flight_jobs(redis_
         f"echo: q{i}" for i in range(1, 6)}
     assert worker.r.xlen(worker.keys.jobs(None, "low")) == 6  # nothing resubmitted: in-flight jobs were reused
     assert worker.take("low", block_ms=50) == []
+
+
+def test_batch_with_a_completion_window_gives_every_job_its_end_as_deadline_and_expired_lines_as_openai(
+        redis_url, namespace, worker, tmp_path, capsys):
+    """Issue 44: `kvgate batch --completion-window` as /v1/batches takes it: each job is due at the window's end (so
+    the fleet serves it earliest deadline first), and a line whose job the fleet answers expired (not started by
+    then) is OpenAI's batch_expired line, not a bare 'expired' error."""
+    src = _lines(tmp_path, [_chat("on-time", "a"), _chat("late", "b")])
+    out, taken = tmp_path / "out.jsonl", {}
+    worker.ensure_groups()
+
+    def fleet():
+        while len(taken) < 2:
+            taken.update({j.messages[-1].content: j for j in worker.take("low", block_ms=100)})
+        worker.final(taken["a"], text="echo: a")
+        worker.final(taken["b"], status="expired", error="deadline passed before it started")
+
+    started = time.time()
+    serving = threading.Thread(target=fleet)
+    serving.start()
+    assert _cli(redis_url, namespace, "batch", str(src), "-o", str(out), "--no-progress", "--timeout", "20",
+                "--completion-window", "2h") == 0
+    serving.join()
+    assert all(started + 7200 <= j.deadline <= time.time() + 7200 for j in taken.values())
+    rows = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["on-time"]["error"] is None
+    assert rows["late"]["response"] is None and rows["late"]["error"] == {
+        "code": "batch_expired", "message": "this request could not be executed before the completion window expired"}
+    assert "2 lines written: 1 succeeded, 1 failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window", ["30m", "8d", "1.5h", "soon"])
+def test_batch_refuses_a_completion_window_outside_1h_to_7d_naming_it_and_submits_nothing(redis_url, namespace,
+                                                                                         worker, tmp_path, capsys,
+                                                                                         window):
+    out = tmp_path / "out.jsonl"
+    worker.ensure_groups()
+    assert _cli(redis_url, namespace, "batch", str(_lines(tmp_path, [_chat("a", "x")])), "-o", str(out),
+                "--no-progress", "--completion-window", window) == 2
+    err = capsys.readouterr().err
+    assert f"--completion-window: completion_window={window!r}" in err and "from 1h to 7d" in err
+    assert not out.exists() and worker.take("low", block_ms=50) == []
 
 
 def test_stats_command_prints_a_table_and_json(redis_url, namespace, client, capsys):

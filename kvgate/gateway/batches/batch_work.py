@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvgate.producer import AsyncClient, Backpressure, JobLost, KvgateError, PartiallySubmitted
-from kvgate.openai.batch import BatchRequest, is_success, plan_line, request_lines, unknown_model_line, unrun_line
+from kvgate.openai.batch import BatchRequest, is_success, plan_line, request_lines, unknown_model_line
 from kvgate.openai.batch_runs import LineRun, line_runs, submit_jobs
 
 from ..errors import ApiError
@@ -231,11 +231,8 @@ class Work:
             for result in results:
                 run.add(result)
             first = results[0]
-            if any(r.status == "expired" for r in results):  # not started within the window: as finalizing writes it
-                self.expired = True
-                row = unrun_line(self.batch.id, run.request.custom_id, "expired")
-            else:
-                row = run.answer(first.model or await self._served_by(first.worker))
+            self.expired |= run.expired  # not started within the window: its line is as finalizing writes it
+            row = run.answer(self.batch.id, first.model or await self._served_by(first.worker))
             answers.append((run.request.custom_id, row, is_success(row)))
             used[run.request.custom_id] = sum(r.usage.prompt_tokens + r.usage.completion_tokens for r in results)
         if answers:
