@@ -3,6 +3,9 @@ unless --webhook-allow-private; never the gateway's own listen address; secrets 
 refusal names the value and what to do; a secret is never shown."""
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import socket
 import subprocess
 import sys
 
@@ -102,3 +105,64 @@ def test_kvgate_serve_refuses_a_link_local_webhook_url_in_one_line_naming_it():
     (line,) = out.stderr.strip().splitlines()
     assert "--webhook-url 'http://169.254.169.254/latest'" in line and "--webhook-allow-private" in line
     assert SECRET not in line
+
+
+@pytest.mark.parametrize("url, connect, host, sni", [
+    ("https://hooks.example.com/k?x=1", "https://127.0.0.1/k?x=1", "hooks.example.com", "hooks.example.com"),
+    ("http://u:p@hooks.example.com:8080/k", "http://u:p@127.0.0.1:8080/k", "hooks.example.com:8080", None),
+    ("http://[::1]:9/k", "http://[::1]:9/k", "[::1]:9", None)])
+def test_a_delivery_route_names_the_checked_address_and_keeps_the_host_for_the_header_and_tls(url, connect, host, sni,
+                                                                                              monkeypatch):
+    from kvgate.gateway.webhooks import targets
+
+    monkeypatch.setattr(targets, "_addresses", lambda h, port: [ipaddress.ip_address("::1" if ":" in h else
+                                                                                     "127.0.0.1")])
+    way = targets.route(url, "--webhook-url", True, None)
+    assert (way.url, way.headers, way.extensions) == (connect, {"host": host}, {"sni_hostname": sni} if sni else {})
+
+
+def test_a_delivery_goes_to_the_address_its_check_approved_when_the_name_resolves_elsewhere_later(shared_redis,
+                                                                                                  namespace,
+                                                                                                  monkeypatch):
+    """DNS rebinding: the name answers a checked address once, then another; the POST must not look it up again."""
+    import httpx
+    import redis.asyncio as aioredis
+
+    from kvgate.gateway.webhooks.outbox import Outbox, WebhookKeys
+    from kvgate.gateway.webhooks.sender import Timing, WebhookSender
+    from kvgate.gateway.webhooks.targets import Listen, Target, Targets
+    from tests.gateway.test_webhook_outbox import add
+    from tests.gateway.webhook_receiver import Receiver
+
+    receiver, real, looked_up, counted = Receiver().start(), socket.getaddrinfo, [], []
+
+    def rebinding(host, *args, **kwargs):
+        if host != "hooks.rebind.test":
+            return real(host, *args, **kwargs)
+        looked_up.append(host)
+        if len(looked_up) > 1:  # where it points now is not where the check looked
+            raise socket.gaierror(socket.EAI_NONAME, "hooks.rebind.test points elsewhere now")
+        return real("127.0.0.1", *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    url = f"http://hooks.rebind.test:{receiver.port}/hooks"
+
+    async def deliver_one():
+        r = aioredis.Redis.from_url(shared_redis.url)
+        try:
+            outbox = Outbox(r, WebhookKeys(namespace))
+            await add(outbox, r)
+            sender = WebhookSender(outbox, Targets(Target(url, SECRET)), Timing(60, 1, 5, 0.05), allow_private=True,
+                                   listen=Listen("127.0.0.1", 1), ended=None, count=counted.append)
+            now_ms, (event,) = await outbox.claim(1, 10_000)
+            async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as http:
+                await sender._deliver(http, event, now_ms)
+        finally:
+            await r.aclose()
+
+    try:
+        asyncio.run(deliver_one())
+    finally:
+        receiver.stop()
+    assert counted == ["delivered"] and looked_up == ["hooks.rebind.test"]
+    assert receiver.deliveries[0].headers["host"] == f"hooks.rebind.test:{receiver.port}"

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 from standardwebhooks import Webhook
 
 from .outbox import Claimed, Outbox
-from .targets import Listen, Targets, check_url
+from .targets import Listen, Targets, route
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,11 @@ class WebhookSender:
             self.count("dropped")
             return
         try:
-            await asyncio.to_thread(check_url, target.url, f"tenant {e.tenant!r}'s webhook URL", self.allow_private,
-                                    self.listen)
-            answer = await http.post(target.url, content=e.body, timeout=self.timing.timeout_s,
-                                     headers=signed_headers(target.secret, e.id, now_ms, e.body))
+            way = await asyncio.to_thread(route, target.url, f"tenant {e.tenant!r}'s webhook URL", self.allow_private,
+                                          self.listen)
+            answer = await http.post(way.url, content=e.body, timeout=self.timing.timeout_s,
+                                     headers={**signed_headers(target.secret, e.id, now_ms, e.body), **way.headers},
+                                     extensions=way.extensions)
             error = None if 200 <= answer.status_code < 300 else f"HTTP {answer.status_code}"
         except Exception as ex:  # refused, unreachable, timed out: all retried the same way
             error = f"{type(ex).__name__}: {ex}"

@@ -8,7 +8,8 @@
 Every URL is checked when it is read: http or https; a host whose addresses (every one it resolves to) are
 private, loopback, link-local or otherwise not global is refused unless the operator allows private receivers
 (--webhook-allow-private); a URL that points at the gateway itself (its own listen address and port) is refused
-always. Deliveries check the URL again (sender.py): a name may resolve elsewhere later.
+always. Deliveries check the URL again (sender.py): a name may resolve elsewhere later; and each delivery connects to
+an address that check approved (`route`), never to what the name resolves to a moment later (DNS rebinding).
 """
 from __future__ import annotations
 
@@ -89,6 +90,37 @@ def _local(a: Address) -> bool:
 
 def check_url(url: str, what: str, allow_private: bool, listen: Listen | None) -> str:
     """The URL, or ValueError naming `what` (the flag or the file entry), the value and what to do."""
+    _checked_addresses(url, what, allow_private, listen)
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How one delivery reaches a checked URL: `url` names the address the check approved instead of the host, so
+    the connection goes where the check looked (a name that resolves elsewhere a moment later, DNS rebinding, changes
+    nothing); the host travels in the Host header and, over https, in TLS's SNI and certificate check
+    (`extensions`, httpx's sni_hostname)."""
+
+    url: str
+    headers: dict[str, str]
+    extensions: dict[str, str]
+
+
+def route(url: str, what: str, allow_private: bool, listen: Listen | None) -> Route:
+    """check_url's checks, then the Route to the first address they approved."""
+    parts = urlsplit(url)
+    address = _checked_addresses(url, what, allow_private, listen)[0]
+    host = f"[{address}]" if address.version == 6 else str(address)
+    port = f":{parts.port}" if parts.port is not None else ""
+    userinfo = parts.netloc.rpartition("@")[0]
+    pinned = parts._replace(netloc=f"{userinfo}@{host}{port}" if userinfo else f"{host}{port}").geturl()
+    named = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    return Route(pinned, {"host": f"{named}{port}"}, extensions)
+
+
+def _checked_addresses(url: str, what: str, allow_private: bool, listen: Listen | None) -> list[Address]:
+    """Every address the URL's host resolves to, each one allowed; else ValueError as check_url's."""
     def refuse(why: str) -> ValueError:
         return ValueError(f"{what} {url!r}: {why}; {DOCS}")
 
@@ -107,7 +139,7 @@ def check_url(url: str, what: str, allow_private: bool, listen: Listen | None) -
         raise refuse(f"resolves to {', '.join(bad)}, a private, loopback or link-local address: webhooks go to public "
                      "receivers unless the operator allows private ones with --webhook-allow-private "
                      "(KVGATE_WEBHOOK_ALLOW_PRIVATE=1), for receivers on premises")
-    return url
+    return addresses
 
 
 @dataclass(frozen=True, slots=True)
