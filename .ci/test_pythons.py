@@ -28,7 +28,7 @@ TESTS = ["tests/producer", "tests/gateway", "tests/test_openai_json.py", "tests/
          "tests/reliability/test_sdk_bad_input.py"]
 # the SDK and the gateway, without the worker's torch; pytest and the clients the gateway tests drive
 REQUIREMENTS = ["-e", ".[gateway,embedded]", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "openai>=1.40",
-                "httpx>=0.27"]
+                "httpx>=0.27", "trustme>=1.1"]
 PARALLEL = 4  # interpreters at a time: the tests mostly wait on Redis, child processes and timeouts
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import ssl
 import subprocess
 import sys
 
@@ -121,11 +122,14 @@ def test_a_delivery_route_names_the_checked_address_and_keeps_the_host_for_the_h
     assert (way.url, way.headers, way.extensions) == (connect, {"host": host}, {"sni_hostname": sni} if sni else {})
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
 def test_a_delivery_goes_to_the_address_its_check_approved_when_the_name_resolves_elsewhere_later(shared_redis,
                                                                                                   namespace,
-                                                                                                  monkeypatch):
-    """DNS rebinding: the name answers a checked address once, then another; the POST must not look it up again."""
+                                                                                                  monkeypatch, scheme):
+    """DNS rebinding: the name answers a checked address once, then another; the POST must not look it up again. Over
+    https the receiver's certificate is for the name, not the address: TLS is checked against the name (SNI)."""
     import httpx
+    import trustme
     import redis.asyncio as aioredis
 
     from kvgate.gateway.webhooks.outbox import Outbox, WebhookKeys
@@ -134,7 +138,13 @@ def test_a_delivery_goes_to_the_address_its_check_approved_when_the_name_resolve
     from tests.gateway.test_webhook_outbox import add
     from tests.gateway.webhook_receiver import Receiver
 
-    receiver, real, looked_up, counted = Receiver().start(), socket.getaddrinfo, [], []
+    ca = trustme.CA()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("hooks.rebind.test").configure_cert(server_tls)
+    client_tls = ssl.create_default_context()
+    ca.configure_trust(client_tls)
+    receiver = Receiver(tls=server_tls if scheme == "https" else None).start()
+    real, looked_up, counted = socket.getaddrinfo, [], []
 
     def rebinding(host, *args, **kwargs):
         if host != "hooks.rebind.test":
@@ -145,7 +155,7 @@ def test_a_delivery_goes_to_the_address_its_check_approved_when_the_name_resolve
         return real("127.0.0.1", *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", rebinding)
-    url = f"http://hooks.rebind.test:{receiver.port}/hooks"
+    url = f"{scheme}://hooks.rebind.test:{receiver.port}/hooks"
 
     async def deliver_one():
         r = aioredis.Redis.from_url(shared_redis.url)
@@ -155,7 +165,7 @@ def test_a_delivery_goes_to_the_address_its_check_approved_when_the_name_resolve
             sender = WebhookSender(outbox, Targets(Target(url, SECRET)), Timing(60, 1, 5, 0.05), allow_private=True,
                                    listen=Listen("127.0.0.1", 1), ended=None, count=counted.append)
             now_ms, (event,) = await outbox.claim(1, 10_000)
-            async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as http:
+            async with httpx.AsyncClient(follow_redirects=False, trust_env=False, verify=client_tls) as http:
                 await sender._deliver(http, event, now_ms)
         finally:
             await r.aclose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import os
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,10 +32,11 @@ class Receiver:
     hang_s: float = 0.0
     deliveries: list[Delivery] = field(default_factory=list)  # every request, answered or not
     server: ThreadingHTTPServer | None = None
+    tls: ssl.SSLContext | None = None  # a server context: the receiver speaks https
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hooks"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}/hooks"
 
     def start(self) -> "Receiver":
         receiver = self
@@ -54,6 +56,8 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.server.daemon_threads = True
+        if self.tls is not None:
+            self.server.socket = self.tls.wrap_socket(self.server.socket, server_side=True)
         threading.Thread(target=self.server.serve_forever, daemon=True, name=f"receiver-{self.port}").start()
         return self
 
