@@ -34,7 +34,16 @@ MAX_MODEL_NAME_CHARS = 128
 # Redis key part (no braces: Cluster hash tags) and a folder name.
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DEFAULT_TENANT = "default"  # the tenant of a bare API key and of an open gateway's callers
-# The one cardinality rule of every per-tenant view (`kvgate stats`, `kvgate top`, the exporter, workers' heartbeats):
-# the TOP_TENANTS busiest by name, every other tenant summed as OTHER_TENANTS (no tenant name starts with '_').
-TOP_TENANTS = 10
-OTHER_TENANTS = "_other"
+# The one cardinality rule of every per-name view (`kvgate stats`, `kvgate top`, the exporter, workers' heartbeats),
+# tenants' and LoRA adapters' alike: the TOP_NAMED busiest by name, every other name summed as OTHER_NAMED (no tenant
+# or adapter name starts with '_'), so a label's values stay few however many names there are (`top_and_rest`).
+TOP_NAMED = 10
+OTHER_NAMED = "_other"
+TOP_TENANTS, OTHER_TENANTS = TOP_NAMED, OTHER_NAMED  # the rule as the tenant views name it
+
+
+def top_and_rest(items, rank, top: int = TOP_NAMED) -> tuple[list, list]:
+    """The rule's split: the `top` first items by `rank` (a sort key: busiest first, then the name, so a tie is
+    settled the same way in every view), to be shown by name, and the rest, to be summed as OTHER_NAMED."""
+    ranked = sorted(items, key=rank)
+    return ranked[:top], ranked[top:]

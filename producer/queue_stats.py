@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
+from .adapter_view import AdaptersView, WorkerLoras, adapters_view, parse_worker_loras
 from .lanes import parse_lanes
+from .loras import Lora, list_loras
 from .model_set import known_models
 from .keys import PRIORITIES, Keys, as_text
 from .quotas import TenantsUsage, tenant_usage
@@ -56,6 +58,7 @@ class WorkerStats:
     jobs_done: int = 0
     heartbeat_age_s: float | None = None
     tenants: dict[str, list[int]] = field(default_factory=dict)  # tenant_view.parse_tenants of its heartbeat
+    loras: WorkerLoras | None = None  # its adapter slots (adapter_view.parse_worker_loras); None: it has none
 
     @property
     def free_kv_tokens(self) -> int:
@@ -76,6 +79,7 @@ class ModelStats:
     model: str
     priorities: dict[str, PriorityStats] = field(default_factory=dict)
     workers: list[str] = field(default_factory=list)  # live workers serving this name (aliases included)
+    adapter_of: str | None = None  # a registered LoRA adapter's base model; None: a model
 
     @property
     def backlog(self) -> int:
@@ -97,7 +101,7 @@ class ModelStats:
     def to_dict(self) -> dict:
         return {"priorities": {k: asdict(v) for k, v in self.priorities.items()}, "workers": self.workers,
                 "backlog": self.backlog, "pending": self.pending, "oldest_age_s": self.oldest_age_s,
-                "waiting_for_workers": self.waiting_for_workers}
+                "waiting_for_workers": self.waiting_for_workers, "adapter_of": self.adapter_of}
 
 
 @dataclass(slots=True)
@@ -107,6 +111,7 @@ class QueueStats:
     dead: int = 0
     tenants: TenantsUsage = field(default_factory=TenantsUsage)  # jobs and tokens under quotas, busiest first
     tenant_view: TenantsView = field(default_factory=TenantsView)  # backlog, running, tokens, queue wait per tenant
+    adapters: AdaptersView = field(default_factory=AdaptersView)  # backlog, pending, wait, workers per LoRA adapter
 
     @property
     def priorities(self) -> dict[str, PriorityStats]:
@@ -142,7 +147,8 @@ class QueueStats:
                             {"free_kv_tokens": w.free_kv_tokens, "kv_usage": w.kv_usage} for w in self.workers],
                 "backlog": self.backlog, "pending": self.pending, "dead": self.dead,
                 "free_kv_tokens": self.free_kv_tokens, "oldest_age_s": self.oldest_age_s,
-                "tenants": self.tenants.to_dict(), "tenant_view": self.tenant_view.to_dict()}
+                "tenants": self.tenants.to_dict(), "tenant_view": self.tenant_view.to_dict(),
+                "adapters": self.adapters.to_dict()}
 
 
 def _id_ms(entry_id) -> int:
@@ -258,7 +264,8 @@ def parse_heartbeat(raw: dict, now_ms: int) -> WorkerStats:
     return WorkerStats(worker_id=f.get("worker_id", "?"), model=model, models=models, state=f.get("state", "serving"),
                        tokens_per_s=_number(f, "tokens_per_s", float),
                        heartbeat_age_s=max(0.0, now_ms / 1000 - updated) if updated else None,
-                       tenants=parse_tenants(f.get("tenants", "")), **ints)
+                       tenants=parse_tenants(f.get("tenants", "")), loras=parse_worker_loras(f.get("loras", "")),
+                       **ints)
 
 
 def read_workers(r, keys: Keys, now_ms: int) -> Steps:
@@ -270,24 +277,33 @@ def read_workers(r, keys: Keys, now_ms: int) -> Steps:
     return [parse_heartbeat(raw, now_ms) for raw in (yield pipe.execute) if raw]
 
 
-def read_model(r, keys: Keys, model: str, workers: list[WorkerStats], now_ms: int, lanes: int,
+def serving(workers: list[WorkerStats], model: str, loras: dict[str, Lora]) -> list[str]:
+    """The live workers serving `model`: those naming it, and for a registered LoRA adapter the workers of its base
+    with adapter slots, which read its streams (worker/adapters.py) though their heartbeats do not name it."""
+    base = loras[model].base if model in loras else None
+    return [w.worker_id for w in workers if model in w.models or (base in w.models and w.loras is not None)]
+
+
+def read_model(r, keys: Keys, model: str, serving: list[str], now_ms: int, lanes: int,
                rows: dict[str, StreamRow], queued: dict[str, int] | None = None) -> Steps:
     priorities = {}
     for p in PRIORITIES:
         priorities[p] = yield from read_priority(r, keys, model, p, now_ms, lanes, rows, queued)
-    return ModelStats(model, priorities, [w.worker_id for w in workers if model in w.models])
+    return ModelStats(model, priorities, serving)
 
 
 def queue_stats(r, keys: Keys) -> Steps:
-    """Every known or served model's streams, read in one script call per shard."""
+    """Every known, served or registered (LoRA adapters) model's streams, read in one script call per shard."""
     now_ms, lanes = (yield from server_ms(r)), (yield from lanes_of(r, keys))
     workers = yield from read_workers(r, keys, now_ms)
-    names = sorted(set((yield from known_models(r, keys))) | {m for w in workers for m in w.models})
+    loras = yield from list_loras(r, keys)
+    names = sorted(set((yield from known_models(r, keys))) | {m for w in workers for m in w.models} | set(loras))
     rows = yield from read_rows(r, keys, [st for m in names for st in keys.all_jobs(m, lanes)], oldest=True)
     queued = yield from fair_queued(r, keys, names)
     models = {}
     for m in names:
-        models[m] = yield from read_model(r, keys, m, workers, now_ms, lanes, rows, queued)
+        models[m] = yield from read_model(r, keys, m, serving(workers, m, loras), now_ms, lanes, rows, queued)
+        models[m].adapter_of = loras[m].base if m in loras else None
     dead = 0
     for stream in keys.deads():
         dead += yield call(r.xlen, stream)
@@ -295,7 +311,7 @@ def queue_stats(r, keys: Keys) -> Steps:
     fair_on = (yield call(r.get, keys.fair())) is not None or any(queued.values())  # GET: the monitor user's
     view = tenants_view(backlogs, other_backlog, [w.tenants for w in workers], fair_on)
     return QueueStats(models=models, workers=workers, dead=dead, tenants=(yield from tenant_usage(r, keys, now_ms)),
-                      tenant_view=view)
+                      tenant_view=view, adapters=adapters_view(loras, models, [w.loras for w in workers if w.loras]))
 
 
 def read_queue_stats(r: redis.Redis, keys: Keys) -> QueueStats:

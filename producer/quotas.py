@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import FieldError, QuotaExceeded
 from .keys import Keys, as_text
-from .limits import DEFAULT_TENANT, TOP_TENANTS
+from .limits import DEFAULT_TENANT, TOP_TENANTS, top_and_rest
 from .protocol import Final, Job, ProtocolError, check_tenant_name
 from .steps import Steps, call
 
@@ -389,8 +389,8 @@ def tenant_usage(r, keys: Keys, now_ms: int, top: int = TOP_TENANTS) -> Steps:
         return int(cur * fade) if window.get("minute") == minute - 1 else 0
 
     rows = [TenantUsage(n, int(j or 0), tokens(c, p)) for n, j, c, p in zip(names, *scores)] if names else []
-    rows = sorted((u for u in rows if u.jobs or u.tokens_per_minute),
-                  key=lambda u: (-u.jobs, -u.tokens_per_minute, u.tenant))[:top]
+    rows, _ = top_and_rest((u for u in rows if u.jobs or u.tokens_per_minute),
+                           lambda u: (-u.jobs, -u.tokens_per_minute, u.tenant), top)  # the rest: from the totals
     total_jobs, total_tokens = window.get("jobs", 0), tokens(window.get("tokens"), window.get("tokens_prev"))
     other = TenantUsage("other", max(0, total_jobs - sum(u.jobs for u in rows)),
                         max(0, total_tokens - sum(u.tokens_per_minute for u in rows)))

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 
 from .keys import QUEUE_WAIT_BUCKETS, TENANT_WINDOW_S, Keys, as_text
-from .limits import OTHER_TENANTS, TOP_TENANTS
+from .limits import OTHER_TENANTS, TOP_TENANTS, top_and_rest
 from .steps import Steps, call
 from .stream_rows import read_rows
 
@@ -140,8 +140,8 @@ def tenants_view(backlogs: dict[str, int], other_backlog: int, beats: list[dict[
                 other.add(part)
             else:
                 views.setdefault(tenant, TenantView(tenant)).add(part)
-    ranked = sorted(views.values(), key=lambda v: (-(v.backlog + v.running), -v.tokens, -sum(v.waits), v.tenant))
-    busy = [v for v in ranked if v.backlog or v.running or v.tokens or any(v.waits)]
-    for v in busy[top:]:
+    busy = [v for v in views.values() if v.backlog or v.running or v.tokens or any(v.waits)]
+    named, rest = top_and_rest(busy, lambda v: (-(v.backlog + v.running), -v.tokens, -sum(v.waits), v.tenant), top)
+    for v in rest:
         other.add(v)
-    return TenantsView(busy[:top], other, backlog_by_tenant)
+    return TenantsView(named, other, backlog_by_tenant)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from kvgate.producer.keys import QUEUE_WAIT_BUCKETS, TENANT_WINDOW_S
-from kvgate.producer.limits import DEFAULT_TENANT, OTHER_TENANTS, TOP_TENANTS
+from kvgate.producer.limits import DEFAULT_TENANT, OTHER_TENANTS, TOP_TENANTS, top_and_rest
 
 WINDOW_S = TENANT_WINDOW_S  # what `tokens` and the waits cover
 SLOT_S = 10.0  # the window moves in steps of this
@@ -71,11 +71,11 @@ class TenantLoad:
 
 def fold(rows: dict[str, list[int]], top: int = TOP_TENANTS) -> dict[str, list[int]]:
     """The `top` busiest rows by name, the rest (OTHER_TENANTS' own included) summed under OTHER_TENANTS."""
-    named = sorted((t for t in rows if t != OTHER_TENANTS), key=lambda t: (-rows[t][0], -rows[t][1],
-                                                                        -sum(rows[t][2:]), t))
-    out = {t: rows[t] for t in named[:top]}
+    named, others = top_and_rest((t for t in rows if t != OTHER_TENANTS),
+                                 lambda t: (-rows[t][0], -rows[t][1], -sum(rows[t][2:]), t), top)
+    out = {t: rows[t] for t in named}
     rest = empty_row()
-    for t in named[top:] + ([OTHER_TENANTS] if OTHER_TENANTS in rows else []):
+    for t in others + ([OTHER_TENANTS] if OTHER_TENANTS in rows else []):
         add_rows(rest, rows[t])
     if any(rest):
         out[OTHER_TENANTS] = rest

@@ -2,7 +2,8 @@
 
 One process per kvgate namespace is enough; it holds no state, so any number of replicas agree. The label is
 `kvgate_namespace` because Prometheus already puts the Kubernetes `namespace` on every target; queue gauges
-carry `model` (the stream's model name, `default` for jobs that name none) and `priority`. The figures
+carry `model` (the stream's model name, `default` for jobs that name none) and `priority`; per-name views carry
+`tenant` or `adapter`, bounded to the ten busiest names and `_other` (limits.top_and_rest). The figures
 come from producer.queue_stats, which also counts lag on Redis 6.2 (no `lag` in XINFO GROUPS).
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ class FleetCollector:
         yield from _fleet_families(ns, snap)
         yield from _tenant_families(ns, snap)
         yield from _tenant_view_families(ns, snap)
+        yield from _adapter_families(ns, snap)
         yield from _work_families(ns, list(work.values()))
         took = GaugeMetricFamily("kvgate_exporter_scrape_seconds", "Time to read the fleet from Redis",
                                  labels=["kvgate_namespace"])
@@ -142,6 +144,26 @@ def _tenant_view_families(ns: str, snap: QueueStats):
             if (wait := t.wait_quantile(q / 100)) is not None:
                 family.add_metric([ns, t.tenant], wait)
     yield from (backlog, running, tokens, *waits.values())
+
+
+def _adapter_families(ns: str, snap: QueueStats):
+    """Per registered LoRA adapter, the ten with the most backlog by name and the rest as `_other`
+    (limits.top_and_rest): backlog, pending and oldest job age over its streams (every priority), and the live workers
+    whose slots hold it. Each worker's own adapters, loads and evictions are its /metrics' kvgate_lora_*."""
+    v, labels = snap.adapters, ["kvgate_namespace", "adapter"]
+    specs = (("adapter_backlog", "Jobs waiting on a LoRA adapter's streams (every priority), not yet delivered to a "
+                                 "worker", "backlog"),
+             ("adapter_pending", "A LoRA adapter's jobs delivered to a worker, not yet acknowledged", "pending"),
+             ("adapter_oldest_job_age_seconds", "Age of a LoRA adapter's oldest job not yet acknowledged (0: none)",
+              "oldest_age_s"),
+             ("adapter_loaded_workers", "Live workers whose adapter slots hold the LoRA adapter (`_other`: slots "
+                                        "holding the others)", "loaded_on"))
+    rows = v.top + ([v.other] if v.registered else [])  # no adapter registered: no series
+    for name, doc, attr in specs:
+        family = GaugeMetricFamily(f"kvgate_{name}", doc, labels=labels)
+        for a in rows:
+            family.add_metric([ns, a.adapter], getattr(a, attr) or 0)
+        yield family
 
 
 def _work_families(ns: str, models: list[ModelWork]):

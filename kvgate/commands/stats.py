@@ -1,4 +1,5 @@
-"""`kvgate stats`: backlog, pending and oldest age per model and priority, who serves each model, the live workers."""
+"""`kvgate stats`: backlog, pending and oldest age per model and priority, who serves each model, the live workers
+(with their LoRA adapter slots), tenants and LoRA adapters."""
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def _age(seconds: float | None) -> str:
 def render(stats: QueueStats, namespace: str) -> str:
     lines = [f"namespace {namespace}", "",
              f"{'model':<32}{'priority':<10}{'backlog':>10}{'pending':>10}{'length':>10}{'oldest':>10}"]
-    for m in stats.models.values():
-        if m.backlog or m.pending or m.workers or any(p.length for p in m.priorities.values()):
+    for m in stats.models.values():  # adapters: in their own table below, the most backlog by name
+        shown = m.backlog or m.pending or m.workers or any(p.length for p in m.priorities.values())
+        if shown and m.adapter_of is None:
             lines += _model_lines(m)
     lines.append(f"{'total':<42}{stats.backlog:>10}{stats.pending:>10}{'':>10}{_age(stats.oldest_age_s):>10}")
     lines += ["", f"live workers: {len(stats.workers)}   free KV tokens: {stats.free_kv_tokens}   "
@@ -54,7 +56,24 @@ def render(stats: QueueStats, namespace: str) -> str:
             lines.append(f"{w.worker_id[:23]:<24}{w.state[:9]:<10}{w.running:>8}{w.waiting:>8}{w.kv_usage:>9.0%}"
                          f"{w.free_kv_tokens:>10}{w.tokens_per_s:>9.1f}{_age(w.heartbeat_age_s):>7}  "
                          f"{', '.join(w.models)}")
-    return "\n".join(lines + _tenant_lines(stats) + _tenant_view_lines(stats))
+            if w.loras is not None:
+                lines.append(f"{'':<4}adapters loaded: {w.loras.shown()}   loads {w.loras.loads}   "
+                             f"evictions {w.loras.evictions}")
+    return "\n".join(lines + _tenant_lines(stats) + _tenant_view_lines(stats) + _adapter_lines(stats))
+
+
+def _adapter_lines(stats: QueueStats) -> list[str]:
+    """Per registered LoRA adapter: backlog, pending and oldest job (every priority), live workers holding it; those
+    with the most backlog by name, the rest summed (limits.top_and_rest)."""
+    v = stats.adapters
+    if not v.registered:
+        return []
+    lines = ["", f"{'adapter':<32}{'base':<32}{'backlog':>10}{'pending':>10}{'oldest':>10}{'loaded on':>11}"]
+    for a in v.top + ([v.other] if v.other.adapters else []):
+        name = f"(other {a.adapters} adapters)" if a is v.other else a.adapter[:31]
+        lines.append(f"{name:<32}{(a.base or '')[:31]:<32}{a.backlog:>10}{a.pending:>10}{_age(a.oldest_age_s):>10}"
+                     f"{a.loaded_on:>11}")
+    return lines
 
 
 def _wait(seconds: float | None) -> str:

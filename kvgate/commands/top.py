@@ -1,5 +1,5 @@
-"""`kvgate top`: a live terminal view of the fleet, grouped by model (workers and their KV room, streams and their
-backlog)."""
+"""`kvgate top`: a live terminal view of the fleet, grouped by model (workers and their KV room and adapter slots,
+streams and their backlog), tenants, and LoRA adapters (backlog and wait)."""
 from __future__ import annotations
 
 import argparse
@@ -29,13 +29,20 @@ def _age(seconds: float) -> str:
 
 
 def _workers_table(snap: QueueStats) -> Table:
+    """Each live worker; with adapter slots anywhere, the adapters each holds and its loads/evictions too."""
     table = Table(title=f"workers ({len(snap.workers)} live)", expand=True, title_justify="left")
-    for column in ("model", "worker", "state", "running", "waiting", "free KV blocks", "KV used", "tokens/s", "done"):
-        table.add_column(column, justify="left" if column in ("model", "worker", "state") else "right")
+    slots = any(w.loras is not None for w in snap.workers)
+    columns = ("model", "worker", "state", "running", "waiting", "free KV blocks", "KV used", "tokens/s", "done",
+               *(("adapters loaded", "loads/evictions") if slots else ()))
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("model", "worker", "state", "adapters loaded")
+                         else "right")
     for w in sorted(snap.workers, key=lambda w: (w.model, w.worker_id)):
+        adapters = (() if not slots else ("-", "-") if w.loras is None else
+                    (w.loras.shown(), f"{w.loras.loads}/{w.loras.evictions}"))
         table.add_row(w.model, w.worker_id, w.state, str(w.running), str(w.waiting),
                       f"{w.free_blocks}/{w.total_blocks}", f"{w.kv_usage:.0%}", f"{w.tokens_per_s:,.0f}",
-                      str(w.jobs_done))
+                      str(w.jobs_done), *adapters)
     if not snap.workers:
         table.add_row("", Text("no live workers", style="bold red"), "", "", "", "", "", "", "")
     return table
@@ -46,8 +53,8 @@ def _streams_table(snap: QueueStats) -> Table:
     for column in ("model", "priority", "backlog (lag)", "pending", "length", "oldest job", "workers"):
         table.add_column(column, justify="left" if column in ("model", "priority") else "right")
     for m in snap.models.values():
-        if not (m.workers or any(s.length or s.pending for s in m.priorities.values())):
-            continue  # a model nobody serves or asks for any more
+        if m.adapter_of is not None or not (m.workers or any(s.length or s.pending for s in m.priorities.values())):
+            continue  # an adapter (the adapters' table shows it), or a model nobody serves or asks for any more
         served = Text("none: waiting for scale-up", style="bold red") if m.waiting_for_workers else str(len(m.workers))
         for i, s in enumerate(m.priorities.values()):
             age = _age(s.oldest_age_s) if s.oldest_age_s is not None else "-"
@@ -74,12 +81,29 @@ def _tenants_table(snap: QueueStats) -> Table:
     return table
 
 
+def _adapters_table(snap: QueueStats) -> Table | None:
+    """Per registered LoRA adapter: the most backlog by name, the rest summed (limits.top_and_rest); None: none."""
+    v = snap.adapters
+    if not v.registered:
+        return None
+    table = Table(title=f"LoRA adapters ({v.registered} registered)", expand=True, title_justify="left")
+    for column in ("adapter", "base", "backlog", "pending", "oldest job", "loaded on"):
+        table.add_column(column, justify="left" if column in ("adapter", "base") else "right")
+    for a in v.top + ([v.other] if v.other.adapters else []):
+        name = Text(f"(other {a.adapters} adapters)", style="dim") if a is v.other else a.adapter
+        table.add_row(name, a.base or "", str(a.backlog), str(a.pending),
+                      _age(a.oldest_age_s) if a.oldest_age_s is not None else "-", str(a.loaded_on))
+    return table
+
+
 def render(snap: QueueStats, namespace: str) -> Group:
     tokens = sum(w.tokens_per_s for w in snap.workers)
     header = Text.assemble(("kvgate top", "bold"), f"  namespace {namespace}  ",
                            f"free KV {snap.free_kv_tokens:,} tokens  {tokens:,.0f} tokens/s  ",
                            time.strftime("%H:%M:%S"), ("   q to quit", "dim"))
-    return Group(header, _workers_table(snap), _streams_table(snap), _tenants_table(snap))
+    adapters = _adapters_table(snap)
+    return Group(header, _workers_table(snap), _streams_table(snap), _tenants_table(snap),
+                 *([adapters] if adapters else []))
 
 
 def _frame(client: redis.Redis, keys: Keys):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import yaml
 
-from kvgate.producer.keys import Keys
+from kvgate.producer.keys import Keys, lora_entry
 from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, encode
 from kvgate.commands.exporter import build_registry
 from kvgate.gateway.metrics import GatewayMetrics
@@ -50,6 +50,7 @@ def exported(shared_redis, namespace) -> tuple[set[str], set[str]]:
     client.xadd(keys.jobs(None, "high"), {FIELD: encode(Job(v=PROTOCOL_VERSION, job_id="j", client_id="c",
                                                             enqueued_at=seconds, prompt="x", deadline=seconds + 3600))})
     client.set(keys.fair(), 1)  # fair share on: the per-tenant backlog is exported
+    client.hset(keys.loras(), "sql", lora_entry("/adapters/sql", "default"))  # an adapter: the per-adapter view
     load = TenantLoad()
     load.admitted("team-a", 0.2, now=1.0)
     load.finished("team-a", 40, now=1.0)
@@ -103,6 +104,40 @@ def test_the_dashboard_plots_each_tenants_backlog_running_tokens_and_queue_wait_
     for metric in ("tenant_backlog", "tenant_running_jobs", "tenant_tokens_per_second",
                    "tenant_queue_wait_p50_seconds", "tenant_queue_wait_p99_seconds"):
         assert any(f"kvgate_{metric}" in e and "by (tenant)" in e for e in exprs), metric
+
+
+def test_the_dashboard_plots_each_adapters_backlog_and_wait_by_adapter_and_each_workers_slots_by_worker():
+    """Issue 42's views: the per-adapter figures grouped by the bounded `adapter` label, the slots by worker."""
+    exprs = queried_expressions()
+    for metric in ("adapter_backlog", "adapter_pending", "adapter_oldest_job_age_seconds", "adapter_loaded_workers"):
+        assert any(f"kvgate_{metric}" in e and "by (adapter)" in e for e in exprs), metric
+    for metric in ("lora_adapters_loaded", "lora_loads_total", "lora_evictions_total"):
+        assert any(f"kvgate_{metric}" in e and "by (worker)" in e for e in exprs), metric
+
+
+def test_every_dashboard_query_parses_as_promql(tmp_path):
+    """Each panel's and variable's query, its Grafana variables filled in, as a recording rule: promtool parses it as
+    Prometheus would (a typo in a panel shows as an empty graph, never as an error)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed (apt-get install prometheus ships it)")
+    dash = json.loads((DEPLOY / "grafana/dashboards/kvgate.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    fill = {"$__rate_interval": "5m", "$ns": ".*", "$model": ".*", "$worker": ".*"}
+    rules = []
+    for i, e in enumerate(exprs):
+        for var, value in fill.items():
+            e = e.replace(var, value)
+        assert "$" not in e, f"a Grafana variable this test does not fill in: {e}"
+        rules.append({"record": f"kvgate:dashboard_{i}", "expr": e})
+    path = tmp_path / "dashboard.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    done = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_a_real_worker_feeds_the_series_the_dashboard_plots(shared_redis, namespace):
