@@ -93,10 +93,11 @@ def test_kvgate_batch_lines_naming_an_adapter_are_served_by_it_and_an_unknown_on
              for name, model in (("a", "c1"), ("nobody", "c404"), ("base", BASE), ("b", "c1"),
                                                      ("orphan", "orphan"))]
     path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines.append({**lines[0], "custom_id": "by-lora", "body": {**lines[0]["body"], "lora": "c1"}})  # not OpenAI's
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert kvgate(["batch", str(path), "-o", str(out), "--redis-url", url, "--namespace", ns, "--no-progress"]) == 0
     rows = {row["custom_id"]: row for row in map(json.loads, out.read_text().splitlines())}
-    assert sorted(rows) == ["a", "b", "base", "nobody", "orphan"]
+    assert sorted(rows) == ["a", "b", "base", "by-lora", "nobody", "orphan"]
     assert {c: rows[c]["response"]["body"]["model"] for c in ("a", "b", "base")} == {"a": "c1", "b": "c1",
                                                                                      "base": BASE}
     assert all(rows[c]["error"] is None for c in ("a", "b", "base")) and "c1" in engine.loras
@@ -105,3 +106,5 @@ def test_kvgate_batch_lines_naming_an_adapter_are_served_by_it_and_an_unknown_on
     assert "'c404'" in error["message"] and "kvgate loras add" in error["message"]
     error = rows["orphan"]["error"]
     assert error["code"] == "model_not_found" and "adapter of 'org/nobody'" in error["message"]
+    error = rows["by-lora"]["error"]
+    assert error["code"] == "unsupported_parameter" and "adapter is named as body.model" in error["message"]
