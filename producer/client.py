@@ -68,7 +68,8 @@ class Client(ClientBase):
 
     def submit_many(self, requests: Iterable[dict[str, Any]], progress: bool = False,
                     chunk_size: int | None = CHUNK, quota: bool = True) -> list[JobHandle]:
-        """Validate every request (InvalidRequest names requests[i].field), then admit them in chunks of
+        """Validate every request (InvalidRequest names requests[i].field; each is submit's keywords, `lora` among
+        them, as a dict), then admit them in chunks of
         `chunk_size` (at most max_backlog), each chunk whole or not at all: the backlog limit and the tenants'
         quotas for all its jobs, then one MULTI/EXEC (on a Redis Cluster one per shard, the others taken back when
         one fails). chunk_size=None: the whole call is one chunk. A chunk over a whole ceiling (more jobs than

@@ -21,7 +21,7 @@ from .errors import FieldError, InvalidRequest, JobFailed, KvgateError, Partiall
 from .idempotency import owner_tag
 from .job_status import job_status
 from .lane_count import LaneCount
-from .loras import add_lora, get_lora, list_loras, remove_lora
+from .loras import add_lora, list_loras, on_adapters, remove_lora
 from .mailbox import ReplyRouter
 from .keys import Keys
 from .protocol import check_tenant_name, decode_final
@@ -101,19 +101,21 @@ class ClientBase:
         are at most max_backlog, so each can pass the gate. PartiallySubmitted when a later chunk is refused."""
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size} must be a positive number of jobs, or None for one admission")
+        requests = [self._own(plain_messages(r)) for r in requests]
+        wheres = [f"requests[{i}]." for i in range(len(requests))]
+        requests = yield from on_adapters(self.redis, self.keys, requests, wheres)  # a request's lora=NAME
         lanes = yield from self._lanes()
         fair = self._lane_count.fair
         spread = self._spread()
-        prepared = [prepare(self._own(plain_messages(r)), self.keys, self.client_id, where=f"requests[{i}].",
-                            lanes=lanes, fair=fair, spread=spread) for i, r in enumerate(requests)]
+        prepared = [prepare(r, self.keys, self.client_id, where=where, lanes=lanes, fair=fair, spread=spread)
+                    for r, where in zip(requests, wheres)]
         size = max(1, len(prepared)) if chunk_size is None else min(chunk_size, self._gate.max_backlog or chunk_size)
         handles: list = []
         with tqdm(total=len(prepared), unit="job", desc="submit", disable=not progress) as bar:
             for start in range(0, len(prepared), size):
                 chunk = prepared[start:start + size]
                 try:
-                    handles += yield from self._enqueue(chunk, quota, [f"requests[{start + i}]." for i in
-                                                                       range(len(chunk))])
+                    handles += yield from self._enqueue(chunk, quota, wheres[start:start + size])
                 except KvgateError as e:
                     if handles:
                         raise PartiallySubmitted(handles, len(prepared), e) from None
@@ -122,26 +124,12 @@ class ClientBase:
         return handles
 
     def _submit(self, args: dict[str, Any], lora: str | None = None) -> Steps:
-        if lora is not None:
-            args = yield from self._on_adapter(args, lora)
+        """One job; `lora=NAME`: on the registered adapter's own streams (on_adapters)."""
+        (args,) = yield from on_adapters(self.redis, self.keys, [{**args, "lora": lora}], [""])
         lanes = yield from self._lanes()
         prepared = prepare(self._own(args), self.keys, self.client_id, lanes=lanes, fair=self._lane_count.fair,
                            spread=self._spread())
         return (yield from self._enqueue([prepared]))[0]
-
-    def _on_adapter(self, args: dict[str, Any], lora: object) -> Steps:
-        """`lora=NAME`: the job goes on the registered adapter's own streams (its `model` is the adapter, as OpenAI
-        clients name it); InvalidRequest for an adapter nobody registered or a `model` other than it or its base."""
-        found = (yield from get_lora(self.redis, self.keys, lora)) if isinstance(lora, str) else None
-        if found is None:
-            known = sorted((yield from list_loras(self.redis, self.keys)))[:20]
-            raise InvalidRequest([FieldError("lora", lora, f"no LoRA adapter of that name is registered (registered: "
-                                                           f"{known}); register it first: kvgate loras add NAME PATH "
-                                                           "--base MODEL, or Client.add_lora")])
-        if args.get("model") not in (None, found.name, found.base):
-            raise InvalidRequest([FieldError("model", args["model"], f"lora={found.name!r} is an adapter of "
-                                                                     f"{found.base!r}: name that model or none")])
-        return {**args, "model": found.name}
 
     # -- the fleet's adapters (producer/loras.py) ---------------------------------------------------
     def _add_lora(self, name: str, path: str, base: str) -> Steps:

@@ -57,18 +57,13 @@ def add_lora(r, keys: Keys, name: str, path: str, base: str) -> Steps:
 def list_loras(r, keys: Keys) -> Steps:
     """Every registered adapter, by name (entries that are not an adapter's, written by hand, are left out)."""
     raw = yield call(r.hgetall, keys.loras())
-    out = {}
-    for name, value in raw.items():
-        if (entry := parse_lora_entry(value)) is not None and entry[0] is not None:  # not a removed one
-            out[as_text(name)] = Lora(as_text(name), *entry)
-    return dict(sorted(out.items()))
+    loras = (_lora_of(as_text(name), value) for name, value in raw.items())
+    return {lora.name: lora for lora in sorted(filter(None, loras), key=lambda lora: lora.name)}
 
 
 def get_lora(r, keys: Keys, name: str) -> Steps:
     """One registered adapter, or None."""
-    value = yield call(r.hget, keys.loras(), name)
-    entry = parse_lora_entry(value) if value is not None else None
-    return Lora(name, *entry) if entry is not None and entry[0] is not None else None
+    return _lora_of(name, (yield call(r.hget, keys.loras(), name)))
 
 
 def remove_lora(r, keys: Keys, name: str) -> Steps:
@@ -81,3 +76,41 @@ def remove_lora(r, keys: Keys, name: str) -> Steps:
     yield call(r.hset, keys.loras(), name, lora_removed_entry(lora.base))
     yield call(r.srem, keys.models(), name)
     return True
+
+
+def on_adapters(r, keys: Keys, requests: list, wheres: list[str]) -> Steps:
+    """Submit arguments with their `lora=NAME` resolved: such a request's `model` becomes the adapter (its own
+    streams, as OpenAI clients name it), or InvalidRequest, before anything is enqueued, naming each request
+    (`wheres`: its argument prefix) whose adapter nobody registered or whose `model` is neither the adapter nor its
+    base. One read of the registry for all of them; `lora=None` names none, and what is not a dict is left to
+    validation."""
+    asked = [a.get("lora") if isinstance(a, dict) else None for a in requests]
+    named = sorted({name for name in asked if isinstance(name, str)})
+    values = (yield call(r.hmget, keys.loras(), named)) if named else []
+    found = {name: lora for name, value in zip(named, values) if (lora := _lora_of(name, value)) is not None}
+    registered = list((yield from list_loras(r, keys)))[:20] if any(
+        name is not None and (not isinstance(name, str) or name not in found) for name in asked) else []
+    out, errors = [], []
+    for args, name, where in zip(requests, asked, wheres):
+        if isinstance(args, dict) and "lora" in args:
+            args = {k: v for k, v in args.items() if k != "lora"}
+        if name is None:
+            out.append(args)
+        elif (lora := found.get(name) if isinstance(name, str) else None) is None:
+            errors.append(FieldError(f"{where}lora", name, f"no LoRA adapter of that name is registered (registered: "
+                                                           f"{registered}); register it first: kvgate loras add NAME "
+                                                           "PATH --base MODEL, or Client.add_lora"))
+        elif args.get("model") not in (None, lora.name, lora.base):
+            errors.append(FieldError(f"{where}model", args["model"], f"lora={lora.name!r} is an adapter of "
+                                                                      f"{lora.base!r}: name that model or none"))
+        else:
+            out.append({**args, "model": lora.name})
+    if errors:
+        raise InvalidRequest(errors)
+    return out
+
+
+def _lora_of(name: str, value) -> Lora | None:
+    """A registry entry as the adapter it registers; None for none, a removed adapter's tombstone or a bad entry."""
+    entry = parse_lora_entry(value) if value is not None else None
+    return Lora(name, *entry) if entry is not None and entry[0] is not None else None

@@ -18,6 +18,7 @@ from typing import IO
 from tqdm.auto import tqdm
 
 from kvgate.producer.client import Client
+from kvgate.producer.loras import Lora, list_loras
 from kvgate.producer.model_set import known_models
 from kvgate.producer.steps import run as run_steps
 from kvgate.producer.errors import ResultTimeout
@@ -79,14 +80,12 @@ def read_requests(data: bytes, done: set[str], priority: str, out: IO[str],
     it: a typo would otherwise wait in streams nobody reads until --timeout."""
     digest, todo, rejected = file_digest(data), [], 0
     known = set(run_steps(known_models(client.redis, client.keys)))
+    loras = run_steps(list_loras(client.redis, client.keys))
     translators = gateway_translators()
     for line_no, raw in request_lines(data):
         planned = plan_line(line_no, raw, digest, priority, client.keys, client.client_id, translators)
-        if isinstance(planned, BatchRequest) and planned.model and planned.model not in known:
-            planned = unknown_model_line(planned, f"model {planned.model!r} is not known to the fleet: no worker has "
-                                                  f"served it and no operator added it (known: {', '.join(sorted(known))}"
-                                                  f"; `kvgate models add {planned.model}` if its workers are on the way)",
-                                         digest)
+        if isinstance(planned, BatchRequest) and planned.model and (problem := refusal(planned.model, known, loras)):
+            planned = unknown_model_line(planned, problem, digest)
         if isinstance(planned, BatchRequest):
             if planned.custom_id not in done:
                 todo.append(planned)
@@ -94,6 +93,21 @@ def read_requests(data: bytes, done: set[str], priority: str, out: IO[str],
             _write(out, planned)
             rejected += 1
     return todo, rejected
+
+
+def refusal(model: str, known: set[str], loras: dict[str, Lora]) -> str | None:
+    """Why a line's model would wait forever, or None: a model the fleet does not know, or a LoRA adapter (a
+    registered one is a known model, its jobs on its own streams) of a base model it does not know, as the gateway
+    refuses them."""
+    if (adapter := loras.get(model)) is not None and adapter.base not in known:
+        return (f"model {model!r} is a LoRA adapter of {adapter.base!r}, which is not known to the fleet: no worker "
+                f"has served it and no operator added it (`kvgate models add {adapter.base}` if its workers are on "
+                "the way)")
+    if model in known:
+        return None
+    return (f"model {model!r} is not known to the fleet: no worker has served it and no operator added it (known: "
+            f"{', '.join(sorted(known))}; `kvgate models add {model}` if its workers are on the way, or `kvgate loras "
+            f"add {model} PATH --base MODEL` for a LoRA adapter)")
 
 
 def _write(out: IO[str], row: dict) -> None:

@@ -139,7 +139,8 @@ def _submit_args(url: str, body: dict[str, Any]) -> dict[str, Any]:
                      - {"messages", "prompt", "model", *STRUCTURED_BODY_FIELDS, *(TOOL_FIELDS if url == CHAT else ()),
                         *(COMPLETION_FIELDS if url == COMPLETIONS else ())})
     if unknown:
-        raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported")
+        lora = "; a LoRA adapter is named as body.model, as OpenAI clients name it" if "lora" in unknown else ""
+        raise BadLine("unsupported_parameter", f"body field(s) {unknown} are not supported{lora}")
     if body.get("n", 1) != 1:
         raise BadLine("unsupported_parameter", f"n={shown(body['n'])}: only n=1 is supported")
     key = "messages" if url == CHAT else "prompt"
