@@ -1,9 +1,16 @@
 """CUDA graphs for decode-only steps: the eager forward of a small model is mostly Python launching kernels.
 
-One set of static input buffers, sized to the largest captured batch and to max_model_len's blocks, is shared by
-one graph per batch-size bucket (1, 2, 4, 8, then every 16 up to max_num_seqs). A step of n sequences replays
-the smallest bucket >= n: its first n rows hold the step's inputs, the rest are padding rows the kernels skip
-(slot -1: nothing stored; context 0: attention returns zeros). Prefill and mixed steps run eagerly.
+One set of static inputs, sized to the largest captured batch and to max_model_len's blocks, is shared by one
+graph per batch-size bucket (1, 2, 4, 8, then every 16 up to max_num_seqs). They are views of one packed device
+buffer (engine/graph_inputs.py) that a step fills with one host-to-device copy, written on the host by
+DecodeInputs.build: a step of n sequences replays the smallest bucket >= n, its first n rows hold the step's
+inputs and the rest are padding rows the kernels skip (slot -1: nothing stored; context 0: attention returns
+zeros). No copy, fill or cast of the inputs runs on the device outside the graph. Prefill and mixed steps run
+eagerly.
+
+A row whose input token is still on the device (overlap, engine/overlap.py) takes it inside the graph from the
+tokens the step before wrote (`prev`), and each replay writes its argmax into that same token buffer, where the
+next step launched ahead finds it; a sampled step's sampler writes its tokens there instead (its `out`).
 
 Each graph computes, after the hidden states, the logits in the model's dtype and their argmax (`logits_and_argmax`):
 a batch whose every row is plain greedy (SamplingBatch.plain_greedy) takes the tokens and never casts the [B, vocab]
@@ -22,21 +29,26 @@ from typing import NamedTuple
 
 import torch
 
+from kvgate.engine.decode_inputs import DecodeBatch
+from kvgate.engine.graph_inputs import StaticInputs
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM
 from kvgate.engine.sampler import argmax_rows
 
 
 class DecodeOutput(NamedTuple):
     """A decode step's outputs [n, ...]: views of a graph's static buffers, valid until its next replay."""
+    input_ids: torch.Tensor  # what the graph fed the model, tokens still on the device taken in
     hidden: torch.Tensor
     logits: torch.Tensor  # in the model's dtype
     tokens: torch.Tensor  # each row's argmax of `logits` (int64)
 
 
-def logits_and_argmax(model: LlamaForCausalLM, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a decode graph computes after the model: logits in the model's dtype and each row's first maximum."""
+def logits_and_argmax(model: LlamaForCausalLM, hidden: torch.Tensor, out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a decode graph computes after the model: logits in the model's dtype and each row's first maximum
+    (into `out` when given)."""
     logits = model.logits(hidden)
-    return logits, argmax_rows(logits)
+    return logits, argmax_rows(logits, out)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -45,27 +57,20 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaForCausalLM, max_num_seqs: int, max_blocks_per_seq: int,
+    def __init__(self, model: LlamaForCausalLM, max_num_seqs: int, max_blocks_per_seq: int, tokens: torch.Tensor,
                  device: torch.device) -> None:
-        self.model, self.device = model, device
+        """`tokens`: where each step's tokens are kept on the device in its row order (DecodeInputs.tokens)."""
+        self.model, self.device, self.tokens = model, device, tokens
         self.sizes = capture_sizes(max_num_seqs)
-        n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((n, max_blocks_per_seq), -1, dtype=torch.int32, device=device)
+        self.inputs = StaticInputs(self.sizes[-1], max_blocks_per_seq, device)
         self.replays: dict[int, Callable[[], DecodeOutput]] = {}
         self.replayed: dict[int, int] = {size: 0 for size in self.sizes}  # steps per bucket, for stats and tests
         self._pool = None
 
-    @property
-    def max_blocks(self) -> int:
-        return self.block_tables.shape[1]
-
     def bucket(self, n: int) -> int | None:
-        return next((s for s in self.sizes if s >= n), None)
+        """The captured bucket a step of n sequences replays; None: none fits, the step runs eagerly."""
+        size = next((s for s in self.sizes if s >= n), None)
+        return size if size in self.replays else None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -74,13 +79,16 @@ class DecodeGraphs:
             self.replays[size] = self._capture(size)
 
     def _capture(self, size: int) -> Callable[[], DecodeOutput]:
-        ids, positions = self.input_ids[:size], self.positions[:size]
-        meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.cu_seqlens_q[:size + 1],
-                                 self.context_lens[:size])
+        v = self.inputs.views
+        prev, host_ids, positions = v.prev[:size], v.input_ids[:size], v.positions[:size]
+        meta = AttentionMetadata(v.slot_mapping[:size], v.block_tables[:size], self.inputs.cu_seqlens_q[:size + 1],
+                                 v.context_lens[:size])
+        tokens = self.tokens[:size]
 
         def step() -> DecodeOutput:
+            ids = torch.where(prev < 0, host_ids, self.tokens[prev])  # before this step's tokens overwrite them
             hidden = self.model(ids, positions, meta)
-            return DecodeOutput(hidden, *logits_and_argmax(self.model, hidden))
+            return DecodeOutput(ids, hidden, *logits_and_argmax(self.model, hidden, out=tokens))
 
         if self.device.type != "cuda":
             return step
@@ -96,20 +104,9 @@ class DecodeGraphs:
             return out
         return replay
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> DecodeOutput | None:
-        """A decode-only step's outputs by replaying its bucket; None when no bucket fits."""
-        n = input_ids.shape[0]
-        size = self.bucket(n)
-        if size is None or size not in self.replays or meta.block_tables.shape[1] > self.max_blocks:
-            return None
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.context_lens[:n].copy_(meta.context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        self.block_tables[:n, width:] = -1
-        self.slot_mapping[n:size] = -1  # padding rows: store nothing, attend to nothing
-        self.context_lens[n:size] = 0
-        self.replayed[size] += 1
-        return DecodeOutput(*(t[:n] for t in self.replays[size]()))
+    def run(self, batch: DecodeBatch) -> DecodeOutput:
+        """A decode-only step's outputs: its inputs are already in the static buffers (DecodeInputs.build wrote
+        them for `batch.bucket`); one replay of that bucket computes them."""
+        self.replayed[batch.bucket] += 1
+        n = batch.input_ids.shape[0]
+        return DecodeOutput(*(t[:n] for t in self.replays[batch.bucket]()))

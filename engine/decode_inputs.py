@@ -4,7 +4,13 @@ Each sequence owns a row of a numpy block table for as long as it decodes; a ste
 appended since the last one (usually none), and a row is rewritten whole when its sequence's table changed
 under it (`Sequence.table_version`: preemption frees the table). Everything a step needs is packed into one
 byte array, its int64 fields then its int32 ones, so a device gets it in one (pinned, non-blocking) host-to-device
-copy and views each field in its own dtype: no cast kernel per step. On the CPU the arrays are the tensors."""
+copy and views each field in its own dtype: no cast kernel per step. On the CPU the arrays are the tensors. A step a
+decode graph replays is written instead into the graph's static inputs (engine/graph_inputs.py), padding included.
+
+Under overlap (engine/overlap.py) a sequence's last token may still be on the device, sampled by the step before
+into `tokens` (in that step's row order): its row's `prev` says which row of that step holds it, and the graph (or
+`fed`, for an eager step) takes it from there. A step launched ahead writes its own tokens into `tokens` (the
+graph's argmax, or the sampler's output): nothing copies them afterwards."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvgate.engine.graph_inputs import StaticInputs
+from kvgate.engine.models import AttentionMetadata
 from kvgate.engine.sampling_rows import SamplingBatch, SamplingRows
 from kvgate.engine.sequence import Sequence
 
@@ -24,7 +32,12 @@ class DecodeBatch:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     context_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, width] int32, -1 past each sequence's blocks
-    rows: torch.Tensor  # [B] int64: each sequence's row, where a step launched ahead keeps its tokens (`keep`)
+    prev: torch.Tensor  # [B] int64: the row of the step before whose token (on the device) is the input; -1: none
+    bucket: int | None = None  # the decode graph whose static inputs these are views of; None: an eager step
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        return AttentionMetadata(self.slot_mapping, self.block_tables, self.cu_seqlens_q, self.context_lens)
 
 
 class DecodeInputs:
@@ -44,48 +57,58 @@ class DecodeInputs:
         self.step = 0
         self.pinned = device.type == "cuda"
         self.one_copy = device.type != "cpu"  # pack and copy once; on the CPU the arrays are used as they are
-        self.device_rows: torch.Tensor | None = None  # the last build's rows, on the device
-        self.last_tokens: torch.Tensor | None = None  # [capacity] int64: each row's token sampled ahead (`keep`)
+        self.index = np.full(self.capacity, -1, dtype=np.int64)  # each row's index in the last build; -1: not in it
+        self.tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=device)  # a launched step's, in its order
 
-    def build(self, seqs: list[Sequence], width: int | None = None) -> DecodeBatch:
-        """Inputs for one new token per sequence (the last of each); `width` fixes the block-table width (a CUDA
-        graph's), else it is the widest table in the batch."""
+    def build(self, seqs: list[Sequence], graph: StaticInputs | None = None, bucket: int | None = None
+              ) -> DecodeBatch:
+        """Inputs for one new token per sequence (the last of each). With `graph`, written into a decode graph's
+        static inputs for its bucket of `bucket` rows (the block tables at its full width) and the batch is their
+        views; else the block tables are as wide as the widest in the batch."""
         self.step += 1
         n = len(seqs)
         rows = self._rows(seqs)
         ids = np.array([seq.token_ids[-1] for seq in seqs], dtype=np.int64)
         positions = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
-        width = width or int(self.synced[rows].max())
+        prev = self._prev(rows, ids)
         self.rows, self.positions = rows, positions
         bs = self.block_size
-        tables = self.tables[rows, :width]
+        tables = self.tables[rows] if graph is not None else self.tables[rows, :int(self.synced[rows].max())]
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
-        cu = np.arange(n + 1, dtype=np.int32)
         context_lens = (positions + 1).astype(np.int32)
+        if graph is not None:
+            graph.write(n, bucket, input_ids=ids, positions=positions, slot_mapping=slots, prev=prev,
+                        context_lens=context_lens, block_tables=tables)
+            v = graph.views
+            return DecodeBatch(v.input_ids[:n], v.positions[:n], v.slot_mapping[:n], graph.cu_seqlens_q[:n + 1],
+                               v.context_lens[:n], v.block_tables[:n], v.prev[:n], bucket)
+        cu = np.arange(n + 1, dtype=np.int32)
+        width = tables.shape[1]
         if not self.one_copy:  # the arrays themselves, no copy and no conversion
-            batch = DecodeBatch(*map(torch.from_numpy, (ids, positions, slots, cu, context_lens, tables, rows)))
-        else:
-            wide = np.concatenate([ids, positions, slots, rows])
-            flat = self._to_device(np.concatenate([wide.view(np.uint8), cu.view(np.uint8), context_lens.view(np.uint8),
-                                                   np.ascontiguousarray(tables).reshape(-1).view(np.uint8)]))
-            ids_t, positions_t, slots_t, rows_t = torch.split(flat[:wide.nbytes].view(torch.int64), n)
-            cu_t, context_t, tables_t = torch.split(flat[wide.nbytes:].view(torch.int32), [n + 1, n, n * width])
-            batch = DecodeBatch(ids_t, positions_t, slots_t, cu_t, context_t, tables_t.view(n, width), rows_t)
-        self.device_rows = batch.rows
-        return batch
+            return DecodeBatch(*map(torch.from_numpy, (ids, positions, slots, cu, context_lens, tables, prev)))
+        wide = np.concatenate([ids, positions, slots, prev])
+        flat = self._to_device(np.concatenate([wide.view(np.uint8), cu.view(np.uint8), context_lens.view(np.uint8),
+                                               np.ascontiguousarray(tables).reshape(-1).view(np.uint8)]))
+        ids_t, positions_t, slots_t, prev_t = torch.split(flat[:wide.nbytes].view(torch.int64), n)
+        cu_t, context_t, tables_t = torch.split(flat[wide.nbytes:].view(torch.int32), [n + 1, n, n * width])
+        return DecodeBatch(ids_t, positions_t, slots_t, cu_t, context_t, tables_t.view(n, width), prev_t)
 
-    def fed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The last build's input ids with each one still on the device taken from there: a sequence whose last
-        token was sampled by the step launched just before (engine/overlap.py) has a negative id on the host."""
-        if self.last_tokens is None:
-            return input_ids
-        return torch.where(input_ids < 0, self.last_tokens[self.device_rows], input_ids)
+    def fed(self, batch: DecodeBatch) -> torch.Tensor:
+        """An eager step's input ids with each one still on the device taken from there (what a decode graph does
+        inside itself): a sequence whose last token the step launched just before sampled (engine/overlap.py)."""
+        return torch.where(batch.prev < 0, batch.input_ids, self.tokens[batch.prev])
 
-    def keep(self, tokens: torch.Tensor) -> None:
-        """The last build's sampled tokens [B], kept on the device in their rows for the next step's `fed`."""
-        if self.last_tokens is None:
-            self.last_tokens = torch.zeros(self.capacity, dtype=torch.long, device=self.device)
-        self.last_tokens[self.device_rows] = tokens.to(self.device, torch.long)
+    def _prev(self, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Each row's index in the last build where its last token is still on the device (negative on the
+        host), else -1; then this build's indices replace the last one's."""
+        on_device = ids < 0
+        prev = np.where(on_device, self.index[rows], -1)
+        if (prev[on_device] < 0).any():
+            raise RuntimeError("a decode step has a token still on the device for a sequence that was not in the "
+                               "step before: a step launched ahead was not the last one built")
+        self.index[self.rows] = -1
+        self.index[rows] = np.arange(len(rows))
+        return prev
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The sampling parameters of the last build's sequences, `seqs`, gathered from their rows."""

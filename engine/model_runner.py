@@ -12,7 +12,7 @@ import torch
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.cuda_graphs import DecodeGraphs
-from kvgate.engine.decode_inputs import DecodeInputs
+from kvgate.engine.decode_inputs import DecodeBatch, DecodeInputs
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
 from kvgate.engine.pooler import accumulate
 from kvgate.engine.sampler import Sampler
@@ -81,16 +81,15 @@ def prompt_logprob_rows(batch: ScheduledBatch) -> list[tuple[Sequence, int, int]
 
 class LaunchedStep:
     """A launched decode step's sequences and sampled tokens, copied to the host without blocking (on CUDA into
-    pinned memory, an event marking the copy's end); `tokens` waits for them."""
+    pinned memory, an event marking the copy's end); `tokens` waits for them. The copy is queued before the next
+    step, which overwrites the device's token buffer (DecodeInputs.tokens); on a CPU it is made at once."""
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         self.seqs, self.ready = seqs, None
+        self.host = tokens.to("cpu", non_blocking=True, copy=True)  # torch pins a non-blocking copy off the GPU
         if tokens.device.type == "cuda":
-            self.host = tokens.to("cpu", non_blocking=True)  # pinned: torch pins a non-blocking copy off the GPU
             self.ready = torch.cuda.Event()
             self.ready.record()
-        else:
-            self.host = tokens
 
     def tokens(self) -> list[int]:
         if self.ready is not None:
@@ -168,8 +167,8 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Decode graphs for every batch-size bucket (on a CPU: the eager twin of the same plan)."""
-        self.graphs = DecodeGraphs(self.model, self.max_num_seqs, -(-self.max_model_len // self.block_size),
-                                   self.device)
+        inputs = self._decode_inputs()
+        self.graphs = DecodeGraphs(self.model, self.max_num_seqs, inputs.max_blocks, inputs.tokens, self.device)
         self.graphs.capture()
         logger.info("decode graphs captured for batch sizes %s", self.graphs.sizes)
 
@@ -224,11 +223,13 @@ class ModelRunner:
                     "KV cache", num_tokens, activations / GiB, (total - free) / GiB, budget / GiB)
         return budget
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int] | None]:
-        """Flat inputs of the batch and the rows to sample (None: every row, a decode-only batch)."""
+    def prepare(self, batch: ScheduledBatch, graphed: bool = False) -> DecodeBatch | tuple[
+            torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """A decode-only batch's inputs (`graphed`: in a decode graph's static inputs where a bucket fits), else
+        the flat inputs of the batch and the rows to sample."""
         seqs = batch.seqs if isinstance(batch, AllDecode) else decode_only(batch)
         if seqs is not None:
-            return self._prepare_decode(seqs)
+            return self._prepare_decode(seqs, graphed)
         return self._prepare_mixed(batch)
 
     def _prepare_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -261,13 +262,15 @@ class ModelRunner:
             context_lens=(starts_t + counts_t).to(torch.int32).to(dev))
         return torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, sample_rows
 
-    def _prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
+    def _decode_inputs(self) -> DecodeInputs:
         if self.decode_inputs is None:
             self.decode_inputs = DecodeInputs(self.max_num_seqs, -(-self.max_model_len // self.block_size),
                                               self.block_size, self.device)
-        d = self.decode_inputs.build(seqs)
-        return d.input_ids, d.positions, AttentionMetadata(d.slot_mapping, d.block_tables, d.cu_seqlens_q,
-                                                           d.context_lens), None
+        return self.decode_inputs
+
+    def _prepare_decode(self, seqs: list[Sequence], graphed: bool = False) -> DecodeBatch:
+        bucket = self.graphs.bucket(len(seqs)) if graphed and self.graphs is not None else None
+        return self._decode_inputs().build(seqs, None if bucket is None else self.graphs.inputs, bucket)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
@@ -276,8 +279,10 @@ class ModelRunner:
             self._warn_foreign_thread()
         # an embedding request's chunk is never part of a decode step: its hidden states are pooled, not sampled
         pooling = not isinstance(batch, AllDecode) and any(seq.pooling is not None for seq, _ in batch)
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
-        if sample_rows is None:  # a decode step: its sampling parameters are kept per row with its inputs
+        lora = self.lora is not None and self.lora.set_rows(batch)  # a step with adapter rows runs eagerly
+        prepared = self.prepare(batch, graphed=not lora)
+        decoding = isinstance(prepared, DecodeBatch)
+        if decoding:  # a decode step: its sampling parameters are kept per row with its inputs
             seqs = batch.seqs if isinstance(batch, AllDecode) else [seq for seq, _ in batch]
             sampling = self.decode_inputs.sampling_batch(seqs)
         else:
@@ -285,12 +290,12 @@ class ModelRunner:
             sampling = SamplingBatch.of(seqs) if seqs else None
         if sampling is not None and sampling.constrained:  # structured output: its mask fills during the forward
             self.sampler.start_mask(seqs, sampling.constrained)
-        lora = self.lora is not None and self.lora.set_rows(batch)  # a step with adapter rows runs eagerly
-        if sample_rows is None:
-            logits, greedy = self.decode(input_ids, positions, meta, sampling, graphed=not lora)
+        if decoding:
+            logits, greedy = self.decode(prepared, sampling)
             if greedy is not None:
                 return seqs, greedy.tolist(), [None] * len(seqs)
         else:
+            input_ids, positions, meta, sample_rows = prepared
             hidden = self.forward(input_ids, positions, meta)
             if pooling:
                 self._pool(batch, hidden)
@@ -311,19 +316,19 @@ class ModelRunner:
     def launch(self, batch: AllDecode) -> LaunchedStep:
         """A decode-only step (every sequence computes its last token) launched without waiting for its tokens
         (engine/overlap.py): a last token the previous launch sampled is still on the device (negative on the host)
-        and is fed from there; this step's tokens are kept there for the next launch, and reach the host through
-        the returned step. No logprobs, no structured rows: Overlap's rule keeps those to the plain step."""
+        and is fed from there; this step's tokens are written into DecodeInputs.tokens (the graph's argmax, or
+        the sampler's output) for the next launch, and reach the host through the returned step. No logprobs, no
+        structured rows: Overlap's rule keeps those to the plain step."""
         if self.home_thread not in (None, threading.get_ident()):
             self._warn_foreign_thread()
         seqs = batch.seqs
-        input_ids, positions, meta, _ = self.prepare(batch)
+        lora = self.lora is not None and self.lora.set_rows(batch)  # this step's rows, not the last step's
+        prepared = self.prepare(batch, graphed=not lora)
         d = self.decode_inputs
         sampling = d.sampling_batch(seqs)
-        lora = self.lora is not None and self.lora.set_rows(batch)  # this step's rows, not the last step's
-        logits, tokens = self.decode(d.fed(input_ids), positions, meta, sampling, graphed=not lora)
+        logits, tokens = self.decode(prepared, sampling, fed=True)
         if tokens is None:
-            tokens = self.sampler.sample(logits, seqs, sampling, consume=True)
-        d.keep(tokens)
+            tokens = self.sampler.sample(logits, seqs, sampling, consume=True, out=d.tokens[:len(seqs)])
         return LaunchedStep(seqs, tokens)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Sequence, int, int]]) -> None:
@@ -359,14 +364,17 @@ class ModelRunner:
                        "~50%% slower; load and step it on the same thread, as `kvgate worker` does")
         self.home_thread = None  # said once
 
-    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               sampling: SamplingBatch, graphed: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A decode-only step: (None, tokens) where it replays a graph and every row is plain greedy
-        (SamplingBatch.plain_greedy: the graph's argmax of the model-dtype logits, no float32 cast), else
-        (float32 logits, None) for the sampler. `graphed` False (adapter rows) runs it eagerly."""
-        out = self.graphs.run(input_ids, positions, meta) if graphed and self.graphs is not None else None
-        if out is None:
-            return self.model.compute_logits(self.forward(input_ids, positions, meta, decode=True)), None
+    def decode(self, batch: DecodeBatch, sampling: SamplingBatch, fed: bool = False
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A decode-only step: (None, tokens) where it replays a graph (`batch.bucket`) and every row is plain
+        greedy (SamplingBatch.plain_greedy: the graph's argmax of the model-dtype logits, no float32 cast), else
+        (float32 logits, None) for the sampler. `fed`: some input tokens may still be on the device (a launched
+        step); a graph takes them itself, an eager step here."""
+        if batch.bucket is None:
+            input_ids = self.decode_inputs.fed(batch) if fed else batch.input_ids
+            hidden = self.forward(input_ids, batch.positions, batch.meta, decode=True)
+            return self.model.compute_logits(hidden), None
+        out = self.graphs.run(batch)
         if sampling.plain_greedy:
             return None, out.tokens
         return out.logits.float(), None

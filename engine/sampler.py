@@ -67,13 +67,16 @@ def position_hashes(positions: np.ndarray | list[int]) -> np.ndarray:
         return _POSITION_HASHES[0][positions]
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximal index. On the CPU torch's argmax over the last dimension is a scalar loop (0.6 ms
-    for [256, 1,024] on one thread, W-HOST) where numpy's is vectorized (0.03 ms); both take the first maximum
-    (and a NaN as the maximum), so the tokens are the same."""
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's first maximal index (int64, into `out` when given). On the CPU torch's argmax over the last
+    dimension is a scalar loop (0.6 ms for [256, 1,024] on one thread, W-HOST) where numpy's is vectorized
+    (0.03 ms); both take the first maximum (and a NaN as the maximum), so the tokens are the same."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        return torch.from_numpy(logits.numpy().argmax(-1))
-    return logits.argmax(-1)
+        if out is None:
+            return torch.from_numpy(logits.numpy().argmax(-1))
+        logits.numpy().argmax(-1, out=out.numpy())
+        return out
+    return torch.argmax(logits, -1, out=out) if out is not None else logits.argmax(-1)
 
 
 def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -211,10 +214,11 @@ class Sampler:
             return tokens.tolist(), [None] * len(seqs)
         return self._with_logprobs(logits, tokens, batch.logprob_rows, batch.logprob_tops)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, consume: bool = False
-               ) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, consume: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """The next tokens [B], left on the logits' device: no transfer, so a step launched ahead (engine/overlap.py)
-        feeds them to the next step's inputs there; `logits` stay the model's own where logprob rows need them."""
+        feeds them to the next step's inputs there, written by the last operation into `out` where given (the
+        token buffer the next step reads); `logits` stay the model's own where logprob rows need them."""
         raw = logits
         if batch.constrained:  # before everything else; the logprobs stay the model's own
             if batch.logprob_rows or not consume:
@@ -228,10 +232,10 @@ class Sampler:
             logits = logits.clone() if logits is raw else logits
             apply_penalties(logits, seqs, batch.penalized)
         if batch.all_greedy:
-            return argmax_rows(logits)
+            return argmax_rows(logits, out)
         # weights may overwrite logits nothing reads after: a penalized copy, or the caller's without logprobs
         spare = batch.greedy is None and (logits is not raw or (consume and not batch.logprob_rows))
-        return self._sample(logits, seqs, batch, spare)
+        return self._sample(logits, seqs, batch, spare, out)
 
     def start_mask(self, seqs: list[Sequence], rows: list[int]) -> None:
         """Begin filling the mask of `rows` of `seqs` on another thread (llguidance's executor works without the
@@ -258,15 +262,16 @@ class Sampler:
                 filling[2].result()  # never two fills of one buffer at once
             self.masks.mask(logits, rows, [seqs[i].matcher for i in rows])
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, spare: bool) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, spare: bool,
+                out: torch.Tensor | None) -> torch.Tensor:
         dev = logits.device
         if batch.top_k is not None:
             scaled = apply_top_k_top_p(logits * self._per_row(batch.inv_temperature, logits),
                                        to_device(batch.top_k, dev), to_device(batch.top_p, dev, logits.dtype))
             weights = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_()
         else:  # softmax(logits / T) up to each row's total, into a buffer kept between steps
-            out = logits if spare else self._scratch(logits)
-            weights = self._exponent(logits, self._per_row(batch.inv_temperature * LOG2_E, logits), out).exp2_()
+            scratch = logits if spare else self._scratch(logits)
+            weights = self._exponent(logits, self._per_row(batch.inv_temperature * LOG2_E, logits), scratch).exp2_()
         if batch.min_p is not None:  # each row's largest weight is 1: drop those under min_p of it
             weights.masked_fill_(weights < to_device(batch.min_p, dev, weights.dtype)[:, None], 0.0)
         for i in batch.unseeded:
@@ -279,10 +284,13 @@ class Sampler:
             u = uniform_for(batch.seeds, batch.positions)
             cdf = weights.cumsum(-1)
             target = (to_device(u, dev) * cdf[:, -1].double()).to(cdf.dtype)[:, None]
-            sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
+            sampled = torch.clamp(torch.searchsorted(cdf, target, right=True).squeeze(1), max=logits.shape[1] - 1,
+                                  out=out if batch.greedy is None else None)
         if batch.greedy is not None:
-            sampled = torch.where(to_device(batch.greedy, dev), argmax_rows(logits), sampled)
-        return sampled
+            return torch.where(to_device(batch.greedy, dev), argmax_rows(logits), sampled, out=out)
+        if out is None or sampled is out:
+            return sampled
+        return out.copy_(sampled)  # the CPU's tokens, drawn in numpy
 
     @staticmethod
     def _exponent(logits: torch.Tensor, scale: torch.Tensor | float, out: torch.Tensor) -> torch.Tensor:

@@ -152,16 +152,15 @@ class ReplayProbe:
         self.max_diff = 0.0
         runner.graphs.run = self
 
-    def __call__(self, input_ids, positions, meta):
+    def __call__(self, batch):
         import torch
 
-        out = self.replay(input_ids, positions, meta)
-        if out is None:
-            return None
+        out = self.replay(batch)
         model = self.runner.model
         with torch.inference_mode():
             graphed = out.logits.float().log_softmax(-1)  # the graph's own logits, and its own argmax below
-            eager = model.compute_logits(model(input_ids, positions, meta)).log_softmax(-1)
+            # the ids the graph fed the model (a token still on the device taken in) and its static inputs
+            eager = model.compute_logits(model(out.input_ids, batch.positions, batch.meta)).log_softmax(-1)
         token = out.tokens[:, None]
         self.max_diff = max(self.max_diff, (graphed.gather(-1, token) - eager.gather(-1, token)).abs().max().item())
         self.same_argmax += int((eager.argmax(-1, keepdim=True) == token).sum().item())

@@ -112,10 +112,10 @@ class StepClock:
         run, prepare = runner.run, getattr(runner, "prepare", None)
         building = [0.0]
 
-        def timed_prepare(batch):
+        def timed_prepare(batch, *args, **kwargs):
             start = time.perf_counter()
             try:
-                return prepare(batch)
+                return prepare(batch, *args, **kwargs)
             finally:
                 building[0] += time.perf_counter() - start
 

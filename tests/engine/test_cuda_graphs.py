@@ -39,23 +39,24 @@ def test_graph_plan_gives_the_eager_tokens_and_reuses_its_buffers():
     assert engine.runner.graphs is None  # a CPU engine captures nothing by itself
     engine.runner.capture_graphs()
     graphs = engine.runner.graphs
-    buffers = [t.data_ptr() for t in (graphs.input_ids, graphs.slot_mapping, graphs.block_tables)]
+    v = graphs.inputs.views
+    buffers = [t.data_ptr() for t in (v.input_ids, v.slot_mapping, v.block_tables)]
     run, padded = graphs.run, []
 
-    def checking_padding(input_ids, positions, meta):
-        hidden = run(input_ids, positions, meta)
-        n, size = input_ids.shape[0], graphs.bucket(input_ids.shape[0])
-        assert (graphs.slot_mapping[n:size] == -1).all() and (graphs.context_lens[n:size] == 0).all()
-        assert torch.equal(graphs.context_lens[:n], meta.context_lens)  # and the real rows hold the step's inputs
+    def checking_padding(batch):
+        n, size = batch.input_ids.shape[0], batch.bucket
+        assert size == graphs.bucket(n) and (v.slot_mapping[n:size] == -1).all() and (v.context_lens[n:size] == 0).all()
+        assert (v.block_tables[n:size] == -1).all() and (v.prev[n:size] == -1).all()
+        assert batch.context_lens.data_ptr() == v.context_lens.data_ptr()  # the step's inputs are the static ones
         padded.append(size - n)
-        return hidden
+        return run(batch)
 
     graphs.run = checking_padding
     assert generate(engine, prompts, lengths) == eager
-    assert [t.data_ptr() for t in (graphs.input_ids, graphs.slot_mapping, graphs.block_tables)] == buffers
+    assert [t.data_ptr() for t in (v.input_ids, v.slot_mapping, v.block_tables)] == buffers
     assert graphs.sizes == [1, 2, 4, 7] and all(graphs.replayed[s] > 0 for s in graphs.sizes)
     assert max(padded) > 0  # some steps ran padded (a batch of 3 in the bucket of 4, 6 or 5 in 7)
-    assert graphs.block_tables.shape[1] == -(-engine.max_model_len // engine.block_size)
+    assert v.block_tables.shape[1] == -(-engine.max_model_len // engine.block_size)
 
 
 def test_padding_rows_leave_the_kv_cache_as_eager_leaves_it():

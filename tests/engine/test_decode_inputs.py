@@ -10,14 +10,16 @@ from kvgate.engine.decode_inputs import DecodeBatch, DecodeInputs
 from kvgate.engine.sequence import Sequence
 from tests.engine.helpers import BLOCK_BYTES, random_prompts, tiny_source
 
+TENSORS = [name for name in DecodeBatch.__slots__ if name != "bucket"]
+
 
 def assert_same_inputs(runner, batch) -> None:
-    ids, pos, meta, rows = runner._prepare_decode([seq for seq, _ in batch])
+    d = runner._prepare_decode([seq for seq, _ in batch])
     ref_ids, ref_pos, ref_meta, ref_rows = runner._prepare_mixed(batch)
-    assert rows is None and ref_rows == list(range(len(batch)))
-    assert torch.equal(ids, ref_ids) and torch.equal(pos, ref_pos)
+    assert d.bucket is None and ref_rows == list(range(len(batch)))
+    assert torch.equal(d.input_ids, ref_ids) and torch.equal(d.positions, ref_pos)
     for name in ("slot_mapping", "cu_seqlens_q", "context_lens", "block_tables"):
-        ours, ref = getattr(meta, name), getattr(ref_meta, name)
+        ours, ref = getattr(d.meta, name), getattr(ref_meta, name)
         assert ours.dtype == ref.dtype and torch.equal(ours, ref), name
 
 
@@ -28,11 +30,11 @@ def test_decode_inputs_equal_the_rebuilt_ones_through_new_blocks_and_preemptions
     runner, checked = engine.runner, []
     prepare = runner.prepare
 
-    def checking(batch):
+    def checking(batch, graphed=False):
         if all(n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in batch):
             assert_same_inputs(runner, batch)
             checked.append(len(batch))
-        return prepare(batch)
+        return prepare(batch, graphed)
 
     runner.prepare = checking
     for i, prompt in enumerate(random_prompts(10, 5, 20, seed=3)):
@@ -84,7 +86,7 @@ def test_a_device_gets_the_inputs_in_one_copy_each_field_in_its_dtype_without_a_
     (plain, no_copies), (packed, copies) = built(False), built(True)
     assert no_copies == [] and copies == [np.uint8]
     copied = packed.input_ids.untyped_storage().data_ptr()
-    for name in DecodeBatch.__slots__:
+    for name in TENSORS:
         ours, ref = getattr(packed, name), getattr(plain, name)
         assert ours.dtype == ref.dtype and torch.equal(ours, ref), name
         assert ours.untyped_storage().data_ptr() == copied, name  # a view of the one copy: no cast made it
