@@ -8,8 +8,10 @@ Each model NAME=WEIGHTS gets `kvgate-worker-<slug>`: the worker Deployment of k8
 WEIGHTS and serving NAME (KVGATE_SERVED_MODEL_NAME) and its aliases, not the `default` model; and the
 ScaledObject of k8s/keda-scaledobject.yaml with one wake trigger per priority for each name it serves
 (`{ns}:jobs:<name>:<priority>`) and the prometheus triggers that scale on that model's work, over all its names
-(kvgate/bench/scale_policy.py; --worker-tokens-per-s, --deadline-margin, --utilisation and --drain-s set them), so a
-job for a model with no worker wakes that model's Deployment from zero and its work sizes it.
+and its LoRA adapters' (kvgate/bench/scale_policy.py: they select the exporter's `served_by`, so adapters registered
+at run time count for their base; --worker-tokens-per-s, --deadline-margin, --utilisation and --drain-s set them),
+so a job for a model or one of its adapters with no worker wakes that model's Deployment from zero and its work
+sizes it.
 The base manifests stay the one place to change probes, resources or scaling behaviour. Apply the output
 instead of worker-deployment.yaml and the ScaledObject in keda-scaledobject.yaml (keep its
 TriggerAuthentication); the default model's pair is what those two files are.
@@ -135,7 +137,8 @@ def triggers(so: dict, names: list[str], namespace: str, shards: int, addresses:
              scaling: WorkScaling = WorkScaling()) -> list[dict]:
     """One wake trigger per priority of each name on its streams (on a cluster, `shards` > 0: per shard and
     priority), read from Redis directly; then the prometheus triggers that scale on work (kvgate/bench/scale_policy.py,
-    docs/operations/autoscaling.md) over every name, lanes, shards and tenants' streams summed by the exporter."""
+    docs/operations/autoscaling.md) over every name and adapter it serves, lanes, shards and tenants' streams summed
+    by the exporter (an adapter's streams have no redis-streams trigger: it is registered at run time)."""
     base = so["spec"]["triggers"]
     by_priority = {t["metadata"]["stream"].rsplit(":", 1)[-1]: t for t in base if t["type"] == "redis-streams"}
     server = next(t["metadata"]["serverAddress"] for t in base if t["type"] == "prometheus")

@@ -94,6 +94,12 @@ class ModelStats:
         return _oldest(p.oldest_age_s for p in self.priorities.values())
 
     @property
+    def served_by(self) -> str:
+        """The model whose workers serve these streams: an adapter's base, else the name itself (the exporter's
+        `served_by` label, which the autoscaler's triggers select on: an adapter's work counts for its base)."""
+        return self.adapter_of or self.model
+
+    @property
     def waiting_for_workers(self) -> bool:
         """Jobs wait and no live worker serves the model: only a scale-up (from zero) will answer them."""
         return not self.workers and (self.backlog > 0 or self.pending > 0)

@@ -102,6 +102,7 @@ class PriorityWork:
 @dataclass(slots=True)
 class ModelWork:
     model: str
+    served_by: str  # the model whose workers serve it (queue_stats.ModelStats.served_by: an adapter's base)
     priorities: dict[str, PriorityWork]
     tokens_per_s: float  # prompt plus generated tokens of jobs finished over the workers' last minute
     kv_usage: float | None  # used share of the live workers' KV blocks; None: no live worker
@@ -229,7 +230,8 @@ def queue_work(r, keys: Keys, snap: QueueStats) -> Steps:
                                                    for st in tenants.get(keys.jobs(m, p, shard=k), [])]
             work = priority_work(streams, own, jobs, above, p, now_s)
             priorities[p], above = work, work.tokens_through
-        out[m] = ModelWork(m, priorities, fleet_rate(snap.workers, m), kv_usage(snap.workers, m))
+        out[m] = ModelWork(m, snap.models[m].served_by, priorities, fleet_rate(snap.workers, m),
+                           kv_usage(snap.workers, m))
     return out
 
 

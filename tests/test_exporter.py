@@ -200,6 +200,29 @@ def test_queue_gauges_carry_the_model_and_a_model_with_jobs_and_no_worker_is_fla
     assert m[("kvgate_model_waiting_for_workers", "alpha", None)] == 0
 
 
+def test_every_per_model_gauge_names_the_model_serving_it_an_adapters_its_base(server):
+    """`served_by` (what the KEDA triggers select on): a LoRA adapter's base, whose workers read its streams, and a
+    model's own name otherwise; on every gauge that carries `model`, so they still match one to one in PromQL."""
+    from kvgate.producer.steps import run
+    from kvgate.producer.loras import add_lora
+
+    keys = Keys("exp")
+    server.sadd(keys.models(), "alpha")
+    run(add_lora(server, keys, "sql", "/adapters/sql", "alpha"))
+    server.xadd(keys.jobs("sql", "normal"), _job(100, 20))
+    samples = [s for fam in exporter.build_registry(server, keys).collect() for s in fam.samples
+               if "model" in s.labels]
+    served_by = {(s.name, s.labels["model"]): s.labels.get("served_by") for s in samples}
+    names = {name for name, _ in served_by}
+    assert {"kvgate_queue_lag", "kvgate_queue_pending", "kvgate_queue_tokens_waiting", "kvgate_model_live_workers",
+            "kvgate_queue_deadline_tokens_per_second_needed", "kvgate_model_tokens_per_second"} <= names
+    assert set((model, by) for (_, model), by in served_by.items()) == {("sql", "alpha"), ("alpha", "alpha"),
+                                                                       ("default", "default")}
+    lag = {s.labels["model"]: s.value for s in samples if s.name == "kvgate_queue_lag" and s.labels["priority"] ==
+           "normal"}
+    assert lag == {"sql": 1, "alpha": 0, "default": 0}  # the adapter's series stays its own: `model` unchanged
+
+
 def _job(tokens: int, max_tokens: int, deadline: float | None = None, priority: str = "normal") -> dict:
     from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Job, Sampling, encode
 

@@ -2,7 +2,11 @@
 
 One process per kvgate namespace is enough; it holds no state, so any number of replicas agree. The label is
 `kvgate_namespace` because Prometheus already puts the Kubernetes `namespace` on every target; queue gauges
-carry `model` (the stream's model name, `default` for jobs that name none) and `priority`; per-name views carry
+carry `model` (the stream's model name, `default` for jobs that name none), `served_by` (the model whose workers
+serve the streams: a LoRA adapter's base, the model itself otherwise; the KEDA triggers select on it, so an
+adapter's work counts for its base's Deployment) and `priority`. Every per-model gauge carries both, so they still
+match one to one in PromQL (`kvgate_queue_lag + kvgate_queue_pending`); `served_by` follows from `model`, so it adds
+no series, and its values are base models', never the adapters' registered at run time. Per-name views carry
 `tenant` or `adapter`, bounded to the ten busiest names and `_other` (limits.top_and_rest). The figures
 come from producer.queue_stats, which also counts lag on Redis 6.2 (no `lag` in XINFO GROUPS).
 """
@@ -25,6 +29,12 @@ from kvgate.producer.limits import OTHER_TENANTS
 from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
 from kvgate.producer.queue_work import ModelWork, read_queue_work
 from kvgate.producer.redis_url import connect, keys_for
+
+BY_MODEL = ["kvgate_namespace", "model", "served_by"]  # every per-model gauge's labels (then `priority`, if any)
+
+
+def _model_labels(ns: str, m: ModelStats | ModelWork) -> list[str]:
+    return [ns, m.model, m.served_by]
 
 
 class FleetCollector:
@@ -66,23 +76,22 @@ def _stream_families(ns: str, models: list[ModelStats]):
              ("queue_length", "Entries in the job stream (XLEN)", "length"),
              ("queue_oldest_job_age_seconds", "Age of the oldest job not yet acknowledged", "oldest_age_s"))
     for name, doc, attr in specs:
-        family = GaugeMetricFamily(f"kvgate_{name}", doc, labels=["kvgate_namespace", "model", "priority"])
+        family = GaugeMetricFamily(f"kvgate_{name}", doc, labels=[*BY_MODEL, "priority"])
         for m in models:
             for s in m.priorities.values():
-                family.add_metric([ns, m.model, s.priority], getattr(s, attr) or 0)  # no age: nothing waits
+                family.add_metric([*_model_labels(ns, m), s.priority], getattr(s, attr) or 0)  # no age: nothing waits
         yield family
 
 
 def _model_families(ns: str, models: list[ModelStats]):
     """Per model: who serves it, and whether its jobs wait for a scale-up (backlog and no live worker)."""
     workers = GaugeMetricFamily("kvgate_model_live_workers", "Live workers serving the model name (aliases count)",
-                                labels=["kvgate_namespace", "model"])
+                                labels=BY_MODEL)
     stranded = GaugeMetricFamily("kvgate_model_waiting_for_workers",
-                                 "1 if the model has jobs waiting and no live worker serves it",
-                                 labels=["kvgate_namespace", "model"])
+                                 "1 if the model has jobs waiting and no live worker serves it", labels=BY_MODEL)
     for m in models:
-        workers.add_metric([ns, m.model], len(m.workers))
-        stranded.add_metric([ns, m.model], int(m.waiting_for_workers))
+        workers.add_metric(_model_labels(ns, m), len(m.workers))
+        stranded.add_metric(_model_labels(ns, m), int(m.waiting_for_workers))
     yield workers
     yield stranded
 
@@ -171,7 +180,7 @@ def _work_families(ns: str, models: list[ModelWork]):
     waiting, the time to drain them (and every higher priority's) at the fleet's rate, the least deadline slack and
     the rate every deadline needs; per model the fleet's rate and KV use. A drain or slack needs a measured rate:
     no series while the fleet served nothing over the last minute (KEDA reads a missing series as 0)."""
-    labels, by_model = ["kvgate_namespace", "model", "priority"], ["kvgate_namespace", "model"]
+    labels, by_model = [*BY_MODEL, "priority"], BY_MODEL
     tokens = GaugeMetricFamily("kvgate_queue_tokens_waiting", "Estimated prompt plus max_tokens of the jobs not yet "
                                "delivered (sampled at both ends of each stream)", labels=labels)
     drain = GaugeMetricFamily("kvgate_queue_drain_seconds", "Seconds to drain this priority's and every higher "
@@ -187,16 +196,17 @@ def _work_families(ns: str, models: list[ModelWork]):
     kv = GaugeMetricFamily("kvgate_model_kv_usage_ratio", "Used share of the KV blocks of the live workers "
                            "serving the model", labels=by_model)
     for m in models:
-        rate.add_metric([ns, m.model], m.tokens_per_s)
+        rate.add_metric(_model_labels(ns, m), m.tokens_per_s)
         if m.kv_usage is not None:
-            kv.add_metric([ns, m.model], m.kv_usage)
+            kv.add_metric(_model_labels(ns, m), m.kv_usage)
         for p in m.priorities.values():
-            tokens.add_metric([ns, m.model, p.priority], p.tokens)
-            needed.add_metric([ns, m.model, p.priority], p.rate_needed())
+            at = [*_model_labels(ns, m), p.priority]
+            tokens.add_metric(at, p.tokens)
+            needed.add_metric(at, p.rate_needed())
             if (seconds := p.drain_s(m.tokens_per_s)) is not None:
-                drain.add_metric([ns, m.model, p.priority], seconds)
+                drain.add_metric(at, seconds)
             if (least := p.least_slack_s(m.tokens_per_s)) is not None:
-                slack.add_metric([ns, m.model, p.priority], least)
+                slack.add_metric(at, least)
     yield from (tokens, drain, slack, needed, rate, kv)
 
 

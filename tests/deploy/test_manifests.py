@@ -118,7 +118,7 @@ def test_keda_scales_on_the_exporters_work_and_wakes_on_one_job_of_any_stream():
     prom = {t["name"]: t for t in so["triggers"] if t["type"] == "prometheus"}
     assert sorted(prom) == ["work-deadline", "work-wake", "work-work"]
     wake = prom["work-wake"]["metadata"]
-    assert wake["query"] == 'clamp_max(sum(kvgate_queue_lag{kvgate_namespace="kvgate",model=~"default"}), 1)'
+    assert wake["query"] == 'clamp_max(sum(kvgate_queue_lag{kvgate_namespace="kvgate",served_by=~"default"}), 1)'
     assert (wake["threshold"], wake["activationThreshold"]) == ("1", "0")
     assert "kvgate_queue_deadline_tokens_per_second_needed" in prom["work-deadline"]["metadata"]["query"]
     assert "kvgate_queue_tokens_waiting" in prom["work-work"]["metadata"]["query"]

@@ -158,7 +158,8 @@ def test_a_real_worker_feeds_the_series_the_dashboard_plots(shared_redis, namesp
         time.sleep(0.2)  # the finish hook runs after the publish that made the result visible
         registry = build_registry(client, keys)  # the work autoscaling reads: the rate from the workers' heartbeats
         served = lambda: registry.get_sample_value("kvgate_model_tokens_per_second",
-                                                   {"kvgate_namespace": namespace, "model": "default"}) or 0
+                                                   {"kvgate_namespace": namespace, "model": "default",
+                                                    "served_by": "default"}) or 0
         while not served() and time.monotonic() < deadline + 10:  # the next beat carries the finished jobs
             time.sleep(0.1)
         assert served() > 0

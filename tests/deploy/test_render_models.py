@@ -59,9 +59,10 @@ def test_two_models_get_their_own_deployment_and_scaled_object_on_their_own_stre
         assert streams == [s for name in [model, *aliases] for s in keys.all_jobs(name)]
         assert all(t["metadata"]["consumerGroup"] == Keys.GROUP and t["metadata"]["activationLagCount"] == "1"
                    for t in lags)  # KEDA 2.16 refuses "0" (kedacore/keda#6478): the wake trigger takes the first job
-        # every name's work, lanes and tenants' streams included, through the exporter: one trigger per kind
+        # every name's work and its LoRA adapters' (`served_by`: their base), lanes and tenants' streams included,
+        # through the exporter: one trigger per kind
         queries = {t["name"]: t["metadata"]["query"] for t in so["spec"]["triggers"] if t["type"] == "prometheus"}
-        selector = 'kvgate_namespace="prod",model=~"' + "|".join(n.replace(".", "\\\\.") for n in [model, *aliases])
+        selector = 'kvgate_namespace="prod",served_by=~"' + "|".join(n.replace(".", "\\\\.") for n in [model, *aliases])
         assert sorted(queries) == ["work-deadline", "work-wake", "work-work"]
         assert all(selector in q for q in queries.values()), (selector, queries)
         # what the Deployment sets is what the worker reads as settings

@@ -80,8 +80,8 @@ def test_the_exporter_labels_the_ten_adapters_with_the_most_backlog_and_other(re
     assert samples[("kvgate_adapter_loaded_workers", "a11")] == 1
     assert samples[("kvgate_adapter_loaded_workers", OTHER_NAMED)] == 1
     assert samples[("kvgate_adapter_pending", OTHER_NAMED)] == 0
-    assert exporter.build_registry(r, Keys(namespace)).get_sample_value(
-        "kvgate_model_waiting_for_workers", {"kvgate_namespace": namespace, "model": "a11"}) == 0  # w1 serves it
+    assert exporter.build_registry(r, Keys(namespace)).get_sample_value(  # w1 serves it
+        "kvgate_model_waiting_for_workers", {"kvgate_namespace": namespace, "model": "a11", "served_by": BASE}) == 0
 
 
 def test_top_shows_the_ten_adapters_with_the_most_backlog_the_rest_as_other_and_each_workers_slots(redis_server,
