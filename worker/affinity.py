@@ -51,18 +51,20 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], now - tonumber(ARGV[3]), '+inf')
 # stream's `lane`: 'own' (or none: ours, or no lanes), 'urgent' (a lane of an owner that said it is full: taken
 # without waiting the steal age) or 'other' (another worker's lane). A new entry in another's lane is taken only once
 # it is steal_age ms old (its owner gets the first chance; stream ids are server ms), and a read takes at most
-# steal_max entries from others' lanes in all. `overdue`: a few others' lanes (KEYS indexes) whose entries older than
-# overdue_ms are taken before our own (their owner is not keeping up; a few lanes per read keeps the cost flat in the
-# number of lanes).
+# steal_max entries from others' lanes in all. `overdue`: a few others' lanes ({key, due}: KEYS indexes of the lane and
+# its due index) whose entries older than overdue_ms are taken before our own (their owner is not keeping up; a few
+# lanes per read keeps the cost flat in the number of lanes). Lanes are read in deadline order (due.py's `take`): an
+# entry parked there is delivered, so ripeness counts a lane's parked entries by their arrival before its new ones,
+# and a read takes as many as are ripe, earliest due first.
 LANES_READ_LUA = """
 local lanes = input.lanes or {}
 local steal_age, steal_max = lanes.steal_age or 0, lanes.steal_max or want
-local function ripe(key, n, cutoff)  -- how many of the next n new entries are at least as old as the cutoff
+local function ripe(key, n, cutoff)  -- how many of the next n entries (parked, then new) arrived by the cutoff
   if n <= 0 then return 0 end
+  local k = parked_by(key, n, cutoff)
   local last = delivered(key)
-  if not last then return 0 end
-  local k = 0
-  for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', n)) do
+  if not last or k >= n then return k end
+  for _, e in ipairs(redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', n - k)) do
     if tonumber(string.match(e[1], '^(%d+)')) > cutoff then break end
     k = k + 1
   end
@@ -78,9 +80,9 @@ local function lane_take(stream)  -- the new entries a read takes from this stre
 end
 local function overdue_first()  -- others' lanes' entries older than overdue_ms, before our own
   if (lanes.overdue_ms or 0) <= 0 or preempt_ms > 0 then return end
-  for _, index in ipairs(lanes.overdue or {}) do
+  for _, lane in ipairs(lanes.overdue or {}) do
     if want <= 0 then break end
-    local key = KEYS[index]
+    local key = KEYS[lane.key]
     local entries = take(key, ripe(key, math.min(want, steal_max), now - lanes.overdue_ms))
     steal_max = steal_max - #entries
     if #entries > 0 then table.insert(out, {'stream', key, 'new', entries}) end
@@ -89,10 +91,10 @@ end
 """
 
 
-def lane_read_inputs(steal_age_ms: int, steal_max: int, overdue_ms: int, overdue_keys: list[int]) -> dict:
-    """The read script's lane inputs (LANES_READ_LUA's `input.lanes`); `overdue_keys`: the KEYS indexes of others'
-    lanes to check for overdue entries."""
-    return {"steal_age": steal_age_ms, "steal_max": steal_max, "overdue_ms": overdue_ms, "overdue": overdue_keys}
+def lane_read_inputs(steal_age_ms: int, steal_max: int, overdue_ms: int, overdue: list[dict]) -> dict:
+    """The read script's lane inputs (LANES_READ_LUA's `input.lanes`); `overdue`: others' lanes to check for overdue
+    entries, each {key, due}: the KEYS indexes of the lane and of its due index (worker/due.py)."""
+    return {"steal_age": steal_age_ms, "steal_max": steal_max, "overdue_ms": overdue_ms, "overdue": overdue}
 
 
 Lane = tuple[str, int]  # (model, lane number)

@@ -1,4 +1,5 @@
-"""Deadline order: within a stream (one priority of one model), jobs are served earliest deadline first.
+"""Deadline order: within a stream (one priority of one model, or one lane of it), jobs are served earliest deadline
+first.
 
 Redis Streams hand out new entries only in id order, and a claim moves only pending entries, so the read script keeps
 a bounded reorder window per stream: it reads up to `window` new entries under a consumer no worker can be
@@ -14,25 +15,35 @@ reclaim here skips parked entries that are in the index (one missing from it, st
 `job_status` says `queued` for them, and queue stats count them as waiting (lag + the index's size). Trimming keeps
 them (they are pending). Under fair share a tenant's stream has its own window and index, beside its band's (fair.py takes
 through `take`). A worker with deadline order off (`window` 0) parks nothing but still takes from the index
-first, so a fleet that mixes the setting, or turns it off, strands nothing. A read of affinity lanes names no index
-(reader.py): parking would hide a lane's entries from thieves' ripeness look (affinity.py), and for its reclaim a
-parked entry idle past the timeout is a dead worker's, so nothing strands there either.
+first, so a fleet that mixes the setting, or turns it off, strands nothing.
+
+Affinity lanes (affinity.py) have a window and an index each, as the shared streams do, and every read of a lane names
+its index: the owner's, a thief's, an overdue check's and a reclaim's. A parked entry is delivered, so a look past the
+group's last delivered id would miss it: a thief's ripeness look (is a job in another's lane older than the steal age,
+or overdue?) counts the lane's parked entries by when they arrived (`parked_by`) before its new ones, and then takes
+as many as are ripe, earliest due first. So a busy, stalled or killed owner's parked entries are taken as its new ones
+were: by thieves once ripe, and by the lane's next owner as its own once the ring moves the lane (a reclaim skips them,
+as everywhere: they are no dead worker's).
 """
 from __future__ import annotations
 
 from kvgate.producer.keys import Keys
 from kvgate.producer.protocol import DUE_FIELD
 
-# The read script's part (worker/reader.py READ_LUA; its locals there): `take` and `orphans` for the streams whose index
-# the inputs name (`stream.due`: its KEYS index; `input.due`: {window, holder, field}); other streams are read as
-# before. Replaces the plain XREADGROUP and the reclaim's XAUTOCLAIM, which would take parked entries for orphans.
+# The read script's part (worker/reader.py READ_LUA; its locals there): `take`, `orphans` and `parked_by` for the
+# streams whose index the inputs name (`stream.due`, or an overdue lane's `due` in `input.lanes.overdue`: its KEYS
+# index; `input.due`: {window, holder, field}); other streams are read as before. Replaces the plain XREADGROUP and
+# the reclaim's XAUTOCLAIM, which would take parked entries for orphans.
 DUE_READ_LUA = """
 local due = input.due or {}
 local window, holder, due_field = due.window or 0, due.holder or '', due.field or ''
 local MAX_DUE_MS = 1e15  -- some 31,000 years
-local index_of = {}  -- stream key -> its due index
+local index_of = {}  -- stream key -> its due index: the streams read, and others' lanes looked at for overdue jobs
 for _, stream in ipairs(streams) do
   if stream.due then index_of[KEYS[stream.key]] = KEYS[stream.due] end
+end
+for _, lane in ipairs(input.lanes and input.lanes.overdue or {}) do
+  if lane.due then index_of[KEYS[lane.key]] = KEYS[lane.due] end
 end
 local function index_for(key)  -- a stream's due index: named in the inputs, or a band's tenant's beside the band's
   local band, tenant = string.match(key, '^(.*):t:([^:]*)$')
@@ -107,6 +118,19 @@ local function take(key, n)  -- up to n entries of a stream: with an index, earl
   end
   want = want - #entries
   return entries
+end
+local function parked_by(key, n, cutoff)  -- how many of a stream's parked entries, at most n, arrived by the cutoff
+  local index = index_for(key)
+  if n <= 0 or not index then return 0 end
+  local k = #redis.call('ZRANGEBYSCORE', index, '-inf', cutoff, 'LIMIT', 0, n)  -- due by then: arrived by then too
+  if k >= n then return n end
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', index, '(' .. cutoff, '+inf')) do  -- due later: by arrival
+    if tonumber(string.sub(member, 1, 16)) <= cutoff then  -- a member's first 16 digits: the entry's ms
+      k = k + 1
+      if k >= n then break end
+    end
+  end
+  return k
 end
 local function orphans(key)  -- entries idle past min_idle (their worker is dead), taken over; parked ones stay
   local mine = {}

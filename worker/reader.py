@@ -30,7 +30,8 @@ from kvgate.worker.shard_turns import ShardTurns
 # by name (ScriptInputs): group, consumer, want (jobs wanted), reclaim_ms (0: no reclaim), and `streams`, the job
 # streams in the order read, highest priority first, each {key (its KEYS index), lane (affinity.py), tenants (a
 # band's tenants' streams: fair.py), due (its due index: due.py)}; `handed`, the hand-back index (hand_back.py); `lanes`
-# (affinity.py); `shares`; `due` (deadline order: due.py, which reads new entries and takes orphans over).
+# (affinity.py; its overdue lanes {key, due} as streams); `shares`; `due` (deadline order: due.py, which reads new
+# entries, lanes' too, and takes orphans over).
 # Each feature's part of the script lives beside its owner and is spliced in below; they share the locals here.
 # A takeover counts one more delivery (XCLAIM RETRYCOUNT; JUSTID claims count none; a handed-back entry's take counts
 # none), and its payload is read with XRANGE: the same replies on 6.2 and 7 whether or not the entry was trimmed or
@@ -237,16 +238,18 @@ class Reader:
         keys = ScriptKeys()
         inputs: dict[str, Any] = {"group": Keys.GROUP, "consumer": self.consumer, "want": count,
                                   "reclaim_ms": reclaim_idle_ms, "streams": []}
-        due = self.keys is not None and plan.home is None  # lanes park nothing (a thief would not see it: due.py)
+        due = self.keys is not None  # every stream's index, lanes' too: parked entries go first, window or not
+
+        def named(stream: str) -> dict[str, int]:  # a stream's KEYS index, and its due index's (due.py)
+            return {"key": keys.add(stream), **({"due": keys.add(self.keys.due_index(stream))} if due else {})}
+
         for stream, lane in zip(group.streams, group.lanes):
-            inputs["streams"].append({"key": keys.add(stream), "lane": lane})
-            if due:  # parked entries are taken first even with deadline order off here
-                inputs["streams"][-1]["due"] = keys.add(self.keys.due_index(stream))
+            inputs["streams"].append({**named(stream), "lane": lane})
             if (tenants := plan.tenants_inputs(stream, keys.add)) is not None:
                 inputs["streams"][-1]["tenants"] = tenants
         if plan.home is not None:
             inputs["lanes"] = lane_read_inputs(self.steal_age_ms, plan.steal_max, plan.overdue_ms,
-                                               [keys.add(k) for k in group.overdue])
+                                               [named(k) for k in group.overdue])
         if due:
             inputs["due"] = due_read_inputs(self.deadline_window)
         if (shares := plan.shares_inputs()) is not None:

@@ -172,7 +172,7 @@ class WorkerSettings(BaseSettings, EngineConfig):
     deadline_order: Literal["on", "off"] = _s(
         "on", "on: within a priority, serve jobs earliest deadline first (a job without one is due when it arrived), "
         "from a window of up to deadline_window new jobs per stream parked in Redis; off: in arrival order (jobs "
-        "other workers parked are still taken first). Not with affinity lanes, which keep arrival order")
+        "other workers parked are still taken first). Affinity lanes too: each lane has its own window")
     deadline_window: int = _s(64, "with deadline order: new jobs per stream looked at to find the earliest due (a job "
                               "further back waits its turn in arrival order)", ge=1, le=4096)
 

@@ -172,6 +172,29 @@ def test_a_worker_with_affinity_on_owns_lanes_and_beats_under_its_least_privileg
     assert not thread.is_alive()
 
 
+def test_a_worker_reads_a_lane_in_deadline_order_and_steals_its_parked_jobs_under_its_least_privilege_user(
+        acl_server):
+    """The lanes' part of the read script (worker/due.py: parking, and counting a lane's parked jobs for a thief)
+    runs only commands the worker user has."""
+    import time
+
+    from kvgate.producer.protocol import DUE_FIELD
+    from kvgate.worker.reader import Reader, ReadPlan
+
+    keys, worker = Keys("kvgate"), acl_server("worker")
+    own, theirs = (keys.jobs(None, "normal", lane) for lane in (0, 1))
+    for stream in (own, theirs):
+        worker.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+    for due_ms in (3_600_000, 60_000, 7_200_000):
+        worker.xadd(theirs, {"p": b"job", DUE_FIELD: str(due_ms)})
+    owner = Reader(worker, "owner", ReadPlan([theirs, own], home=1), keys=keys, deadline_window=8)
+    assert [e.fields[DUE_FIELD.encode()] for e in owner.read(1)] == [b"60000"]  # the earliest due; 2 parked
+    time.sleep(0.25)
+    thief = Reader(worker, "thief", ReadPlan([own, theirs], home=1), keys=keys, steal_age_ms=200, deadline_window=8)
+    assert [e.fields[DUE_FIELD.encode()] for e in thief.read(2)] == [b"3600000"]  # one steal per read
+    assert worker.zcard(keys.due_index(theirs)) == 1
+
+
 def test_the_gateway_serves_chat_models_and_batches_as_its_acl_user_with_a_worker_as_its_own(acl_server, tmp_path):
     """The whole path under least privilege: the gateway user enqueues, lists models, reads replies, runs a managed
     batch and delivers its webhook event from the outbox; the monitor user reads the webhook counts (kvgate stats)."""
