@@ -72,10 +72,11 @@ class Adapters:
         return None, None
 
     def sync(self) -> list[str]:
-        """On each heartbeat: the streams of adapters registered since (to read from now on); which are aged."""
-        streams = self.keys.served_jobs(self.refresh())
+        """On each heartbeat: the adapters registered since (their streams, lanes and bands to read from now on);
+        which are aged."""
+        new = self.refresh()
         self.check_aging()
-        return streams
+        return new
 
     def beat(self) -> str:
         """The heartbeat's `loras`: the adapters in the engine's slots, its loads and evictions; "" without slots."""

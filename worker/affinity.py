@@ -157,6 +157,16 @@ class Affinity:
             self._forget_departed(rings)
         return grew
 
+    def add_models(self, models: list[str]) -> None:
+        """Names we serve from now on (LoRA adapters registered since we started): their rings, lanes and streams,
+        so a job a producer sent to one of their lanes is read (the next `sync` beats in their rings)."""
+        new = [m for m in models if m not in self.models]
+        if new:
+            self.models = (*self.models, *new)
+            self.others.update({m: [] for m in new})
+            count, self.lanes = self.lanes, 0
+            self._see_count(count)  # every lane's stream names again, theirs too
+
     def _forget_departed(self, rings: dict[str, dict[str, float]]) -> None:
         """A worker killed while full stays in the full sets: drop members that left (or went silent in) every ring
         we see."""
