@@ -160,3 +160,23 @@ def test_adapter_jobs_are_served_in_strict_priority_order(queue, thread_worker, 
     first_low = min(order.index(h.job_id) for h in low)
     assert first_low >= 16, order[:20]  # low jobs start only as the last high ones run (2 slots, few queued)
 
+
+
+def test_under_fair_share_an_adapters_job_waiting_past_the_aging_bound_is_read_by_a_worker_without_room_for_it(
+        queue, thread_worker, tmp_path):
+    """Aging (--lora-aging-ms) looks at the adapter's tenants' streams too: with fair share on its jobs wait there."""
+    queue.r.set(queue.keys.fair(), 1)
+    busy = _engine(max_loras=1)
+    with Client(queue.server.url, queue.ns, tenant="a") as client:
+        for name in ("hot", "cold"):
+            client.add_lora(name, _adapter(tmp_path, name), BASE)
+        with _worker(thread_worker, busy, lora_aging_ms=200):
+            long = client.submit("hold the slot", lora="hot", max_tokens=50_000, ignore_eos=True)
+            wait_for(lambda: busy.loras.running.get("hot"), 60, "a running job of hot")
+            cold = client.submit("hi", lora="cold", max_tokens=3)
+            # read while hot still holds the only slot (not once its job ended and freed it)
+            seen = wait_for(lambda: (s := cold.status().state) != "queued" and (s, client.get(long.job_id) is None),
+                            60, "the aged job to be read")
+            long.cancel()  # the slot frees: the aged job, waiting in the engine here, takes it
+            result = cold.result(timeout=60)
+    assert seen == ("running", True) and result.status == "done" and result.worker == "w1"
