@@ -152,9 +152,10 @@ local function tenants_take(stream)
     bands[i] = b
   end
   local served_at = nil  -- the lowest counter served: where newcomers start
-  local floor = nil
+  local floor, placed = nil, {}
   local function counter(tenant, raw)  -- a score of -inf: newly backlogged, placed where the others are (below)
     if raw ~= '-inf' then return tonumber(raw) end
+    if placed[tenant] then return placed[tenant] end
     if not floor then  -- the kin's virtual time, or the lowest counter of the tenants backlogged if that is higher
       local lowest = nil
       for _, backlog in ipairs(kin.backlogs) do
@@ -169,6 +170,7 @@ local function tenants_take(stream)
       local score = raw and raw ~= '-inf' and tonumber(raw)
       if score and score > own then own = score end
     end
+    placed[tenant] = own
     return own
   end
   local function serve(b, tenant, score, n, few, alone)  -- read up to n of its jobs, charge it, drop it once it has none
@@ -179,7 +181,7 @@ local function tenants_take(stream)
       table.insert(out, {'stream', key, 'new', entries, 'few', few and 1 or 0, 'alone', alone and 1 or 0})
       if redis.call('DECRBY', b.backlog .. ':queued', #entries) < 0 then redis.call('SET', b.backlog .. ':queued', 0) end
       redis.call('ZADD', b.pending, 'NX', now, tenant)
-      served_at = score
+      served_at, placed[tenant] = score, nil
       local charged = #entries * charge / weight(tenant)
       for _, backlog in ipairs(kin.backlogs) do  -- one counter per tenant across the kin
         if backlog ~= b.backlog then redis.call('ZADD', backlog, 'XX', 'INCR', charged, tenant) end
