@@ -5,7 +5,8 @@ At start a worker registers its `--lora NAME=PATH` adapters and loads them; it r
 heartbeat, and the streams of an adapter registered since join those it reads (they only grow, as lanes do). A job of
 adapter X is read only while X has room in the engine's slots (engine.loras.has_room: loaded, or a slot free or idle) and
 is otherwise left in Redis for a worker that holds X, unless X's oldest job has waited `lora_aging_ms`: then any worker
-with room takes it (aging), so a cold adapter is never starved by hot ones. The adapter is read from its folder on
+with room takes it (aging), so a cold adapter is never starved by hot ones. With fair share on, X's jobs wait in its
+tenants' streams, and X's band is read with the other bands of its priority by the tenants' counters (fair.py). The adapter is read from its folder on
 its first job here (a bad one is that job's error result); a job of an adapter removed from the registry while it
 waited is answered with an error result, never left waiting."""
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvgate.worker.engine import Engine
 from kvgate.worker.settings import WorkerSettings
 
 log = logging.getLogger("kvgate.worker")
+AGING_TENANTS = 4  # fair share: tenants per adapter band whose streams the aging look reads (the lowest counters)
 
 
 class Adapters:
@@ -72,10 +74,11 @@ class Adapters:
         return None, None
 
     def sync(self) -> list[str]:
-        """On each heartbeat: the streams of adapters registered since (to read from now on); which are aged."""
-        streams = self.keys.served_jobs(self.refresh())
+        """On each heartbeat: the adapters registered since (their streams, lanes and bands to read from now on);
+        which are aged."""
+        new = self.refresh()
         self.check_aging()
-        return streams
+        return new
 
     def beat(self) -> str:
         """The heartbeat's `loras`: the adapters in the engine's slots, its loads and evictions; "" without slots."""
@@ -103,14 +106,21 @@ class Adapters:
                           (a in loaded and self.engine.loras.has_room(a)))]
 
     def check_aging(self) -> None:
-        """Which adapters without room here have a job that waited past aging_ms: two round trips over their
-        streams (the group's last delivered id, then the entry after it), once per heartbeat."""
+        """Which adapters without room here have a job that waited past aging_ms: round trips over their streams
+        (with fair share, each band's AGING_TENANTS lowest counters' tenants' streams too: the ones a read would
+        serve first), the group's last delivered id, then the entry after it, once per heartbeat."""
         waiting = [a for a in self.streamed if a in self.paths and not self.engine.loras.has_room(a)]
         streams = [(a, self.keys.jobs(a, p, shard=k)) for a in waiting for p in PRIORITIES
                    for k in range(len(self.keys.parts))]
         if not streams:
             self.aged = set()
             return
+        pipe = self.client.pipeline(transaction=False)
+        for _, band in streams:
+            pipe.zrange(Keys.fair_backlog(band), 0, AGING_TENANTS - 1)
+        backlogs = pipe.execute(raise_on_error=False)
+        streams += [(a, Keys.tenant_jobs(band, as_text(t))) for (a, band), tenants in zip(list(streams), backlogs)
+                    if not isinstance(tenants, Exception) for t in tenants]
         pipe = self.client.pipeline(transaction=False)
         for _, stream in streams:
             pipe.xinfo_groups(stream)

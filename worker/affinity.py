@@ -159,6 +159,15 @@ class Affinity:
             self._forget_departed(rings)
         return grew
 
+    def add_models(self, models: list[str]) -> None:
+        """Names we serve from now on (LoRA adapters registered since we started): their rings, lanes and streams,
+        so a job a producer sent to one of their lanes is read (the next `sync` beats in their rings)."""
+        new = [m for m in models if m not in self.models]
+        if new:
+            self.models = (*self.models, *new)
+            self.others.update({m: [] for m in new})
+            self._name_lanes(self.lanes)
+
     def _forget_departed(self, rings: dict[str, dict[str, float]]) -> None:
         """A worker killed while full stays in the full sets: drop members that left (or went silent in) every ring
         we see."""
@@ -231,16 +240,20 @@ class Affinity:
             log.warning("namespace %s has %d lanes (set by the first worker with affinity on); using them, not %d",
                         self.keys.ns, count, self.want_lanes)
         if count > self.lanes:
-            self.lanes = count
-            shards = range(len(self.keys.parts))  # on a Redis Cluster a lane has a stream in every shard
-            self.names = {(m, p): [tuple(self.keys.jobs(m, p, lane, k) for k in shards) for lane in range(count)]
-                          for m in self.models for p in PRIORITIES}
-            self.lane_streams = {name for names in self.names.values() for lane in names for name in lane}
-            self.lane_of_stream = {name: (m, lane) for (m, _), names in self.names.items()
-                                   for lane, streams in enumerate(names) for name in streams}
-            self._others()
+            self._name_lanes(count)
             return True
         return False
+
+    def _name_lanes(self, count: int) -> None:
+        """The streams of `count` lanes of every model we serve."""
+        self.lanes = count
+        shards = range(len(self.keys.parts))  # on a Redis Cluster a lane has a stream in every shard
+        self.names = {(m, p): [tuple(self.keys.jobs(m, p, lane, k) for k in shards) for lane in range(count)]
+                      for m in self.models for p in PRIORITIES}
+        self.lane_streams = {name for names in self.names.values() for lane in names for name in lane}
+        self.lane_of_stream = {name: (m, lane) for (m, _), names in self.names.items()
+                               for lane, streams in enumerate(names) for name in streams}
+        self._others()
 
     def leave(self) -> None:
         """Draining: give our lanes to the others now rather than when our beat expires (Redis out of reach: then)."""

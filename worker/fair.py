@@ -126,64 +126,122 @@ local function tenant_take(key, n)  -- by deadline order (due.py); producers lea
   return ok and entries or {}
 end
 local looked = false  -- a preempting look is over once a band with backlogged tenants was seen
-local function tenants_take(stream)
-  local band, backlog, pending = KEYS[stream.key], KEYS[stream.tenants.backlog], KEYS[stream.tenants.pending]
-  local vt_key = backlog .. ':vt'
-  local vt = tonumber(redis.call('GET', vt_key) or 0) or 0
-  local moved = false
-  local floor = nil
-  local function counter(raw)  -- a score of -inf: newly backlogged, placed where the others are (below)
-    if raw ~= '-inf' then return tonumber(raw) end
-    if not floor then  -- the band's virtual time, or the lowest counter of the tenants backlogged if that is higher
-      local low = redis.call('ZRANGEBYSCORE', backlog, '(-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-      floor = vt
-      if #low > 0 then floor = math.max(vt, tonumber(low[2])) end
-    end
-    return floor
+-- A read's bands of one priority (a kin: the base model's, its other names' and its LoRA adapters', all run by one
+-- engine) are served together: each turn takes from the lowest counter of any of them, and a tenant's counters in
+-- every band of its kin (`tenants.also`: those this read leaves out, adapters without room here) move together, so
+-- naming another model or an adapter (its own streams) is no way around the shares.
+local kins = {}
+for _, stream in ipairs(streams) do
+  if stream.tenants then
+    local name = stream.tenants.kin or ('#' .. stream.key)
+    kins[name] = kins[name] or {bands = {}, backlogs = {}}
+    local kin = kins[name]
+    table.insert(kin.bands, stream)
+    table.insert(kin.backlogs, KEYS[stream.tenants.backlog])
+    for _, index in ipairs(stream.tenants.also or {}) do table.insert(kin.backlogs, KEYS[index]) end
   end
-  local function serve(tenant, score, n, few, alone)  -- read up to n of its jobs, charge it, drop it once it has none
-    local key = band .. ':t:' .. tenant
+end
+local function tenants_take(stream)
+  local kin = kins[stream.tenants.kin or ('#' .. stream.key)]
+  if kin.bands[1] ~= stream then return end  -- read with the first band of its kin
+  local bands, vt = {}, 0
+  for i, s in ipairs(kin.bands) do
+    local b = {key = KEYS[s.key], backlog = KEYS[s.tenants.backlog], pending = KEYS[s.tenants.pending],
+               rooms = s.tenants.rooms}
+    vt = math.max(vt, tonumber(redis.call('GET', b.backlog .. ':vt') or 0) or 0)
+    bands[i] = b
+  end
+  local served_at = nil  -- the lowest counter served: where newcomers start
+  local floor, placed = nil, {}
+  local function counter(tenant, raw)  -- a score of -inf: newly backlogged, placed where the others are (below)
+    if raw ~= '-inf' then return tonumber(raw) end
+    if placed[tenant] then return placed[tenant] end
+    if not floor then  -- the kin's virtual time, or the lowest counter of the tenants backlogged if that is higher
+      local lowest = nil
+      for _, backlog in ipairs(kin.backlogs) do
+        local low = redis.call('ZRANGEBYSCORE', backlog, '(-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+        if #low > 0 then lowest = math.min(lowest or tonumber(low[2]), tonumber(low[2])) end
+      end
+      floor = math.max(vt, lowest or vt)
+    end
+    local own = floor  -- and no lower than its own counter in the kin's other bands
+    for _, backlog in ipairs(kin.backlogs) do
+      local raw = redis.call('ZSCORE', backlog, tenant)
+      local score = raw and raw ~= '-inf' and tonumber(raw)
+      if score and score > own then own = score end
+    end
+    placed[tenant] = own
+    return own
+  end
+  local function serve(b, tenant, score, n, few, alone)  -- read up to n of its jobs, charge it, drop it once it has none
+    local key = b.key .. ':t:' .. tenant
     local entries = tenant_take(key, n)  -- counted off `want`
     if #entries > 0 then
       few = few or (#entries <= PREEMPT_BACKLOG and (#entries < n or drained(key, entries)))
       table.insert(out, {'stream', key, 'new', entries, 'few', few and 1 or 0, 'alone', alone and 1 or 0})
-      if redis.call('DECRBY', backlog .. ':queued', #entries) < 0 then redis.call('SET', backlog .. ':queued', 0) end
-      redis.call('ZADD', pending, 'NX', now, tenant)
-      if score ~= vt then vt, moved = score, true end  -- the lowest counter served: where newcomers start
+      if redis.call('DECRBY', b.backlog .. ':queued', #entries) < 0 then redis.call('SET', b.backlog .. ':queued', 0) end
+      redis.call('ZADD', b.pending, 'NX', now, tenant)
+      served_at, placed[tenant] = score, nil
+      local charged = #entries * charge / weight(tenant)
+      for _, backlog in ipairs(kin.backlogs) do  -- one counter per tenant across the kin
+        if backlog ~= b.backlog then redis.call('ZADD', backlog, 'XX', 'INCR', charged, tenant) end
+      end
     end
     if #entries < n then  -- no more new entries (or not a stream we can read): not backlogged now
-      redis.call('ZREM', backlog, tenant)
+      redis.call('ZREM', b.backlog, tenant)
     else
-      redis.call('ZADD', backlog, score + #entries * charge / weight(tenant), tenant)
+      redis.call('ZADD', b.backlog, score + #entries * charge / weight(tenant), tenant)
     end
   end
   if preempt_ms > 0 then
-    local low = redis.call('ZRANGE', backlog, 0, PREEMPT_LOOK - 1, 'WITHSCORES')
-    looked = #low > 0
-    local room = stream.tenants.rooms
-    for i = 1, #low, 2 do
-      if not room then break end
-      if (room[low[i]] or room['']) > 0 and waited(band .. ':t:' .. low[i], now - preempt_ms) then
-        serve(low[i], counter(low[i + 1]), 1, true, #low == 2)
-        break
+    for _, b in ipairs(bands) do
+      local low = redis.call('ZRANGE', b.backlog, 0, PREEMPT_LOOK - 1, 'WITHSCORES')
+      looked = looked or #low > 0
+      local found = false
+      for i = 1, #low, 2 do
+        if not b.rooms then break end
+        if (b.rooms[low[i]] or b.rooms['']) > 0 and waited(b.key .. ':t:' .. low[i], now - preempt_ms) then
+          serve(b, low[i], counter(low[i], low[i + 1]), 1, true, #low == 2)
+          found = true
+          break
+        end
       end
+      if found then break end
     end
   else
     local turns = 0
     while want > 0 and turns < 64 do
       turns = turns + 1
-      local low = redis.call('ZRANGE', backlog, 0, 1, 'WITHSCORES')
-      if #low == 0 then break end
-      local tenant, score = low[1], counter(low[2])
+      local lows = {}  -- each band's two lowest: the kin's lowest, and the next other tenant's
+      for i, b in ipairs(bands) do
+        local low = redis.call('ZRANGE', b.backlog, 0, 1, 'WITHSCORES')
+        for j = 1, #low, 2 do
+          table.insert(lows, {b = b, order = i, tenant = low[j], score = counter(low[j], low[j + 1]),
+                              fresh = low[j + 1] == '-inf'})
+        end
+      end
+      if #lows == 0 then break end
+      table.sort(lows, function(x, y)
+        if x.score ~= y.score then return x.score < y.score end
+        if x.fresh ~= y.fresh then return x.fresh end  -- as a band's order has it: a newcomer first
+        if x.tenant ~= y.tenant then return x.tenant < y.tenant end
+        return x.order < y.order
+      end)
+      local first, second = lows[1], nil
+      for _, c in ipairs(lows) do
+        if c.tenant ~= first.tenant then second = c break end
+      end
       local n = want
-      if #low >= 4 then
-        local gap = (counter(low[4]) - score) * weight(tenant) / charge
+      if second then
+        local gap = (second.score - first.score) * weight(first.tenant) / charge
         n = math.min(want, math.max(QUANTUM, math.floor(gap) + 1))
       end
-      serve(tenant, score, n, false, #low == 2)
+      serve(first.b, first.tenant, first.score, n, false, second == nil)
     end
   end
-  if moved then redis.call('SET', vt_key, tostring(vt)) end
+  if served_at and served_at ~= vt then
+    for _, backlog in ipairs(kin.backlogs) do redis.call('SET', backlog .. ':vt', tostring(served_at)) end
+  end
 end
 local function bands_queued()  -- each band's jobs still queued after this read: band, count, band, count...
   local queued = {}
@@ -204,11 +262,21 @@ def shares_read_inputs(charge: float, preempt_ms: int, weights: dict[str, float]
     return {"charge": charge, "preempt_ms": preempt_ms, "weights": weights}
 
 
-def tenants_read_inputs(band: str, here: Occupancy | None, add_key) -> dict:
+def kin_of(band: str) -> str:
+    """The name of a band's kin in a read: the bands of its priority in its shard (`<shard prefix>:jobs:<model>:
+    <priority>`, Keys.jobs), whatever their model: the base model's names and its LoRA adapters run on one engine."""
+    return f"{band.partition(':jobs:')[0]}|{Keys.band_priority(band)}"
+
+
+def tenants_read_inputs(band: str, here: Occupancy | None, add_key, also: list[str] = ()) -> dict:
     """A band stream's part of the read script's inputs (its `stream.tenants`): its backlog and pending index, added to
-    the script's KEYS by `add_key` (which returns the index); with `here` (a preempting look: what the worker runs in
+    the script's KEYS by `add_key` (which returns the index), and its kin (`kin_of`); `also`: the bands of its kin this
+    read leaves out, whose counters move with the others'; with `here` (a preempting look: what the worker runs in
     the band), per tenant running there ('' for any other) 1 if a job of it may make room there, else 0."""
-    out = {"backlog": add_key(Keys.fair_backlog(band)), "pending": add_key(Keys.fair_pending(band))}
+    out = {"backlog": add_key(Keys.fair_backlog(band)), "pending": add_key(Keys.fair_pending(band)),
+           "kin": kin_of(band)}
+    if also:
+        out["also"] = [add_key(Keys.fair_backlog(b)) for b in also]
     if here is not None:
         out["rooms"] = {t or "": int(here.makes_room(t)) for t in (None, *here.counts)}
     return out
@@ -294,7 +362,7 @@ class Fair:
         deltas: dict[tuple[str, str], float] = {}
         for (band, tenant), (charged, corrected) in self.served.items():
             for sibling in self.siblings_of(band):
-                delta = corrected + (charged if sibling != band else 0.0)
+                delta = corrected + (charged if self._elsewhere(sibling, band) else 0.0)
                 if delta:
                     key = (Keys.fair_backlog(sibling), tenant)
                     deltas[key] = deltas.get(key, 0.0) + delta
@@ -314,7 +382,7 @@ class Fair:
         n = 0
         for (band, tenant), served in self.served.items():
             if served[0]:
-                for sibling in (b for b in self.siblings_of(band) if b != band):
+                for sibling in (b for b in self.siblings_of(band) if self._elsewhere(b, band)):
                     pipe.zadd(Keys.fair_backlog(sibling), {tenant: served[0]}, xx=True, incr=True)
                     n += 1
                 served[0] = 0.0
@@ -322,14 +390,24 @@ class Fair:
         return n
 
     def siblings_of(self, band: str) -> tuple[str, ...]:
-        """The band (one model's shared stream of one priority) in every shard we serve, shard by shard: on one
-        Redis, the band alone."""
+        """The bands whose counters move with this one's (the band among them), in one order whichever asks, so the
+        first stands for them all (band_of_job): the bands of its priority we serve, of every model (the base model's
+        names and its LoRA adapters: one engine runs them, so a tenant has one counter and one share across them,
+        and naming an adapter is no way around it) and in every shard."""
         if band not in self.siblings:
-            part = self.keys.of_stream(band)
-            suffix = band[len(part.prefix):]
-            self.siblings[band] = tuple(b for p in self.keys.parts
-                                        if (b := p.prefix + suffix) == band or b in self.bands)
+            priority = Keys.band_priority(band)
+            self.siblings[band] = tuple(sorted({band, *(b for b in self.bands if Keys.band_priority(b) == priority)}))
         return self.siblings[band]
+
+    def _elsewhere(self, band: str, read_in: str) -> bool:
+        """Whether a read in `read_in` left `band`'s counters to us: a read charges its whole kin in its own shard."""
+        return self.keys.of_stream(band).shard != self.keys.of_stream(read_in).shard
+
+    def add_bands(self, bands: list[str]) -> None:
+        """Bands of models we serve from now on (LoRA adapters registered since we started)."""
+        if not set(bands) <= self.bands:
+            self.bands |= set(bands)
+            self.siblings = {}
 
     def sweep(self, min_idle_ms: int, consumer: str) -> Swept:
         """One pruning pass over our bands' tenants' streams (worker/fair_sweep.py)."""

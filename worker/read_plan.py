@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvgate.worker.fair import Occupancy, shares_read_inputs, tenants_read_inputs
+from kvgate.worker.fair import Occupancy, kin_of, shares_read_inputs, tenants_read_inputs
 
 
 @dataclass(slots=True)
@@ -43,7 +43,18 @@ class ReadPlan:
 
     def tenants_inputs(self, stream: str, add_key) -> dict | None:
         """A band stream's tenants part of the read script's inputs (fair.py); None for a stream that is no band."""
-        return tenants_read_inputs(stream, self.occupancy.get(stream), add_key) if stream in self.fair else None
+        if stream not in self.fair:
+            return None
+        return tenants_read_inputs(stream, self.occupancy.get(stream), add_key, self._left_out_kin(stream))
+
+    def _left_out_kin(self, band: str) -> list[str]:
+        """The bands of `band`'s kin (fair.py) this read leaves out (LoRA adapters without room here), named beside
+        the first band of its kin that the read looks at (by name): their tenants' counters move with the others'."""
+        kin = kin_of(band)
+        read = [b for b in self.streams if b in self.fair and kin_of(b) == kin]
+        if band != min(read, default=band):
+            return []
+        return sorted(b for b in self.fair if kin_of(b) == kin and b not in read)
 
     def shares_inputs(self) -> dict | None:
         """Fair share's settings for the read script (fair.py); None without it."""

@@ -99,10 +99,8 @@ class Worker:
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
                                    engine_capacity(engine), s.heartbeat_ttl_s, engine.fim.family if engine.fim else "")
         self.due: dict[str, float] = {}
-        self.offline_until = 0.0
-        self.backoff_s = 0.05
-        self.draining = False
-        self.drain_deadline = 0.0
+        self.offline_until, self.backoff_s = 0.0, 0.05
+        self.draining, self.drain_deadline = False, 0.0
         self.trims = 0
         self.round_trip = RoundTrip(self.client, self.publisher, self.affinity, self.refill, self.cancellation)
 
@@ -180,9 +178,11 @@ class Worker:
         """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded). And
         whether it has fair share, with the tenants' weights."""
         self.fair.sync()
-        if self.affinity.sync():
+        names = self.adapters.sync()  # LoRA adapters registered since: their bands, lanes and streams join ours
+        self.fair.add_bands(self.keys.served_jobs(names))
+        self.affinity.add_models(names)
+        if self.affinity.sync() or names:
             self.refill.add_streams(self.consumers.add([s for s in self.affinity.streams() if s not in self.streams]))
-        self.refill.add_streams(self.consumers.add(self.adapters.sync()))  # LoRA adapters registered since
         self.metrics.on_lanes(self.affinity.owned_count)
 
     def _every(self, name: str, interval_s: float) -> bool:
