@@ -28,7 +28,9 @@ from kvgate.producer.keys import Keys
 pytestmark = pytest.mark.chaos
 
 REDIS_DOWN_S = 2.0
-SIMULATED = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "4", "--sim-step-ms", "10",
+# 8 sequences a worker: each job takes as long as with 4 (so every fault still lands mid-generation, and a killed
+# worker holds more jobs), the 300 jobs drain in half the time
+SIMULATED = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "8", "--sim-step-ms", "10",
              "--sim-per-token-ms", "0.02", "--reclaim-idle-ms", "2000")
 # CPU steps of a real model on a shared 2-core machine can take seconds: a reclaim timeout well above them
 SMOLLM2 = ("--model", "smollm2-135m", "--device", "cpu", "--max-num-seqs", "4", "--reclaim-idle-ms", "15000")
