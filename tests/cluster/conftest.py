@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.support import ClusterGroup, redis_major, redis_server_binary
+from tests.support import FSYNC_EVERYSEC, ClusterGroup, redis_major, redis_server_binary
 
 
 def cluster_or_skip() -> None:
@@ -19,7 +19,7 @@ def cluster_or_skip() -> None:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> ClusterGroup:
     cluster_or_skip()
-    group = ClusterGroup(tmp_path_factory.mktemp("cluster"))
+    group = ClusterGroup(tmp_path_factory.mktemp("cluster"), extra_args=FSYNC_EVERYSEC)  # never killed
     try:
         yield group.start()
     finally:

@@ -28,7 +28,9 @@ from kvgate.producer.keys import Keys
 pytestmark = pytest.mark.chaos
 
 REDIS_DOWN_S = 2.0
-SIMULATED = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "4", "--sim-step-ms", "10",
+# 8 sequences a worker: each job takes as long as with 4 (so every fault still lands mid-generation, and a killed
+# worker holds more jobs), the 300 jobs drain in half the time
+SIMULATED = ("--simulated", "--sim-num-blocks", "2048", "--max-num-seqs", "8", "--sim-step-ms", "10",
              "--sim-per-token-ms", "0.02", "--reclaim-idle-ms", "2000")
 # CPU steps of a real model on a shared 2-core machine can take seconds: a reclaim timeout well above them
 SMOLLM2 = ("--model", "smollm2-135m", "--device", "cpu", "--max-num-seqs", "4", "--reclaim-idle-ms", "15000")
@@ -209,16 +211,16 @@ def seed() -> int:
     return int(os.environ.get("KVGATE_CHAOS_SEED", "6"))
 
 
-def test_300_jobs_survive_3_worker_kills_a_redis_kill_and_a_5s_freeze_with_one_final_each(redis_server, namespace,
+def test_300_jobs_survive_3_worker_kills_a_redis_kill_and_a_5s_freeze_with_one_final_each(durable_redis, namespace,
                                                                                            tmp_path):
-    report = run_chaos(redis_server, namespace, tmp_path, SIMULATED, jobs=300, max_tokens=(20, 200),
+    report = run_chaos(durable_redis, namespace, tmp_path, SIMULATED, jobs=300, max_tokens=(20, 200),
                        timeout_s=150, seed=seed())
     check(report, 300)
 
 
 @pytest.mark.slow
-def test_smollm2_jobs_survive_the_same_faults_with_one_final_each(redis_server, namespace, tmp_path):
+def test_smollm2_jobs_survive_the_same_faults_with_one_final_each(durable_redis, namespace, tmp_path):
     pytest.importorskip("torch")
-    report = run_chaos(redis_server, namespace, tmp_path, SMOLLM2, jobs=40, max_tokens=(8, 24),
+    report = run_chaos(durable_redis, namespace, tmp_path, SMOLLM2, jobs=40, max_tokens=(8, 24),
                        timeout_s=400, seed=seed(), sdk_jobs=6)
     check(report, 40)

@@ -57,8 +57,9 @@ class Samples:
 
 def overload(server, ns, tmp_path, duration_s: float) -> tuple[dict, Samples]:
     ports = [free_port(), free_port()]
+    # 2.5 ms steps: the 12x backlog left at the end drains in half the time (the overload itself lasts duration_s)
     args = ("--simulated", "--sim-num-blocks", "256", "--block-size", "16", "--max-num-seqs", str(MAX_SEQS),
-            "--local-queue-size", str(LOCAL_QUEUE), "--sim-step-ms", "5", "--sim-per-token-ms", "0.05")
+            "--local-queue-size", str(LOCAL_QUEUE), "--sim-step-ms", "2.5", "--sim-per-token-ms", "0.05")
     workers = [spawn_worker(server.url, ns, *args, "--metrics-port", str(ports[i]), worker_id=f"o{i}",
                             log=tmp_path / f"o{i}.log", env=ENV) for i in range(2)]
     procs = [psutil.Process(w.pid) for w in workers]

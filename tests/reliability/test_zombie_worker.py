@@ -53,7 +53,11 @@ def test_a_resumed_worker_stops_the_jobs_it_lost_and_streams_nothing_more_for_th
         wait_for(lambda: len(finals()) == 2, timeout=30, what="the rescuer to finish both jobs")
         assert {f.worker for f in finals()} == {"rescuer"} and {f.job_id for f in finals()} == set(jobs)
         zombie.send_signal(signal.SIGCONT)
-        time.sleep(3.0)  # the zombie had about 150 steps left of each job: 6 s
+        # its next lease renewal finds the jobs gone and stops them; had it streamed on, a second more (25 of its 40 ms
+        # steps, of about 150 it had left) would show it
+        wait_for(lambda: "taken over by another worker" in (tmp_path / "zombie.log").read_text(), timeout=30,
+                 what="the resumed worker to find its jobs taken over")
+        time.sleep(1.0)
         late = deltas_after_final(events(r, keys, queue.client_id))
         print(f"deltas streamed after the rescuer's final events: {late}")
         assert late <= 2, f"the resumed worker streamed {late} deltas for jobs already finished elsewhere"
