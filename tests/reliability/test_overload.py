@@ -24,7 +24,7 @@ import pytest
 from tests.reliability.chaos_harness import stop_all
 from kvgate.producer import Client
 from kvgate.producer.keys import Keys, as_text
-from tests.support import free_port, spawn_worker
+from tests.support import free_port, spawn_worker, wait_for
 
 MAX_SEQS, LOCAL_QUEUE = 16, 4
 HOLD_BOUND = MAX_SEQS + LOCAL_QUEUE + 3  # running + local queue + one blocking read's worth per stream
@@ -38,6 +38,14 @@ def scrape(port: int) -> dict[str, float]:
     for name in ("kvgate_preemptions_total", "kvgate_generation_tokens_total"):
         out[name] = sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
     return out
+
+
+def answers(port: int) -> bool:
+    try:
+        scrape(port)
+    except OSError:
+        return False
+    return True
 
 
 @dataclass
@@ -67,6 +75,9 @@ def overload(server, ns, tmp_path, duration_s: float) -> tuple[dict, Samples]:
     client = Client(server.url, ns)
     words = "paged attention block table prefix cache decode prefill".split()
     try:
+        # the overload's clock starts once both workers answer on their metrics port: on a loaded machine their
+        # start-up took most of the 20 s, and the final scrape found a worker not yet listening
+        wait_for(lambda: all(answers(p) for p in ports), 120, "both workers' metrics ports")
         t0 = time.monotonic()
         while (now := time.monotonic() - t0) < duration_s:
             stats = client.stats()
