@@ -4,19 +4,28 @@ read from its own streams `{ns}:jobs:<adapter>:<priority>` like a model of its o
 At start a worker registers its `--lora NAME=PATH` adapters and loads them; it reads the registry again every
 heartbeat, and the streams of an adapter registered since join those it reads (they only grow, as lanes do). A job of
 adapter X is read only while X has room in the engine's slots (engine.loras.has_room: loaded, or a slot free or idle) and
-is otherwise left in Redis for a worker that holds X, unless X's oldest job has waited `lora_aging_ms`: then any worker
-with room takes it (aging), so a cold adapter is never starved by hot ones. With fair share on, X's jobs wait in its
-tenants' streams, and X's band is read with the other bands of its priority by the tenants' counters (fair.py). The adapter is read from its folder on
-its first job here (a bad one is that job's error result); a job of an adapter removed from the registry while it
-waited is answered with an error result, never left waiting."""
+is otherwise left in Redis for a worker that holds X, unless X's oldest job has waited `lora_aging_ms` longer than the
+oldest waiting job of the adapters the worker holds (or than `lora_aging_ms`, where those have none): then any worker
+with KV room takes it (aging), so a cold adapter is never starved by hot ones. With fair share on, X's jobs wait in
+its tenants' streams, and X's band is read with the other bands of its priority by the tenants' counters (fair.py);
+the aging look reads the streams of each band's AGING_TENANTS lowest-counter tenants too. Of the adapters not loaded here, a read
+looks at no more than slots are spare: first those whose jobs wait, longest-waiting first (each heartbeat looks at
+their streams' oldest entries; a read looks at each once), then the others in turns, each worker's turns starting at its own place. By turns
+alone, a read looked at the adapters in the registry's order whatever waited: in W-LORA's fleet (bench/lora_fleet.py)
+the most popular adapter's backlog, skipped by every worker's first read, waited for its turn or its aging while
+workers ran half empty. The adapter is read from its folder on its first job here (a bad one is that job's error
+result); a job of an adapter removed from the registry while it waited is answered with an error result, never left
+waiting."""
 from __future__ import annotations
 
 import json
 import logging
+import random
 from typing import Any
 
 import redis
 
+from kvgate.producer.cluster import run_script
 from kvgate.producer.keys import PRIORITIES, Keys, as_text, lora_entry, parse_lora_entry
 from kvgate.worker.clock import ServerClock, entry_ms
 from kvgate.worker.engine import Engine
@@ -24,6 +33,33 @@ from kvgate.worker.settings import WorkerSettings
 
 log = logging.getLogger("kvgate.worker")
 AGING_TENANTS = 4  # fair share: tenants per adapter band whose streams the aging look reads (the lowest counters)
+
+# KEYS: job streams of one shard; ARGV[1]: the workers' group. For each stream with an entry the group has not
+# delivered yet: its index in KEYS and that entry's id (a flat list). In the server: a worker looks at every adapter's
+# streams each heartbeat (600 for 200 adapters), and reading their XINFO GROUPS replies in Python cost more CPU than
+# the rest of the worker's work together.
+HEADS_LUA = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', key)
+  local after, lag = '0-0', nil
+  if ok then
+    for _, g in ipairs(groups) do
+      local f = {}
+      for j = 1, #g, 2 do f[g[j]] = g[j + 1] end
+      if f['name'] == ARGV[1] then after, lag = f['last-delivered-id'], f['lag'] end
+    end
+  end
+  if lag ~= 0 then
+    local first = redis.call('XRANGE', key, '(' .. after, '+', 'COUNT', 1)
+    if #first > 0 then
+      out[#out + 1] = i
+      out[#out + 1] = first[1][1]
+    end
+  end
+end
+return out
+"""
 
 
 class Adapters:
@@ -35,7 +71,11 @@ class Adapters:
         self.paths: dict[str, str] = {}  # the registered adapters of our model now: name -> folder
         self.streamed: list[str] = []  # adapters whose streams we read, in the order they joined (never shrinks)
         self.aged: set[str] = set()  # adapters without room here whose oldest job waited past aging_ms
-        self.turn = 0  # adapters not loaded take turns at being read when fewer slots are spare than they are
+        self.waiting: dict[str, int] = {}  # adapters not loaded here with jobs waiting -> the oldest one's entry ms
+        # adapters not loaded take turns at being read when fewer slots are spare than they are; from a place of the
+        # worker's own, so a fleet's first reads look at different adapters
+        self.turn = random.randrange(1 << 16)
+        self.heads_script = client.register_script(HEADS_LUA)
 
     def start(self, loras: list[str]) -> list[str]:
         """Register and load `--lora NAME=PATH` adapters (a bad one stops the start, naming it), then read the
@@ -95,46 +135,53 @@ class Adapters:
 
     def readable(self, names: tuple[str, ...]) -> list[str]:
         """The model names whose streams a read looks at now: ours; the adapters in a slot with room, and of those
-        not loaded at most as many as slots could take them (in turns, so none is always left out); aged ones; and
-        removed ones (their jobs get their error result)."""
+        not loaded at most as many as slots could take them (those with jobs waiting, longest-waiting first, then
+        the others in turns, so none is always left out); the longest-waiting aged one; and removed ones (their jobs
+        get their error result)."""
         loaded = self.engine.loras.loaded
         self.turn += 1
         cold = [a for a in self.streamed if a in self.paths and a not in loaded and a not in self.aged]
-        shift = self.turn % len(cold) if cold else 0
-        taken = set((cold[shift:] + cold[:shift])[:self.engine.loras.spare()])
-        return [*names, *(a for a in self.streamed if a not in self.paths or a in self.aged or a in taken or
+        waiting = sorted((a for a in cold if a in self.waiting), key=self.waiting.__getitem__)
+        rest = [a for a in cold if a not in self.waiting]
+        shift = self.turn % len(rest) if rest else 0
+        taken = set((waiting + rest[shift:] + rest[:shift])[:self.engine.loras.spare()])
+        for a in taken.intersection(waiting):  # looked at once per heartbeat's view: others may have taken its jobs
+            del self.waiting[a]
+        # one aged adapter a read, the longest-waiting: its jobs wait here for a slot, at the head of the engine's
+        # queue, holding every other admission; all of them at once (a backlog's tail ages every adapter) filled the
+        # engine's queue with jobs of as many adapters as it took, and each read with hundreds of streams
+        taken |= set(sorted(self.aged, key=lambda a: self.waiting.get(a, 0))[:1])
+        return [*names, *(a for a in self.streamed if a not in self.paths or a in taken or
                           (a in loaded and self.engine.loras.has_room(a)))]
 
     def check_aging(self) -> None:
-        """Which adapters without room here have a job that waited past aging_ms: round trips over their streams
-        (with fair share, each band's AGING_TENANTS lowest counters' tenants' streams too: the ones a read would
-        serve first), the group's last delivered id, then the entry after it, once per heartbeat."""
-        waiting = [a for a in self.streamed if a in self.paths and not self.engine.loras.has_room(a)]
-        streams = [(a, self.keys.jobs(a, p, shard=k)) for a in waiting for p in PRIORITIES
-                   for k in range(len(self.keys.parts))]
-        if not streams:
-            self.aged = set()
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for _, band in streams:
-            pipe.zrange(Keys.fair_backlog(band), 0, AGING_TENANTS - 1)
-        backlogs = pipe.execute(raise_on_error=False)
-        streams += [(a, Keys.tenant_jobs(band, as_text(t))) for (a, band), tenants in zip(list(streams), backlogs)
-                    if not isinstance(tenants, Exception) for t in tenants]
-        pipe = self.client.pipeline(transaction=False)
-        for _, stream in streams:
-            pipe.xinfo_groups(stream)
-        delivered = [_last_delivered(g) for g in pipe.execute(raise_on_error=False)]
-        pipe = self.client.pipeline(transaction=False)
-        for (_, stream), after in zip(streams, delivered):
-            pipe.xrange(stream, f"({after}", "+", count=1)
-        now_ms = int(self.clock.now() * 1000)
-        self.aged = {a for (a, _), first in zip(streams, pipe.execute(raise_on_error=False))
-                     if first and not isinstance(first, Exception)
-                     and now_ms - entry_ms(as_text(first[0][0])) >= self.aging_ms}
-
-
-def _last_delivered(groups) -> str:
-    if isinstance(groups, Exception):
-        return "0-0"
-    return next((as_text(g["last-delivered-id"]) for g in groups if as_text(g.get("name")) == Keys.GROUP), "0-0")
+        """Which adapters not loaded here have jobs waiting and since when (`waiting`), and which of those without
+        room here are aged (`aged`): their oldest job waited lora_aging_ms longer than the oldest waiting job of the
+        adapters loaded here (than lora_aging_ms where those have none). Absolute aging made every adapter aged in a
+        backlog, where every job waits long: each worker then read jobs it had no slot for, which waited at the head
+        of its engine's queue and stopped every other admission until a slot freed (W-LORA's fleet at saturation ran
+        at a third of its jobs/s). With fair share, each band's AGING_TENANTS lowest-counter tenants' streams are
+        looked at too (the ones a read would serve first; the band's own stream holds nothing then). One pipeline and
+        one script a shard over the streams, once per heartbeat."""
+        loaded = self.engine.loras.loaded
+        served = [a for a in self.streamed if a in self.paths]
+        bands = {self.keys.jobs(a, p, shard=k): a for a in served for p in PRIORITIES
+                 for k in range(len(self.keys.parts))}
+        streams = dict(bands)
+        if bands:
+            pipe = self.client.pipeline(transaction=False)
+            for band in bands:
+                pipe.zrange(Keys.fair_backlog(band), 0, AGING_TENANTS - 1)
+            for (band, a), tenants in zip(bands.items(), pipe.execute(raise_on_error=False)):
+                if not isinstance(tenants, Exception):
+                    streams.update({Keys.tenant_jobs(band, as_text(t)): a for t in tenants})
+        heads: dict[str, int] = {}
+        for group in self.keys.by_shard(list(streams)):
+            reply = run_script(self.heads_script, group, [Keys.GROUP], self.client)
+            for i, entry_id in zip(reply[::2], reply[1::2]):
+                a = streams[group[int(i) - 1]]
+                heads[a] = min(heads.get(a, 1 << 62), entry_ms(as_text(entry_id)))
+        self.waiting = {a: since for a, since in heads.items() if a not in loaded}
+        ours = min((since for a, since in heads.items() if a in loaded), default=int(self.clock.now() * 1000))
+        self.aged = {a for a, since in self.waiting.items()
+                     if ours - since >= self.aging_ms and not self.engine.loras.has_room(a)}

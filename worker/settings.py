@@ -55,7 +55,9 @@ class WorkerSettings(BaseSettings, EngineConfig):
             "loaded at start (repeat the flag); needs --max-loras >= 1. The worker also serves every adapter of its "
             "model registered in Redis (kvgate loras add), loading it on first use", "--lora")
     lora_aging_ms: int = _s(5000, "a job of an adapter with no slot free here is left to workers that hold it, until "
-                                  "the adapter's oldest job waited this long: then any worker with room reads it", ge=0)
+                                  "the adapter's oldest job waited this much longer than the oldest waiting job of the "
+                                  "adapters this worker holds (this long, where those have none): then any worker with "
+                                  "KV room reads it", ge=0)
     embeddings: Literal["on", "off", "only"] = _s(
         "on", "embedding jobs (task embed): on: served beside generation; only: this worker's model names serve "
         "embeddings alone (a generation job gets an error result saying so); off: refused with an error result")

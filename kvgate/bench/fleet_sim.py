@@ -35,6 +35,7 @@ class WorkerSpec:
     name: str
     num_blocks: int
     max_num_seqs: int
+    max_loras: int = 0  # LoRA adapter slots (W-LORA); 0: none
 
 
 def mixed_fleet(n: int) -> list[WorkerSpec]:
@@ -97,16 +98,19 @@ class Fleet:
 
 
 def start_fleet(redis_url: str, namespace: str, specs: list[WorkerSpec], policy: str, *,
-                step_overhead_s: float, per_token_s: float, seed: int = 0, **settings) -> Fleet:
-    """`settings` are further WorkerSettings for every worker (W-PREFIX: affinity="on")."""
+                step_overhead_s: float, per_token_s: float, seed: int = 0, lora_load_s: float = 0.0,
+                **settings) -> Fleet:
+    """`settings` are further WorkerSettings for every worker (W-PREFIX: affinity="on"); `lora_load_s` is what loading
+    an adapter into one of a spec's `max_loras` slots costs."""
     settings = WorkerSettings(redis_url=redis_url, namespace=namespace, drain_timeout_s=5.0, heartbeat_ttl_s=10,
                               local_queue_size=PREFETCH if policy == "prefetch" else 4, **settings)
     stop_event = threading.Event()
     workers, threads = [], []
     for i, spec in enumerate(specs):
         engine = SimulatedEngine(spec.num_blocks, 16, spec.max_num_seqs, step_overhead_s, per_token_s, seed + i,
-                                 model_name=f"sim-{spec.name.split('-')[0]}")
-        worker = Worker(engine, settings.model_copy(update={"worker_id": spec.name}))
+                                 model_name=f"sim-{spec.name.split('-')[0]}", max_loras=spec.max_loras,
+                                 lora_load_s=lora_load_s)
+        worker = Worker(engine, settings.model_copy(update={"worker_id": spec.name, "max_loras": spec.max_loras}))
         if policy == "prefetch":
             worker.use_queue(PrefetchQueue(PREFETCH, worker.queue.tokens_per_job, in_flight=worker.flights))
         workers.append(worker)
@@ -136,8 +140,11 @@ def make_jobs(n: int, mix: JobMix, *, seed: int, clients: int) -> list[Job]:
 
 
 def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | None, batch: int = 200,
-            lanes: int = 0, fair: bool = False, spread: TenantSpread | None = None) -> float:
-    """XADD jobs in pipelined batches, each where the SDK would put it, in its shard (with `lanes`, its affinity lane;
+            lanes: int = 0, fair: bool = False, spread: TenantSpread | None = None,
+            stream_model: str | None = None) -> float:
+    """XADD jobs in pipelined batches, each where the SDK would put it, in its shard (with `stream_model`, on that
+    model's streams whatever model the job names: W-LORA's adapter-blind layout, adapters' jobs on their base's shared
+    stream, where a worker serves a job with the adapter its `model` names; with `lanes`, its affinity lane;
     with `fair`, its tenant's stream in its band through the SDK's own enqueue script, which adds the tenant to the
     band's backlog and rings its bell; one pipeline per batch and shard; with `spread` on a cluster, in the shard the
     SDK deals it to, its job id drawn anew to hash there); with `rate` (jobs/s) paced as an open-loop arrival stream.
@@ -158,7 +165,8 @@ def enqueue(client: redis.Redis, keys: Keys, jobs: list[Job], *, rate: float | N
         if not fair:
             pipe = client.pipeline(transaction=False)
             for job in jobs[lo:lo + batch]:
-                pipe.xadd(stream_for(job, job.model or DEFAULT_MODEL, keys, lanes), {FIELD: encode(job)})
+                model = stream_model or job.model or DEFAULT_MODEL
+                pipe.xadd(stream_for(job, model, keys, lanes), {FIELD: encode(job)})
             pipe.execute()
             continue
         for group in keys.by_shard(jobs[lo:lo + batch], lambda job: fair_band(keys, job)):

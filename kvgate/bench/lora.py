@@ -1,5 +1,5 @@
-"""`kvgate bench lora`: W-LORA's engine half (issue 42). W-CPU's requests on one engine, on the base model and spread
-over 8 random rank-16 adapters (request i takes adapter i mod 8), in the same run, rounds interleaved; the figure is
+"""`kvgate bench lora`: W-LORA's engine half (issue 42; `--fleet` runs the fleet half instead: lora_fleet.py). W-CPU's
+requests on one engine, on the base model and spread over 8 random rank-16 adapters (request i takes adapter i mod 8), in the same run, rounds interleaved; the figure is
 the median round's output tokens/s of each and their ratio (target: adapters >= 0.8x base).
 
 The adapters are written here in PEFT's format (all seven target modules, random A and B), so the run needs neither
@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvgate.bench import lora_fleet
 from kvgate.bench.engine import add_workload_arguments, make_requests, median_round, scaled_workload
 
 TARGET_RATIO = 0.8
@@ -22,9 +23,10 @@ MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
-    parser.add_argument("--adapters", type=int, default=8, help="adapters the requests are spread over (8)")
+    parser.add_argument("--adapters", type=int, help="adapters the requests are spread over (8; --fleet: 200)")
     parser.add_argument("--rank", type=int, default=16, help="the adapters' rank (16)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of base and adapters, interleaved")
+    lora_fleet.add_arguments(parser)
 
 
 def write_adapter(folder: Path, config, rank: int, seed: int) -> None:
@@ -56,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.engine.loader import resolve_model
     from kvgate.engine.model_runner import resolve_device
 
+    if args.fleet:
+        return lora_fleet.run(args)
+    args.adapters = args.adapters or 8
     if args.adapters < 1 or args.rank < 1 or args.repeats < 1:
         raise SystemExit("--adapters, --rank and --repeats must each be 1 or more")
     workload = scaled_workload(args)

@@ -1,0 +1,87 @@
+"""Where adapters' jobs run (worker/adapters.py): a read looks first at the adapters not loaded here whose jobs waited
+longest, whatever their place in the registry (by turns alone, the most popular adapter's backlog waited for its turn
+while workers ran half empty: W-LORA's fleet half), and a job naming an adapter on its base model's shared stream (the
+adapter-blind layout W-LORA compares against) is served with that adapter, loaded on demand."""
+from __future__ import annotations
+
+from kvgate.engine.simulated import SimulatedEngine
+from kvgate.producer import Client
+from kvgate.producer.protocol import encode
+from kvgate.worker.adapters import Adapters
+from kvgate.worker.clock import ServerClock
+from kvgate.worker.null_metrics import NullMetrics
+from kvgate.worker.settings import WorkerSettings
+
+BASE = "org/base"
+
+
+def _adapter(tmp_path, name: str) -> str:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")  # the simulated engine reads no weights
+    return str(folder)
+
+
+def _engine(max_loras: int) -> SimulatedEngine:
+    return SimulatedEngine(num_blocks=512, max_num_seqs=8, step_overhead_s=0.002, per_token_s=0.00005,
+                           max_loras=max_loras)
+
+
+def test_a_read_looks_first_at_the_adapters_whose_jobs_waited_longest_whatever_the_registry_order(queue, tmp_path):
+    names = ["a", "b", "c", "d"]
+    with Client(queue.server.url, queue.ns) as client:
+        for name in names:
+            client.add_lora(name, _adapter(tmp_path, name), BASE)
+        settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=1)
+        adapters = Adapters(queue.r, queue.keys, _engine(1), BASE, settings, ServerClock(queue.r), NullMetrics())
+        assert adapters.start([]) == names
+        client.submit("first", lora="d", max_tokens=2)  # the last adapter in the registry's order waited longest
+        client.submit("second", lora="c", max_tokens=2)
+        adapters.check_aging()  # the heartbeat's look at the streams of the adapters not loaded here
+    assert adapters.readable((BASE,)) == [BASE, "d"]  # one slot spare: one adapter a read, the longest-waiting
+    assert adapters.readable((BASE,)) == [BASE, "c"]  # each looked at once per look at the streams
+    assert adapters.waiting == {} and adapters.aged == set()  # one slot, free: room for each, none aged
+    later = [adapters.readable((BASE,))[1] for _ in range(4)]
+    assert set(later) == {"a", "b", "c", "d"}  # then in turns, none always left out
+
+
+def test_a_job_naming_an_adapter_on_its_base_models_stream_is_served_with_it_loaded_on_demand(
+        thread_worker, queue, tmp_path):
+    engine = _engine(1)  # one slot: the second adapter's job evicts the first's
+    with Client(queue.server.url, queue.ns) as client:
+        for name in ("x", "y"):
+            client.add_lora(name, _adapter(tmp_path, name), BASE)
+    with thread_worker(engine=engine, worker_id="w1", served_model_name=BASE, max_loras=1, heartbeat_interval_s=0.1):
+        for name in ("x", "y"):  # one after the other: each finds the slot idle
+            job = queue.job(prompt_token_ids=[1, 2, 3], max_tokens=2, ignore_eos=True, model=name)
+            queue.xadd(encode(job), model=BASE)  # the base's shared stream, not the adapter's own
+            queue.wait_finals(1 + (name == "y"))
+    finals = queue.finals()
+    assert [(f.status, f.model) for f in finals] == [("done", "x"), ("done", "y")]
+    assert engine.loras.loads == 2 and engine.loras.evictions == 1 and engine.loras.loaded == {"y": 0}
+
+
+def test_an_adapter_ages_only_once_its_jobs_waited_longer_than_those_of_the_adapters_held_here(queue, tmp_path):
+    import time
+
+    from kvgate.engine.sampling_params import SamplingParams
+    from kvgate.producer.keys import Keys
+
+    engine = _engine(1)
+    with Client(queue.server.url, queue.ns) as client:
+        for name in ("hot", "cold"):
+            client.add_lora(name, _adapter(tmp_path, name), BASE)
+        settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=1, lora_aging_ms=300)
+        adapters = Adapters(queue.r, queue.keys, engine, BASE, settings, ServerClock(queue.r), NullMetrics())
+        adapters.start([])
+        engine.loras.add("hot", adapters.paths["hot"])
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), lora="hot")
+        engine.step()  # hot runs in the one slot: no room here for cold
+        client.submit("a backlog", lora="hot", max_tokens=2)
+        client.submit("behind it", lora="cold", max_tokens=2)
+        time.sleep(0.4)  # both waited past the bound (the server's clock: entry ids)
+        adapters.check_aging()
+        assert adapters.aged == set() and set(adapters.waiting) == {"cold"}  # a backlog: cold waited no longer
+        queue.r.xreadgroup(Keys.GROUP, "another", {queue.keys.jobs("hot", "normal"): ">"}, count=10)
+        adapters.check_aging()  # nothing of hot waits now: cold's wait counts from its job's arrival
+    assert adapters.aged == {"cold"} and "cold" in adapters.readable((BASE,))
