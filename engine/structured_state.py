@@ -13,7 +13,7 @@ from typing import Any
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.constraints import GrammarError, Grammars, forced_tokens, matcher_error
-from kvgate.engine.outputs import RequestRejected, StepOutput
+from kvgate.engine.outputs import StepOutput
 from kvgate.engine.sequence import Sequence, SequenceStatus
 
 
@@ -33,13 +33,15 @@ class StructuredRequests:
 
     def start(self, seq: Sequence) -> bool:
         """Compile seq's constraint: True when its matcher is ready now (the scheduler takes it at once), False when
-        it waits here until `compiled` hands it over. RequestRejected: the constraint is known bad from an earlier
-        request with the same one."""
+        it waits here until `compiled` hands it over, or answers it with the compile's error. A constraint that fails
+        is answered there whether its compile failed before this call returned (known bad from an earlier request,
+        or a compile thread quicker than this one) or after: which one came first is the threads' timing, and a
+        request's answer must not depend on it (it was a RequestRejected from add_request in the first case)."""
         future = self.grammars.compile(seq.params.structured)
         try:
             seq.matcher = self.grammars.ready(future)
-        except GrammarError as e:
-            raise RequestRejected(str(e)) from None
+        except GrammarError:
+            seq.matcher = None
         if seq.matcher is None:
             self.compiling[seq] = future
         return seq.matcher is not None

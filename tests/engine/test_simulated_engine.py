@@ -237,6 +237,12 @@ while engine.has_unfinished():
     done |= {o.request_id: o for o in engine.step() if o.finished}
 assert done["r"].finish_reason == "length" and done["r"].text.startswith(" t"), done["r"]
 assert done["s"].finish_reason == "error" and "transformers" in done["s"].error, done["s"]
+# the same constraint again, its compile known to have failed: answered the same way, not refused by add_request
+# (which one a request got hung on whether the compile thread had failed before add_request looked)
+engine.add_request("s2", "a prompt", SamplingParams(max_tokens=3, structured={"kind": "regex", "spec": "[a-z]+"}))
+while engine.has_unfinished():
+    done |= {o.request_id: o for o in engine.step() if o.finished}
+assert done["s2"].finish_reason == "error" and done["s2"].error == done["s"].error, done["s2"]
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.returncode, run.stdout[-1000:], run.stderr[-3000:])
