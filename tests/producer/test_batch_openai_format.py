@@ -201,7 +201,7 @@ def test_a_completions_lines_suffix_goes_to_its_job_and_a_chat_lines_is_refused(
 def test_a_several_input_embeddings_line_owns_one_job_per_input_and_is_answered_once_all_are_final():
     import struct
 
-    from kvgate.openai.batch import parse_line
+    from kvgate.openai.batch import parse_line, unrun_line
     from kvgate.openai.batch_runs import line_runs, submit_jobs
     from kvgate.producer import Result
     from kvgate.producer import protocol as wire
@@ -225,7 +225,7 @@ def test_a_several_input_embeddings_line_owns_one_job_per_input_and_is_answered_
     run = runs[0]
     assert run.add(result("j2", vector=(0.0, 1.0))) is False and run.add(result("j0")) is False
     assert run.add(result("j1")) is True
-    body = run.answer()["response"]["body"]
+    body = run.answer("seed")["response"]["body"]
     assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["data"][2]["embedding"] == [0.0, 1.0]
     assert body["usage"] == {"prompt_tokens": 6, "total_tokens": 6}
     with pytest.raises(ValueError, match="not one of line 1's jobs"):
@@ -233,6 +233,11 @@ def test_a_several_input_embeddings_line_owns_one_job_per_input_and_is_answered_
     failed = line_runs([emb], ["j0", "j1", "j2"])[0]
     for r in (result("j0"), result("j1", "error", "prompt of 900 tokens is longer than 512"), result("j2")):
         failed.add(r)
-    row = failed.answer()
+    row = failed.answer("seed")
     assert row["response"] is None and row["error"]["code"] == "error"
     assert row["error"]["message"].startswith("body.input[1] (input 2 of 3, job j1) ended error: prompt of 900")
+    late = line_runs([emb], ["j0", "j1", "j2"])[0]  # one input not started within the batch's window
+    for r in (result("j0"), result("j1", "expired"), result("j2")):
+        late.add(r)
+    assert late.answer("seed") == unrun_line("seed", "e", "expired")
+    assert late.answer("seed")["error"]["code"] == "batch_expired"
