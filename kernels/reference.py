@@ -154,7 +154,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch
 
     Segmented by adapter (kernels/lora_rows.py): the adapter rows are gathered into one padded segment per slot, each
     segment is shrunk by its own slot's `a` and expanded by its own `b` in one batched matmul per slice, and the
-    deltas are added back to their rows. A row meets no other adapter's weights and a base row is never read."""
+    deltas are added back to their rows (the slices tile y's columns in order: `offsets` are their running widths).
+    A row meets no other adapter's weights and a base row is never read."""
     if rows.count == 0:
         return y
     segments, in_features = rows.count, x.shape[1]
@@ -162,8 +163,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch
     t = torch.bmm(xs, rows.by_segment(a).float().transpose(1, 2))  # [segments, length, slices x rank]
     if rows.valid is not None:
         t.mul_(rows.valid)  # padding adds exactly 0 to the row it repeats
-    for i, (b, offset) in enumerate(zip(bs, offsets)):
-        rank, out_features = b.shape[1], b.shape[2]
-        delta = torch.bmm(t[:, :, i * rank:(i + 1) * rank], rows.by_segment(b).float())
-        y[:, offset:offset + out_features].index_add_(0, rows.gather, delta.view(-1, out_features).to(y.dtype))
+    rank = bs[0].shape[1]
+    deltas = [torch.bmm(t[:, :, i * rank:(i + 1) * rank], rows.by_segment(b).float()) for i, b in enumerate(bs)]
+    delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)  # one add into y's full rows
+    y.index_add_(0, rows.gather, delta.view(-1, y.shape[1]).to(y.dtype))
     return y
