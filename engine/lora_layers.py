@@ -1,5 +1,5 @@
 """The model's LoRA: each target projection wrapped to add its row's adapter delta (kernels.ops.lora_apply), the
-device slots' weights, and the per-row slot index of the step.
+device slots' weights, and the step's rows grouped by adapter slot (kernels/lora_rows.py).
 
 `LoraModel.attach` wraps a built model's q/k/v (fused qkv_proj: three slices), o_proj, gate/up (fused gate_up_proj:
 two slices) and down_proj in every layer, leaving models/llama.py's forward as it is: the wrapper is called where
@@ -15,6 +15,7 @@ from torch import nn
 
 from kvgate.engine.lora import TARGETS, LoraAdapter, ModelShapes, read_adapter
 from kvgate.kernels import ops
+from kvgate.kernels.lora_rows import LoraRows
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -23,8 +24,8 @@ OWNER = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", 
 
 @dataclass(slots=True)
 class StepRows:
-    """The step's per-row adapter slot ([N] int32, -1: base), shared by every wrapper; None: no adapter row."""
-    rows: torch.Tensor | None = None
+    """The step's rows grouped by adapter slot (built once per step), shared by every wrapper; None: no adapter row."""
+    rows: LoraRows | None = None
 
 
 class LoraLinear(nn.Module):
@@ -91,9 +92,8 @@ class LoraModel:
         if max(slots, default=-1) < 0:
             self.step.rows = None
             return False
-        device = self.layers[0]["o_proj"].a.device
-        counts = torch.tensor([n for _, n in batch])
-        self.step.rows = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32), counts).to(device)
+        rows = [slot for slot, (_, n) in zip(slots, batch) for _ in range(n)]
+        self.step.rows = LoraRows.of(rows, self.layers[0]["o_proj"].a.device)
         return True
 
 

@@ -1,8 +1,9 @@
 """Batched LoRA over a step that mixes adapters (Punica's BGMV: one row, its own adapter; twin: reference.lora_apply).
 
-Per row n, `rows[n]` is the device slot of its adapter (-1: the base model, no delta). A projection's adapters are
-stacked by slot: `a` [S, R, in] holds every slice's shrink matrix (R = slices x max rank, a fused q/k/v has three),
-`bs[i]` [S, r, out_i] slice i's expand matrix, transposed, its scaling folded in. Two launches per slice set:
+Per row n, `rows[n]` (kernels/lora_rows.py's LoraRows.rows) is the device slot of its adapter (-1: the base model,
+no delta). A projection's adapters are stacked by slot: `a` [S, R, in] holds every slice's shrink matrix
+(R = slices x max rank, a fused q/k/v has three), `bs[i]` [S, r, out_i] slice i's expand matrix, transposed, its
+scaling folded in. Two launches per slice set:
 shrink  t[n, :] = a[rows[n]] @ x[n]                  (float32, [N, R])
 expand  y[n, off_i:off_i + out_i] += t[n, i*r:(i+1)*r] @ bs[i][rows[n]]
 Each program takes one row and a tile of its outputs, so one launch serves every adapter of the batch at once; no
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvgate.kernels.lora_rows import LoraRows
 
 BLOCK_OUT = 64
 BLOCK_K = 64
@@ -59,8 +62,10 @@ def _expand_kernel(t_ptr, b_ptr, rows_ptr, y_ptr, stride_t, stride_bs, stride_br
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], offsets: list[int],
-               rows: torch.Tensor) -> torch.Tensor:
-    """y [N, out] += each row's adapter delta, in place; returns y. x [N, in] (rows contiguous), rows [N] int."""
+               segments: LoraRows) -> torch.Tensor:
+    """y [N, out] += each row's adapter delta, in place; returns y. x [N, in] (rows contiguous); a row's slot is
+    `segments.rows[n]` (the segments themselves are the CPU twin's)."""
+    rows = segments.rows
     n, in_features = x.shape
     if n == 0:
         return y

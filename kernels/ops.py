@@ -11,7 +11,8 @@
 | qkv_rope_store  | qkv_rope_store.py: from the fused qkv output, q/k norm (Qwen3),  | qkv_rope_store      |
 |                 |   rotary and the k/v store in one launch (what the model calls)  |                     |
 | silu_and_mul    | activation.py                                                    | silu_and_mul        |
-| lora_apply      | lora.py: BGMV shrink + expand, a row's own adapter slot per program | lora_apply       |
+| lora_apply      | lora.py: BGMV shrink + expand, a row's own adapter slot per program | lora_apply:      |
+|                 |   (rows grouped by slot once a step: lora_rows.py)               | segmented bmm    |
 Not dispatched here: on CPU in float32 the model's projections and lm_head are swapped at load for
 cpu_linear.py's oneDNN-prepacked GEMMs (kvgate/bench/cpu_linear.py times them against F.linear).
 Shared: paged_kv.py (KV gather through block tables, online softmax), config.py (tiles, warps,
@@ -43,6 +44,7 @@ from functools import lru_cache
 import torch
 
 from kvgate.kernels import reference
+from kvgate.kernels.lora_rows import LoraRows
 
 __all__ = ["store_kvcache", "paged_attention", "rms_norm", "rotary", "qkv_rope_store", "silu_and_mul", "lora_apply"]
 
@@ -114,7 +116,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], offsets: list[int],
-               rows: torch.Tensor) -> torch.Tensor:
+               rows: LoraRows) -> torch.Tensor:
     if not use_triton(x):
         return reference.lora_apply(y, x, a, bs, offsets, rows)
     from kvgate.kernels.lora import lora_apply as kernel

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvgate.kernels.lora_rows import LoraRows
+
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
@@ -147,20 +149,22 @@ def qkv_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], offsets: list[int],
-               rows: torch.Tensor) -> torch.Tensor:
-    """y [N, out] += each row's LoRA delta, in place (kernels/lora.py has the layout; rows[n] = -1: none).
+               rows: LoraRows) -> torch.Tensor:
+    """y [N, out] += each row's LoRA delta, in place (kernels/lora.py has the layout; a base row gets none).
 
-    Vectorised over slots, not rows: every row is shrunk by every slot's `a` in one GEMM, the products of the slots
-    that are not the row's own are zeroed (a one-hot mask, so exactly 0), and one GEMM per slice expands them. The
-    extra work is max_loras x rank columns, small beside the projection; gathering each row's own matrices would
-    copy rank x (in + out) weights per row."""
-    slots, rank_total, in_features = a.shape
-    onehot = (rows.long()[:, None] == torch.arange(slots, device=rows.device)[None, :]).to(torch.float32)
-    t = (x.float() @ a.reshape(slots * rank_total, in_features).float().T).view(-1, slots, rank_total)
-    t = t * onehot[:, :, None]
-    for i, (b, offset) in enumerate(zip(bs, offsets)):
-        rank, out_features = b.shape[1], b.shape[2]
-        part = t[:, :, i * rank:(i + 1) * rank].reshape(-1, slots * rank)
-        delta = part @ b.reshape(slots * rank, out_features).float()
-        y[:, offset:offset + out_features] += delta.to(y.dtype)
+    Segmented by adapter (kernels/lora_rows.py): the adapter rows are gathered into one padded segment per slot, each
+    segment is shrunk by its own slot's `a` and expanded by its own `b` in one batched matmul per slice, and the
+    deltas are added back to their rows (the slices tile y's columns in order: `offsets` are their running widths).
+    A row meets no other adapter's weights and a base row is never read."""
+    if rows.count == 0:
+        return y
+    segments, in_features = rows.count, x.shape[1]
+    xs = x.index_select(0, rows.gather).view(segments, rows.length, in_features).float()
+    t = torch.bmm(xs, rows.by_segment(a).float().transpose(1, 2))  # [segments, length, slices x rank]
+    if rows.valid is not None:
+        t.mul_(rows.valid)  # padding adds exactly 0 to the row it repeats
+    rank = bs[0].shape[1]
+    deltas = [torch.bmm(t[:, :, i * rank:(i + 1) * rank], rows.by_segment(b).float()) for i, b in enumerate(bs)]
+    delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)  # one add into y's full rows
+    y.index_add_(0, rows.gather, delta.view(-1, y.shape[1]).to(y.dtype))
     return y

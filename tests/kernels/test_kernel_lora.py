@@ -6,6 +6,7 @@ import torch
 
 from tests.kernels.kernel_testing import DEVICE, assert_close
 from kvgate.kernels import lora, ops, reference
+from kvgate.kernels.lora_rows import LoraRows
 
 
 def make_stack(slots: int, rank: int, in_features: int, widths: list[int], seed: int = 0):
@@ -19,7 +20,7 @@ def make_stack(slots: int, rank: int, in_features: int, widths: list[int], seed:
 def oracle(y, x, a, bs, offsets, rows):
     """One row at a time, as the math says it."""
     out = y.clone()
-    for n, slot in enumerate(rows.tolist()):
+    for n, slot in enumerate(rows.rows.tolist()):
         if slot < 0:
             continue
         t = a[slot] @ x[n]
@@ -32,22 +33,45 @@ def oracle(y, x, a, bs, offsets, rows):
 @pytest.mark.parametrize("widths,rank,in_features", [([40, 24, 24], 8, 70), ([96, 96], 4, 32), ([33], 16, 129)])
 def test_kernel_and_twin_agree_with_the_oracle_over_mixed_slots_and_base_rows(widths, rank, in_features):
     a, bs, offsets = make_stack(4, rank, in_features, widths)
-    rows = torch.tensor([2, -1, 0, 0, 3, -1, 1, 2, 2], dtype=torch.int32, device=DEVICE)
-    x = torch.randn(len(rows), in_features, device=DEVICE)
-    y = torch.randn(len(rows), sum(widths), device=DEVICE)
+    rows = LoraRows.of([2, -1, 0, 0, 3, -1, 1, 2, 2], DEVICE)
+    x = torch.randn(len(rows.rows), in_features, device=DEVICE)
+    y = torch.randn(len(rows.rows), sum(widths), device=DEVICE)
     expected = oracle(y, x, a, bs, offsets, rows)
     assert_close(reference.lora_apply(y.clone(), x, a, bs, offsets, rows), expected, atol=1e-4, rtol=1e-4)
     got = lora.lora_apply(y.clone(), x, a, bs, offsets, rows)
     assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    base = (rows < 0).nonzero()[:, 0]
+    base = (rows.rows < 0).nonzero()[:, 0]
     assert torch.equal(got[base], y[base])  # base rows are untouched, bit for bit
+
+
+@pytest.mark.parametrize("slots", [[7, 0, 7, -1, 0, 7], [1, 1, 3, 3, 3, 3, -1], [5], [-1, -1], [4, 2, 0, 6, 0]])
+def test_the_twin_groups_rows_by_slot_however_the_slots_spread(slots):
+    """Contiguous slots (sliced stacks), sparse ones (gathered stacks), unused slots between, uneven segments
+    (padding), one row, no adapter row at all: each row gets exactly its own adapter's delta."""
+    a, bs, offsets = make_stack(8, 4, 24, [16, 8])
+    rows = LoraRows.of(slots, DEVICE)
+    x, y = torch.randn(len(slots), 24, device=DEVICE), torch.randn(len(slots), 24, device=DEVICE)
+    assert_close(reference.lora_apply(y.clone(), x, a, bs, offsets, rows), oracle(y, x, a, bs, offsets, rows),
+                 atol=1e-4, rtol=1e-4)
+
+
+def test_the_twin_never_reads_a_base_row():
+    """Segmented, not masked: a base row's input (here NaN) is multiplied by no adapter, so its output stays as the
+    base projection left it and the adapter rows stay finite."""
+    a, bs, offsets = make_stack(3, 4, 16, [8, 8])
+    rows = LoraRows.of([2, -1, 0, -1, 2], DEVICE)
+    x, y = torch.randn(5, 16, device=DEVICE), torch.randn(5, 16, device=DEVICE)
+    x[1] = x[3] = float("nan")
+    got = reference.lora_apply(y.clone(), x, a, bs, offsets, rows)
+    assert torch.equal(got[[1, 3]], y[[1, 3]])
+    assert torch.isfinite(got).all()
 
 
 def test_kernel_tiles_wide_outputs_and_long_inputs(monkeypatch):
     monkeypatch.setattr(lora, "BLOCK_OUT", 16)
     monkeypatch.setattr(lora, "BLOCK_K", 16)
     a, bs, offsets = make_stack(3, 8, 50, [70, 30], seed=1)
-    rows = torch.tensor([1, 0, -1, 2], dtype=torch.int32, device=DEVICE)
+    rows = LoraRows.of([1, 0, -1, 2], DEVICE)
     x, y = torch.randn(4, 50, device=DEVICE), torch.zeros(4, 100, device=DEVICE)
     assert_close(lora.lora_apply(y.clone(), x, a, bs, offsets, rows), reference.lora_apply(y, x, a, bs, offsets, rows),
                  atol=1e-4, rtol=1e-4)
@@ -56,7 +80,7 @@ def test_kernel_tiles_wide_outputs_and_long_inputs(monkeypatch):
 def test_kernel_adds_in_half_precision_like_the_twin():
     a, bs, offsets = make_stack(2, 4, 32, [48])
     a, bs = a.half(), [b.half() for b in bs]
-    rows = torch.tensor([0, 1, -1], dtype=torch.int32, device=DEVICE)
+    rows = LoraRows.of([0, 1, -1], DEVICE)
     x, y = torch.randn(3, 32, device=DEVICE).half(), torch.randn(3, 48, device=DEVICE).half()
     assert_close(lora.lora_apply(y.clone(), x, a, bs, offsets, rows), reference.lora_apply(y.clone(), x, a, bs, offsets,
                  rows), atol=2e-2, rtol=2e-2)
@@ -64,7 +88,7 @@ def test_kernel_adds_in_half_precision_like_the_twin():
 
 def test_ops_takes_the_kernel_when_triton_is_forced_and_the_twin_when_the_reference_is(monkeypatch):
     a, bs, offsets = make_stack(2, 4, 16, [8, 8])
-    rows = torch.tensor([1, -1, 0], dtype=torch.int32, device=DEVICE)
+    rows = LoraRows.of([1, -1, 0], DEVICE)
     x, y = torch.randn(3, 16, device=DEVICE), torch.randn(3, 16, device=DEVICE)
     outs = {}
     for forced, module in (("triton", lora), ("reference", reference)):

@@ -1,0 +1,53 @@
+"""One step's rows grouped by adapter slot (Punica/S-LoRA's segments), built once per step and read by every LoRA
+layer of it: the Triton kernel (kernels/lora.py) takes `rows`, one slot per row; the CPU twin (reference.lora_apply)
+takes the segments, so that it multiplies each row by its own adapter only and never touches a base row.
+
+A segment is one slot's rows, padded to the longest segment's `length` so that all of them go through one batched
+matmul: `gather` [segments x length] lists the row of each position (a padding position repeats its segment's first
+row) and `valid` [segments, length, 1] zeroes the padding's products (None when no segment is padded). The segments
+are those of slots first..first + count - 1 when the step's slots are contiguous (the slot stacks are then sliced,
+not copied; an unused slot inside the range is a segment of padding only), else of `index`'s slots."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRows:
+    rows: torch.Tensor  # [N] int32: the slot of each row, -1 for a base row
+    gather: torch.Tensor  # [segments x length] int64: the row at each padded segment position
+    valid: torch.Tensor | None  # [segments, length, 1] float32: 1 at a real row, 0 at padding; None: no padding
+    length: int
+    first: int  # the segments' slots: first..first + count - 1, or `index` when that is not None
+    count: int
+    index: torch.Tensor | None
+
+    @classmethod
+    def of(cls, slots: list[int], device: torch.device | str = "cpu") -> LoraRows:
+        """The segments of a step whose row n has adapter slot `slots[n]` (-1: the base model)."""
+        members: dict[int, list[int]] = {}
+        for n, slot in enumerate(slots):
+            if slot >= 0:
+                members.setdefault(slot, []).append(n)
+        used = sorted(members)
+        contiguous = not used or used[-1] - used[0] + 1 <= 2 * len(used)  # few empty slots in between: pad them
+        segments = list(range(used[0], used[-1] + 1)) if used and contiguous else used
+        length = max((len(m) for m in members.values()), default=0)
+        gather: list[int] = []
+        valid: list[float] = []
+        for slot in segments:
+            own = members.get(slot, [0])
+            real = len(members.get(slot, ()))
+            gather += own + [own[0]] * (length - len(own))
+            valid += [1.0] * real + [0.0] * (length - real)
+        padded = len(valid) > sum(valid)
+        return cls(torch.tensor(slots, dtype=torch.int32).to(device), torch.tensor(gather, dtype=torch.long).to(device),
+                   torch.tensor(valid).view(len(segments), length, 1).to(device) if padded else None, length,
+                   segments[0] if contiguous and segments else 0, len(segments),
+                   None if contiguous else torch.tensor(segments, dtype=torch.long).to(device))
+
+    def by_segment(self, stack: torch.Tensor) -> torch.Tensor:
+        """A per-slot stack [slots, ...] cut to the segments' slots, in segment order (a view when contiguous)."""
+        return stack[self.first:self.first + self.count] if self.index is None else stack.index_select(0, self.index)
