@@ -405,3 +405,12 @@ def fair_enqueue(client, band: str, jobs: list[Job], pipe=None) -> list[str]:
         run_script(script, [Keys.tenant_jobs(band, job.tenant), *Keys.fair_keys(band)],
                    [FIELD, encode(job), job.tenant], pipe if pipe is not None else client)
     return [job.job_id for job in jobs]
+
+
+def simulated_adapter(parent: Path, name: str) -> str:
+    """A LoRA adapter's folder for the simulated engine, which reads no weights (engine/simulated_loras.py): its
+    config alone, under `parent`; made once however often it is asked for."""
+    folder = parent / name
+    folder.mkdir(exist_ok=True)
+    (folder / "adapter_config.json").write_text("{}")
+    return str(folder)

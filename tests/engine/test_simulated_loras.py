@@ -6,13 +6,8 @@ import pytest
 from kvgate.engine.lora import LoraError
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.simulated import SimulatedEngine
+from tests.support import simulated_adapter
 
-
-def _adapter(tmp_path, name):
-    folder = tmp_path / name
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text("{}")
-    return str(folder)
 
 
 def _run(engine):
@@ -24,7 +19,7 @@ def test_the_simulated_engine_serves_adapters_in_slots_counting_loads_and_evicti
     engine = SimulatedEngine(256, max_num_seqs=4, step_overhead_s=0, per_token_s=0, sleep=False, max_loras=1,
                              lora_load_s=0.5)
     for name in ("a", "b"):
-        engine.loras.add(name, _adapter(tmp_path, name))
+        engine.loras.add(name, simulated_adapter(tmp_path, name))
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     engine.add_request("r1", [1, 2, 3], params, lora="a")
     engine.add_request("r2", [1, 2, 3], params, lora="b")
@@ -43,4 +38,4 @@ def test_a_simulated_adapter_without_its_config_is_refused_naming_the_file(tmp_p
 
 def test_without_slots_the_simulated_engine_serves_no_adapters(tmp_path):
     with pytest.raises(LoraError, match="max_loras >= 1"):
-        SimulatedEngine(64, sleep=False).loras.add("a", _adapter(tmp_path, "a"))
+        SimulatedEngine(64, sleep=False).loras.add("a", simulated_adapter(tmp_path, "a"))

@@ -11,15 +11,10 @@ from kvgate.worker.adapters import Adapters
 from kvgate.worker.clock import ServerClock
 from kvgate.worker.null_metrics import NullMetrics
 from kvgate.worker.settings import WorkerSettings
+from tests.support import simulated_adapter
 
 BASE = "org/base"
 
-
-def _adapter(tmp_path, name: str) -> str:
-    folder = tmp_path / name
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text("{}")  # the simulated engine reads no weights
-    return str(folder)
 
 
 def _engine(max_loras: int) -> SimulatedEngine:
@@ -31,7 +26,7 @@ def test_a_read_looks_first_at_the_adapters_whose_jobs_waited_longest_whatever_t
     names = ["a", "b", "c", "d"]
     with Client(queue.server.url, queue.ns) as client:
         for name in names:
-            client.add_lora(name, _adapter(tmp_path, name), BASE)
+            client.add_lora(name, simulated_adapter(tmp_path, name), BASE)
         settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=1)
         adapters = Adapters(queue.r, queue.keys, _engine(1), BASE, settings, ServerClock(queue.r), NullMetrics())
         assert adapters.start([]) == names
@@ -50,7 +45,7 @@ def test_a_job_naming_an_adapter_on_its_base_models_stream_is_served_with_it_loa
     engine = _engine(1)  # one slot: the second adapter's job evicts the first's
     with Client(queue.server.url, queue.ns) as client:
         for name in ("x", "y"):
-            client.add_lora(name, _adapter(tmp_path, name), BASE)
+            client.add_lora(name, simulated_adapter(tmp_path, name), BASE)
     with thread_worker(engine=engine, worker_id="w1", served_model_name=BASE, max_loras=1, heartbeat_interval_s=0.1):
         for name in ("x", "y"):  # one after the other: each finds the slot idle
             job = queue.job(prompt_token_ids=[1, 2, 3], max_tokens=2, ignore_eos=True, model=name)
@@ -70,7 +65,7 @@ def test_an_adapter_ages_only_once_its_jobs_waited_longer_than_those_of_the_adap
     engine = _engine(1)
     with Client(queue.server.url, queue.ns) as client:
         for name in ("hot", "cold"):
-            client.add_lora(name, _adapter(tmp_path, name), BASE)
+            client.add_lora(name, simulated_adapter(tmp_path, name), BASE)
         settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=1, lora_aging_ms=300)
         adapters = Adapters(queue.r, queue.keys, engine, BASE, settings, ServerClock(queue.r), NullMetrics())
         adapters.start([])

@@ -13,15 +13,10 @@ from kvgate.commands.cli import main as kvgate
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import AsyncClient, Client, InvalidRequest
 from kvgate.producer.keys import Keys
+from tests.support import simulated_adapter
 
 BASE = "org/base"
 
-
-def _adapter(tmp_path, name: str) -> str:
-    folder = tmp_path / name
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text("{}")  # the simulated engine reads no weights
-    return str(folder)
 
 
 @pytest.fixture
@@ -29,7 +24,7 @@ def fleet(thread_worker, queue, tmp_path):
     """A simulated worker of BASE with two adapter slots, and adapter `c1` registered; yields (url, ns, engine)."""
     engine = SimulatedEngine(num_blocks=512, max_num_seqs=8, step_overhead_s=0.002, per_token_s=0.00005, max_loras=2)
     with Client(queue.server.url, queue.ns) as client:
-        client.add_lora("c1", _adapter(tmp_path, "c1"), BASE)
+        client.add_lora("c1", simulated_adapter(tmp_path, "c1"), BASE)
     with thread_worker(engine=engine, worker_id="w1", served_model_name=BASE, max_loras=2,
                        heartbeat_interval_s=0.1):
         yield queue.server.url, queue.ns, engine
@@ -87,7 +82,7 @@ def test_the_async_client_submits_to_an_adapter_by_lora_or_model_alone_and_in_ma
 def test_kvgate_batch_lines_naming_an_adapter_are_served_by_it_and_an_unknown_one_is_its_lines_error(fleet, tmp_path):
     url, ns, engine = fleet
     with Client(url, ns) as client:  # an adapter of a base no worker served and nobody added: its jobs would wait
-        client.add_lora("orphan", _adapter(tmp_path, "orphan"), "org/nobody")
+        client.add_lora("orphan", simulated_adapter(tmp_path, "orphan"), "org/nobody")
     lines = [{"custom_id": name, "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": name}]}}
              for name, model in (("a", "c1"), ("nobody", "c404"), ("base", BASE), ("b", "c1"),

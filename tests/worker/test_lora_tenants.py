@@ -9,17 +9,11 @@ import pytest
 from kvgate import Client
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Quota, QuotaExceeded
-from tests.support import wait_for
+from tests.support import simulated_adapter, wait_for
 
 BASE = "org/base"
 JOB = {"prompt": "the same prompt", "max_tokens": 8, "ignore_eos": True}
 
-
-def _adapter(tmp_path, name: str) -> str:
-    folder = tmp_path / name
-    folder.mkdir(exist_ok=True)
-    (folder / "adapter_config.json").write_text("{}")
-    return str(folder)
 
 
 def _engine(max_loras: int = 2) -> SimulatedEngine:
@@ -49,7 +43,7 @@ def _share_of_heavy(queue, thread_worker, tmp_path, heavy_model: str, light_mode
     url, ns = queue.server.url, queue.ns
     with Client(url, ns, tenant="heavy") as heavy, Client(url, ns, tenant="light") as light:
         for name in {heavy_model, light_model} - {BASE}:
-            heavy.add_lora(name, _adapter(tmp_path, name), BASE)
+            heavy.add_lora(name, simulated_adapter(tmp_path, name), BASE)
         h = heavy.submit_many([{**JOB, "model": heavy_model}] * 300)
         lt = light.submit_many([{**JOB, "model": light_model}] * 300)
         with _worker(thread_worker, _engine()):
@@ -73,7 +67,7 @@ def test_a_tenant_with_jobs_of_several_adapters_gets_one_share_not_one_per_adapt
     url, ns = queue.server.url, queue.ns
     with Client(url, ns, tenant="many") as many, Client(url, ns, tenant="one") as one:
         for name in ("x", "y", "z"):
-            many.add_lora(name, _adapter(tmp_path, name), BASE)
+            many.add_lora(name, simulated_adapter(tmp_path, name), BASE)
         spread = many.submit_many([{**JOB, "model": m} for m in ("x", "y", BASE) for _ in range(150)])
         single = one.submit_many([{**JOB, "model": "z"}] * 300)
         with _worker(thread_worker, _engine(max_loras=3)):
@@ -87,7 +81,7 @@ def test_an_adapter_registered_while_a_fair_worker_runs_has_its_tenants_jobs_rea
     with Client(queue.server.url, queue.ns, tenant="a") as client:
         with _worker(thread_worker, _engine()) as w:
             assert client.submit("hi", model=BASE, max_tokens=2).result(timeout=60).status == "done"
-            client.add_lora("late", _adapter(tmp_path, "late"), BASE)
+            client.add_lora("late", simulated_adapter(tmp_path, "late"), BASE)
             wait_for(lambda: "late" in w.worker.adapters.paths, 30, "the worker to see the adapter")
             result = client.submit("hi", lora="late", max_tokens=2).result(timeout=60)
     assert (result.status, result.model) == ("done", "late")
@@ -98,7 +92,7 @@ def test_an_adapter_registered_while_a_worker_with_lanes_runs_has_its_lane_jobs_
         with _worker(thread_worker, _engine(), affinity="on", affinity_lanes=4) as w:
             wait_for(lambda: queue.r.get(queue.keys.lanes()), 30, "the lane count")
             assert client.submit("hi", model=BASE, max_tokens=2).result(timeout=60).status == "done"
-            client.add_lora("late", _adapter(tmp_path, "late"), BASE)
+            client.add_lora("late", simulated_adapter(tmp_path, "late"), BASE)
             wait_for(lambda: "late" in w.worker.adapters.paths, 30, "the worker to see the adapter")
             handle = client.submit("a prompt of its own lane", lora="late", max_tokens=2)
             stream = client.router.entry(handle.job_id)[0]
@@ -110,7 +104,7 @@ def test_an_adapter_registered_while_a_worker_with_lanes_runs_has_its_lane_jobs_
 def test_adapter_jobs_sharing_a_prefix_go_to_one_lane_and_hit_the_prefix_cache(queue, thread_worker, tmp_path):
     prefix = "a long shared system prompt " * 40
     with Client(queue.server.url, queue.ns) as client:
-        client.add_lora("x", _adapter(tmp_path, "x"), BASE)
+        client.add_lora("x", simulated_adapter(tmp_path, "x"), BASE)
         with _worker(thread_worker, _engine(), affinity="on", affinity_lanes=4) as w:
             wait_for(lambda: queue.r.get(queue.keys.lanes()), 30, "the lane count")
             wait_for(lambda: w.worker.affinity.owned_count, 30, "the worker to own lanes")
@@ -126,7 +120,7 @@ def test_adapter_jobs_sharing_a_prefix_go_to_one_lane_and_hit_the_prefix_cache(q
 
 def test_a_tenant_over_its_jobs_quota_is_refused_for_adapter_jobs_as_for_base_ones(queue, tmp_path):
     with Client(queue.server.url, queue.ns, tenant="t", quota=Quota(max_jobs=2)) as client:
-        client.add_lora("x", _adapter(tmp_path, "x"), BASE)
+        client.add_lora("x", simulated_adapter(tmp_path, "x"), BASE)
         client.submit("hi", model=BASE)
         client.submit("hi", lora="x")
         for submit in (lambda: client.submit("hi", lora="x"), lambda: client.submit("hi", model="x"),
@@ -138,7 +132,7 @@ def test_a_tenant_over_its_jobs_quota_is_refused_for_adapter_jobs_as_for_base_on
 
 def test_a_tenant_over_its_tokens_quota_is_refused_for_adapter_jobs(queue, tmp_path):
     with Client(queue.server.url, queue.ns, tenant="t", quota=Quota(tokens_per_minute=100)) as client:
-        client.add_lora("x", _adapter(tmp_path, "x"), BASE)
+        client.add_lora("x", simulated_adapter(tmp_path, "x"), BASE)
         client.submit("hi", lora="x", max_tokens=90)
         with pytest.raises(QuotaExceeded) as refused:
             client.submit("hi", model="x", max_tokens=20)
@@ -150,7 +144,7 @@ def test_adapter_jobs_are_served_in_strict_priority_order(queue, thread_worker, 
     if fair:
         queue.r.set(queue.keys.fair(), 1)
     with Client(queue.server.url, queue.ns, tenant="a") as client:
-        client.add_lora("x", _adapter(tmp_path, "x"), BASE)
+        client.add_lora("x", simulated_adapter(tmp_path, "x"), BASE)
         low = client.submit_many([{**JOB, "model": "x", "priority": "low"}] * 60)
         high = client.submit_many([{**JOB, "model": "x", "priority": "high"}] * 20)
         with _worker(thread_worker, _engine(), max_num_seqs=2):
@@ -169,7 +163,7 @@ def test_under_fair_share_an_adapters_job_waiting_past_the_aging_bound_is_read_b
     busy = _engine(max_loras=1)
     with Client(queue.server.url, queue.ns, tenant="a") as client:
         for name in ("hot", "cold"):
-            client.add_lora(name, _adapter(tmp_path, name), BASE)
+            client.add_lora(name, simulated_adapter(tmp_path, name), BASE)
         with _worker(thread_worker, busy, lora_aging_ms=200):
             long = client.submit("hold the slot", lora="hot", max_tokens=50_000, ignore_eos=True)
             wait_for(lambda: busy.loras.running.get("hot"), 60, "a running job of hot")

@@ -11,16 +11,10 @@ from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client
 from kvgate.producer.keys import Keys
-from tests.support import wait_for
+from tests.support import simulated_adapter, wait_for
 
 BASE = "org/base"
 
-
-def _adapter(tmp_path, name: str) -> str:
-    folder = tmp_path / name
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text("{}")
-    return str(folder)
 
 
 def _engine(max_loras: int = 2, load_s: float = 0.0) -> SimulatedEngine:
@@ -39,14 +33,14 @@ def test_a_job_for_a_registered_adapter_is_answered_by_a_worker_that_loads_it_on
     url, ns = queue.server.url, queue.ns
     engine = _engine()
     with Client(url, ns) as client:
-        client.add_lora("c1", _adapter(tmp_path, "c1"), BASE)
-        with _worker(thread_worker, engine, "w1", loras=[f"c0={_adapter(tmp_path, 'c0')}"]) as w:
+        client.add_lora("c1", simulated_adapter(tmp_path, "c1"), BASE)
+        with _worker(thread_worker, engine, "w1", loras=[f"c0={simulated_adapter(tmp_path, 'c0')}"]) as w:
             assert "c0" in engine.loras and "c1" not in engine.loras  # --lora: loaded at start
             assert set(client.loras()) == {"c0", "c1"} and client.loras()["c0"].base == BASE
             done = [client.submit("hi", lora=name, max_tokens=3).result(timeout=60) for name in ("c1", "c0")]
             assert [(r.status, r.model) for r in done] == [("done", "c1"), ("done", "c0")]
             assert client.submit("hi", model=BASE, max_tokens=3).result(timeout=60).model == BASE
-            client.add_lora("c2", _adapter(tmp_path, "c2"), BASE)  # registered while the worker runs: its next beat
+            client.add_lora("c2", simulated_adapter(tmp_path, "c2"), BASE)  # registered while the worker runs: its next beat
             assert client.submit("hi", lora="c2", max_tokens=3).result(timeout=60).model == "c2"
             assert "c1" in engine.loras and engine.loras.loads >= 2
 
@@ -74,13 +68,13 @@ def test_a_bad_adapter_is_its_jobs_error_result_and_the_worker_keeps_serving(thr
 def test_a_worker_without_adapter_slots_refuses_a_lora_flag(thread_worker, tmp_path):
     with pytest.raises(ValueError, match="--max-loras >= 1"):
         thread_worker(engine=_engine(0), worker_id="w0", served_model_name=BASE,
-                      loras=[f"c0={_adapter(tmp_path, 'c0')}"])
+                      loras=[f"c0={simulated_adapter(tmp_path, 'c0')}"])
 
 
 def test_jobs_of_an_adapter_removed_while_they_wait_get_error_results(thread_worker, queue, tmp_path):
     url, ns = queue.server.url, queue.ns
     with Client(url, ns) as client:
-        client.add_lora("gone", _adapter(tmp_path, "gone"), BASE)
+        client.add_lora("gone", simulated_adapter(tmp_path, "gone"), BASE)
         with _worker(thread_worker, _engine(), "w1") as w:
             assert client.submit("hi", lora="gone", max_tokens=2).result(timeout=60).status == "done"
             w.worker.refill.models_now = lambda: [BASE]  # the worker looks away from the adapter's streams for now
@@ -97,7 +91,7 @@ def test_jobs_of_an_adapter_removed_before_any_worker_of_its_base_started_get_er
         thread_worker, queue, tmp_path):
     url, ns = queue.server.url, queue.ns
     with Client(url, ns) as client:
-        client.add_lora("gone", _adapter(tmp_path, "gone"), BASE)
+        client.add_lora("gone", simulated_adapter(tmp_path, "gone"), BASE)
         handles = [client.submit("hi", lora="gone", max_tokens=2) for _ in range(3)]
         assert client.remove_lora("gone") and "gone" not in client.loras()
         with _worker(thread_worker, _engine(), "w1"):  # it never knew the adapter: the tombstone tells it
@@ -116,7 +110,7 @@ def test_a_read_looks_at_no_more_unloaded_adapters_than_slots_could_take_taking_
     names = ["a", "b", "c", "d"]
     with Client(queue.server.url, queue.ns) as client:
         for name in names:
-            client.add_lora(name, _adapter(tmp_path, name), BASE)
+            client.add_lora(name, simulated_adapter(tmp_path, name), BASE)
     settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=2)
     adapters = Adapters(queue.r, Keys(queue.ns), engine, BASE, settings, ServerClock(queue.r), NullMetrics())
     assert adapters.start([]) == names
@@ -148,7 +142,7 @@ def test_a_worker_whose_slots_are_busy_leaves_an_adapters_job_for_a_worker_with_
     busy = _engine(max_loras=1)
     with Client(url, ns) as client:
         for name in ("hot", "cold"):
-            client.add_lora(name, _adapter(tmp_path, name), BASE)
+            client.add_lora(name, simulated_adapter(tmp_path, name), BASE)
         with _worker(thread_worker, busy, "w1", lora_aging_ms=600_000):
             long = _pin_the_slot(client, busy, "hot")
             cold = client.submit("hi", lora="cold", max_tokens=3)
@@ -164,7 +158,7 @@ def test_an_adapters_job_waiting_past_the_aging_bound_is_read_by_a_worker_withou
     busy = _engine(max_loras=1)
     with Client(url, ns) as client:
         for name in ("hot", "cold"):
-            client.add_lora(name, _adapter(tmp_path, name), BASE)
+            client.add_lora(name, simulated_adapter(tmp_path, name), BASE)
         with _worker(thread_worker, busy, "w1", lora_aging_ms=200):
             long = _pin_the_slot(client, busy, "hot")
             cold = client.submit("hi", lora="cold", max_tokens=3)
