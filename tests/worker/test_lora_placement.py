@@ -4,6 +4,8 @@ while workers ran half empty: W-LORA's fleet half), and a job naming an adapter 
 adapter-blind layout W-LORA compares against) is served with that adapter, loaded on demand."""
 from __future__ import annotations
 
+import time
+
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client
 from kvgate.producer.protocol import encode
@@ -31,6 +33,7 @@ def test_a_read_looks_first_at_the_adapters_whose_jobs_waited_longest_whatever_t
         adapters = Adapters(queue.r, queue.keys, _engine(1), BASE, settings, ServerClock(queue.r), NullMetrics())
         assert adapters.start([]) == names
         client.submit("first", lora="d", max_tokens=2)  # the last adapter in the registry's order waited longest
+        time.sleep(0.005)  # entry ids count milliseconds: two jobs in one (CI's fast run) wait equally long
         client.submit("second", lora="c", max_tokens=2)
         adapters.check_aging()  # the heartbeat's look at the streams of the adapters not loaded here
     assert adapters.readable((BASE,)) == [BASE, "d"]  # one slot spare: one adapter a read, the longest-waiting
@@ -57,8 +60,6 @@ def test_a_job_naming_an_adapter_on_its_base_models_stream_is_served_with_it_loa
 
 
 def test_an_adapter_ages_only_once_its_jobs_waited_longer_than_those_of_the_adapters_held_here(queue, tmp_path):
-    import time
-
     from kvgate.engine.sampling_params import SamplingParams
     from kvgate.producer.keys import Keys
 
