@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import time
 
-from rich.console import Console
+import pytest
 
-from kvgate.commands import exporter, top
+from kvgate.commands import exporter
 from kvgate.commands.cli import main
 from kvgate.producer import Client
 from kvgate.producer.keys import Keys
@@ -86,6 +86,11 @@ def test_the_exporter_labels_the_ten_adapters_with_the_most_backlog_and_other(re
 
 def test_top_shows_the_ten_adapters_with_the_most_backlog_the_rest_as_other_and_each_workers_slots(redis_server,
                                                                                                  namespace):
+    pytest.importorskip("rich", reason="kvgate top needs the worker extra's rich (make test-pythons runs without it)")
+    from rich.console import Console
+
+    from kvgate.commands import top
+
     r = redis_server.client()
     _twelve_adapters(redis_server.url, namespace, r)
     console = Console(record=True, width=200, color_system=None)
