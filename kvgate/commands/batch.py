@@ -73,12 +73,13 @@ def gateway_translators() -> dict:
     return TRANSLATORS
 
 
-def read_requests(data: bytes, done: set[str], priority: str, out: IO[str],
+def read_requests(data: bytes, digest: str, done: set[str], priority: str, out: IO[str],
                   client: Client) -> tuple[list[BatchRequest], int]:
-    """Parse and validate the lines still to do; bad lines get their error line now, and are counted. A line for a
-    model the fleet does not know (no worker served it, no operator added it) is one of them, as the gateway answers
-    it: a typo would otherwise wait in streams nobody reads until --timeout."""
-    digest, todo, rejected = file_digest(data), [], 0
+    """Parse and validate the lines still to do (`digest`: the file's, which seeds their idempotency keys and names
+    their lines); bad lines get their error line now, and are counted. A line for a model the fleet does not know
+    (no worker served it, no operator added it) is one of them, as the gateway answers it: a typo would otherwise
+    wait in streams nobody reads until --timeout."""
+    todo, rejected = [], 0
     known = set(run_steps(known_models(client.redis, client.keys)))
     loras = run_steps(list_loras(client.redis, client.keys))
     translators = gateway_translators()
@@ -136,9 +137,10 @@ def run(args: argparse.Namespace) -> int:
     done = answered_ids(args.output)
     try:
         with Client(args.redis_url, args.namespace, tenant=args.tenant) as client, args.output.open("a", encoding="utf-8") as out:
-            todo, rejected = read_requests(data, done, args.priority, out, client)
+            digest = file_digest(data)  # once: hashing a large file twice cost as much again
+            todo, rejected = read_requests(data, digest, done, args.priority, out, client)
             deadline = None if window_s is None else time.time() + window_s
-            failed = _process(client, todo, out, args, file_digest(data), deadline)
+            failed = _process(client, todo, out, args, digest, deadline)
     except ResultTimeout as e:
         print(f"kvgate batch: {e}; run the same command again to resume", file=sys.stderr)
         return 3
