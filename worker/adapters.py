@@ -113,11 +113,11 @@ class Adapters:
                           "register it again (kvgate loras add NAME PATH --base MODEL) and resubmit")
         return None, None
 
-    def sync(self) -> list[str]:
+    def sync(self, fair: bool) -> list[str]:
         """On each heartbeat: the adapters registered since (their streams, lanes and bands to read from now on);
-        which are aged."""
+        which are aged (`fair`: fair share is active, so jobs wait in tenants' streams too)."""
         new = self.refresh()
-        self.check_aging()
+        self.check_aging(fair)
         return new
 
     def beat(self) -> str:
@@ -154,21 +154,22 @@ class Adapters:
         return [*names, *(a for a in self.streamed if a not in self.paths or a in taken or
                           (a in loaded and self.engine.loras.has_room(a)))]
 
-    def check_aging(self) -> None:
+    def check_aging(self, fair: bool) -> None:
         """Which adapters not loaded here have jobs waiting and since when (`waiting`), and which of those without
         room here are aged (`aged`): their oldest job waited lora_aging_ms longer than the oldest waiting job of the
         adapters loaded here (than lora_aging_ms where those have none). Absolute aging made every adapter aged in a
         backlog, where every job waits long: each worker then read jobs it had no slot for, which waited at the head
         of its engine's queue and stopped every other admission until a slot freed (W-LORA's fleet at saturation ran
         at a third of its jobs/s). With fair share, each band's AGING_TENANTS lowest-counter tenants' streams are
-        looked at too (the ones a read would serve first; the band's own stream holds nothing then). One pipeline and
-        one script a shard over the streams, once per heartbeat."""
+        looked at too (the ones a read would serve first; the band's own stream holds nothing then; without fair share
+        that look is not sent: 600 ZRANGEs a heartbeat for 200 adapters). One script a shard over the streams (and
+        with fair share one pipeline before it), once per heartbeat."""
         loaded = self.engine.loras.loaded
         served = [a for a in self.streamed if a in self.paths]
         bands = {self.keys.jobs(a, p, shard=k): a for a in served for p in PRIORITIES
                  for k in range(len(self.keys.parts))}
         streams = dict(bands)
-        if bands:
+        if bands and fair:
             pipe = self.client.pipeline(transaction=False)
             for band in bands:
                 pipe.zrange(Keys.fair_backlog(band), 0, AGING_TENANTS - 1)

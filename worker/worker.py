@@ -178,7 +178,7 @@ class Worker:
         """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded). And
         whether it has fair share, with the tenants' weights."""
         self.fair.sync()
-        names = self.adapters.sync()  # LoRA adapters registered since: their bands, lanes and streams join ours
+        names = self.adapters.sync(self.fair.active)  # LoRA adapters registered since: their bands, lanes and streams join ours
         self.fair.add_bands(self.keys.served_jobs(names))
         self.affinity.add_models(names)
         if self.affinity.sync() or names:

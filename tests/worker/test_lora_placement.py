@@ -35,7 +35,7 @@ def test_a_read_looks_first_at_the_adapters_whose_jobs_waited_longest_whatever_t
         client.submit("first", lora="d", max_tokens=2)  # the last adapter in the registry's order waited longest
         time.sleep(0.005)  # entry ids count milliseconds: two jobs in one (CI's fast run) wait equally long
         client.submit("second", lora="c", max_tokens=2)
-        adapters.check_aging()  # the heartbeat's look at the streams of the adapters not loaded here
+        adapters.check_aging(fair=False)  # the heartbeat's look at the streams of the adapters not loaded here
     assert adapters.readable((BASE,)) == [BASE, "d"]  # one slot spare: one adapter a read, the longest-waiting
     assert adapters.readable((BASE,)) == [BASE, "c"]  # each looked at once per look at the streams
     assert adapters.waiting == {} and adapters.aged == set()  # one slot, free: room for each, none aged
@@ -76,8 +76,34 @@ def test_an_adapter_ages_only_once_its_jobs_waited_longer_than_those_of_the_adap
         client.submit("a backlog", lora="hot", max_tokens=2)
         client.submit("behind it", lora="cold", max_tokens=2)
         time.sleep(0.4)  # both waited past the bound (the server's clock: entry ids)
-        adapters.check_aging()
+        adapters.check_aging(fair=False)
         assert adapters.aged == set() and set(adapters.waiting) == {"cold"}  # a backlog: cold waited no longer
         queue.r.xreadgroup(Keys.GROUP, "another", {queue.keys.jobs("hot", "normal"): ">"}, count=10)
-        adapters.check_aging()  # nothing of hot waits now: cold's wait counts from its job's arrival
+        adapters.check_aging(fair=False)  # nothing of hot waits now: cold's wait counts from its job's arrival
     assert adapters.aged == {"cold"} and "cold" in adapters.readable((BASE,))
+
+
+def test_the_heartbeats_look_at_200_adapters_streams_is_one_script_without_fair_share(queue, tmp_path):
+    """Without fair share no job waits in a tenant's stream: the look sends no ZRANGE a band (600 for 200 adapters,
+    every heartbeat on every worker); with it, the tenants' look is one pipeline more."""
+    with Client(queue.server.url, queue.ns) as client:
+        for k in range(200):
+            client.add_lora(f"adapter-{k:03d}", simulated_adapter(tmp_path, f"adapter-{k:03d}"), BASE)
+        settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=2)
+        adapters = Adapters(queue.r, queue.keys, _engine(2), BASE, settings, ServerClock(queue.r), NullMetrics())
+        assert len(adapters.start([])) == 200
+        client.submit("cold", lora="adapter-199", max_tokens=2)
+
+    def sent(fair: bool) -> dict[str, int]:  # commands by name, the script's own calls counted apart
+        def counts() -> dict[str, int]:
+            return {k: v["calls"] for k, v in queue.r.info("commandstats").items()}
+
+        before = counts()
+        adapters.check_aging(fair)
+        return {k: n - before.get(k, 0) for k, n in counts().items() if n != before.get(k, 0)}
+
+    adapters.check_aging(fair=False)  # the script loaded
+    without = sent(fair=False)
+    assert without.get("cmdstat_evalsha", 0) + without.get("cmdstat_eval", 0) == 1, without
+    assert "cmdstat_zrange" not in without and set(adapters.waiting) == {"adapter-199"}
+    assert sent(fair=True)["cmdstat_zrange"] == 600 and set(adapters.waiting) == {"adapter-199"}
