@@ -1,21 +1,24 @@
 """The LoRA adapters a worker serves: every adapter of its model registered in Redis (`{ns}:loras`, Keys.loras), each
 read from its own streams `{ns}:jobs:<adapter>:<priority>` like a model of its own.
 
-At start a worker registers its `--lora NAME=PATH` adapters and loads them; it reads the registry again every
-heartbeat, and the streams of an adapter registered since join those it reads (they only grow, as lanes do). A job of
-adapter X is read only while X has room in the engine's slots (engine.loras.has_room: loaded, or a slot free or idle) and
-is otherwise left in Redis for a worker that holds X, unless X's oldest job has waited `lora_aging_ms` longer than the
+At start a worker registers its `--lora NAME=PATH` adapters and loads them; it reads the registry again every heartbeat,
+and the streams of an adapter registered since join those it reads (they only grow, as lanes do). A job of adapter X is
+read only while X has room in the engine's slots (engine.loras.has_room: loaded, or a slot free or idle) and is
+otherwise left in Redis for a worker that holds X, unless X's oldest job has waited `lora_aging_ms` longer than the
 oldest waiting job of the adapters the worker holds (or than `lora_aging_ms`, where those have none): then any worker
-with KV room takes it (aging), so a cold adapter is never starved by hot ones. With fair share on, X's jobs wait in
-its tenants' streams, and X's band is read with the other bands of its priority by the tenants' counters (fair.py);
-the aging look reads the streams of each band's AGING_TENANTS lowest-counter tenants too. Of the adapters not loaded here, a read
-looks at no more than slots are spare: first those whose jobs wait, longest-waiting first (each heartbeat looks at
-their streams' oldest entries; a read looks at each once), then the others in turns, each worker's turns starting at its own place. By turns
-alone, a read looked at the adapters in the registry's order whatever waited: in W-LORA's fleet (bench/lora_fleet.py)
-the most popular adapter's backlog, skipped by every worker's first read, waited for its turn or its aging while
-workers ran half empty. The adapter is read from its folder on its first job here (a bad one is that job's error
-result); a job of an adapter removed from the registry while it waited is answered with an error result, never left
-waiting."""
+with KV room takes it (aging), so a cold adapter is never starved by hot ones. With fair share on, X's jobs wait in its
+tenants' streams, and X's band is read with the other bands of its priority by the tenants' counters (fair.py); the
+aging look reads the streams of each band's AGING_TENANTS lowest-counter tenants too. Of the adapters not loaded here, a
+read looks at no more than slots are spare: first those whose jobs wait (each heartbeat looks at their streams' oldest
+entries and how many wait; a read looks at each once), in an order each worker draws anew, weighted by how many jobs
+wait (`order_waiting`), then the others in turns, each worker's turns starting at its own place. By turns alone, a read
+looked at the adapters in the registry's order whatever waited: in W-LORA's fleet (bench/lora_fleet.py) the most popular
+adapter's backlog, skipped by every worker's first read, waited for its turn or its aging while workers ran half empty.
+Longest-waiting first, every worker looked at the same few adapters first (in a backlog all waited about as long): the
+first took their jobs, the others' reads came back empty and backed off, and adapters late in that order kept their jobs
+in Redis for seconds while workers had free slots and sequences. The adapter is read from its folder on its first job
+here (a bad one is that job's error result); a job of an adapter removed from the registry while it waited is answered
+with an error result, never left waiting."""
 from __future__ import annotations
 
 import json
@@ -35,9 +38,10 @@ log = logging.getLogger("kvgate.worker")
 AGING_TENANTS = 4  # fair share: tenants per adapter band whose streams the aging look reads (the lowest counters)
 
 # KEYS: job streams of one shard; ARGV[1]: the workers' group. For each stream with an entry the group has not
-# delivered yet: its index in KEYS and that entry's id (a flat list). In the server: a worker looks at every adapter's
-# streams each heartbeat (600 for 200 adapters), and reading their XINFO GROUPS replies in Python cost more CPU than
-# the rest of the worker's work together.
+# delivered yet: its index in KEYS, that entry's id and how many such entries wait (the group's lag; 1 where the
+# server does not tell: Redis 6.2, or entries deleted) (a flat list, three values a stream). In the server: a worker
+# looks at every adapter's streams each heartbeat (600 for 200 adapters), and reading their XINFO GROUPS replies in
+# Python cost more CPU than the rest of the worker's work together.
 HEADS_LUA = """
 local out = {}
 for i, key in ipairs(KEYS) do
@@ -55,6 +59,7 @@ for i, key in ipairs(KEYS) do
     if #first > 0 then
       out[#out + 1] = i
       out[#out + 1] = first[1][1]
+      out[#out + 1] = lag or 1
     end
   end
 end
@@ -72,6 +77,8 @@ class Adapters:
         self.streamed: list[str] = []  # adapters whose streams we read, in the order they joined (never shrinks)
         self.aged: set[str] = set()  # adapters without room here whose oldest job waited past aging_ms
         self.waiting: dict[str, int] = {}  # adapters not loaded here with jobs waiting -> the oldest one's entry ms
+        self.backlog: dict[str, int] = {}  # those adapters -> how many of their jobs no worker took yet (at least 1)
+        self.rng = random.Random()  # each worker's own draws (order_waiting)
         # adapters not loaded take turns at being read when fewer slots are spare than they are; from a place of the
         # worker's own, so a fleet's first reads look at different adapters
         self.turn = random.randrange(1 << 16)
@@ -135,13 +142,15 @@ class Adapters:
 
     def readable(self, names: tuple[str, ...]) -> list[str]:
         """The model names whose streams a read looks at now: ours; the adapters in a slot with room, and of those
-        not loaded at most as many as slots could take them (those with jobs waiting, longest-waiting first, then
-        the others in turns, so none is always left out); the longest-waiting aged one; and removed ones (their jobs
-        get their error result)."""
+        not loaded at most as many as slots could take them (those with jobs waiting, in order_waiting's draw, then
+        the others in turns, so none is always left out); the longest-waiting aged one not among those; and removed
+        ones (their jobs get their error result)."""
         loaded = self.engine.loras.loaded
         self.turn += 1
-        cold = [a for a in self.streamed if a in self.paths and a not in loaded and a not in self.aged]
-        waiting = sorted((a for a in cold if a in self.waiting), key=self.waiting.__getitem__)
+        # aged ones too: an adapter aged at the heartbeat (no room here then) may have room now; left to the one aged
+        # adapter a read takes, a whole backlog's tail aged at once waited for slots that were free
+        cold = [a for a in self.streamed if a in self.paths and a not in loaded]
+        waiting = self.order_waiting([a for a in cold if a in self.waiting])
         rest = [a for a in cold if a not in self.waiting]
         shift = self.turn % len(rest) if rest else 0
         taken = set((waiting + rest[shift:] + rest[:shift])[:self.engine.loras.spare()])
@@ -150,20 +159,27 @@ class Adapters:
         # one aged adapter a read, the longest-waiting: its jobs wait here for a slot, at the head of the engine's
         # queue, holding every other admission; all of them at once (a backlog's tail ages every adapter) filled the
         # engine's queue with jobs of as many adapters as it took, and each read with hundreds of streams
-        taken |= set(sorted(self.aged, key=lambda a: self.waiting.get(a, 0))[:1])
+        taken |= set(sorted(self.aged - taken, key=lambda a: self.waiting.get(a, 0))[:1])
         return [*names, *(a for a in self.streamed if a not in self.paths or a in taken or
                           (a in loaded and self.engine.loras.has_room(a)))]
 
+    def order_waiting(self, adapters: list[str]) -> list[str]:
+        """Adapters with jobs waiting in the order this read looks at them: drawn without replacement, each with a
+        weight of its jobs waiting (Efraimidis-Spirakis keys u ** (1 / w)). An adapter with twice the backlog comes
+        first twice as often, so more workers take it as it grows, and workers that drew differently look at
+        different adapters rather than all at the same few."""
+        return sorted(adapters, key=lambda a: self.rng.random() ** (1 / max(self.backlog.get(a, 1), 1)), reverse=True)
+
     def check_aging(self, fair: bool) -> None:
-        """Which adapters not loaded here have jobs waiting and since when (`waiting`), and which of those without
-        room here are aged (`aged`): their oldest job waited lora_aging_ms longer than the oldest waiting job of the
-        adapters loaded here (than lora_aging_ms where those have none). Absolute aging made every adapter aged in a
-        backlog, where every job waits long: each worker then read jobs it had no slot for, which waited at the head
-        of its engine's queue and stopped every other admission until a slot freed (W-LORA's fleet at saturation ran
-        at a third of its jobs/s). With fair share, each band's AGING_TENANTS lowest-counter tenants' streams are
-        looked at too (the ones a read would serve first; the band's own stream holds nothing then; without fair share
-        that look is not sent: 600 ZRANGEs a heartbeat for 200 adapters). One script a shard over the streams (and
-        with fair share one pipeline before it), once per heartbeat."""
+        """Which adapters not loaded here have jobs waiting, since when (`waiting`) and how many (`backlog`), and which
+        of those without room here are aged (`aged`): their oldest job waited lora_aging_ms longer than the oldest
+        waiting job of the adapters loaded here (than lora_aging_ms where those have none). Absolute aging made every
+        adapter aged in a backlog, where every job waits long: each worker then read jobs it had no slot for, which
+        waited at the head of its engine's queue and stopped every other admission until a slot freed (W-LORA's fleet at
+        saturation ran at a third of its jobs/s). With fair share, each band's AGING_TENANTS lowest-counter tenants'
+        streams are looked at too (the ones a read would serve first; the band's own stream holds nothing then; without
+        fair share that look is not sent: 600 ZRANGEs a heartbeat for 200 adapters). One script a shard over the streams
+        (and with fair share one pipeline before it), once per heartbeat."""
         loaded = self.engine.loras.loaded
         served = [a for a in self.streamed if a in self.paths]
         bands = {self.keys.jobs(a, p, shard=k): a for a in served for p in PRIORITIES
@@ -177,12 +193,15 @@ class Adapters:
                 if not isinstance(tenants, Exception):
                     streams.update({Keys.tenant_jobs(band, as_text(t)): a for t in tenants})
         heads: dict[str, int] = {}
+        backlog: dict[str, int] = {}
         for group in self.keys.by_shard(list(streams)):
             reply = run_script(self.heads_script, group, [Keys.GROUP], self.client)
-            for i, entry_id in zip(reply[::2], reply[1::2]):
+            for i, entry_id, lag in zip(reply[::3], reply[1::3], reply[2::3]):
                 a = streams[group[int(i) - 1]]
+                backlog[a] = backlog.get(a, 0) + max(int(lag), 1)
                 heads[a] = min(heads.get(a, 1 << 62), entry_ms(as_text(entry_id)))
         self.waiting = {a: since for a, since in heads.items() if a not in loaded}
+        self.backlog = backlog
         ours = min((since for a, since in heads.items() if a in loaded), default=int(self.clock.now() * 1000))
         self.aged = {a for a, since in self.waiting.items()
                      if ours - since >= self.aging_ms and not self.engine.loras.has_room(a)}
