@@ -21,7 +21,8 @@ from kvgate.engine.simulated_tokenizer import SimulatedTokenizer, simulated_toke
 class CostModelRunner:
     def __init__(self, num_blocks: int, *, step_overhead_s: float = 0.002, per_token_s: float = 0.0001,
                  seed: int = 0, max_model_len: int = 4096, vocab_size: int = 32000, model_name: str = "simulated",
-                 sleep: bool = True, max_loras: int = 0, lora_load_s: float = 0.0) -> None:
+                 sleep: bool = True, max_loras: int = 0, lora_load_s: float = 0.0,
+                 lora_read_s: float = 0.0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1: give the simulated KV cache at least one block")
         if step_overhead_s < 0 or per_token_s < 0:
@@ -31,7 +32,7 @@ class CostModelRunner:
         self.step_overhead_s, self.per_token_s = step_overhead_s, per_token_s
         self.tokenizer = simulated_tokenizer(vocab_size)
         # adapters without weights (engine/simulated_loras.py): slots, loads and their cost; None without slots
-        self.lora = SimulatedLoras(lora_load_s, sleep) if max_loras else None
+        self.lora = SimulatedLoras(lora_load_s, sleep, lora_read_s) if max_loras else None
         self.launch_device = None  # it launches no step ahead: its cost model runs when the step is taken
         self.vocab_size = len(self.tokenizer)  # the words, then the bytes and end-of-text a grammar may need
         # only a grammar draws the end-of-text token, so an unconstrained request still ends by length or stop ids

@@ -46,13 +46,27 @@ class LoraSlots:
 
     def add(self, name: str, path: str) -> None:
         """Read and check the adapter at `path` (LoraError naming the file and the problem) and serve it as `name`."""
+        self.put(name, self.read(name, path))
+
+    def read(self, name: str, path: str) -> Any:
+        """The adapter at `path`, read and checked (LoraError naming the file and the problem), not served yet: it
+        touches nothing of the slots', so a worker reads on a thread of its own while the engine steps (its disk
+        read is the slow part of a load), then `put`s it."""
+        if self.device is None or not self.slots:
+            self._check_addable(name)  # raises: no adapters here
+        return self.device.read(name, path)
+
+    def _check_addable(self, name: str) -> None:
         if self.device is None or not self.slots:
             raise LoraError(f"cannot add adapter {name!r}: this engine serves no LoRA adapters; start it with "
                             "max_loras >= 1 (and a model, not a simulated runner)")
         if self.queued[name]:
             raise LoraError(f"adapter {name!r} is in use by {self.queued[name]} request(s): add it under another "
                             "name, or once they finish")
-        adapter = self.device.read(name, path)
+
+    def put(self, name: str, adapter: Any) -> None:
+        """Serve an adapter `read` gave as `name`, making room in host memory if need be (LoraError when none)."""
+        self._check_addable(name)
         self._drop(name)
         if self.max_cpu_loras is not None and len(self.adapters) >= self.max_cpu_loras:
             spare = next((n for n in self.adapters if not self.queued[n]), None)

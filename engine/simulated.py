@@ -14,10 +14,11 @@ class SimulatedEngine(LLMEngine):
                  per_token_s: float = 0.0001, seed: int = 0, *, max_model_len: int = 4096,
                  max_num_batched_tokens: int = 8192, vocab_size: int = 32000, model_name: str = "simulated",
                  sleep: bool = True, max_loras: int = 0, max_cpu_loras: int | None = None,
-                 lora_load_s: float = 0.0) -> None:
+                 lora_load_s: float = 0.0, lora_read_s: float = 0.0) -> None:
         runner = CostModelRunner(num_blocks, step_overhead_s=step_overhead_s, per_token_s=per_token_s, seed=seed,
                                  max_model_len=max_model_len, vocab_size=vocab_size, model_name=model_name,
-                                 sleep=sleep, max_loras=max_loras, lora_load_s=lora_load_s)
+                                 sleep=sleep, max_loras=max_loras, lora_load_s=lora_load_s,
+                                 lora_read_s=lora_read_s)
         super().__init__(runner=runner, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
                          max_loras=max_loras, max_cpu_loras=max_cpu_loras)

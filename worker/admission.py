@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.producer.protocol import Job
@@ -97,11 +97,17 @@ class AdmissionQueue:
         ticket.queued_at = time.monotonic()
         self.tickets.append(ticket)
 
-    def head(self) -> Ticket | None:
-        return self.tickets[0] if self.tickets else None
+    def head(self, ready: Callable[[Ticket], bool] | None = None) -> Ticket | None:
+        """The first ticket, or with `ready` the first it says may start (one whose LoRA adapter is still read from
+        disk is passed over: worker/adapter_reads.py)."""
+        return next((t for t in self.tickets if ready is None or ready(t)), None)
 
-    def pop(self) -> Ticket:
-        return self.tickets.popleft()
+    def pop(self, ticket: Ticket) -> Ticket:
+        """Take `ticket` (the one head gave) out of the queue."""
+        if self.tickets and self.tickets[0] is ticket:
+            return self.tickets.popleft()
+        self.tickets.remove(ticket)
+        return ticket
 
     def remove(self, ticket: Ticket) -> None:
         self.tickets.remove(ticket)

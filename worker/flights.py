@@ -16,6 +16,7 @@ from kvgate.engine.outputs import RequestRejected, StepOutput
 from kvgate.producer.limits import DEFAULT_TENANT
 from kvgate.producer.protocol import PROTOCOL_VERSION, Delta, Final, Job, Timings, TokenLogprob, ToolCall, Usage
 from kvgate.producer.tool_calls import call_id, parse, parser_for
+from kvgate.worker.adapter_reads import AdapterReads
 from kvgate.worker.admission import Ticket
 from kvgate.worker.engine import Engine
 from kvgate.worker.fair import Occupancy
@@ -148,6 +149,7 @@ class Flights:
         self.renderer = TokenRenderer(engine.tokenizer)
         # Text is decoded on its own thread while the engine steps.
         self.detok = DetokenizerThread(engine.tokenizer) if engine.tokenizer is not None else IdsOnly()
+        self.adapter_reads = AdapterReads(engine.loras)  # LoRA adapters read from disk off the loop
         self.immediate = isinstance(self.detok, IdsOnly)
 
     def __len__(self) -> int:
@@ -189,6 +191,12 @@ class Flights:
         for key in keys:
             if (flight := self.running.get(key)) is not None:
                 flight.aside = True
+
+    def adapter_ready(self, ticket: Ticket) -> bool:
+        """Whether the job's LoRA adapter is in host memory (its read started on a thread otherwise: the job waits
+        at the head of the local queue while the running batch steps on; adapter_reads.py)."""
+        return ticket.pooling is not None or self.adapter_reads.ready(ticket.lora, ticket.lora_path,
+                                                                       idle=not self.engine.has_unfinished())
 
     def start(self, ticket: Ticket, ahead: bool = False) -> Ended | None:
         """Hand the job to the engine (`ahead`: at the head of its waiting queue, room having been made for it);
@@ -320,3 +328,4 @@ class Flights:
     def close(self) -> None:
         self.detok.close()
         self.tracing.close()
+        self.adapter_reads.close()

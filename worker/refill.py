@@ -274,7 +274,8 @@ class Refill:
     def request(self, capacity: Capacity, draining: bool) -> ReadRequest:
         """Jobs to read in this step's round trip, and besides them, lanes whose prefix we hold with how many of
         their jobs fit in the room those leave (_held_lanes)."""
-        if draining or not self.engine.has_unfinished() or self.own_pending:
+        # an idle engine reads on its own (Worker._intake), unless jobs wait here: for their LoRA adapter's read
+        if draining or not (self.engine.has_unfinished() or self.queue.tickets) or self.own_pending:
             return ReadRequest()
         wait_s = self.settings.busy_poll_ms / 1000 * 2 ** min(self.empty_reads, 3)
         if self.affinity.owned_count:  # look at our lanes at least once per steal age: their jobs wait for us that long

@@ -99,9 +99,7 @@ class Worker:
         self.heartbeat = Heartbeat(self.client, self.keys, self.worker_id, self.model, self.served.heartbeat,
                                    engine_capacity(engine), s.heartbeat_ttl_s, engine.fim.family if engine.fim else "")
         self.due: dict[str, float] = {}
-        self.offline_until, self.backoff_s = 0.0, 0.05
-        self.draining, self.drain_deadline = False, 0.0
-        self.trims = 0
+        self.offline_until, self.backoff_s, self.draining, self.drain_deadline, self.trims = 0.0, 0.05, False, 0.0, 0
         self.round_trip = RoundTrip(self.client, self.publisher, self.affinity, self.refill, self.cancellation)
 
     def use_queue(self, queue: AdmissionQueue) -> None:
@@ -233,9 +231,10 @@ class Worker:
 
     # ---- local queue -> engine -> outbox -------------------------------------------------------
     def _admit_local(self) -> None:
-        while (ticket := self.queue.head()) is not None and not self.draining:
+        # one whose LoRA adapter is read from disk off the loop meanwhile is passed over; the running batch steps on
+        while (ticket := self.queue.head(self.flights.adapter_ready)) is not None and not self.draining:
             if self.clock.expired(ticket.job, ticket.entry_id):
-                self.queue.pop()
+                self.queue.pop(ticket)
                 self.answers.answer(Ended(ticket, "expired", error="deadline passed while waiting for KV cache room"))
                 continue
             ahead = False
@@ -243,11 +242,11 @@ class Worker:
                 if self.room.make(ticket):
                     ahead = True
                 elif self.hand_back.due(ticket) and self.hand_back.give_one(ticket):  # another's next read takes it
-                    self.queue.pop()
+                    self.queue.pop(ticket)
                     continue
                 else:
                     return
-            self.queue.pop()
+            self.queue.pop(ticket)
             if (refused := self.flights.start(ticket, ahead)) is not None:
                 self.answers.answer(refused)
             else:  # the wait on the server's clock: its entry id is when Redis took the job

@@ -99,9 +99,10 @@ class Fleet:
 
 def start_fleet(redis_url: str, namespace: str, specs: list[WorkerSpec], policy: str, *,
                 step_overhead_s: float, per_token_s: float, seed: int = 0, lora_load_s: float = 0.0,
-                **settings) -> Fleet:
-    """`settings` are further WorkerSettings for every worker (W-PREFIX: affinity="on"); `lora_load_s` is what loading
-    an adapter into one of a spec's `max_loras` slots costs."""
+                lora_read_s: float = 0.0, **settings) -> Fleet:
+    """`settings` are further WorkerSettings for every worker (W-PREFIX: affinity="on"); `lora_load_s` is what copying
+    an adapter into one of a spec's `max_loras` slots costs (in the step), `lora_read_s` what reading one from disk
+    into host memory costs (on the worker's reading thread, once per adapter and worker)."""
     settings = WorkerSettings(redis_url=redis_url, namespace=namespace, drain_timeout_s=5.0, heartbeat_ttl_s=10,
                               local_queue_size=PREFETCH if policy == "prefetch" else 4, **settings)
     stop_event = threading.Event()
@@ -109,7 +110,7 @@ def start_fleet(redis_url: str, namespace: str, specs: list[WorkerSpec], policy:
     for i, spec in enumerate(specs):
         engine = SimulatedEngine(spec.num_blocks, 16, spec.max_num_seqs, step_overhead_s, per_token_s, seed + i,
                                  model_name=f"sim-{spec.name.split('-')[0]}", max_loras=spec.max_loras,
-                                 lora_load_s=lora_load_s)
+                                 lora_load_s=lora_load_s, lora_read_s=lora_read_s)
         worker = Worker(engine, settings.model_copy(update={"worker_id": spec.name, "max_loras": spec.max_loras}))
         if policy == "prefetch":
             worker.use_queue(PrefetchQueue(PREFETCH, worker.queue.tokens_per_job, in_flight=worker.flights))

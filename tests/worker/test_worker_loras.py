@@ -166,3 +166,32 @@ def test_an_adapters_job_waiting_past_the_aging_bound_is_read_by_a_worker_withou
             long.cancel()  # the slot frees: the aged job, waiting in the engine here, takes it
             result = cold.result(timeout=60)
     assert result.status == "done" and result.worker == "w1"
+
+
+def test_a_running_batch_steps_on_while_a_new_adapter_is_read_from_disk(thread_worker, queue, tmp_path):
+    """An adapter is read from its folder on its first job here; on the worker's loop that read stopped every running
+    sequence's steps until it ended (W-LORA's fleet: a 250 ms load stalled 16 sequences). Read on a thread, it holds
+    only its own job: here the read is held until a base-model job submitted with it has finished, which on the loop
+    could never happen."""
+    import threading
+
+    engine = _engine()
+    release, read_began = threading.Event(), threading.Event()
+    real_read = engine.loras.device.read
+
+    def held_read(name, path):
+        read_began.set()
+        release.wait(60)  # on the loop: the base job below never finishes while this waits
+        return real_read(name, path)
+
+    engine.loras.device.read = held_read
+    with Client(queue.server.url, queue.ns) as client:
+        client.add_lora("slow", simulated_adapter(tmp_path, "slow"), BASE)
+        with _worker(thread_worker, engine, "w1"):
+            adapter_job = client.submit("hi", lora="slow", max_tokens=3)
+            assert read_began.wait(30)
+            base = client.submit("hi", model=BASE, max_tokens=20, ignore_eos=True).result(timeout=20)
+            assert base.status == "done" and not adapter_job.done()  # stepped while the adapter's read was held
+            release.set()
+            assert adapter_job.result(timeout=30).status == "done"
+            assert "slow" in engine.loras
