@@ -217,7 +217,7 @@ def test_an_adapters_rows_fold_into_its_bases_so_per_model_series_stay_one_per_s
         for _ in range(i + 1):
             server.xadd(keys.jobs(f"a{i:03}", "normal"), _job(100, 20))
     server.xadd(keys.jobs("a005", "high"), _job(100, 20, priority="high"))
-    samples = [s for fam in exporter.build_registry(server, keys).collect() for s in fam.samples]
+    samples = _scraped(server, keys)
     per_model = [s for s in samples if "model" in s.labels]
     assert {"kvgate_queue_lag", "kvgate_queue_pending", "kvgate_queue_tokens_waiting", "kvgate_model_live_workers",
             "kvgate_queue_deadline_tokens_per_second_needed", "kvgate_model_tokens_per_second"} <= {
@@ -248,6 +248,16 @@ def _job(tokens: int, max_tokens: int, deadline: float | None = None, priority: 
 def _work(server, keys) -> dict[tuple, float]:
     return {(fam.name, s.labels.get("model"), s.labels.get("priority")): s.value
             for fam in exporter.build_registry(server, keys).collect() for s in fam.samples}
+
+
+def _scraped(server, keys) -> list:
+    """Every sample of the exporter's /metrics over HTTP, as Prometheus reads them."""
+    http, _ = exporter.start_http_server(0, addr="127.0.0.1", registry=exporter.build_registry(server, keys))
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{http.server_port}/metrics", timeout=5).read().decode()
+    finally:
+        http.shutdown()
+    return [s for fam in text_string_to_metric_families(body) for s in fam.samples]
 
 
 def _server_now(server) -> float:
@@ -306,8 +316,7 @@ def test_an_adapters_work_drains_at_its_bases_fleet_rate_with_the_bases_own_work
     write_beat(server, keys, "a", {"worker_id": "a", "model": "alpha", "models": "alpha", "free_blocks": 10,
                                    "total_blocks": 40, "block_size": 16, "tenants": json.dumps({"t": row}),
                                    "loras": json.dumps({"loaded": ["sql"], "loads": 1, "evictions": 0})}, ttl_s=60)
-    m = _work(server, keys)
-    assert not [k for k in m if k[1] in ("sql", "chat")]
+    m = {(s.name, s.labels.get("model"), s.labels.get("priority")): s.value for s in _scraped(server, keys)}
     assert [m[("kvgate_queue_tokens_waiting", "alpha", p)] for p in ("high", "normal", "low")] == [300, 1000, 250]
     assert m[("kvgate_model_tokens_per_second", "alpha", None)] == 100
     assert [m[("kvgate_queue_drain_seconds", "alpha", p)] for p in ("high", "normal", "low")] == [3, 13, 15.5]
@@ -317,6 +326,7 @@ def test_an_adapters_work_drains_at_its_bases_fleet_rate_with_the_bases_own_work
     assert m[("kvgate_model_kv_usage_ratio", "alpha", None)] == 0.75
     assert (m[("kvgate_model_live_workers", "alpha", None)], m[("kvgate_model_waiting_for_workers", "alpha", None)]) \
         == (1, 0)
+    assert not [k for k in m if k[1] in ("sql", "chat")]  # in `alpha`'s rows, not rows of their own
 
 
 def test_with_no_fleet_the_work_and_the_rate_its_deadlines_need_show_but_no_drain_or_slack(server):
