@@ -127,10 +127,6 @@ class ServedStats:
     workers: list[str]  # live workers serving any of them
     waiting_for_workers: bool  # one of its names has jobs waiting and no live worker serving it (ModelStats')
 
-    @property
-    def backlog(self) -> int:
-        return sum(p.backlog for p in self.priorities.values())
-
 
 def served_models(models: dict[str, ModelStats]) -> dict[str, ServedStats]:
     """`models` (queue_stats' per name) folded by the model serving each: an adapter's rows into its base's. An

@@ -34,8 +34,8 @@ BY_MODEL = ["kvgate_namespace", "model", "served_by"]  # every per-model gauge's
 
 
 def _model_labels(ns: str, m: ServedStats | ModelWork) -> list[str]:
-    """`served_by` repeats `model`: the label the KEDA triggers rendered since adapters came select on (it named an
-    adapter's base while adapters had rows of their own), kept so those ScaledObjects keep reading."""
+    """`served_by` repeats `model`. The KEDA triggers select on it (rendered while an adapter had rows of its own,
+    `served_by` its base); it stays so those ScaledObjects keep reading."""
     return [ns, m.model, m.model]
 
 
