@@ -8,8 +8,9 @@ Each model NAME=WEIGHTS gets `kvgate-worker-<slug>`: the worker Deployment of k8
 WEIGHTS and serving NAME (KVGATE_SERVED_MODEL_NAME) and its aliases, not the `default` model; and the
 ScaledObject of k8s/keda-scaledobject.yaml with one wake trigger per priority for each name it serves
 (`{ns}:jobs:<name>:<priority>`) and the prometheus triggers that scale on that model's work, over all its names
-and its LoRA adapters' (kvgate/bench/scale_policy.py: they select the exporter's `served_by`, so adapters registered
-at run time count for their base; --worker-tokens-per-s, --deadline-margin, --utilisation and --drain-s set them),
+and its LoRA adapters' (kvgate/bench/scale_policy.py: they select the exporter's `served_by`, whose rows count the
+streams of adapters registered at run time in their base's; --worker-tokens-per-s, --deadline-margin, --utilisation
+and --drain-s set them),
 so a job for a model or one of its adapters with no worker wakes that model's Deployment from zero and its work
 sizes it.
 The base manifests stay the one place to change probes, resources or scaling behaviour. Apply the output

@@ -40,6 +40,12 @@ class PriorityStats:
     pending: int = 0  # delivered to a worker, not yet acknowledged
     oldest_age_s: float | None = None  # oldest undelivered or pending entry, by its id's timestamp
 
+    def add(self, other: "PriorityStats") -> None:
+        """Sum `other`'s streams into these (a priority over models, or over a model's adapters)."""
+        self.length, self.backlog, self.pending = (self.length + other.length, self.backlog + other.backlog,
+                                                   self.pending + other.pending)
+        self.oldest_age_s = _oldest([self.oldest_age_s, other.oldest_age_s])
+
 
 @dataclass(slots=True)
 class WorkerStats:
@@ -95,8 +101,7 @@ class ModelStats:
 
     @property
     def served_by(self) -> str:
-        """The model whose workers serve these streams: an adapter's base, else the name itself (the exporter's
-        `served_by` label, which the autoscaler's triggers select on: an adapter's work counts for its base)."""
+        """The model whose workers serve these streams: an adapter's base, else the name itself (`ServedStats`)."""
         return self.adapter_of or self.model
 
     @property
@@ -108,6 +113,35 @@ class ModelStats:
         return {"priorities": {k: asdict(v) for k, v in self.priorities.items()}, "workers": self.workers,
                 "backlog": self.backlog, "pending": self.pending, "oldest_age_s": self.oldest_age_s,
                 "waiting_for_workers": self.waiting_for_workers, "adapter_of": self.adapter_of}
+
+
+@dataclass(slots=True)
+class ServedStats:
+    """A model as its workers serve it: its own streams and every registered LoRA adapter's of it, summed per
+    priority (the exporter's per-model rows). Adapters are registered at run time, hundreds of them, so a row each
+    would break the rule of every per-name view (limits.top_and_rest); one adapter alone is the adapter view's."""
+
+    model: str
+    names: list[str]  # the names whose streams it sums: the model's own (if known or served) and its adapters'
+    priorities: dict[str, PriorityStats]
+    workers: list[str]  # live workers serving any of them
+    waiting_for_workers: bool  # one of its names has jobs waiting and no live worker serving it (ModelStats')
+
+
+def served_models(models: dict[str, ModelStats]) -> dict[str, ServedStats]:
+    """`models` (queue_stats' per name) folded by the model serving each: an adapter's rows into its base's. An
+    adapter's jobs wait for workers while no live worker of its base has adapter slots, though its base has
+    workers: the folded row says so."""
+    out: dict[str, ServedStats] = {}
+    for m in models.values():
+        row = out.setdefault(m.served_by, ServedStats(m.served_by, [], {p: PriorityStats(p) for p in PRIORITIES},
+                                                      [], False))
+        row.names.append(m.model)
+        row.workers += [w for w in m.workers if w not in row.workers]
+        row.waiting_for_workers |= m.waiting_for_workers
+        for p, s in m.priorities.items():
+            row.priorities[p].add(s)
+    return dict(sorted(out.items()))
 
 
 @dataclass(slots=True)
@@ -125,10 +159,13 @@ class QueueStats:
         out = {p: PriorityStats(p) for p in PRIORITIES}
         for m in self.models.values():
             for p, s in m.priorities.items():
-                t = out[p]
-                t.length, t.backlog, t.pending = t.length + s.length, t.backlog + s.backlog, t.pending + s.pending
-                t.oldest_age_s = _oldest([t.oldest_age_s, s.oldest_age_s])
+                out[p].add(s)
         return out
+
+    @property
+    def served(self) -> dict[str, ServedStats]:
+        """Per model its workers serve, its adapters' streams summed in (served_models): the exporter's rows."""
+        return served_models(self.models)
 
     @property
     def backlog(self) -> int:

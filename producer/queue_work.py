@@ -101,8 +101,10 @@ class PriorityWork:
 
 @dataclass(slots=True)
 class ModelWork:
+    """A model as its workers serve it (queue_stats.ServedStats): its own streams' work and its LoRA adapters', at the
+    rate its workers serve them all (they report an adapter's tokens as their model's)."""
+
     model: str
-    served_by: str  # the model whose workers serve it (queue_stats.ModelStats.served_by: an adapter's base)
     priorities: dict[str, PriorityWork]
     tokens_per_s: float  # prompt plus generated tokens of jobs finished over the workers' last minute
     kv_usage: float | None  # used share of the live workers' KV blocks; None: no live worker
@@ -215,23 +217,24 @@ def next_tenants(r, keys: Keys, names: list[str]) -> Steps:
 
 
 def queue_work(r, keys: Keys, snap: QueueStats) -> Steps:
-    """Every model of `snap` (queue_stats'): its priorities' work, its fleet's rate and KV use."""
+    """Every model `snap` (queue_stats') has workers serve, its adapters folded in (QueueStats.served): its
+    priorities' work over its own streams and its adapters' (a priority's streams drain alongside each other, after
+    every higher priority's of them all), its fleet's rate and KV use."""
     now_s, lanes = (yield from server_ms(r)) / 1000, (yield from lanes_of(r, keys))
     names = sorted(snap.models)
     tenants = yield from next_tenants(r, keys, names)
     shared = [st for m in names for st in keys.all_jobs(m, lanes)]
     streams = yield from sample_streams(r, keys, shared + [st for band in tenants.values() for st in band])
     out = {}
-    for m in names:
+    for model, served in snap.served.items():
         above, priorities = 0.0, {}
         for p in PRIORITIES:
-            jobs = snap.models[m].priorities[p].backlog
-            own = keys.job_streams(m, p, lanes) + [st for k in range(len(keys.parts))
-                                                   for st in tenants.get(keys.jobs(m, p, shard=k), [])]
-            work = priority_work(streams, own, jobs, above, p, now_s)
+            own = [st for m in served.names for st in keys.job_streams(m, p, lanes)]
+            own += [st for m in served.names for k in range(len(keys.parts))
+                    for st in tenants.get(keys.jobs(m, p, shard=k), [])]
+            work = priority_work(streams, own, served.priorities[p].backlog, above, p, now_s)
             priorities[p], above = work, work.tokens_through
-        out[m] = ModelWork(m, snap.models[m].served_by, priorities, fleet_rate(snap.workers, m),
-                           kv_usage(snap.workers, m))
+        out[model] = ModelWork(model, priorities, fleet_rate(snap.workers, model), kv_usage(snap.workers, model))
     return out
 
 

@@ -200,27 +200,40 @@ def test_queue_gauges_carry_the_model_and_a_model_with_jobs_and_no_worker_is_fla
     assert m[("kvgate_model_waiting_for_workers", "alpha", None)] == 0
 
 
-def test_every_per_model_gauge_names_the_model_serving_it_an_adapters_its_base(server):
-    """`served_by` (what the KEDA triggers select on): a LoRA adapter's base, whose workers read its streams, and a
-    model's own name otherwise; on every gauge that carries `model`, so they still match one to one in PromQL."""
-    from kvgate.producer.steps import run
+def test_an_adapters_rows_fold_into_its_bases_so_per_model_series_stay_one_per_served_model(server):
+    """200 registered LoRA adapters of `alpha` add no per-model series: their streams count in `alpha`'s rows (the
+    model its workers serve; `served_by`, what the KEDA triggers select on, names it too), and what one adapter
+    waits for is its `kvgate_adapter_*` row, the ten with the most backlog by name and the rest as `_other`."""
+    from kvgate.producer.limits import OTHER_NAMED, TOP_NAMED
     from kvgate.producer.loras import add_lora
+    from kvgate.producer.steps import run
 
     keys = Keys("exp")
     server.sadd(keys.models(), "alpha")
-    run(add_lora(server, keys, "sql", "/adapters/sql", "alpha"))
-    server.xadd(keys.jobs("sql", "normal"), _job(100, 20))
-    samples = [s for fam in exporter.build_registry(server, keys).collect() for s in fam.samples
-               if "model" in s.labels]
-    served_by = {(s.name, s.labels["model"]): s.labels.get("served_by") for s in samples}
-    names = {name for name, _ in served_by}
+    for i in range(200):
+        run(add_lora(server, keys, f"a{i:03}", f"/adapters/a{i:03}", "alpha"))
+    server.xadd(keys.jobs("alpha", "normal"), _job(100, 20))
+    for i in range(12):  # a000 holds 1 normal job, a001 2, ... a011 12; a005 one high job more
+        for _ in range(i + 1):
+            server.xadd(keys.jobs(f"a{i:03}", "normal"), _job(100, 20))
+    server.xadd(keys.jobs("a005", "high"), _job(100, 20, priority="high"))
+    samples = _scraped(server, keys)
+    per_model = [s for s in samples if "model" in s.labels]
     assert {"kvgate_queue_lag", "kvgate_queue_pending", "kvgate_queue_tokens_waiting", "kvgate_model_live_workers",
-            "kvgate_queue_deadline_tokens_per_second_needed", "kvgate_model_tokens_per_second"} <= names
-    assert set((model, by) for (_, model), by in served_by.items()) == {("sql", "alpha"), ("alpha", "alpha"),
-                                                                       ("default", "default")}
-    lag = {s.labels["model"]: s.value for s in samples if s.name == "kvgate_queue_lag" and s.labels["priority"] ==
-           "normal"}
-    assert lag == {"sql": 1, "alpha": 0, "default": 0}  # the adapter's series stays its own: `model` unchanged
+            "kvgate_queue_deadline_tokens_per_second_needed", "kvgate_model_tokens_per_second"} <= {
+        s.name for s in per_model}
+    assert {(s.labels["model"], s.labels["served_by"]) for s in per_model} == {("alpha", "alpha"),
+                                                                              ("default", "default")}
+    for name in {s.name for s in per_model}:  # one series per served model (and priority)
+        assert len([s for s in per_model if s.name == name]) <= 2 * 3, name
+    lag = {(s.labels["model"], s.labels["priority"]): s.value for s in per_model if s.name == "kvgate_queue_lag"}
+    assert lag[("alpha", "normal")] == 1 + sum(range(1, 13)) and lag[("alpha", "high")] == 1
+    tokens = {(s.labels["model"], s.labels["priority"]): s.value for s in per_model
+              if s.name == "kvgate_queue_tokens_waiting"}
+    assert tokens[("alpha", "normal")] == 120 * (1 + sum(range(1, 13))) and tokens[("alpha", "high")] == 120
+    backlog = {s.labels["adapter"]: s.value for s in samples if s.name == "kvgate_adapter_backlog"}
+    assert len(backlog) == TOP_NAMED + 1 and backlog["a011"] == 12 and backlog["a005"] == 7
+    assert backlog[OTHER_NAMED] == 1 + 2  # a000 and a001, and the 188 adapters with nothing waiting
 
 
 def _job(tokens: int, max_tokens: int, deadline: float | None = None, priority: str = "normal") -> dict:
@@ -235,6 +248,16 @@ def _job(tokens: int, max_tokens: int, deadline: float | None = None, priority: 
 def _work(server, keys) -> dict[tuple, float]:
     return {(fam.name, s.labels.get("model"), s.labels.get("priority")): s.value
             for fam in exporter.build_registry(server, keys).collect() for s in fam.samples}
+
+
+def _scraped(server, keys) -> list:
+    """Every sample of the exporter's /metrics over HTTP, as Prometheus reads them."""
+    http, _ = exporter.start_http_server(0, addr="127.0.0.1", registry=exporter.build_registry(server, keys))
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{http.server_port}/metrics", timeout=5).read().decode()
+    finally:
+        http.shutdown()
+    return [s for fam in text_string_to_metric_families(body) for s in fam.samples]
 
 
 def _server_now(server) -> float:
@@ -268,6 +291,42 @@ def test_work_waiting_is_priced_in_tokens_and_drains_at_the_fleets_rate_before_i
     assert 14.5 <= m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "low")] < 14.8
     assert m[("kvgate_queue_deadline_tokens_per_second_needed", "default", "high")] == 0
     assert m[("kvgate_model_kv_usage_ratio", "default", None)] == 0.75
+
+
+def test_an_adapters_work_drains_at_its_bases_fleet_rate_with_the_bases_own_work(server):
+    """Workers of `alpha` serve its adapters' jobs and report their tokens as `alpha`'s (100 tokens/s over their last
+    minute). `alpha` holds 2 high jobs of 100 + 50 tokens; adapter `sql` 2 normal of 400 + 100 due in 100 s on the
+    server's clock; adapter `chat` 1 low of 200 + 50. `alpha`'s rows: 300, 1,000 and 250 tokens waiting, drained in
+    3, 13 and 15.5 s at 100 tokens/s; `sql`'s last job ends after 300 + 1,000 tokens (13 s): slack 100 - 13 s, and
+    13 tokens/s needed. Before, `sql`'s own rows had no rate (no worker names it): no drain and no slack."""
+    from kvgate.producer.loras import add_lora
+    from kvgate.producer.steps import run
+    from kvgate.producer.tenant_view import ROW
+
+    keys = Keys("exp")
+    run(add_lora(server, keys, "sql", "/adapters/sql", "alpha"))
+    run(add_lora(server, keys, "chat", "/adapters/chat", "alpha"))
+    for _ in range(2):
+        server.xadd(keys.jobs("alpha", "high"), _job(100, 50, priority="high"))
+    due = _server_now(server) + 100
+    for _ in range(2):
+        server.xadd(keys.jobs("sql", "normal"), _job(400, 100, deadline=due))
+    server.xadd(keys.jobs("chat", "low"), _job(200, 50, priority="low"))
+    row = [1, 6000] + [0] * (ROW - 2)  # 6,000 tokens finished over the minute: 100 tokens/s
+    write_beat(server, keys, "a", {"worker_id": "a", "model": "alpha", "models": "alpha", "free_blocks": 10,
+                                   "total_blocks": 40, "block_size": 16, "tenants": json.dumps({"t": row}),
+                                   "loras": json.dumps({"loaded": ["sql"], "loads": 1, "evictions": 0})}, ttl_s=60)
+    m = {(s.name, s.labels.get("model"), s.labels.get("priority")): s.value for s in _scraped(server, keys)}
+    assert [m[("kvgate_queue_tokens_waiting", "alpha", p)] for p in ("high", "normal", "low")] == [300, 1000, 250]
+    assert m[("kvgate_model_tokens_per_second", "alpha", None)] == 100
+    assert [m[("kvgate_queue_drain_seconds", "alpha", p)] for p in ("high", "normal", "low")] == [3, 13, 15.5]
+    assert 85 < m[("kvgate_queue_deadline_slack_seconds", "alpha", "normal")] <= 87
+    assert ("kvgate_queue_deadline_slack_seconds", "alpha", "low") not in m  # no deadline waits there
+    assert 13 <= m[("kvgate_queue_deadline_tokens_per_second_needed", "alpha", "normal")] < 13.3
+    assert m[("kvgate_model_kv_usage_ratio", "alpha", None)] == 0.75
+    assert (m[("kvgate_model_live_workers", "alpha", None)], m[("kvgate_model_waiting_for_workers", "alpha", None)]) \
+        == (1, 0)
+    assert not [k for k in m if k[1] in ("sql", "chat")]  # in `alpha`'s rows, not rows of their own
 
 
 def test_with_no_fleet_the_work_and_the_rate_its_deadlines_need_show_but_no_drain_or_slack(server):

@@ -4,9 +4,9 @@ rules that turn trigger values into replicas (kubernetes pkg/controller/podautos
 windows, scale-up and scale-down policies) with KEDA's activation and cooldown around them.
 
 Scaling on work (`WorkScaling`), per model with every name it serves and every LoRA adapter of it: the queries select
-the exporter's `served_by` label (the model whose workers serve a stream: an adapter's base), never `model`, since
-adapters are registered at run time and no rendered regex can name them; so an adapter's jobs wake and size its base's
-Deployment, and the labels stay the base models' names:
+the exporter's `served_by` label (the model workers serve; the exporter counts an adapter's streams in its base's rows,
+since adapters are registered at run time and no rendered regex can name them), so an adapter's jobs wake and size
+its base's Deployment:
 - deadline: the fleet rate (tokens/s) at which every waiting job with a deadline ends by it, over `deadline_margin`
   (plan to finish with a part of the time left to spare: cold starts and estimates), per worker's tokens/s;
 - work: while no deadline waits, the rate the fleet served over the last minute over `utilisation` (a fleet
@@ -54,7 +54,7 @@ class WorkScaling:
 
     def triggers(self, namespace: str, names: list[str]) -> list[Trigger]:
         sel = f'kvgate_namespace="{namespace}",served_by=~"{"|".join(_quote(n) for n in names)}"'
-        # per name (an alias, an adapter) its largest over priorities; the names add up
+        # per name (the model, an alias; its adapters count in its rows) its largest over priorities; the names add up
         needed = f"sum(max by (model) (kvgate_queue_deadline_tokens_per_second_needed{{{sel}}}))"
         no_deadline = f"(({needed} or vector(0)) == bool 0)"
         served = f"(max(kvgate_model_tokens_per_second{{{sel}}}) or vector(0))"

@@ -2,13 +2,13 @@
 
 One process per kvgate namespace is enough; it holds no state, so any number of replicas agree. The label is
 `kvgate_namespace` because Prometheus already puts the Kubernetes `namespace` on every target; queue gauges
-carry `model` (the stream's model name, `default` for jobs that name none), `served_by` (the model whose workers
-serve the streams: a LoRA adapter's base, the model itself otherwise; the KEDA triggers select on it, so an
-adapter's work counts for its base's Deployment) and `priority`. Every per-model gauge carries both, so they still
-match one to one in PromQL (`kvgate_queue_lag + kvgate_queue_pending`); `served_by` follows from `model`, so it adds
-no series, and its values are base models', never the adapters' registered at run time. Per-name views carry
-`tenant` or `adapter`, bounded to the ten busiest names and `_other` (limits.top_and_rest). The figures
-come from producer.queue_stats, which also counts lag on Redis 6.2 (no `lag` in XINFO GROUPS).
+carry `model` (a model workers serve: a name a worker served or an operator added, `default` for jobs that name
+none), `served_by` (the same name: the KEDA triggers select on it) and `priority`. A LoRA adapter's jobs wait on
+streams of its own but count in its base model's rows, at its base fleet's rate (queue_stats.ServedStats): adapters
+are registered at run time, hundreds of them, and a row each would break the rule of every per-name view. Per-name
+views carry `tenant` or `adapter` (what one adapter alone waits for), bounded to the ten busiest names and `_other`
+(limits.top_and_rest). The figures come from producer.queue_stats, which also counts lag on Redis 6.2 (no `lag` in
+XINFO GROUPS).
 """
 from __future__ import annotations
 
@@ -26,15 +26,17 @@ from prometheus_client.core import GaugeMetricFamily
 from kvgate.producer.connection import DEFAULT_URL, mask_url, resolve_url
 from kvgate.producer.keys import Keys
 from kvgate.producer.limits import OTHER_TENANTS
-from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
+from kvgate.producer.queue_stats import QueueStats, ServedStats, read_queue_stats
 from kvgate.producer.queue_work import ModelWork, read_queue_work
 from kvgate.producer.redis_url import connect, keys_for
 
 BY_MODEL = ["kvgate_namespace", "model", "served_by"]  # every per-model gauge's labels (then `priority`, if any)
 
 
-def _model_labels(ns: str, m: ModelStats | ModelWork) -> list[str]:
-    return [ns, m.model, m.served_by]
+def _model_labels(ns: str, m: ServedStats | ModelWork) -> list[str]:
+    """`served_by` repeats `model`. The KEDA triggers select on it (rendered while an adapter had rows of its own,
+    `served_by` its base); it stays so those ScaledObjects keep reading."""
+    return [ns, m.model, m.model]
 
 
 class FleetCollector:
@@ -57,8 +59,9 @@ class FleetCollector:
             return
         up.add_metric([ns], 1)
         yield up
-        yield from _stream_families(ns, list(snap.models.values()))
-        yield from _model_families(ns, list(snap.models.values()))
+        served = list(snap.served.values())  # one row per model workers serve, its adapters' streams summed in
+        yield from _stream_families(ns, served)
+        yield from _model_families(ns, served)
         yield from _fleet_families(ns, snap)
         yield from _tenant_families(ns, snap)
         yield from _tenant_view_families(ns, snap)
@@ -70,7 +73,7 @@ class FleetCollector:
         yield took
 
 
-def _stream_families(ns: str, models: list[ModelStats]):
+def _stream_families(ns: str, models: list[ServedStats]):
     specs = (("queue_lag", "Jobs waiting: not yet delivered to any worker, or parked for deadline order", "backlog"),
              ("queue_pending", "Jobs delivered to a worker and not yet acknowledged", "pending"),
              ("queue_length", "Entries in the job stream (XLEN)", "length"),
@@ -83,8 +86,8 @@ def _stream_families(ns: str, models: list[ModelStats]):
         yield family
 
 
-def _model_families(ns: str, models: list[ModelStats]):
-    """Per model: who serves it, and whether its jobs wait for a scale-up (backlog and no live worker)."""
+def _model_families(ns: str, models: list[ServedStats]):
+    """Per model: who serves it, and whether its jobs (or an adapter's) wait for a scale-up (no live worker)."""
     workers = GaugeMetricFamily("kvgate_model_live_workers", "Live workers serving the model name (aliases count)",
                                 labels=BY_MODEL)
     stranded = GaugeMetricFamily("kvgate_model_waiting_for_workers",
@@ -179,7 +182,8 @@ def _work_families(ns: str, models: list[ModelWork]):
     """Work, not job counts (producer/queue_work.py; docs/operations/autoscaling.md): per model and priority the tokens
     waiting, the time to drain them (and every higher priority's) at the fleet's rate, the least deadline slack and
     the rate every deadline needs; per model the fleet's rate and KV use. A drain or slack needs a measured rate:
-    no series while the fleet served nothing over the last minute (KEDA reads a missing series as 0)."""
+    no series while the fleet served nothing over the last minute (KEDA reads a missing series as 0). A model's
+    LoRA adapters' work is in its rows: its workers serve it at the rate they report."""
     labels, by_model = [*BY_MODEL, "priority"], BY_MODEL
     tokens = GaugeMetricFamily("kvgate_queue_tokens_waiting", "Estimated prompt plus max_tokens of the jobs not yet "
                                "delivered (sampled at both ends of each stream)", labels=labels)

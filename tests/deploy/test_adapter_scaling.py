@@ -1,5 +1,7 @@
-"""Issue 42 meets issue 44: a LoRA adapter's jobs wait on its own streams (their `model` label is the adapter's),
-served by the workers of its base. The prometheus triggers render_models.py writes for the base's ScaledObject,
+"""Issue 42 meets issue 44: a LoRA adapter's jobs wait on its own streams, served by the workers of its base, and the
+exporter counts them in its base's rows (`model` and `served_by` the base's name; one adapter alone: its
+`kvgate_adapter_*` row). No redis-streams trigger names an adapter's streams (it is registered at run time), so the
+prometheus triggers wake a base's fleet for them. Those render_models.py writes for the base's ScaledObject,
 evaluated by promtool on the series a real exporter scrape publishes, wake the base's fleet from zero for them and
 size it on their work and deadlines; another base's adapter counts for its own base only."""
 from __future__ import annotations
@@ -69,11 +71,12 @@ def test_an_adapters_jobs_wake_its_base_from_zero_and_its_work_and_deadlines_siz
                                                                                      tmp_path):
     """BASE's triggers over `adapters_waiting`: wake 1; work 240 interactive tokens / 60 s = 4 (no rate served, a
     deadline waits); deadline 360 tokens (the normal ones drain first) / 60 s = 6 tokens/s, over the 0.75 margin = 8;
-    `chat`'s jobs count for its own base only. Before `served_by` they read nothing: the fleet stayed at zero."""
+    `chat`'s jobs count for its own base only. Adapter-only backlog, no worker anywhere: the wake from zero is the
+    prometheus trigger's alone. Before `served_by` they read nothing: the fleet stayed at zero."""
     samples = adapters_waiting(redis_server.url, namespace, redis_server.client())
     lag = {(s.labels["model"], s.labels["served_by"]): s.value for s in samples
            if s.name == "kvgate_queue_lag" and s.labels["priority"] == "normal"}
-    assert lag[("sql", BASE)] == 2  # the adapter's own series, labelled with the base that serves it
+    assert lag == {(BASE, BASE): 2, ("other", "other"): 0, ("default", "default"): 0}  # the adapters' in their base's
     so = next(d for d in render(f"{BASE}=/models/qwen", "other=/models/other", "--namespace", namespace)
               if d["kind"] == "ScaledObject" and d["metadata"]["annotations"]["kvgate.dev/model-name"] == BASE)
     queries = {t["name"].removeprefix("work-"): t["metadata"]["query"] for t in so["spec"]["triggers"]
@@ -87,8 +90,8 @@ def test_an_adapters_jobs_wake_its_base_from_zero_and_its_work_and_deadlines_siz
 
 def test_the_alerts_still_fire_on_the_exporters_series_with_served_by(redis_server, namespace, tmp_path):
     """deploy/prometheus/alerts.yml over the same scrape: `kvgate_queue_lag + kvgate_queue_pending` still matches one
-    to one (both carry `served_by`), so the fleet at zero with jobs waiting alerts, and each adapter is a model
-    waiting for workers, named by its `model` as before."""
+    to one (both carry `served_by`), so the fleet at zero with jobs waiting alerts, and each adapter's base is a
+    model waiting for workers (its Deployment is the one to look at)."""
     samples = adapters_waiting(redis_server.url, namespace, redis_server.client())
     alerts = DEPLOY / "prometheus/alerts.yml"
     waiting = "kvgate model {} has jobs waiting and no live worker serving it"
@@ -102,4 +105,4 @@ def test_the_alerts_still_fire_on_the_exporters_series_with_served_by(redis_serv
         {"eval_time": "20m", "alertname": "KvGateModelWaitingForWorkers", "exp_alerts": [
             {"exp_labels": {"severity": "warning", "kvgate_namespace": namespace, "model": model},
              "exp_annotations": {"summary": waiting.format(model), "description": description}}
-            for model in ("chat", "sql")]}]}, tmp_path, (alerts,))
+            for model in (BASE, "other")]}]}, tmp_path, (alerts,))

@@ -80,8 +80,11 @@ def test_the_exporter_labels_the_ten_adapters_with_the_most_backlog_and_other(re
     assert samples[("kvgate_adapter_loaded_workers", "a11")] == 1
     assert samples[("kvgate_adapter_loaded_workers", OTHER_NAMED)] == 1
     assert samples[("kvgate_adapter_pending", OTHER_NAMED)] == 0
-    assert exporter.build_registry(r, Keys(namespace)).get_sample_value(  # w1 serves it
-        "kvgate_model_waiting_for_workers", {"kvgate_namespace": namespace, "model": "a11", "served_by": BASE}) == 0
+    per_model = {s.labels["model"] for f in exporter.build_registry(r, Keys(namespace)).collect() for s in f.samples
+                 if "model" in s.labels}
+    assert per_model == {BASE, "default"}  # the adapters count in their base's rows, not one series each
+    assert exporter.build_registry(r, Keys(namespace)).get_sample_value(  # w1 serves them
+        "kvgate_model_waiting_for_workers", {"kvgate_namespace": namespace, "model": BASE, "served_by": BASE}) == 0
 
 
 def test_top_shows_the_ten_adapters_with_the_most_backlog_the_rest_as_other_and_each_workers_slots(redis_server,
@@ -138,3 +141,7 @@ def test_an_adapters_jobs_wait_for_workers_while_its_bases_workers_have_no_adapt
     write_beat(r, keys, "w1", {"worker_id": "w1", "model": BASE, "models": BASE, "loras": ""}, ttl_s=30)
     got = read_queue_stats(r, keys).models["c"]
     assert got.workers == [] and got.waiting_for_workers and got.adapter_of == BASE
+    labels = {"kvgate_namespace": namespace, "model": BASE, "served_by": BASE}  # its base's row says so: it alerts
+    registry = exporter.build_registry(r, keys)
+    assert registry.get_sample_value("kvgate_model_waiting_for_workers", labels) == 1
+    assert registry.get_sample_value("kvgate_model_live_workers", labels) == 1
