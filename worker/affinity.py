@@ -146,13 +146,16 @@ class Affinity:
         if self.enabled:
             named.on("proposed").set(self.keys.lanes(), self.want_lanes, nx=True)
         lapse_ms = min(self.lapse_ms or self.ring_ttl_ms, self.ring_ttl_ms)
-        for model in self.models:  # without affinity we only look: a model nobody owns has lanes nobody waits on
+        # without affinity we only look: a model nobody owns has lanes nobody waits on; and without lanes in the
+        # namespace there is nothing to look for (a script a model every heartbeat: 201 with 200 LoRA adapters)
+        looked = self.models if self.enabled or self.lanes else ()
+        for model in looked:
             run_script(self.script, [self.keys.lane_ring(model)],
                        [self.member if self.enabled else "", self.ring_ttl_ms, lapse_ms], named.on(("ring", model)))
         named.on("count").get(self.keys.lanes())
         replies = named.execute()
         grew = self._see_count(replies["count"])
-        rings = {m: decode_members(replies["ring", m]) for m in self.models}
+        rings = {m: decode_members(replies["ring", m]) if m in looked else {} for m in self.models}
         self.unowned = {m for m in self.models if not rings[m]}
         if self.enabled:
             self._own({m: self._owned(m, rings[m]) for m in self.models})

@@ -304,6 +304,8 @@ class Fair:
     siblings: dict[str, tuple[str, ...]] = field(default_factory=dict)  # band -> the same band in every shard
     charged_here: bool = False  # a cluster: reads charged counters of one shard that the others lack yet
     sweeper: Sweeper | None = None  # the pruning pass's (worker/fair_sweep.py), made at its first use
+    backlogs: list[list[str]] = field(default_factory=list)  # the bands' backlog keys shard by shard (sync's look)
+    backlogs_of: int = -1  # how many bands those keys were named for
 
     def read_charge(self, tokens_per_job: float) -> float:
         """What the read script charges a job's tenant in the shard it was read from: the estimate, and on a Redis
@@ -477,8 +479,10 @@ class Fair:
         shard over every band. A ZCARD a band, one round trip each, cost a fleet serving 200 LoRA adapters (600 bands)
         600 round trips a heartbeat on every worker's loop: W-LORA's fleet ran at a third of its jobs/s with no fair
         share and no adapter job at all."""
-        return any(self.client.exists(*(Keys.fair_backlog(b) for b in group))
-                   for group in self.keys.by_shard(sorted(self.bands)))
+        if self.backlogs_of != len(self.bands):  # bands only join (add_bands): their keys named once per change
+            self.backlogs = [[Keys.fair_backlog(b) for b in group] for group in self.keys.by_shard(sorted(self.bands))]
+            self.backlogs_of = len(self.bands)
+        return any(self.client.exists(*group) for group in self.backlogs if group)
 
 
 @dataclass(slots=True)

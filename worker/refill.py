@@ -16,6 +16,7 @@ import redis
 
 from kvgate.engine.outputs import Admission
 from kvgate.producer.keys import Keys, as_text
+from kvgate.worker.adapters import ModelsToRead
 from kvgate.worker.admission import AdmissionQueue
 from kvgate.worker.affinity import Affinity, Lane
 from kvgate.worker.clock import ServerClock, entry_ms
@@ -95,7 +96,7 @@ class Refill:
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, streams: list[str], settings: WorkerSettings,
                  engine: Engine, queue: AdmissionQueue, affinity: Affinity, lane_prefixes: LanePrefixes,
                  leases: Leases, clock: ServerClock, metrics: Any, per_priority: int, fair: Fair | None = None,
-                 models_now: Callable[[], list[str]] | None = None,
+                 models_now: ModelsToRead | None = None,
                  occupancy: Callable[[], dict[str, Occupancy]] = dict) -> None:
         self.client, self.keys, self.worker_id, self.settings = client, keys, worker_id, settings
         self.engine, self.queue, self.affinity, self.lane_prefixes = engine, queue, affinity, lane_prefixes
@@ -180,6 +181,8 @@ class Refill:
         """An idle engine's look (a busy one reads in the step's round trip): it can afford every lane."""
         reclaim_ms = self._reclaim_ms()
         entries = self.reader.read(count, self._plan(reclaim_ms, full=True), reclaim_ms)  # a cluster: shard by shard
+        if not entries and self.models_now is not None and self.models_now.look_again():  # LoRA adapters' jobs wait
+            entries = self.reader.read(count, self._plan(0, full=True))
         if self.affinity.enabled and self.affinity.lanes:
             pipe = self.client.pipeline(transaction=False)
             slots = (Ignored(self.affinity.tell(pipe, room=True)), FullOwners(self.affinity, self.affinity.look(pipe)))
@@ -360,7 +363,7 @@ class Refill:
     def _plan(self, reclaim_ms: int, full: bool = False) -> ReadPlan:
         plan = self.affinity.read_plan(full=full or reclaim_ms > 0)  # a reclaim looks at every lane
         if self.models_now is not None and not self.affinity.lanes:  # LoRA adapters without room here are left
-            names = self.models_now()
+            names = self.models_now.now()
             plan.streams, plan.per_priority = self.keys.served_jobs(names), len(names)
         lag = self.settings.affinity_max_lag_ms
         plan.overdue_ms = self.affinity.own_wait_ms + lag if lag else 0

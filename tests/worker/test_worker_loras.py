@@ -4,6 +4,7 @@ for a worker that holds it while its slots are busy (until they age), and answer
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -77,7 +78,8 @@ def test_jobs_of_an_adapter_removed_while_they_wait_get_error_results(thread_wor
         client.add_lora("gone", simulated_adapter(tmp_path, "gone"), BASE)
         with _worker(thread_worker, _engine(), "w1") as w:
             assert client.submit("hi", lora="gone", max_tokens=2).result(timeout=60).status == "done"
-            w.worker.refill.models_now = lambda: [BASE]  # the worker looks away from the adapter's streams for now
+            # the worker looks away from the adapter's streams for now
+            w.worker.refill.models_now = SimpleNamespace(now=lambda: [BASE], look_again=lambda: False)
             handles = [client.submit("hi", lora="gone", max_tokens=2) for _ in range(3)]
             assert client.remove_lora("gone")
             wait_for(lambda: "gone" not in w.worker.adapters.paths, 30, "the worker to see the removal")
