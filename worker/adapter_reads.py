@@ -1,12 +1,10 @@
-"""Reading LoRA adapters from their folders off the worker's loop.
-
-An adapter is read into host memory on its first job here (engine.loras: LoraSlots.read, then put); the read is the
-slow part of a load (safetensors from disk, checked against the model), and on the loop it stopped every running
-sequence's steps for as long. A job whose adapter is not in host memory waits at the head of the local queue while a
-thread of its own reads it; the running batch steps on meanwhile, and the next admission pass puts the adapter in and
-starts the job. A read that fails is left to the job's start, which reads again and answers the job with the error
-naming the file (one error path for both). With nothing running, the loop waits for the read a little instead of
-spinning."""
+"""Reading LoRA adapters from their folders off the worker's loop. An adapter is read into host memory on its first job
+here (engine.loras: LoraSlots.read, then put); the read is the slow part of a load (safetensors from disk, checked
+against the model), and on the loop it stopped every running sequence's steps for as long. A job whose adapter is not in
+host memory waits at the head of the local queue while a thread reads it (READERS at once); the running batch steps on
+meanwhile, and the next admission pass puts the adapter in and starts the job. A read that fails is left to the job's
+start, which reads again and answers the job with the error naming the file (one error path for both). With nothing
+running, the loop waits for the read a little instead of spinning."""
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -15,6 +13,7 @@ from typing import Any
 from kvgate.engine.lora import LoraError
 
 IDLE_WAIT_S = 0.02  # with nothing to step, how long an admission pass waits for a read before the loop goes on
+READERS = 4  # adapters read at once: a worker new to a busy fleet reads one for each slot it fills, in parallel
 
 
 class AdapterReads:
@@ -32,7 +31,7 @@ class AdapterReads:
         future = self.reading.get(name)
         if future is None:
             if self.pool is None:
-                self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvgate-lora-read")
+                self.pool = ThreadPoolExecutor(READERS, thread_name_prefix="kvgate-lora-read")
             future = self.reading[name] = self.pool.submit(self.loras.read, name, path)
         if idle:
             wait([future], timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
