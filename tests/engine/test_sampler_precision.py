@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvgate.engine import SamplingParams
+from kvgate.engine import LLMEngine, SamplingParams
 from kvgate.engine.sampler import Sampler
 from kvgate.engine.sampling_rows import SamplingBatch
 from kvgate.engine.sequence import Sequence
+from tests.engine.helpers import random_prompts, tiny_source
 
 VOCAB = 300
 
@@ -124,6 +125,52 @@ def test_unseeded_rows_draw_their_seeds_in_batch_order_greedy_rows_included():
     new = [seq_with(SamplingParams(**p)) for p in params]
     assert Sampler(seed=5)(logits.float(), old, consume=True) == Sampler(seed=5)(logits, new, consume=True)
     assert [s.sample_seed for s in new] == [s.sample_seed for s in old] and None not in [s.sample_seed for s in new]
+
+
+ENGINE_PARAMS = [dict(temperature=0), dict(temperature=0.8, seed=1), dict(temperature=0, logprobs=2),
+                 dict(temperature=1.1, top_k=30, seed=2), dict(temperature=0, repetition_penalty=1.3),
+                 dict(temperature=0), dict(temperature=0, logit_bias={5: 1.0})]
+
+
+def run_engine(engine: LLMEngine, params: list[dict]) -> dict:
+    for i, (prompt, p) in enumerate(zip(random_prompts(len(params), 3, 12, seed=8), params)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=9, ignore_eos=True, **p))
+    out: dict = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens, lps = out.setdefault(o.request_id, ([], []))
+            tokens.extend(o.new_token_ids)
+            lps.append(o.logprobs)
+    return out
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_bf16_engine_casts_only_the_rows_that_need_it_and_writes_the_tokens_of_a_whole_cast(graphs):
+    """bf16 on the CPU, eager and through the decode graphs' twin: the tokens and logprobs are those of a runner
+    whose logits are all float32 (the model's `logits` widened, as compute_logits did for the sampler), and no step
+    makes a float32 [rows, vocab] tensor of more rows than its rows that sample, are penalized or adjusted."""
+    source, _ = tiny_source("llama", seed=8)
+    kwargs = dict(kv_cache_memory=1 << 20, max_num_seqs=8, dtype="bfloat16")
+    reference = LLMEngine(source, **kwargs)
+    narrow = reference.runner.model.logits
+    reference.runner.model.logits = lambda hidden: narrow(hidden).float()
+    engine = LLMEngine(source, **kwargs)
+    if graphs:
+        reference.runner.capture_graphs()
+        engine.runner.capture_graphs()
+    expected = run_engine(reference, ENGINE_PARAMS)
+    with Float32Rows(engine.runner.vocab_size) as made:
+        assert run_engine(engine, ENGINE_PARAMS) == expected
+    assert made.rows and max(made.rows) == 4  # rows 1, 3, 4 and 6; the logprob row's log-softmax is 1 row
+    assert not graphs or sum(engine.runner.graphs.replayed.values()) > 0
+
+
+def test_a_bf16_engine_of_greedy_rows_makes_no_float32_logits():
+    source, _ = tiny_source("llama", seed=8)
+    engine = LLMEngine(source, kv_cache_memory=1 << 20, max_num_seqs=8, dtype="bfloat16")
+    with Float32Rows(engine.runner.vocab_size) as made:
+        run_engine(engine, [dict(temperature=0)] * 5)
+    assert made.rows == []
 
 
 def test_float32_rows_is_every_row_that_samples_or_whose_transform_rounds():
