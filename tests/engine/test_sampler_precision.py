@@ -190,3 +190,36 @@ def test_select_renumbers_the_rows_and_keeps_the_paths_the_whole_batch_takes():
     assert part.logprob_rows == [WIDE.index(11)] and part.logprob_tops == [1]
     assert np.array_equal(part.positions, batch.positions[WIDE]) and np.array_equal(part.top_k, batch.top_k[WIDE])
     assert np.array_equal(part.inv_temperature, batch.inv_temperature[WIDE])
+
+
+class BanTopTokens:
+    """TokenMasks' part the sampler calls, as a grammar that forbids each row's 5 likeliest tokens would."""
+
+    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+        for row in rows:
+            logits[row, logits[row].float().topk(5).indices] = float("-inf")
+
+
+def test_structured_rows_are_masked_in_bf16_and_draw_what_the_float32_batch_drew():
+    """A grammar's -inf is exact in bf16: a constrained greedy row takes its masked argmax without a float32 copy,
+    and a constrained sampling row is masked before its widening, as the float32 batch masked it."""
+    params = [dict(temperature=0), dict(temperature=0), dict(temperature=0.9, seed=2), dict(temperature=0, logprobs=1),
+              dict(temperature=0.6, seed=6)]
+    logits = bf16_logits(len(params), seed=4)
+
+    def run(logits, rows):
+        seqs = [seq_with(SamplingParams(**p)) for p in params]
+        for i in (1, 2, 3):
+            seqs[i].matcher = object()  # constrained: the sampler masks it (BanTopTokens) before anything else
+        sampler = Sampler()
+        sampler.masks = BanTopTokens()
+        with Float32Rows(VOCAB) as made:
+            out = sampler(logits, seqs, consume=True)
+        rows.extend(made.rows)
+        return out
+
+    old_rows, new_rows = [], []
+    expected = run(logits.float(), old_rows)
+    assert run(logits, new_rows) == expected
+    assert expected[0][1] != logits[1].float().argmax().item()  # the mask moved the greedy row's token
+    assert max(new_rows) == 2 and max(old_rows) == len(params)  # rows 2 and 4; the logprob row's log-softmax: 1
