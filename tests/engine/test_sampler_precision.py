@@ -165,6 +165,27 @@ def test_a_bf16_engine_casts_only_the_rows_that_need_it_and_writes_the_tokens_of
     assert not graphs or sum(engine.runner.graphs.replayed.values()) > 0
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_bf16_engine_launching_ahead_samples_into_the_token_buffer_what_a_whole_cast_samples(graphs):
+    """Overlap on: the launched step's sampler writes the greedy rows' argmax and the sampled rows' draws into the
+    token buffer the next step reads on the device (`out`), the float32 part holding the 3 rows that need it."""
+    source, _ = tiny_source("llama", seed=9)
+    kwargs = dict(kv_cache_memory=1 << 20, max_num_seqs=8, dtype="bfloat16", overlap="on")
+    params = [dict(temperature=0), dict(temperature=0.8, seed=1), dict(temperature=0), dict(temperature=1.2),
+              dict(temperature=0, logit_bias={5: 1.0}), dict(temperature=0)]
+    reference = LLMEngine(source, **kwargs)
+    narrow = reference.runner.model.logits
+    reference.runner.model.logits = lambda hidden: narrow(hidden).float()
+    engine = LLMEngine(source, **kwargs)
+    if graphs:
+        reference.runner.capture_graphs()
+        engine.runner.capture_graphs()
+    expected = run_engine(reference, params)
+    with Float32Rows(engine.runner.vocab_size) as made:
+        assert run_engine(engine, params) == expected
+    assert engine.overlap.launched > 0 and max(made.rows) == 3
+
+
 def test_a_bf16_engine_of_greedy_rows_makes_no_float32_logits():
     source, _ = tiny_source("llama", seed=8)
     engine = LLMEngine(source, kv_cache_memory=1 << 20, max_num_seqs=8, dtype="bfloat16")
