@@ -38,6 +38,7 @@ SEED_BITS = (1 << 62) - 1
 CHUNK = 32  # tokens per first-level chunk of inverse_cdf (the twin)
 LOG2_E = 1.4426950408889634
 WIDE = (torch.float32, torch.float64)  # logits the sampler transforms as they are; narrower ones are widened by row
+INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # +inf's bits: above it, NaN
 
 
 def mix32(x: np.ndarray) -> np.ndarray:
@@ -75,13 +76,36 @@ def position_hashes(positions: np.ndarray | list[int]) -> np.ndarray:
 def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's first maximal index (int64, into `out` when given). On the CPU torch's argmax over the last
     dimension is a scalar loop (0.6 ms for [256, 1,024] on one thread, W-HOST) where numpy's is vectorized
-    (0.03 ms); both take the first maximum (and a NaN as the maximum), so the tokens are the same."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+    (0.03 ms); both take the first maximum (and a NaN as the maximum), so the tokens are the same. 16-bit logits
+    (a bf16 model's greedy rows) go through `half_argmax`."""
+    if logits.device.type == "cpu" and logits.dtype in WIDE:
         if out is None:
             return torch.from_numpy(logits.numpy().argmax(-1))
         logits.numpy().argmax(-1, out=out.numpy())
         return out
+    if logits.device.type == "cpu" and logits.dtype in INF_BITS and logits.dim() == 2 and logits.is_contiguous():
+        index = half_argmax(logits)
+        return torch.from_numpy(index) if out is None else out.copy_(torch.from_numpy(index))
     return torch.argmax(logits, -1, out=out) if out is not None else logits.argmax(-1)
+
+
+def half_argmax(logits: torch.Tensor) -> np.ndarray:
+    """torch's argmax of 16-bit logits [B, V] on the CPU, vectorized (torch's is a scalar loop: 35-70 ms against
+    3 ms here for [64, 151,936] bf16 on one thread). Their bits as int16, a negative value's magnitude bits flipped,
+    are ordered as the floats are but for -0 (one below +0, equal as floats) and NaN (the maximum for torch, first
+    one wins whatever its payload or sign); the rows whose maximum could be either (+0, a NaN) take torch's."""
+    bits = logits.view(torch.int16).numpy()
+    key = bits >> 15  # -1 where negative
+    key &= np.int16(0x7FFF)
+    key ^= bits
+    index = key.argmax(-1)
+    top = key[np.arange(key.shape[0]), index]
+    inf = INF_BITS[logits.dtype]
+    odd = (top == 0) | (top > inf) | (key.min(-1) < -inf - 1)  # +0 (a -0 before it ties), +NaN, -NaN
+    if odd.any():
+        rows = np.flatnonzero(odd)
+        index[rows] = logits[torch.from_numpy(rows)].argmax(-1).numpy()
+    return index
 
 
 def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

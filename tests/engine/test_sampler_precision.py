@@ -244,3 +244,30 @@ def test_structured_rows_are_masked_in_bf16_and_draw_what_the_float32_batch_drew
     assert run(logits, new_rows) == expected
     assert expected[0][1] != logits[1].float().argmax().item()  # the mask moved the greedy row's token
     assert max(new_rows) == 2 and max(old_rows) == len(params)  # rows 2 and 4; the logprob row's log-softmax: 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cpus_argmax_of_half_logits_is_torchs_first_maximum_nans_and_signed_zeros_included(dtype):
+    """argmax_rows on 16-bit logits on the CPU (a greedy row's token there) orders their bits as the floats are
+    ordered, vectorized; the rows where bits and floats disagree (+0 against -0, NaN) fall back to torch."""
+    from kvgate.engine.sampler import argmax_rows
+
+    inf, nan = float("inf"), float("nan")
+    logits = (torch.randn(40, 700, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    logits[0, [17, 400]] = logits[1, [0, 699]] = 30.0  # ties: the first
+    logits[2] = -0.0
+    logits[2, 9] = 0.0  # -0 == +0: index 0
+    logits[3] = -5.0
+    logits[3, 4], logits[3, 8] = 0.0, -0.0
+    logits[4] = -inf
+    logits[5, 50], logits[5, 60] = -nan, nan  # the first NaN, whatever its sign
+    logits[6, 70] = nan
+    logits[7, 5], logits[7, 6] = inf, -inf
+    logits[8] = torch.finfo(dtype).tiny / 4  # subnormals
+    logits[8, 3] = -logits[8, 3]
+    logits[9] = -0.0
+    expected = torch.argmax(logits, -1)
+    assert torch.equal(argmax_rows(logits), expected)
+    out = torch.empty(40, dtype=torch.long)
+    assert argmax_rows(logits, out) is out and torch.equal(out, expected)
+    assert expected[:10].tolist() == [17, 0, 0, 4, 0, 50, 70, 5, 0, 0]
