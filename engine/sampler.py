@@ -231,23 +231,28 @@ class Sampler:
         self._filling: tuple[list[Sequence], list[int], Future] | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch | None = None,
-                 consume: bool = False) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Next token for each row of `logits` [B, V] (float32, or the model's bf16: see the module), and logprobs for the rows that asked. `batch`: the
-        rows' parameters as arrays (a decode step's, kept per row by the runner); without it they are read from
-        `seqs`. `consume`: the caller has no further use for `logits`, so the temperature path may write its
-        weights over them (the runner's fresh logits each step), touching a megabyte less of the cache."""
+                 consume: bool = False, argmax: torch.Tensor | None = None
+                 ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Next token for each row of `logits` [B, V] (float32, or the model's bf16: see the module), and logprobs
+        for the rows that asked. `batch`: the rows' parameters as arrays (a decode step's, kept per row by the
+        runner); without it they are read from `seqs`. `consume`: the caller has no further use for `logits`, so
+        the temperature path may write its weights over them (the runner's fresh logits each step), touching a
+        megabyte less of the cache. `argmax`: each row's argmax of `logits` as given, computed already (a decode
+        graph's), see `sample`."""
         if batch is None:
             batch = SamplingBatch.of(seqs)
-        tokens = self.sample(logits, seqs, batch, consume)
+        tokens = self.sample(logits, seqs, batch, consume, argmax=argmax)
         if not batch.logprob_rows:
             return tokens.tolist(), [None] * len(seqs)
         return self._with_logprobs(logits, tokens, batch.logprob_rows, batch.logprob_tops)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, consume: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, argmax: torch.Tensor | None = None) -> torch.Tensor:
         """The next tokens [B], left on the logits' device: no transfer, so a step launched ahead (engine/overlap.py)
         feeds them to the next step's inputs there, written by the last operation into `out` where given (the
-        token buffer the next step reads); `logits` stay the model's own where logprob rows need them."""
+        token buffer the next step reads); `logits` stay the model's own where logprob rows need them. `argmax`
+        (a decode graph's, of these logits before any mask): the greedy rows' tokens of a batch in a narrower dtype,
+        so those rows' logits are not read again; unused where a grammar masks a row."""
         raw = logits
         if batch.constrained:  # before everything else; the logprobs stay the model's own
             if batch.logprob_rows or not consume:
@@ -256,7 +261,8 @@ class Sampler:
         if logits.dtype not in WIDE:
             rows = batch.float32_rows()
             if rows is not None and len(rows) < logits.shape[0]:
-                return self._sample_rows_in_float32(logits, seqs, batch, rows, out)
+                return self._sample_rows_in_float32(logits, seqs, batch, rows, out,
+                                                    None if batch.constrained else argmax)
             logits = logits.float()  # every row needs it: one cast, a copy of the caller's nothing reads after
         if batch.adjusted:
             if logits is raw and (batch.logprob_rows or not consume):
@@ -272,13 +278,21 @@ class Sampler:
         return self._sample(logits, seqs, batch, spare, out)
 
     def _sample_rows_in_float32(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch,
-                                rows: list[int], out: torch.Tensor | None) -> torch.Tensor:
+                                rows: list[int], out: torch.Tensor | None, argmax: torch.Tensor | None
+                                ) -> torch.Tensor:
         """A batch in a narrower dtype (bf16) where only `rows` need float32 (SamplingBatch.float32_rows): those
         rows alone are widened and sampled, each as it would be in the whole batch widened; every other row takes
         the argmax of the logits as they are (masked already), exact, so greedy rows cost a read of their bf16
-        and no float32 copy. Seeds are drawn first over the whole batch, in its order, as the whole batch draws."""
+        and no float32 copy (or none: `argmax` given). Seeds are drawn first over the whole batch, in its order, as
+        the whole batch draws."""
+        if argmax is None:
+            tokens = argmax_rows(logits, out)
+        elif out is None:
+            tokens = argmax.clone()  # the graph's buffer is overwritten by its next replay
+        else:  # a launched step: `out` is where the graph wrote its argmax (DecodeInputs.tokens), or a copy of it
+            tokens = out if out.data_ptr() == argmax.data_ptr() else out.copy_(argmax)
         if not rows:
-            return argmax_rows(logits, out)
+            return tokens
         if not batch.all_greedy:
             self._draw_seeds(seqs, batch)
         index = to_device(np.asarray(rows, dtype=np.int64), logits.device)
@@ -286,7 +300,7 @@ class Sampler:
         part.constrained = []  # masked already, above
         part.logprob_rows, part.logprob_tops = [], []  # taken from the caller's logits (Sampler.__call__)
         sampled = self.sample(logits.index_select(0, index).float(), [seqs[i] for i in rows], part, consume=True)
-        return argmax_rows(logits, out).index_copy_(0, index, sampled)
+        return tokens.index_copy_(0, index, sampled)
 
     def start_mask(self, seqs: list[Sequence], rows: list[int]) -> None:
         """Begin filling the mask of `rows` of `seqs` on another thread (llguidance's executor works without the

@@ -45,7 +45,8 @@ def seq_with(params: SamplingParams, outputs: tuple = (5, 6, 7)) -> Sequence:
 # min_p), a penalized greedy row, a logit_bias one and a min_tokens one
 MIXED = [dict(temperature=0), dict(temperature=0.7, seed=11), dict(temperature=0, logprobs=2),
          dict(temperature=1.3), dict(temperature=0, repetition_penalty=1.4), dict(temperature=0.9, top_k=20, seed=3),
-         dict(temperature=0), dict(temperature=0, logit_bias={9: 0.3, 0: 40.0}), dict(temperature=0.5, top_p=0.8, seed=4),
+         dict(temperature=0), dict(temperature=0, logit_bias={9: 0.3, 0: 40.0}),
+         dict(temperature=0.5, top_p=0.8, seed=4),
          dict(temperature=1.0, min_p=0.1, seed=8, frequency_penalty=0.5), dict(temperature=0, min_tokens=5),
          dict(temperature=0.8, seed=5, logprobs=1)]
 WIDE = [1, 3, 4, 5, 7, 8, 9, 10, 11]  # MIXED's rows that need float32
@@ -271,3 +272,27 @@ def test_the_cpus_argmax_of_half_logits_is_torchs_first_maximum_nans_and_signed_
     out = torch.empty(40, dtype=torch.long)
     assert argmax_rows(logits, out) is out and torch.equal(out, expected)
     assert expected[:10].tolist() == [17, 0, 0, 4, 0, 50, 70, 5, 0, 0]
+
+
+def test_greedy_rows_take_the_argmax_the_decode_graph_computed_unless_a_mask_changed_the_logits():
+    """A replayed graph has each row's argmax of its bf16 logits already (logits_and_argmax): the sampler takes the
+    greedy rows' tokens from it, reading no logits for them. A stand-in argmax shows which tokens were taken."""
+    params = [dict(temperature=0), dict(temperature=0.7, seed=1), dict(temperature=0, logprobs=1),
+              dict(temperature=0, repetition_penalty=1.5)]
+    logits = bf16_logits(len(params), seed=2)
+    stand_in = torch.tensor([7, 8, 9, 10])
+    tokens, _ = Sampler()(logits, [seq_with(SamplingParams(**p)) for p in params], consume=True, argmax=stand_in)
+    expected, _ = old_way(logits, params)
+    assert tokens == [7, expected[1], 9, expected[3]]  # greedy rows: the graph's; sampled and penalized: drawn
+    out = torch.empty(4, dtype=torch.long)
+    batch = SamplingBatch.of([seq_with(SamplingParams(**p)) for p in params])
+    assert Sampler().sample(logits, [seq_with(SamplingParams(**p)) for p in params], batch, True, out,
+                            argmax=stand_in) is out and out.tolist() == tokens
+    greedy = [dict(temperature=0), dict(temperature=0, logprobs=2)]  # every row greedy, one with logprobs
+    assert Sampler()(logits[:2], [seq_with(SamplingParams(**p)) for p in greedy], argmax=stand_in[:2])[0] == [7, 8]
+    seqs = [seq_with(SamplingParams(**p)) for p in params]
+    seqs[0].matcher = object()  # a grammar masks row 0: the graph's argmax is of the logits before the mask
+    sampler = Sampler()
+    sampler.masks = BanTopTokens()
+    tokens, _ = sampler(logits, seqs, consume=True, argmax=stand_in)
+    assert tokens[0] not in (7, logits[0].float().argmax().item()) and tokens[2] != 9
