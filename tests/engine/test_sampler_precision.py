@@ -296,3 +296,17 @@ def test_greedy_rows_take_the_argmax_the_decode_graph_computed_unless_a_mask_cha
     sampler.masks = BanTopTokens()
     tokens, _ = sampler(logits, seqs, consume=True, argmax=stand_in)
     assert tokens[0] not in (7, logits[0].float().argmax().item()) and tokens[2] != 9
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_bf16_batch_samples_what_its_float32_cast_samples_and_widens_only_its_float32_rows():
+    """The device half: the sampled rows' inverse CDF is torch's cumsum and searchsorted there, the mask a Triton
+    kernel, the rows gathered and copied back on the device; at a Qwen-sized vocabulary."""
+    params = (MIXED * 22)[:256]
+    logits = (torch.randn(256, 151_936, generator=torch.Generator().manual_seed(3)) * 3).bfloat16().cuda()
+    expected = Sampler(device="cuda")(logits.float(), [seq_with(SamplingParams(**p)) for p in params], consume=True)
+    with Float32Rows(151_936) as made:
+        got = Sampler(device="cuda")(logits, [seq_with(SamplingParams(**p)) for p in params], consume=True)
+    assert got == expected
+    wide = SamplingBatch.of([seq_with(SamplingParams(**p)) for p in params]).float32_rows()
+    assert max(made.rows) == len(wide) < 256
