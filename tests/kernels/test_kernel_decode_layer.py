@@ -98,6 +98,8 @@ def test_a_bf16_decode_step_ends_in_the_model_dtype_logits_and_a_greedy_one_in_t
     model.init_rope(64)
     for layer in model.model.layers:
         bind_cache(layer, 4 * 3)
+    # argmax_rows as on a GPU: torch's argmax (on the CPU bf16 goes to numpy over its bits, no torch kernel)
+    monkeypatch.setattr("kvgate.engine.cuda_graphs.argmax_rows", lambda logits, out=None: logits.argmax(-1))
     plain, greedy = decode_model_kernels(model), decode_model_kernels(model, greedy=True)
     logits = torch.zeros(4, 50, dtype=torch.bfloat16)
     with torch.inference_mode(), recording() as sampled:  # the sampler's greedy argmax_rows, as on a GPU
