@@ -14,9 +14,10 @@ next step launched ahead finds it; a sampled step's sampler writes its tokens th
 
 Each graph computes, after the hidden states, the logits in the model's dtype and their argmax (`logits_and_argmax`):
 a batch whose every row is plain greedy (SamplingBatch.plain_greedy) takes the tokens and never casts the [B, vocab]
-logits to float32; any other batch casts the graph's logits for the sampler, as the eager path does. One graph per
-bucket serves both: a second graph per bucket without the logits would double capture time and graph memory to
-save a non-greedy batch one argmax, a read of bf16 logits a third of the cast's traffic. The argmax of bf16 logits
+logits to float32; any other batch hands the graph's logits to the sampler as they are, as the eager path does, and
+the sampler widens only the rows that need float32 (SamplingBatch.float32_rows). One graph per bucket serves both:
+a second graph per bucket without the argmax would double capture time and graph memory to save a non-greedy batch
+one read of its bf16 logits. The argmax of bf16 logits
 is the argmax of their float32 cast (it widens exactly; both take the first maximum on ties), so greedy tokens are
 the eager path's bit for bit.
 

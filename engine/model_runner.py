@@ -290,10 +290,11 @@ class ModelRunner:
             sampling = SamplingBatch.of(seqs) if seqs else None
         if sampling is not None and sampling.constrained:  # structured output: its mask fills during the forward
             self.sampler.start_mask(seqs, sampling.constrained)
+        argmax = None
         if decoding:
-            logits, greedy = self.decode(prepared, sampling)
-            if greedy is not None:
-                return seqs, greedy.tolist(), [None] * len(seqs)
+            logits, argmax = self.decode(prepared, sampling)
+            if logits is None:  # plain greedy: the graph's tokens
+                return seqs, argmax.tolist(), [None] * len(seqs)
         else:
             input_ids, positions, meta, sample_rows = prepared
             hidden = self.forward(input_ids, positions, meta)
@@ -303,8 +304,8 @@ class ModelRunner:
                 self._prompt_logprobs(hidden, rows)
             if not seqs:
                 return [], [], []
-            logits = self.model.compute_logits(hidden[sample_rows])
-        tokens, logprobs = self.sampler(logits, seqs, sampling, consume=True)
+            logits = self.model.logits(hidden[sample_rows])  # the sampler widens the rows that need float32
+        tokens, logprobs = self.sampler(logits, seqs, sampling, consume=True, argmax=argmax)
         return seqs, tokens, logprobs
 
     @property
@@ -327,8 +328,8 @@ class ModelRunner:
         d = self.decode_inputs
         sampling = d.sampling_batch(seqs)
         logits, tokens = self.decode(prepared, sampling, fed=True)
-        if tokens is None:
-            tokens = self.sampler.sample(logits, seqs, sampling, consume=True, out=d.tokens[:len(seqs)])
+        if logits is not None:
+            tokens = self.sampler.sample(logits, seqs, sampling, consume=True, out=d.tokens[:len(seqs)], argmax=tokens)
         return LaunchedStep(seqs, tokens)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Sequence, int, int]]) -> None:
@@ -367,17 +368,20 @@ class ModelRunner:
     def decode(self, batch: DecodeBatch, sampling: SamplingBatch, fed: bool = False
                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A decode-only step: (None, tokens) where it replays a graph (`batch.bucket`) and every row is plain
-        greedy (SamplingBatch.plain_greedy: the graph's argmax of the model-dtype logits, no float32 cast), else
-        (float32 logits, None) for the sampler. `fed`: some input tokens may still be on the device (a launched
-        step); a graph takes them itself, an eager step here."""
+        greedy (SamplingBatch.plain_greedy: the graph's argmax of the model-dtype logits), else (the logits in the
+        model's dtype, their argmax where a graph computed it or None) for the sampler, which widens to float32
+        only the rows that need it and takes the greedy rows' tokens from that argmax (a greedy row of a sampled
+        batch is never cast, nor read again: at batch 256 x 151,936 vocab a whole cast was ~155 MB a step).
+        `fed`: some input tokens may still be on the device (a launched step); a graph takes them itself, an eager
+        step here."""
         if batch.bucket is None:
             input_ids = self.decode_inputs.fed(batch) if fed else batch.input_ids
             hidden = self.forward(input_ids, batch.positions, batch.meta, decode=True)
-            return self.model.compute_logits(hidden), None
+            return self.model.logits(hidden), None
         out = self.graphs.run(batch)
         if sampling.plain_greedy:
             return None, out.tokens
-        return out.logits.float(), None
+        return out.logits, out.tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 decode: bool = False) -> torch.Tensor:

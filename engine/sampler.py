@@ -8,6 +8,10 @@ rows take the argmax of the biased logits. Then penalties (repetition with HF's 
 OpenAI's frequency and presence over the output), then temperature, top-k and top-p, then min_p (on the tempered
 weights, as vLLM applies it), then inverse-CDF sampling with one uniform number per row (`inverse_cdf`).
 A batch using none of these pays one check of an empty list (or None) per transform per step.
+Logits in a narrower dtype than float32 (a bf16 model's) are widened only where a transform needs it: the rows that
+sample, are penalized or adjusted (SamplingBatch.float32_rows) get a float32 copy and are sampled as in a batch of
+their own, which draws what the whole batch widened would (every transform and draw is per row); the other rows
+take the argmax of the logits as they are, exact (a widening cast keeps the order, first maximum on ties alike).
 That number is a hash of the row's seed and its output position, so a seeded request draws the same tokens
 whatever else is in the batch, and no per-row torch.Generator (and no per-row host sync) is needed. Requests
 without a seed get one from the engine's seeded stream when first sampled. Logprobs are the model's own
@@ -33,6 +37,8 @@ MASK32 = np.uint64(0xFFFFFFFF)
 SEED_BITS = (1 << 62) - 1
 CHUNK = 32  # tokens per first-level chunk of inverse_cdf (the twin)
 LOG2_E = 1.4426950408889634
+WIDE = (torch.float32, torch.float64)  # logits the sampler transforms as they are; narrower ones are widened by row
+INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # +inf's bits: above it, NaN
 
 
 def mix32(x: np.ndarray) -> np.ndarray:
@@ -70,13 +76,36 @@ def position_hashes(positions: np.ndarray | list[int]) -> np.ndarray:
 def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's first maximal index (int64, into `out` when given). On the CPU torch's argmax over the last
     dimension is a scalar loop (0.6 ms for [256, 1,024] on one thread, W-HOST) where numpy's is vectorized
-    (0.03 ms); both take the first maximum (and a NaN as the maximum), so the tokens are the same."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+    (0.03 ms); both take the first maximum (and a NaN as the maximum), so the tokens are the same. 16-bit logits
+    (a bf16 model's greedy rows) go through `half_argmax`."""
+    if logits.device.type == "cpu" and logits.dtype in WIDE:
         if out is None:
             return torch.from_numpy(logits.numpy().argmax(-1))
         logits.numpy().argmax(-1, out=out.numpy())
         return out
+    if logits.device.type == "cpu" and logits.dtype in INF_BITS and logits.dim() == 2 and logits.is_contiguous():
+        index = half_argmax(logits)
+        return torch.from_numpy(index) if out is None else out.copy_(torch.from_numpy(index))
     return torch.argmax(logits, -1, out=out) if out is not None else logits.argmax(-1)
+
+
+def half_argmax(logits: torch.Tensor) -> np.ndarray:
+    """torch's argmax of 16-bit logits [B, V] on the CPU, vectorized (torch's is a scalar loop: 35-70 ms against
+    3 ms here for [64, 151,936] bf16 on one thread). Their bits as int16, a negative value's magnitude bits flipped,
+    are ordered as the floats are but for -0 (one below +0, equal as floats) and NaN (the maximum for torch, first
+    one wins whatever its payload or sign); the rows whose maximum could be either (+0, a NaN) take torch's."""
+    bits = logits.view(torch.int16).numpy()
+    key = bits >> 15  # -1 where negative
+    key &= np.int16(0x7FFF)
+    key ^= bits
+    index = key.argmax(-1)
+    top = key[np.arange(key.shape[0]), index]
+    inf = INF_BITS[logits.dtype]
+    odd = (top == 0) | (top > inf) | (key.min(-1) < -inf - 1)  # +0 (a -0 before it ties), +NaN, -NaN
+    if odd.any():
+        rows = np.flatnonzero(odd)
+        index[rows] = logits[torch.from_numpy(rows)].argmax(-1).numpy()
+    return index
 
 
 def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -202,28 +231,39 @@ class Sampler:
         self._filling: tuple[list[Sequence], list[int], Future] | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch | None = None,
-                 consume: bool = False) -> tuple[list[int], list[dict[int, float] | None]]:
-        """Next token for each row of `logits` [B, V] (float32), and logprobs for the rows that asked. `batch`: the
-        rows' parameters as arrays (a decode step's, kept per row by the runner); without it they are read from
-        `seqs`. `consume`: the caller has no further use for `logits`, so the temperature path may write its
-        weights over them (the runner's fresh logits each step), touching a megabyte less of the cache."""
+                 consume: bool = False, argmax: torch.Tensor | None = None
+                 ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Next token for each row of `logits` [B, V] (float32, or the model's bf16: see the module), and logprobs
+        for the rows that asked. `batch`: the rows' parameters as arrays (a decode step's, kept per row by the
+        runner); without it they are read from `seqs`. `consume`: the caller has no further use for `logits`, so
+        the temperature path may write its weights over them (the runner's fresh logits each step), touching a
+        megabyte less of the cache. `argmax`: each row's argmax of `logits` as given, computed already (a decode
+        graph's), see `sample`."""
         if batch is None:
             batch = SamplingBatch.of(seqs)
-        tokens = self.sample(logits, seqs, batch, consume)
+        tokens = self.sample(logits, seqs, batch, consume, argmax=argmax)
         if not batch.logprob_rows:
             return tokens.tolist(), [None] * len(seqs)
         return self._with_logprobs(logits, tokens, batch.logprob_rows, batch.logprob_tops)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch, consume: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, argmax: torch.Tensor | None = None) -> torch.Tensor:
         """The next tokens [B], left on the logits' device: no transfer, so a step launched ahead (engine/overlap.py)
         feeds them to the next step's inputs there, written by the last operation into `out` where given (the
-        token buffer the next step reads); `logits` stay the model's own where logprob rows need them."""
+        token buffer the next step reads); `logits` stay the model's own where logprob rows need them. `argmax`
+        (a decode graph's, of these logits before any mask): the greedy rows' tokens of a batch in a narrower dtype,
+        so those rows' logits are not read again; unused where a grammar masks a row."""
         raw = logits
         if batch.constrained:  # before everything else; the logprobs stay the model's own
             if batch.logprob_rows or not consume:
                 logits = logits.clone()
             self.mask(logits, seqs, batch.constrained)
+        if logits.dtype not in WIDE:
+            rows = batch.float32_rows()
+            if rows is not None and len(rows) < logits.shape[0]:
+                return self._sample_rows_in_float32(logits, seqs, batch, rows, out,
+                                                    None if batch.constrained else argmax)
+            logits = logits.float()  # every row needs it: one cast, a copy of the caller's nothing reads after
         if batch.adjusted:
             if logits is raw and (batch.logprob_rows or not consume):
                 logits = logits.clone()
@@ -236,6 +276,31 @@ class Sampler:
         # weights may overwrite logits nothing reads after: a penalized copy, or the caller's without logprobs
         spare = batch.greedy is None and (logits is not raw or (consume and not batch.logprob_rows))
         return self._sample(logits, seqs, batch, spare, out)
+
+    def _sample_rows_in_float32(self, logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch,
+                                rows: list[int], out: torch.Tensor | None, argmax: torch.Tensor | None
+                                ) -> torch.Tensor:
+        """A batch in a narrower dtype (bf16) where only `rows` need float32 (SamplingBatch.float32_rows): those
+        rows alone are widened and sampled, each as it would be in the whole batch widened; every other row takes
+        the argmax of the logits as they are (masked already), exact, so greedy rows cost a read of their bf16
+        and no float32 copy (or none: `argmax` given). Seeds are drawn first over the whole batch, in its order, as
+        the whole batch draws."""
+        if argmax is None:
+            tokens = argmax_rows(logits, out)
+        elif out is None:
+            tokens = argmax.clone()  # the graph's buffer is overwritten by its next replay
+        else:  # a launched step: `out` is where the graph wrote its argmax (DecodeInputs.tokens), or a copy of it
+            tokens = out if out.data_ptr() == argmax.data_ptr() else out.copy_(argmax)
+        if not rows:
+            return tokens
+        if not batch.all_greedy:
+            self._draw_seeds(seqs, batch)
+        index = to_device(np.asarray(rows, dtype=np.int64), logits.device)
+        part = batch.select(rows)
+        part.constrained = []  # masked already, above
+        part.logprob_rows, part.logprob_tops = [], []  # taken from the caller's logits (Sampler.__call__)
+        sampled = self.sample(logits.index_select(0, index).float(), [seqs[i] for i in rows], part, consume=True)
+        return tokens.index_copy_(0, index, sampled)
 
     def start_mask(self, seqs: list[Sequence], rows: list[int]) -> None:
         """Begin filling the mask of `rows` of `seqs` on another thread (llguidance's executor works without the
@@ -274,8 +339,7 @@ class Sampler:
             weights = self._exponent(logits, self._per_row(batch.inv_temperature * LOG2_E, logits), scratch).exp2_()
         if batch.min_p is not None:  # each row's largest weight is 1: drop those under min_p of it
             weights.masked_fill_(weights < to_device(batch.min_p, dev, weights.dtype)[:, None], 0.0)
-        for i in batch.unseeded:
-            batch.seeds[i] = self._seed_of(seqs[i])
+        self._draw_seeds(seqs, batch)
         if dev.type == "cpu":
             w = weights.float().numpy()
             sampled = torch.from_numpy(self.cpu_rows(w, batch.seeds, batch.positions) if self.cpu_rows  # one call
@@ -321,6 +385,11 @@ class Sampler:
             buf = self.buffer = torch.empty_like(like)
         return buf[:rows]
 
+    def _draw_seeds(self, seqs: list[Sequence], batch: SamplingBatch) -> None:
+        """Each unseeded row's seed, in row order; a row drawn already keeps its seed (no second draw)."""
+        for i in batch.unseeded:
+            batch.seeds[i] = self._seed_of(seqs[i])
+
     def _seed_of(self, seq: Sequence) -> int:
         if seq.sample_seed is None:
             seed = seq.params.seed
@@ -331,7 +400,7 @@ class Sampler:
     def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[int], tops: list[int]):
         """One transfer: the tokens, each asking row's chosen logprob and its top alternatives, packed together."""
         index = torch.tensor(rows, device=raw.device)
-        logp = raw[index].log_softmax(-1)
+        logp = raw[index].float().log_softmax(-1)  # these rows alone widened: the model's own, exactly
         chosen = logp.gather(1, tokens[index][:, None]).squeeze(1)
         k = max(tops)
         values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())

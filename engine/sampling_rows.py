@@ -43,6 +43,40 @@ class SamplingBatch:
         and its logits are never cast to float32; the one rule both the plain and the launched step ask."""
         return self.all_greedy and not (self.logprob_rows or self.penalized or self.constrained or self.adjusted)
 
+    def float32_rows(self) -> list[int] | None:
+        """The rows whose transforms need their logits in float32, or None for every row: each that samples (its
+        temperature, top-k/top-p, min_p and weights are defined in float32), and each with a penalty or an
+        adjustment (a logit_bias or a quotient rounds otherwise in bf16). A greedy row that is only masked (a
+        grammar's -inf) or asks for logprobs needs none: its argmax over bf16 logits is the argmax over their exact
+        float32 widening, first maximum on ties alike, and its logprobs widen its row alone (Sampler._with_logprobs).
+        """
+        if self.all_greedy:
+            return sorted({*self.penalized, *self.adjusted})
+        if self.greedy is None:
+            return None
+        need = ~self.greedy
+        need[list(self.penalized)] = need[list(self.adjusted)] = True  # list: a () index would be every row
+        return None if need.all() else np.flatnonzero(need).tolist()
+
+    def select(self, rows: list[int]) -> SamplingBatch:
+        """The batch of `rows` alone, in that order, each list's row numbers renumbered. The paths the whole batch
+        takes are kept (one temperature for every row stays one value; top-k/top-p arrays stay though no row kept
+        uses them), so each kept row's transforms compute the values they compute in the whole batch."""
+        at = {row: j for j, row in enumerate(rows)}
+        kept = lambda found: [at[i] for i in found if i in at]  # noqa: E731
+        lp = [(at[i], top) for i, top in zip(self.logprob_rows, self.logprob_tops) if i in at]
+        lists = dict(penalized=kept(self.penalized), logprob_rows=[i for i, _ in lp],
+                     logprob_tops=[top for _, top in lp], constrained=kept(self.constrained),
+                     adjusted=kept(self.adjusted))
+        index = np.asarray(rows, dtype=np.int64)
+        greedy = None if self.greedy is None else self.greedy[index]
+        if self.all_greedy or (greedy is not None and greedy.all()):
+            return SamplingBatch(True, None, 1.0, None, None, EMPTY_SEEDS, [], EMPTY_POSITIONS, **lists)
+        pick = lambda a: a if a is None or isinstance(a, float) else a[index]  # noqa: E731
+        return SamplingBatch(False, greedy if greedy is not None and greedy.any() else None,
+                             pick(self.inv_temperature), pick(self.top_k), pick(self.top_p), self.seeds[index],
+                             kept(self.unseeded), self.positions[index], min_p=pick(self.min_p), **lists)
+
     @classmethod
     def of(cls, seqs: list[Sequence]) -> SamplingBatch:
         """From the sequences themselves: a step that is not decode-only."""

@@ -153,7 +153,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in float32, what the sampler takes (from bf16 the cast is exact: it only widens)."""
+        """Logits in float32, every row (prompt logprobs; from bf16 the cast is exact: it only widens). The sampler
+        takes `logits` and widens only the rows that need it."""
         return self.logits(hidden).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -164,10 +164,10 @@ def decode_layer_kernels(layer, batch: int = 4, context: int = 40) -> list[str]:
 
 def decode_model_kernels(model, batch: int = 4, context: int = 40, greedy: bool = False) -> list[str]:
     """Launches of one whole decode step of `model` (an engine.models.llama.LlamaForCausalLM with an engine's cache
-    bound, e.g. ModelRunner.model): embedding, rope rows, every layer, the final norm and the logits cast to float32
-    for the sampler (sampling is not in it); `greedy`: a plain-greedy batch's step instead, whose graph ends in the
-    argmax of the model-dtype logits, no cast (engine/cuda_graphs.py). Run eagerly: a captured CUDA graph replays
-    the same kernels."""
+    bound, e.g. ModelRunner.model): embedding, rope rows, every layer, the final norm and the logits in the model's
+    dtype, as the sampler takes them (it widens only the rows that sample; sampling is not in it); `greedy`: a
+    plain-greedy batch's step instead, whose graph ends in their argmax too (engine/cuda_graphs.py). Run eagerly: a
+    captured CUDA graph replays the same kernels."""
     from kvgate.engine.cuda_graphs import logits_and_argmax
 
     first = model.model.layers[0]
@@ -179,7 +179,7 @@ def decode_model_kernels(model, batch: int = 4, context: int = 40, greedy: bool 
     positions = torch.full((batch,), context - 1, dtype=torch.long, device=device)
     with torch.inference_mode(), recording() as launches:
         hidden = model(ids, positions, meta)
-        logits_and_argmax(model, hidden) if greedy else model.compute_logits(hidden)
+        logits_and_argmax(model, hidden) if greedy else model.logits(hidden)
     return launches
 
 

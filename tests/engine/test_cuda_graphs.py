@@ -123,7 +123,8 @@ def test_the_graphs_argmax_of_model_dtype_logits_is_the_samplers_greedy_token_ti
 
 def test_a_plain_greedy_decode_batch_takes_the_graphs_tokens_and_any_other_the_sampler():
     """On a CPU the graph's twin: a greedy decode step takes the graph's tokens, plain or launched ahead (overlap);
-    one with a logprobs row gets the graph's logits cast to float32 for the sampler; the tokens are the eager ones."""
+    one with a logprobs row gets the graph's logits in the model's dtype (float32 here) and its argmax for the
+    sampler, which widens only the rows that need it (test_sampler_precision.py); the tokens are the eager ones."""
     source, _ = tiny_source("llama", seed=6)
     prompts, lengths = random_prompts(5, 3, 20, seed=6), [4, 7, 9, 12, 15]
     for overlap, params in [("off", {}), ("on", {}), ("off", {"logprobs": 1})]:
@@ -136,7 +137,7 @@ def test_a_plain_greedy_decode_batch_takes_the_graphs_tokens_and_any_other_the_s
         assert generate(engine, prompts, lengths, **params) == eager
         assert len(steps) == sum(engine.runner.graphs.replayed.values()) > 0
         if params:
-            assert all(tokens is None and logits.dtype == torch.float32 for logits, tokens in steps)
+            assert all(logits.dtype == torch.float32 and tokens.dtype == torch.long for logits, tokens in steps)
         else:
             assert all(logits is None and tokens.dtype == torch.long for logits, tokens in steps)
         assert (engine.overlap is not None and engine.overlap.launched > 0) is (overlap == "on")

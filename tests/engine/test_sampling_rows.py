@@ -34,9 +34,9 @@ def generate(params: list[SamplingParams], from_sequences: bool, prompts: list[l
     gathered = []
     sampler = engine.runner.sampler
 
-    def sample(logits, seqs, batch=None, consume=False):
+    def sample(logits, seqs, batch=None, consume=False, argmax=None):
         gathered.append(batch is not None)
-        return sampler(logits, seqs, None if from_sequences else batch, consume)
+        return sampler(logits, seqs, None if from_sequences else batch, consume, argmax)
 
     engine.runner.sampler = sample
     out: dict[str, list] = {}

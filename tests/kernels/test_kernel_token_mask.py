@@ -44,8 +44,9 @@ def test_the_twin_blocks_exactly_the_clear_bits_and_every_token_past_the_words(v
     (1_000, 32, 7, [6, 1, 3]),  # some rows, out of order; vocab not a multiple of 32 or of the block
     (2_100, 60, 4, [2]),  # logits wider than the grammar's words
 ])
-def test_the_triton_kernel_equals_the_twin(vocab, words, batch, rows):
-    logits = torch.randn(batch, vocab, device=DEVICE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the sampler masks a bf16 model's own
+def test_the_triton_kernel_equals_the_twin(vocab, words, batch, rows, dtype):
+    logits = torch.randn(batch, vocab, device=DEVICE).to(dtype)
     bitmask, index = masks(len(rows), words, vocab).to(DEVICE), torch.tensor(rows, device=DEVICE)
     expected = logits.clone()
     reference.apply_token_bitmask(expected, bitmask, index)
