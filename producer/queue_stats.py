@@ -80,12 +80,11 @@ def _oldest(ages) -> float | None:
     return max(ages) if ages else None
 
 
-@dataclass(slots=True)
-class ModelStats:
-    model: str
-    priorities: dict[str, PriorityStats] = field(default_factory=dict)
-    workers: list[str] = field(default_factory=list)  # live workers serving this name (aliases included)
-    adapter_of: str | None = None  # a registered LoRA adapter's base model; None: a model
+class PrioritySums:
+    """A row's figures over its priorities, and its JSON: one definition for a name's row (ModelStats) and a served
+    model's (ServedStats), which `kvgate stats --json` prints. Needs `priorities`, `workers`, `waiting_for_workers`."""
+
+    __slots__ = ()
 
     @property
     def backlog(self) -> int:
@@ -99,6 +98,19 @@ class ModelStats:
     def oldest_age_s(self) -> float | None:
         return _oldest(p.oldest_age_s for p in self.priorities.values())
 
+    def to_dict(self) -> dict:
+        return {"priorities": {k: asdict(v) for k, v in self.priorities.items()}, "workers": self.workers,
+                "backlog": self.backlog, "pending": self.pending, "oldest_age_s": self.oldest_age_s,
+                "waiting_for_workers": self.waiting_for_workers}
+
+
+@dataclass(slots=True)
+class ModelStats(PrioritySums):
+    model: str
+    priorities: dict[str, PriorityStats] = field(default_factory=dict)
+    workers: list[str] = field(default_factory=list)  # live workers serving this name (aliases included)
+    adapter_of: str | None = None  # a registered LoRA adapter's base model; None: a model
+
     @property
     def served_by(self) -> str:
         """The model whose workers serve these streams: an adapter's base, else the name itself (`ServedStats`)."""
@@ -109,17 +121,13 @@ class ModelStats:
         """Jobs wait and no live worker serves the model: only a scale-up (from zero) will answer them."""
         return not self.workers and (self.backlog > 0 or self.pending > 0)
 
-    def to_dict(self) -> dict:
-        return {"priorities": {k: asdict(v) for k, v in self.priorities.items()}, "workers": self.workers,
-                "backlog": self.backlog, "pending": self.pending, "oldest_age_s": self.oldest_age_s,
-                "waiting_for_workers": self.waiting_for_workers, "adapter_of": self.adapter_of}
-
 
 @dataclass(slots=True)
-class ServedStats:
+class ServedStats(PrioritySums):
     """A model as its workers serve it: its own streams and every registered LoRA adapter's of it, summed per
-    priority (the exporter's per-model rows). Adapters are registered at run time, hundreds of them, so a row each
-    would break the rule of every per-name view (limits.top_and_rest); one adapter alone is the adapter view's."""
+    priority: the per-model rows of the exporter, `kvgate stats` and `kvgate top`, so they agree. Adapters are
+    registered at run time, hundreds of them, so a row each would break the rule of every per-name view
+    (limits.top_and_rest); one adapter alone is the adapter view's."""
 
     model: str
     names: list[str]  # the names whose streams it sums: the model's own (if known or served) and its adapters'
@@ -164,7 +172,8 @@ class QueueStats:
 
     @property
     def served(self) -> dict[str, ServedStats]:
-        """Per model its workers serve, its adapters' streams summed in (served_models): the exporter's rows."""
+        """Per model its workers serve, its adapters' streams summed in (served_models): the per-model rows of the
+        exporter, `kvgate stats` (and its --json's `models`) and `kvgate top`."""
         return served_models(self.models)
 
     @property
@@ -184,7 +193,9 @@ class QueueStats:
         return _oldest(m.oldest_age_s for m in self.models.values())
 
     def to_dict(self) -> dict:
-        return {"models": {k: v.to_dict() for k, v in self.models.items()},
+        """`kvgate stats --json`. `models` holds the served rows, an adapter's jobs in its base's (the exporter's
+        figures); one adapter alone is in `adapters` (top 10 and `_other`), so the object stays bounded."""
+        return {"models": {k: v.to_dict() for k, v in self.served.items()},
                 "priorities": {k: asdict(v) for k, v in self.priorities.items()},
                 "workers": [{k: v for k, v in asdict(w).items() if k != "tenants"} |
                             {"free_kv_tokens": w.free_kv_tokens, "kv_usage": w.kv_usage} for w in self.workers],

@@ -1,15 +1,18 @@
 """`kvgate stats`: backlog, pending and oldest age per model and priority, who serves each model, the live workers
-(with their LoRA adapter slots), tenants and LoRA adapters."""
+(with their LoRA adapter slots), tenants and LoRA adapters. The per-model rows are the exporter's
+(QueueStats.served): a LoRA adapter's jobs count in its base model's row, and one adapter alone is in the adapters'
+table (top 10 and the rest summed), so the output stays bounded however many adapters are registered."""
 from __future__ import annotations
 
 import argparse
 import json
 
 from kvgate.commands.namespace import namespace_redis
-from kvgate.producer.queue_stats import ModelStats, QueueStats, read_queue_stats
+from kvgate.producer.queue_stats import QueueStats, ServedStats, read_queue_stats
 from kvgate.gateway.webhooks.outbox import WebhookCounts, WebhookKeys, read_counts
 
 NO_WORKER = "no live worker: waiting for scale-up"
+NO_SLOTS = "an adapter's jobs wait: no live worker has adapter slots"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +45,8 @@ def _age(seconds: float | None) -> str:
 def render(stats: QueueStats, namespace: str) -> str:
     lines = [f"namespace {namespace}", "",
              f"{'model':<32}{'priority':<10}{'backlog':>10}{'pending':>10}{'length':>10}{'oldest':>10}"]
-    for m in stats.models.values():  # adapters: in their own table below, the most backlog by name
-        shown = m.backlog or m.pending or m.workers or any(p.length for p in m.priorities.values())
-        if shown and m.adapter_of is None:
+    for m in stats.served.values():  # adapters' jobs in their base's row; one adapter alone: the table below
+        if m.backlog or m.pending or m.workers or any(p.length for p in m.priorities.values()):
             lines += _model_lines(m)
     lines.append(f"{'total':<42}{stats.backlog:>10}{stats.pending:>10}{'':>10}{_age(stats.oldest_age_s):>10}")
     lines += ["", f"live workers: {len(stats.workers)}   free KV tokens: {stats.free_kv_tokens}   "
@@ -110,11 +112,12 @@ def _tenant_lines(stats: QueueStats) -> list[str]:
     return lines
 
 
-def _model_lines(m: ModelStats) -> list[str]:
-    """A model's priorities with jobs, its total, and who serves it (or that nobody does)."""
+def _model_lines(m: ServedStats) -> list[str]:
+    """A model's priorities with jobs, its total, and who serves it (or that nobody does; or, its own name served,
+    that none of its workers has the adapter slots its adapters' jobs wait for)."""
     served = f"served by {len(m.workers)} worker(s): {', '.join(m.workers)}" if m.workers else "no live worker"
     if m.waiting_for_workers:
-        served = NO_WORKER
+        served = f"{served}; {NO_SLOTS}" if m.workers else NO_WORKER
     lines = [f"{m.model[:31]:<32}{'':<10}{m.backlog:>10}{m.pending:>10}{'':>10}{_age(m.oldest_age_s):>10}  {served}"]
     for p in m.priorities.values():
         if p.length or p.backlog or p.pending:

@@ -1,5 +1,7 @@
 """`kvgate top`: a live terminal view of the fleet, grouped by model (workers and their KV room and adapter slots,
-streams and their backlog), tenants, and LoRA adapters (backlog and wait)."""
+streams and their backlog), tenants, and LoRA adapters (backlog and wait). The streams' rows are the exporter's
+(QueueStats.served): a LoRA adapter's jobs count in its base model's rows; one adapter alone is in the adapters'
+table."""
 from __future__ import annotations
 
 import argparse
@@ -52,10 +54,13 @@ def _streams_table(snap: QueueStats) -> Table:
     table = Table(title="streams", expand=True, title_justify="left")
     for column in ("model", "priority", "backlog (lag)", "pending", "length", "oldest job", "workers"):
         table.add_column(column, justify="left" if column in ("model", "priority") else "right")
-    for m in snap.models.values():
-        if m.adapter_of is not None or not (m.workers or any(s.length or s.pending for s in m.priorities.values())):
-            continue  # an adapter (the adapters' table shows it), or a model nobody serves or asks for any more
-        served = Text("none: waiting for scale-up", style="bold red") if m.waiting_for_workers else str(len(m.workers))
+    for m in snap.served.values():  # an adapter's streams in its base's rows
+        if not (m.workers or any(s.length or s.pending for s in m.priorities.values())):
+            continue  # a model nobody serves or asks for any more
+        served = str(len(m.workers))
+        if m.waiting_for_workers:  # nobody serves it, or (its own name served) its adapters' jobs wait for slots
+            served = Text(f"{len(m.workers)}, none with adapter slots" if m.workers else "none: waiting for scale-up",
+                          style="bold red")
         for i, s in enumerate(m.priorities.values()):
             age = _age(s.oldest_age_s) if s.oldest_age_s is not None else "-"
             table.add_row(m.model if i == 0 else "", s.priority, str(s.backlog), str(s.pending), str(s.length), age,

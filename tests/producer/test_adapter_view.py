@@ -10,6 +10,7 @@ import pytest
 
 from kvgate.commands import exporter
 from kvgate.commands.cli import main
+from kvgate.commands.stats import NO_SLOTS
 from kvgate.producer import Client
 from kvgate.producer.keys import Keys
 from kvgate.producer.limits import OTHER_NAMED, TOP_NAMED
@@ -49,7 +50,7 @@ def test_stats_name_the_ten_adapters_with_the_most_backlog_and_sum_the_other_two
 
     assert main(["stats", "--redis-url", redis_server.url, "--namespace", namespace]) == 0
     text = capsys.readouterr().out
-    table = text.split("\nadapter ", 1)[1].splitlines()[1:]  # the adapters' table (each is a model above it too)
+    table = text.split("\nadapter ", 1)[1].splitlines()[1:]  # the adapters' table (each counts in its base's row)
     rows = {line.split()[0]: line.split() for line in table if line.startswith("a")}
     assert set(rows) == {a.adapter for a in got.top}  # a00 and a01 are not named
     assert not any(line.startswith("a00") for line in text.splitlines())  # nor listed as models: bounded
@@ -133,7 +134,8 @@ def test_a_heartbeats_adapter_names_are_kept_to_a_bound_and_a_bad_field_counts_f
     assert w2.loras is None and w3.loras is None
 
 
-def test_an_adapters_jobs_wait_for_workers_while_its_bases_workers_have_no_adapter_slots(redis_server, namespace):
+def test_an_adapters_jobs_wait_for_workers_while_its_bases_workers_have_no_adapter_slots(redis_server, namespace,
+                                                                                          capsys):
     r, keys = redis_server.client(), Keys(namespace)
     with Client(redis_server.url, namespace) as client:
         client.add_lora("c", "/adapters/c", BASE)
@@ -145,3 +147,60 @@ def test_an_adapters_jobs_wait_for_workers_while_its_bases_workers_have_no_adapt
     registry = exporter.build_registry(r, keys)
     assert registry.get_sample_value("kvgate_model_waiting_for_workers", labels) == 1
     assert registry.get_sample_value("kvgate_model_live_workers", labels) == 1
+    assert main(["stats", "--redis-url", redis_server.url, "--namespace", namespace]) == 0  # and so does stats'
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(BASE))
+    assert row.split()[1] == "1" and row.endswith(f"served by 1 worker(s): w1; {NO_SLOTS}")
+
+
+def test_a_bases_row_in_stats_and_top_counts_its_adapters_jobs_as_the_exporters_does(redis_server, namespace,
+                                                                                      capsys):
+    """`kvgate stats` (text and --json) and `kvgate top` show the exporter's per-model rows (QueueStats.served): the
+    base's backlog counts its adapters' jobs per priority, equal to its `kvgate_queue_lag`, the adapters have no rows
+    of their own there (their view is the adapters' table), and the rows add up to the total. Before, the base's row
+    left its adapters' jobs out: 2 waiting where the exporter said 6."""
+    pytest.importorskip("rich", reason="kvgate top needs the worker extra's rich (make test-pythons runs without it)")
+    from rich.console import Console
+
+    from kvgate.commands import top
+
+    r, keys = redis_server.client(), Keys(namespace)
+    with Client(redis_server.url, namespace) as client:
+        client.add_lora("sql", "/adapters/sql", BASE)
+        client.add_lora("chat", "/adapters/chat", BASE)
+        client.submit_many([{"prompt": "x", "model": BASE, "priority": "high"}] * 2, progress=False)
+        client.submit_many([{"prompt": "x", "model": "sql"}] * 3, progress=False)
+        client.submit_many([{"prompt": "x", "model": "chat", "priority": "low"}], progress=False)
+    write_beat(r, keys, "w1", {"worker_id": "w1", "model": BASE, "models": BASE, "updated_at": time.time(),
+                               "loras": json.dumps({"loaded": ["sql"], "loads": 1, "evictions": 0})}, ttl_s=30)
+    registry = exporter.build_registry(r, keys)
+    lag = {p: registry.get_sample_value("kvgate_queue_lag", {"kvgate_namespace": namespace, "model": BASE,
+                                                             "served_by": BASE, "priority": p})
+           for p in ("high", "normal", "low")}
+    assert lag == {"high": 2, "normal": 3, "low": 1}  # the exporter's figure for the base
+
+    assert main(["stats", "--redis-url", redis_server.url, "--namespace", namespace, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    base = d["models"][BASE]
+    assert {p: s["backlog"] for p, s in base["priorities"].items()} == lag
+    assert set(d["models"]) == {BASE, "default"}  # sql and chat count in their base's row
+    assert (base["backlog"], base["workers"], base["waiting_for_workers"]) == (6, ["w1"], False)
+    assert sum(m["backlog"] for m in d["models"].values()) == d["backlog"] == 6
+
+    assert main(["stats", "--redis-url", redis_server.url, "--namespace", namespace]) == 0
+    lines = capsys.readouterr().out.split("\nadapter ", 1)[0].splitlines()  # the per-model table, not the adapters'
+    row = next(line.split() for line in lines if line.startswith(BASE))
+    assert row[1:3] == ["6", "0"] and "served by 1 worker(s): w1" in " ".join(row)
+    subrows = {line.split()[0]: line.split()[1] for line in lines
+               if line.startswith(" ") and line.split()[0] in lag}
+    assert subrows == {p: str(int(n)) for p, n in lag.items()}
+    assert not any(line.startswith(("sql", "chat")) for line in lines)
+
+    console = Console(record=True, width=200, color_system=None)
+    console.print(top.render(read_queue_stats(r, keys), namespace))
+    text = console.export_text()
+    streams = text.split("streams", 1)[1].split("tenants", 1)[0]
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in streams.splitlines()]
+    rows = [row for row in cells if len(row) == 7 and row[1] in lag]
+    start = next(i for i, row in enumerate(rows) if row[0] == BASE)
+    assert {row[1]: row[2] for row in rows[start:start + 3]} == {p: str(int(n)) for p, n in lag.items()}
+    assert rows[start][6] == "1" and not [row for row in rows if row[0] in ("sql", "chat")]
