@@ -30,44 +30,16 @@ from typing import Any
 
 import redis
 
-from kvgate.producer.cluster import run_script
 from kvgate.producer.keys import PRIORITIES, Keys, as_text, lora_entry, parse_lora_entry
-from kvgate.worker.clock import ServerClock, entry_ms
+from kvgate.worker.clock import ServerClock
 from kvgate.worker.engine import Engine
 from kvgate.worker.settings import WorkerSettings
+from kvgate.worker.stream_heads import StreamHeads
 
 log = logging.getLogger("kvgate.worker")
 AGING_TENANTS = 4  # fair share: tenants per adapter band whose streams the aging look reads (the lowest counters)
 LOOK_AGAIN_S = 0.25  # an idle worker looks at the adapters' streams between heartbeats at most this often
 
-# KEYS: job streams of one shard; ARGV[1]: the workers' group. For each stream with an entry the group has not
-# delivered yet: its index in KEYS, that entry's id and how many such entries wait (the group's lag; 1 where the
-# server does not tell: Redis 6.2, or entries deleted) (a flat list, three values a stream). In the server: a worker
-# looks at every adapter's streams each heartbeat (600 for 200 adapters), and reading their XINFO GROUPS replies in
-# Python cost more CPU than the rest of the worker's work together.
-HEADS_LUA = """
-local out = {}
-for i, key in ipairs(KEYS) do
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', key)
-  local after, lag = '0-0', nil
-  if ok then
-    for _, g in ipairs(groups) do
-      local f = {}
-      for j = 1, #g, 2 do f[g[j]] = g[j + 1] end
-      if f['name'] == ARGV[1] then after, lag = f['last-delivered-id'], f['lag'] end
-    end
-  end
-  if lag ~= 0 then
-    local first = redis.call('XRANGE', key, '(' .. after, '+', 'COUNT', 1)
-    if #first > 0 then
-      out[#out + 1] = i
-      out[#out + 1] = first[1][1]
-      out[#out + 1] = lag or 1
-    end
-  end
-end
-return out
-"""
 
 
 class Adapters:
@@ -83,14 +55,12 @@ class Adapters:
         self.backlog: dict[str, int] = {}  # those adapters -> how many of their jobs no worker took yet (at least 1)
         self.rng = random.Random()  # each worker's own draws (order_waiting)
         self.fair, self.looked_at = False, 0.0  # the last look at the streams: under fair share or not, and when
-        # the adapters served at the last look, their streams (-> adapter) and those shard by shard: named once
-        self.bands_of: list[str] = []
+        self.bands_of: list[str] = []  # the adapters served at the last look, and their streams (-> adapter)
         self.bands: dict[str, str] = {}
-        self.groups: list[list[str]] = []
+        self.heads = StreamHeads(client, keys)  # one script a shard: how many jobs wait in each stream, since when
         # adapters not loaded take turns at being read when fewer slots are spare than they are; from a place of the
         # worker's own, so a fleet's first reads look at different adapters
         self.turn = random.randrange(1 << 16)
-        self.heads_script = client.register_script(HEADS_LUA)
 
     def start(self, loras: list[str]) -> list[str]:
         """Register and load `--lora NAME=PATH` adapters (a bad one stops the start, naming it), then read the
@@ -204,7 +174,7 @@ class Adapters:
         if self.bands_of != served:  # named again only when the adapters served change
             self.bands = {self.keys.jobs(a, p, shard=k): a for a in served for p in PRIORITIES
                           for k in range(len(self.keys.parts))}
-            self.bands_of, self.groups = served, self.keys.by_shard(list(self.bands))
+            self.bands_of = served
         bands, streams = self.bands, dict(self.bands)
         if bands and fair:
             pipe = self.client.pipeline(transaction=False)
@@ -215,12 +185,10 @@ class Adapters:
                     streams.update({Keys.tenant_jobs(band, as_text(t)): a for t in tenants})
         heads: dict[str, int] = {}
         backlog: dict[str, int] = {}
-        for group in self.keys.by_shard(list(streams)) if len(streams) > len(bands) else self.groups:
-            reply = run_script(self.heads_script, group, [Keys.GROUP], self.client)
-            for i, entry_id, lag in zip(reply[::3], reply[1::3], reply[2::3]):
-                a = streams[group[int(i) - 1]]
-                backlog[a] = backlog.get(a, 0) + max(int(lag), 1)
-                heads[a] = min(heads.get(a, 1 << 62), entry_ms(as_text(entry_id)))
+        for stream, head in self.heads.look(list(streams)).items():
+            a = streams[stream]
+            backlog[a] = backlog.get(a, 0) + head.count
+            heads[a] = min(heads.get(a, 1 << 62), head.since_ms)
         self.waiting = {a: since for a, since in heads.items() if a not in loaded}
         self.backlog = backlog
         ours = min((since for a, since in heads.items() if a in loaded), default=int(self.clock.now() * 1000))

@@ -7,8 +7,11 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from kvgate.engine.simulated import SimulatedEngine
 from kvgate.producer import Client
+from kvgate.producer.keys import Keys
 from kvgate.producer.protocol import encode
 from kvgate.worker.adapters import Adapters
 from kvgate.worker.clock import ServerClock
@@ -63,7 +66,6 @@ def test_a_job_naming_an_adapter_on_its_base_models_stream_is_served_with_it_loa
 
 def test_an_adapter_ages_only_once_its_jobs_waited_longer_than_those_of_the_adapters_held_here(queue, tmp_path):
     from kvgate.engine.sampling_params import SamplingParams
-    from kvgate.producer.keys import Keys
 
     engine = _engine(1)
     with Client(queue.server.url, queue.ns) as client:
@@ -165,3 +167,30 @@ def test_adapters_aged_while_slots_were_pinned_are_all_read_once_the_slots_are_f
     assert engine.loras.spare() == 4
     read = adapters.readable((BASE,))
     assert {f"late-{k}" for k in range(4)} <= set(read), read  # besides the four idle ones loaded here
+
+
+@pytest.mark.parametrize("server", ["queue", "queue62"])
+def test_an_adapters_jobs_parked_for_deadline_order_count_as_waiting_for_the_other_workers(server, request, tmp_path):
+    """A read parks up to deadline_window new jobs of a stream in its due index (worker/due.py): delivered, so the
+    group's lag no longer counts them. A heartbeat's look that saw only the lag took them for none: the hottest
+    adapters' last jobs, parked 64 at a time, were served by the few workers holding the adapter while the others
+    stood idle (W-LORA's fleet: seconds of tail with jobs waiting)."""
+    from kvgate.worker.read_plan import ReadPlan
+    from kvgate.worker.reader import Reader
+
+    queue = request.getfixturevalue(server)  # Redis 7, and 6.2 (whose XINFO GROUPS tells no lag)
+    with Client(queue.server.url, queue.ns) as client:
+        client.add_lora("parked", simulated_adapter(tmp_path, "parked"), BASE)
+        for i in range(5):
+            client.submit(f"job {i}", lora="parked", max_tokens=2)
+    stream = queue.keys.jobs("parked", "normal")
+    holder = Reader(queue.r, "holder", ReadPlan([stream]), keys=queue.keys, deadline_window=64)
+    assert len(holder.read(1)) == 1  # one taken, the other four parked
+    assert queue.r.zcard(queue.keys.due_index(stream)) == 4
+    assert queue.r.xinfo_groups(stream)[0].get("lag", 0) == 0
+    settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=1)
+    other = Adapters(queue.r, queue.keys, _engine(1), BASE, settings, ServerClock(queue.r), NullMetrics())
+    other.start([])
+    other.check_aging(fair=False)
+    assert other.backlog == {"parked": 4} and "parked" in other.waiting
+    assert "parked" in other.readable((BASE,))
