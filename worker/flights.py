@@ -138,6 +138,11 @@ class IdsOnly:
         pass
 
 
+# a job whose LoRA adapter has no slot here waits this long in the local queue, the jobs behind it passing, before it
+# goes to the engine to wait first in line for a slot (so it is never passed for ever)
+SLOT_HOLD_S = 1.0
+
+
 class Flights:
     """The jobs running in the engine, by request key (`stream|entry id`)."""
 
@@ -193,10 +198,15 @@ class Flights:
                 flight.aside = True
 
     def adapter_ready(self, ticket: Ticket) -> bool:
-        """Whether the job's LoRA adapter is in host memory (its read started on a thread otherwise: the job waits
-        at the head of the local queue while the running batch steps on; adapter_reads.py)."""
-        return ticket.pooling is not None or self.adapter_reads.ready(ticket.lora, ticket.lora_path,
-                                                                       idle=not self.engine.has_unfinished())
+        """Whether the job may go to the engine as far as its LoRA adapter goes: the adapter is in host memory (its
+        read started on a thread otherwise: adapter_reads.py), and has a slot now, or the job waited SLOT_HOLD_S here.
+        Until then the jobs behind it in the local queue pass it: in the engine a job without a slot waits first in
+        line and holds every admission behind it until a slot is idle (an aged adapter's job, read without room)."""
+        if ticket.pooling is not None or ticket.lora is None:
+            return True
+        if not self.adapter_reads.ready(ticket.lora, ticket.lora_path, idle=not self.engine.has_unfinished()):
+            return False
+        return self.engine.loras.has_room(ticket.lora) or time.monotonic() - ticket.queued_at >= SLOT_HOLD_S
 
     def start(self, ticket: Ticket, ahead: bool = False) -> Ended | None:
         """Hand the job to the engine (`ahead`: at the head of its waiting queue, room having been made for it);

@@ -197,3 +197,27 @@ def test_a_running_batch_steps_on_while_a_new_adapter_is_read_from_disk(thread_w
             release.set()
             assert adapter_job.result(timeout=30).status == "done"
             assert "slow" in engine.loras
+
+
+def test_a_job_whose_adapter_has_no_slot_waits_in_the_local_queue_and_the_jobs_behind_it_pass(
+        thread_worker, queue, tmp_path, monkeypatch):
+    """An aged adapter's job is read by a worker with no slot for it; in the engine it waited first in line and held
+    every admission behind it until a slot was idle (W-LORA's fleet: a few such jobs a moment, each stopping its
+    worker's admissions). It now waits in the local queue (up to SLOT_HOLD_S) while the jobs behind it pass."""
+    from kvgate.worker import flights
+
+    monkeypatch.setattr(flights, "SLOT_HOLD_S", 30.0)  # longer than a loaded machine could take to read the base job
+    engine = _engine(max_loras=1)
+    with Client(queue.server.url, queue.ns) as client:
+        for name in ("long", "cold"):
+            client.add_lora(name, simulated_adapter(tmp_path, name), BASE)
+        with _worker(thread_worker, engine, "w1", lora_aging_ms=50) as w:
+            long = client.submit("hi", lora="long", max_tokens=3000, ignore_eos=True)  # pins the one slot
+            wait_for(lambda: "long" in engine.loras.running, 30, "the long job to run")
+            cold = client.submit("hi", lora="cold", max_tokens=2)  # aged soon: read without a slot
+            held = lambda: any(t.lora == "cold" for t in w.worker.queue.tickets) or any(  # noqa: E731
+                s.lora == "cold" for s in engine.scheduler.waiting)
+            wait_for(held, 30, "the cold adapter's job to be read")
+            base = client.submit("hi", model=BASE, max_tokens=3).result(timeout=60)
+            assert base.status == "done" and not long.done()  # passed while the long job still held the slot
+            assert long.result(timeout=120).status == "done" and cold.result(timeout=60).status == "done"  # its slot
