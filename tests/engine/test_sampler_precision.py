@@ -145,13 +145,11 @@ def run_engine(engine: LLMEngine, params: list[dict]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_a_bf16_engine_casts_only_the_rows_that_need_it_and_writes_the_tokens_of_a_whole_cast(graphs):
-    """bf16 on the CPU, eager and through the decode graphs' twin: the tokens and logprobs are those of a runner
-    whose logits are all float32 (the model's `logits` widened, as compute_logits did for the sampler), and no step
-    makes a float32 [rows, vocab] tensor of more rows than its rows that sample, are penalized or adjusted."""
-    source, _ = tiny_source("llama", seed=8)
-    kwargs = dict(kv_cache_memory=1 << 20, max_num_seqs=8, dtype="bfloat16")
+def widened_and_narrow(seed: int, graphs: bool, **engine_kwargs) -> tuple[LLMEngine, LLMEngine]:
+    """Two bf16 engines of one tiny model: the reference, whose model's logits are all widened to float32 (as
+    compute_logits did for the sampler), and the engine as it runs; with `graphs`, both capture their decode graphs."""
+    source, _ = tiny_source("llama", seed=seed)
+    kwargs = dict(kv_cache_memory=1 << 20, max_num_seqs=8, dtype="bfloat16", **engine_kwargs)
     reference = LLMEngine(source, **kwargs)
     narrow = reference.runner.model.logits
     reference.runner.model.logits = lambda hidden: narrow(hidden).float()
@@ -159,6 +157,15 @@ def test_a_bf16_engine_casts_only_the_rows_that_need_it_and_writes_the_tokens_of
     if graphs:
         reference.runner.capture_graphs()
         engine.runner.capture_graphs()
+    return reference, engine
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_bf16_engine_casts_only_the_rows_that_need_it_and_writes_the_tokens_of_a_whole_cast(graphs):
+    """bf16 on the CPU, eager and through the decode graphs' twin: the tokens and logprobs are those of a runner
+    whose logits are all float32 (the model's `logits` widened, as compute_logits did for the sampler), and no step
+    makes a float32 [rows, vocab] tensor of more rows than its rows that sample, are penalized or adjusted."""
+    reference, engine = widened_and_narrow(8, graphs)
     expected = run_engine(reference, ENGINE_PARAMS)
     with Float32Rows(engine.runner.vocab_size) as made:
         assert run_engine(engine, ENGINE_PARAMS) == expected
@@ -170,17 +177,9 @@ def test_a_bf16_engine_casts_only_the_rows_that_need_it_and_writes_the_tokens_of
 def test_a_bf16_engine_launching_ahead_samples_into_the_token_buffer_what_a_whole_cast_samples(graphs):
     """Overlap on: the launched step's sampler writes the greedy rows' argmax and the sampled rows' draws into the
     token buffer the next step reads on the device (`out`), the float32 part holding the 3 rows that need it."""
-    source, _ = tiny_source("llama", seed=9)
-    kwargs = dict(kv_cache_memory=1 << 20, max_num_seqs=8, dtype="bfloat16", overlap="on")
     params = [dict(temperature=0), dict(temperature=0.8, seed=1), dict(temperature=0), dict(temperature=1.2),
               dict(temperature=0, logit_bias={5: 1.0}), dict(temperature=0)]
-    reference = LLMEngine(source, **kwargs)
-    narrow = reference.runner.model.logits
-    reference.runner.model.logits = lambda hidden: narrow(hidden).float()
-    engine = LLMEngine(source, **kwargs)
-    if graphs:
-        reference.runner.capture_graphs()
-        engine.runner.capture_graphs()
+    reference, engine = widened_and_narrow(9, graphs, overlap="on")
     expected = run_engine(reference, params)
     with Float32Rows(engine.runner.vocab_size) as made:
         assert run_engine(engine, params) == expected
