@@ -43,7 +43,8 @@ OWN_FILES = ("run.log", "summary.json", "results.tgz", "triton-cache.tgz")
 GPU_TEST_FILES = {  # the only files with GPU tests: collecting all of tests/ needs the gateway's and Redis' packages
     "pytest-kernels": ("tests/kernels/test_kernel_gpu.py", "tests/kernels/test_kernel_qkv_rope_store.py"),
     "pytest-engine": ("tests/engine/test_cuda_graphs.py", "tests/engine/test_kv_sizing.py",
-                      "tests/engine/test_model_parity.py", "tests/engine/test_overlap.py"),
+                      "tests/engine/test_model_parity.py", "tests/engine/test_overlap.py",
+                      "tests/engine/test_sampler_precision.py"),
 }
 PY = sys.executable
 
