@@ -12,7 +12,8 @@
 |                 |   rotary and the k/v store in one launch (what the model calls)  |                     |
 | silu_and_mul    | activation.py                                                    | silu_and_mul        |
 | lora_apply      | lora.py: BGMV shrink + expand, a row's own adapter slot per program | lora_apply:      |
-|                 |   (rows grouped by slot once a step: lora_rows.py)               | segmented bmm    |
+|                 |   (rows grouped by slot once a step: lora_rows.py)               | runs in place +  |
+|                 |                                                                  | segmented bmm    |
 Not dispatched here: on CPU in float32 the model's projections and lm_head are swapped at load for
 cpu_linear.py's oneDNN-prepacked GEMMs (kvgate/bench/cpu_linear.py times them against F.linear).
 Shared: paged_kv.py (KV gather through block tables, online softmax), config.py (tiles, warps,

@@ -152,10 +152,19 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch
                rows: LoraRows) -> torch.Tensor:
     """y [N, out] += each row's LoRA delta, in place (kernels/lora.py has the layout; a base row gets none).
 
-    Segmented by adapter (kernels/lora_rows.py): the adapter rows are gathered into one padded segment per slot, each
-    segment is shrunk by its own slot's `a` and expanded by its own `b` in one batched matmul per slice, and the
-    deltas are added back to their rows (the slices tile y's columns in order: `offsets` are their running widths).
-    A row meets no other adapter's weights and a base row is never read."""
+    By adapter (kernels/lora_rows.py): a run of rows of one slot is shrunk by its slot's `a` and expanded by each
+    slice's `b` straight from x's rows into y's (the slices tile y's columns in order: `offsets` are their running
+    widths); the other adapter rows are gathered into one padded segment per slot, shrunk and expanded in one batched
+    matmul per slice, and their deltas added back. A row meets no other adapter's weights and a base row is never read."""
+    rank = bs[0].shape[1]
+    for slot, start, end in rows.runs:
+        t = torch.mm(x[start:end].float(), a[slot].float().T)  # [rows, slices x rank]
+        for i, (b, offset) in enumerate(zip(bs, offsets)):
+            out = y[start:end, offset:offset + b.shape[2]]
+            if out.dtype == torch.float32:
+                out.addmm_(t[:, i * rank:(i + 1) * rank], b[slot])
+            else:
+                out.add_(torch.mm(t[:, i * rank:(i + 1) * rank], b[slot].float()).to(out.dtype))
     if rows.count == 0:
         return y
     segments, in_features = rows.count, x.shape[1]
@@ -163,7 +172,6 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch
     t = torch.bmm(xs, rows.by_segment(a).float().transpose(1, 2))  # [segments, length, slices x rank]
     if rows.valid is not None:
         t.mul_(rows.valid)  # padding adds exactly 0 to the row it repeats
-    rank = bs[0].shape[1]
     deltas = [torch.bmm(t[:, :, i * rank:(i + 1) * rank], rows.by_segment(b).float()) for i, b in enumerate(bs)]
     delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)  # one add into y's full rows
     y.index_add_(0, rows.gather, delta.view(-1, y.shape[1]).to(y.dtype))

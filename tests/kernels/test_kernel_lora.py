@@ -44,15 +44,50 @@ def test_kernel_and_twin_agree_with_the_oracle_over_mixed_slots_and_base_rows(wi
     assert torch.equal(got[base], y[base])  # base rows are untouched, bit for bit
 
 
+@pytest.mark.parametrize("run_rows", [2, 100])
 @pytest.mark.parametrize("slots", [[7, 0, 7, -1, 0, 7], [1, 1, 3, 3, 3, 3, -1], [5], [-1, -1], [4, 2, 0, 6, 0]])
-def test_the_twin_groups_rows_by_slot_however_the_slots_spread(slots):
+def test_the_twin_groups_rows_by_slot_however_the_slots_spread(slots, run_rows):
     """Contiguous slots (sliced stacks), sparse ones (gathered stacks), unused slots between, uneven segments
-    (padding), one row, no adapter row at all: each row gets exactly its own adapter's delta."""
+    (padding), one row, no adapter row at all, rows in runs or all gathered: each row gets exactly its own adapter's
+    delta."""
     a, bs, offsets = make_stack(8, 4, 24, [16, 8])
-    rows = LoraRows.of(slots, DEVICE)
+    rows = LoraRows.of(slots, DEVICE, run_rows)
     x, y = torch.randn(len(slots), 24, device=DEVICE), torch.randn(len(slots), 24, device=DEVICE)
     assert_close(reference.lora_apply(y.clone(), x, a, bs, offsets, rows), oracle(y, x, a, bs, offsets, rows),
                  atol=1e-4, rtol=1e-4)
+
+
+def test_a_long_run_of_one_slot_is_multiplied_where_it_lies_and_only_the_short_rows_are_gathered():
+    """A prefill chunk is rows in a run: the twin multiplies x's slice and adds into y's, so only the decode-like rows
+    (runs shorter than run_rows) go through the padded segments; every row still gets exactly its own delta, through
+    the twin and the kernel alike, base rows untouched bit for bit."""
+    slots = [1] * 10 + [0, 2, 0] + [-1] * 3 + [2] * 9 + [1, 1]
+    rows = LoraRows.of(slots, DEVICE, run_rows=8)
+    assert rows.runs == ((1, 0, 10), (2, 16, 25))
+    assert sorted(set(rows.gather.tolist())) == [10, 11, 12, 25, 26]  # the short rows, never a run's
+    a, bs, offsets = make_stack(3, 4, 24, [16, 8, 8])
+    x, y = torch.randn(len(slots), 24, device=DEVICE), torch.randn(len(slots), 32, device=DEVICE)
+    expected = oracle(y, x, a, bs, offsets, rows)
+    for apply in (reference.lora_apply, lora.lora_apply):
+        got = apply(y.clone(), x, a, bs, offsets, rows)
+        assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got[13:16], y[13:16])
+    only_runs = LoraRows.of([0] * 8 + [-1] + [2] * 8, DEVICE, run_rows=8)
+    assert only_runs.count == 0 and len(only_runs.runs) == 2  # no segment at all: nothing gathered
+    x, y = torch.randn(17, 24, device=DEVICE), torch.randn(17, 32, device=DEVICE)
+    assert_close(reference.lora_apply(y.clone(), x, a, bs, offsets, only_runs), oracle(y, x, a, bs, offsets, only_runs),
+                 atol=1e-4, rtol=1e-4)
+
+
+def test_a_run_adds_in_half_precision_like_the_segments():
+    a, bs, offsets = make_stack(2, 4, 32, [48, 16])
+    a, bs = a.half(), [b.half() for b in bs]
+    x, y = torch.randn(10, 32, device=DEVICE).half(), torch.randn(10, 64, device=DEVICE).half()
+    slots = [1] * 9 + [0]
+    by_run = reference.lora_apply(y.clone(), x, a, bs, offsets, LoraRows.of(slots, DEVICE, run_rows=8))
+    by_segment = reference.lora_apply(y.clone(), x, a, bs, offsets, LoraRows.of(slots, DEVICE, run_rows=100))
+    assert by_run.dtype == torch.float16
+    assert_close(by_run, by_segment, atol=2e-2, rtol=2e-2)
 
 
 def test_the_twin_never_reads_a_base_row():
