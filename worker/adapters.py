@@ -144,9 +144,10 @@ class Adapters:
         taken = set((waiting + rest[shift:] + rest[:shift])[:self.engine.loras.spare()])
         for a in taken.intersection(waiting):  # looked at once per heartbeat's view: others may have taken its jobs
             del self.waiting[a]
-        # one aged adapter a read, the longest-waiting: its jobs wait here for a slot, at the head of the engine's
-        # queue, holding every other admission; all of them at once (a backlog's tail ages every adapter) filled the
-        # engine's queue with jobs of as many adapters as it took, and each read with hundreds of streams
+        # one aged adapter a read, the longest-waiting: its jobs wait here for a slot (in the local queue, then first
+        # in the engine's, holding every other admission: Flights.adapter_ready); all of them at once (a backlog's
+        # tail ages every adapter) filled the queues with jobs of as many adapters, and each read with hundreds of
+        # streams
         taken |= set(sorted(self.aged - taken, key=lambda a: self.waiting.get(a, 0))[:1])
         return [*names, *(a for a in self.streamed if a not in self.paths or a in taken or
                           (a in loaded and self.engine.loras.has_room(a)))]
