@@ -46,27 +46,31 @@ class LoraSlots:
 
     def add(self, name: str, path: str) -> None:
         """Read and check the adapter at `path` (LoraError naming the file and the problem) and serve it as `name`."""
-        self.put(name, self.read(name, path))
+        self._check_serving(name)
+        self._check_unused(name)  # before the read: an adapter in use is refused without touching its folder
+        self.put(name, self.device.read(name, path))
 
     def read(self, name: str, path: str) -> Any:
         """The adapter at `path`, read and checked (LoraError naming the file and the problem), not served yet: it
         touches nothing of the slots', so a worker reads on a thread of its own while the engine steps (its disk
         read is the slow part of a load), then `put`s it."""
-        if self.device is None or not self.slots:
-            self._check_addable(name)  # raises: no adapters here
+        self._check_serving(name)
         return self.device.read(name, path)
 
-    def _check_addable(self, name: str) -> None:
-        if self.device is None or not self.slots:
-            raise LoraError(f"cannot add adapter {name!r}: this engine serves no LoRA adapters; start it with "
-                            "max_loras >= 1 (and a model, not a simulated runner)")
+    def _check_unused(self, name: str) -> None:
         if self.queued[name]:
             raise LoraError(f"adapter {name!r} is in use by {self.queued[name]} request(s): add it under another "
                             "name, or once they finish")
 
+    def _check_serving(self, name: str) -> None:
+        if self.device is None or not self.slots:
+            raise LoraError(f"cannot add adapter {name!r}: this engine serves no LoRA adapters; start it with "
+                            "max_loras >= 1 (and a model, not a simulated runner)")
+
     def put(self, name: str, adapter: Any) -> None:
-        """Serve an adapter `read` gave as `name`, making room in host memory if need be (LoraError when none)."""
-        self._check_addable(name)
+        """Serve an adapter `read` gave as `name` (so this engine serves adapters), making room in host memory if
+        need be (LoraError when none, or when requests name `name` now: one may have come while it was read)."""
+        self._check_unused(name)
         self._drop(name)
         if self.max_cpu_loras is not None and len(self.adapters) >= self.max_cpu_loras:
             spare = next((n for n in self.adapters if not self.queued[n]), None)

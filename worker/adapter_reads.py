@@ -1,10 +1,10 @@
 """Reading LoRA adapters from their folders off the worker's loop. An adapter is read into host memory on its first job
 here (engine.loras: LoraSlots.read, then put); the read is the slow part of a load (safetensors from disk, checked
 against the model), and on the loop it stopped every running sequence's steps for as long. A job whose adapter is not in
-host memory waits at the head of the local queue while a thread reads it (READERS at once); the running batch steps on
-meanwhile, and the next admission pass puts the adapter in and starts the job. A read that fails is left to the job's
-start, which reads again and answers the job with the error naming the file (one error path for both). With nothing
-running, the loop waits for the read a little instead of spinning."""
+host memory waits in the local queue while a thread reads it (READERS at once), the jobs behind it passing; the running
+batch steps on meanwhile, and the next admission pass puts the adapter in and starts the job. A read that fails is left
+to the job's start, which reads again and answers the job with the error naming the file (one error path for both). With
+nothing running, the loop waits for the read a little instead of spinning."""
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait

@@ -99,15 +99,8 @@ class AdmissionQueue:
 
     def head(self, ready: Callable[[Ticket], bool] | None = None) -> Ticket | None:
         """The first ticket, or with `ready` the first it says may start (one whose LoRA adapter is still read from
-        disk is passed over: worker/adapter_reads.py)."""
+        disk, or has no slot yet, is passed over: Flights.adapter_ready); `remove` takes it out."""
         return next((t for t in self.tickets if ready is None or ready(t)), None)
-
-    def pop(self, ticket: Ticket) -> Ticket:
-        """Take `ticket` (the one head gave) out of the queue."""
-        if self.tickets and self.tickets[0] is ticket:
-            return self.tickets.popleft()
-        self.tickets.remove(ticket)
-        return ticket
 
     def remove(self, ticket: Ticket) -> None:
         self.tickets.remove(ticket)

@@ -176,7 +176,7 @@ class Worker:
         """Learn the namespace's lanes and our share; the streams we read only ever grow (nothing stranded). And
         whether it has fair share, with the tenants' weights."""
         self.fair.sync()
-        names = self.adapters.sync(self.fair.active)  # LoRA adapters registered since: their bands, lanes and streams join ours
+        names = self.adapters.sync(self.fair.active)  # adapters registered since: their bands, lanes, streams join ours
         self.fair.add_bands(self.keys.served_jobs(names))
         self.affinity.add_models(names)
         if self.affinity.sync() or names:
@@ -231,10 +231,10 @@ class Worker:
 
     # ---- local queue -> engine -> outbox -------------------------------------------------------
     def _admit_local(self) -> None:
-        # one whose LoRA adapter is read from disk off the loop meanwhile is passed over; the running batch steps on
+        # one whose LoRA adapter is not ready (Flights.adapter_ready: read from disk, a slot) is passed over
         while (ticket := self.queue.head(self.flights.adapter_ready)) is not None and not self.draining:
             if self.clock.expired(ticket.job, ticket.entry_id):
-                self.queue.pop(ticket)
+                self.queue.remove(ticket)
                 self.answers.answer(Ended(ticket, "expired", error="deadline passed while waiting for KV cache room"))
                 continue
             ahead = False
@@ -242,11 +242,11 @@ class Worker:
                 if self.room.make(ticket):
                     ahead = True
                 elif self.hand_back.due(ticket) and self.hand_back.give_one(ticket):  # another's next read takes it
-                    self.queue.pop(ticket)
+                    self.queue.remove(ticket)
                     continue
                 else:
                     return
-            self.queue.pop(ticket)
+            self.queue.remove(ticket)
             if (refused := self.flights.start(ticket, ahead)) is not None:
                 self.answers.answer(refused)
             else:  # the wait on the server's clock: its entry id is when Redis took the job
