@@ -85,3 +85,29 @@ def test_pruning_never_deletes_a_consumer_that_holds_entries_or_has_a_live_heart
     assert Consumers(r, keys, "me", [stream], 100).retire() == []
     assert {c["name"].decode() for c in r.xinfo_consumers(stream, Keys.GROUP)} == {"holder", "alive"}
     assert r.xpending_range(stream, Keys.GROUP, "-", "+", 10)[0]["message_id"] == entry
+
+
+def test_a_prune_pass_looks_at_a_bounded_slice_of_many_streams_and_in_turns_at_all_of_them(redis_server, namespace):
+    """With LoRA adapters a worker reads three streams an adapter (600 for 200): a pass over all of them, on each
+    worker every trim, held Redis 15 ms a worker, and a fleet started together stalled every five seconds (W-LORA's
+    fleet). A pass now looks at PRUNE_STREAMS of them, the next pass on from there: each departed consumer still goes,
+    within as many passes as the streams fill slices."""
+    from kvgate.worker.consumers import PRUNE_STREAMS
+
+    r, keys = redis_server.client(), Keys(namespace)
+    streams = [keys.jobs(f"adapter-{k:03d}", "normal") for k in range(150)]
+    for stream in streams:
+        r.xgroup_create(stream, Keys.GROUP, id="0", mkstream=True)
+        r.xgroup_createconsumer(stream, Keys.GROUP, "departed")
+    time.sleep(0.15)
+    pruner = Consumers(r, keys, "me", list(streams), min_idle_ms=100)
+
+    def xinfo_calls() -> int:
+        return sum(v["calls"] for k, v in r.info("commandstats").items() if k.startswith("cmdstat_xinfo"))
+
+    passes = -(-len(streams) // PRUNE_STREAMS)
+    for _ in range(passes):
+        before = xinfo_calls()
+        assert pruner.prune() == ["departed"]
+        assert xinfo_calls() - before == PRUNE_STREAMS  # one XINFO CONSUMERS a stream of the slice
+    assert [s for s in streams if r.xinfo_consumers(s, Keys.GROUP)] == []  # every stream's departed one went

@@ -113,6 +113,36 @@ def test_the_heartbeats_look_at_200_adapters_streams_is_one_script_without_fair_
     assert sent(fair=True)["cmdstat_zrange"] == 600 and set(adapters.waiting) == {"adapter-199"}
 
 
+def test_the_look_asks_xinfo_only_of_streams_holding_entries_and_survives_a_key_of_another_type(queue, tmp_path):
+    """Most of the 600 streams of 200 adapters hold nothing (other priorities, idle adapters): the look asked each its
+    groups (XINFO GROUPS), 5 ms of Redis a look, every heartbeat on every worker. It asks XLEN first now. A key of
+    another type at a stream's name (a hostile producer's SET) made the look's XRANGE fail, and the heartbeat with it:
+    it is skipped now."""
+    with Client(queue.server.url, queue.ns) as client:
+        for k in range(200):
+            client.add_lora(f"adapter-{k:03d}", simulated_adapter(tmp_path, f"adapter-{k:03d}"), BASE)
+        settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=2)
+        adapters = Adapters(queue.r, queue.keys, _engine(2), BASE, settings, ServerClock(queue.r), NullMetrics())
+        adapters.start([])
+        for k in range(200):  # every stream made, as a worker's groups make them
+            for priority in ("high", "normal", "low"):
+                queue.r.xgroup_create(queue.keys.jobs(f"adapter-{k:03d}", priority), Keys.GROUP, id="0",
+                                      mkstream=True)
+        client.submit("one", lora="adapter-007", max_tokens=2)
+        client.submit("two", lora="adapter-199", max_tokens=2)
+    queue.r.delete(queue.keys.jobs("adapter-100", "low"))
+    queue.r.set(queue.keys.jobs("adapter-100", "low"), "not a stream")
+    adapters.check_aging(fair=False)  # the script loaded
+
+    def xinfo_calls() -> int:
+        return sum(v["calls"] for k, v in queue.r.info("commandstats").items() if k.startswith("cmdstat_xinfo"))
+
+    before = xinfo_calls()
+    adapters.check_aging(fair=False)
+    assert xinfo_calls() - before == 2  # the two streams with a job, of 600
+    assert adapters.backlog == {"adapter-007": 1, "adapter-199": 1}
+
+
 def test_adapters_with_more_jobs_waiting_come_first_more_often_and_workers_draw_different_orders(queue, tmp_path):
     """Longest-waiting first, every worker of a fleet looked at the same few adapters first (in a backlog all waited
     about as long): the first took their jobs, the others read nothing, and adapters late in that order kept their
@@ -194,3 +224,4 @@ def test_an_adapters_jobs_parked_for_deadline_order_count_as_waiting_for_the_oth
     other.check_aging(fair=False)
     assert other.backlog == {"parked": 4} and "parked" in other.waiting
     assert "parked" in other.readable((BASE,))
+
