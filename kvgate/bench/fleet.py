@@ -67,12 +67,12 @@ def fleet_capacity(specs, mix, step_overhead_s: float, per_token_s: float) -> fl
 
 
 def _wait_answered(client: redis.Redis, keys: Keys, jobs, timeout: float) -> None:
-    from kvgate.bench.fleet_sim import count_results
+    from kvgate.bench.fleet_sim import Answered
 
-    deadline = time.monotonic() + timeout
-    while count_results(client, keys, jobs) < len(jobs):
+    deadline, answered = time.monotonic() + timeout, Answered(client, keys, list(jobs))
+    while (done := answered.poll()) < len(jobs):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {count_results(client, keys, jobs)} of {len(jobs)} jobs answered")
+            raise TimeoutError(f"only {done} of {len(jobs)} jobs answered")
         time.sleep(0.1)
 
 

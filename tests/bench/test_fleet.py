@@ -68,3 +68,31 @@ def test_backlog_drain_by_worker_processes_answers_every_job_once_and_counts_red
         r = run_throughput(server, _args(throughput_jobs=3000, procs=1))
     assert r["answered_once"] and r["jobs"] == 3000
     assert r["jobs_per_s"] > 0 and r["redis_cpu_s"] > 0 and r["worker_cpu_s"] > 0
+
+
+def test_waiting_for_a_runs_answers_asks_after_a_bounded_number_of_jobs_a_poll(shared_redis, namespace):
+    """The harness polls for answers in the process of the simulated workers it measures: asking after every job each
+    poll (2,000 EXISTS every 100 ms) took a fifth of their GIL. A poll asks after at most POLL_JOBS of the oldest jobs
+    not answered yet, and never again after one that was."""
+    keys, client = Keys(namespace), shared_redis.client()
+    jobs = fleet_sim.make_jobs(500, fleet_sim.JobMix(max_tokens=(2, 2)), seed=0, clients=1)
+    answered = fleet_sim.Answered(client, keys, list(jobs))
+
+    def exists_calls() -> int:
+        return client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+
+    def poll() -> tuple[int, int]:
+        before = exists_calls()
+        done = answered.poll()
+        return done, exists_calls() - before
+
+    assert poll() == (0, fleet_sim.Answered.POLL_JOBS)
+    for job in jobs[:300] + jobs[450:]:  # results stored, as the publisher stores them
+        client.set(keys.result(job.job_id), b"x")
+    assert poll() == (200, 200)  # the first 200: all answered
+    assert poll() == (300, 200)  # the next 100 answered, 100 not
+    assert poll() == (350, 200)  # 100 asked again, 50 never asked yet answered
+    for job in jobs[300:450]:
+        client.set(keys.result(job.job_id), b"x")
+    assert poll() == (500, 150)
+    assert poll() == (500, 0)

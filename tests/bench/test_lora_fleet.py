@@ -26,6 +26,7 @@ def test_the_fleet_half_runs_three_arms_on_the_same_jobs_each_answering_every_jo
         assert r["answered_once"], (arm, phase)
         assert len(r["deciles"]) == DECILES and sum(d["jobs"] for d in r["deciles"]) == r["jobs"], (arm, phase)
         assert r["jobs_per_s"] > 0 and (r["loads"] == 0) == (arm == "base"), (arm, phase)
+        assert r["fleet_start_s"] > 0, (arm, phase)  # each fleet served before its first job: its start not timed
     assert set(report["verdicts"]) == {"loads_to_blind", "jobs_per_s_to_base", "cold_to_hot_p99_wait"}
     assert set(report["verdicts"].values()) <= {"PASS", "FAIL"} and report["targets"] == TARGETS
     assert set(report["ratios"]["loads_to_blind"]) == set(PHASES)
