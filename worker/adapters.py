@@ -38,6 +38,7 @@ from kvgate.worker.stream_heads import StreamHeads
 
 log = logging.getLogger("kvgate.worker")
 AGING_TENANTS = 4  # fair share: tenants per adapter band whose streams the aging look reads (the lowest counters)
+IN_HOST_WEIGHT = 4  # an adapter in host memory here (a slot load away, not a read from disk) weighs this many jobs more
 LOOK_AGAIN_S = 0.25  # an idle worker looks at the adapters' streams between heartbeats at most this often
 
 
@@ -118,6 +119,14 @@ class Adapters:
         """What a read looks at (Refill.models_now); None without adapter slots (all we serve)."""
         return ModelsToRead(self, names) if self.enabled else None
 
+    def to_read_ahead(self) -> list[tuple[str, str]]:
+        """The adapters not in host memory here whose jobs wait (the last look's), most jobs first, with their folders:
+        what the worker reads ahead (adapter_reads.py's `warm`)."""
+        loras = self.engine.loras
+        wanted = sorted((a for a in self.waiting if a in self.paths and a not in loras),
+                        key=lambda a: self.backlog.get(a, 0), reverse=True)
+        return [(a, self.paths[a]) for a in wanted]
+
     def look_again(self) -> bool:
         """An idle worker's read found nothing: look at the adapters' streams again now (at most every LOOK_AGAIN_S)
         rather than at the next heartbeat; whether jobs of adapters not loaded here wait. The heartbeat's view is up to
@@ -157,7 +166,9 @@ class Adapters:
         weight of its jobs waiting (Efraimidis-Spirakis keys u ** (1 / w)). An adapter with twice the backlog comes
         first twice as often, so more workers take it as it grows, and workers that drew differently look at
         different adapters rather than all at the same few."""
-        return sorted(adapters, key=lambda a: self.rng.random() ** (1 / max(self.backlog.get(a, 1), 1)), reverse=True)
+        loras = self.engine.loras
+        return sorted(adapters, key=lambda a: self.rng.random() ** (1 / (max(self.backlog.get(a, 1), 1) * (
+            IN_HOST_WEIGHT if a in loras else 1))), reverse=True)
 
     def check_aging(self, fair: bool) -> None:
         """Which adapters not loaded here have jobs waiting, since when (`waiting`) and how many (`backlog`), and which
@@ -208,6 +219,14 @@ class ModelsToRead:
 
     def now(self) -> list[str]:
         return self.adapters.readable(self.names)
+
+    def to_read_ahead(self) -> list[tuple[str, str]]:
+        """The adapters not in host memory here whose jobs wait (the last look's), most jobs first, with their folders:
+        what the worker reads ahead (adapter_reads.py's `warm`)."""
+        loras = self.engine.loras
+        wanted = sorted((a for a in self.waiting if a in self.paths and a not in loras),
+                        key=lambda a: self.backlog.get(a, 0), reverse=True)
+        return [(a, self.paths[a]) for a in wanted]
 
     def look_again(self) -> bool:
         return self.adapters.look_again()

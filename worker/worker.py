@@ -356,6 +356,7 @@ class Worker:
     def _beat(self) -> None:
         if not self.draining:
             self._sync_lanes()
+            self.flights.adapter_reads.warm(self.adapters.to_read_ahead())  # none without adapters
         adm = self.engine.admission()
         self.heartbeat.beat(state="draining" if self.draining else "serving", stats=self.engine.stats,
                             admissible_tokens=adm.admissible_tokens, waiting=len(self.queue),

@@ -225,3 +225,25 @@ def test_an_adapters_jobs_parked_for_deadline_order_count_as_waiting_for_the_oth
     assert other.backlog == {"parked": 4} and "parked" in other.waiting
     assert "parked" in other.readable((BASE,))
 
+
+def test_an_adapter_already_in_host_memory_comes_first_more_often_than_one_read_from_disk(queue, tmp_path):
+    """A job of an adapter new to a worker waits for its read from disk (W-LORA's fleet: a tenth of the sequences
+    stood idle behind reads mid-run); one in host memory is a slot load away. Of two adapters with as many jobs
+    waiting, the one in host memory comes first IN_HOST_WEIGHT times as often."""
+    from kvgate.worker.adapters import IN_HOST_WEIGHT
+
+    engine = _engine(2)
+    with Client(queue.server.url, queue.ns) as client:
+        for name in ("known", "new"):
+            client.add_lora(name, simulated_adapter(tmp_path, name), BASE)
+            client.submit(f"{name}'s", lora=name, max_tokens=2)
+    settings = WorkerSettings(redis_url=queue.server.url, namespace=queue.ns, max_loras=2)
+    adapters = Adapters(queue.r, queue.keys, engine, BASE, settings, ServerClock(queue.r), NullMetrics())
+    adapters.rng = random.Random(7)
+    adapters.start([])
+    engine.loras.add("known", adapters.paths["known"])  # read here before: in host memory, in no slot
+    adapters.check_aging(fair=False)
+    assert adapters.backlog == {"known": 1, "new": 1} and engine.loras.loaded == {}
+    firsts = [adapters.order_waiting(["new", "known"])[0] for _ in range(1000)]
+    share = IN_HOST_WEIGHT / (IN_HOST_WEIGHT + 1)
+    assert abs(firsts.count("known") / 1000 - share) < 0.05, firsts.count("known")
