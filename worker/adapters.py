@@ -50,6 +50,7 @@ class Adapters:
         # settings.max_loras: the engine's slots (0: no adapters served)
         self.enabled, self.aging_ms, self.clock = settings.max_loras >= 1, settings.lora_aging_ms, clock
         self.paths: dict[str, str] = {}  # the registered adapters of our model now: name -> folder
+        self.registry: dict | None = None  # the registry as last read (raw), to parse it only when it changed
         self.streamed: list[str] = []  # adapters whose streams we read, in the order they joined (never shrinks)
         self.aged: set[str] = set()  # adapters without room here whose oldest job waited past aging_ms
         self.waiting: dict[str, int] = {}  # adapters not loaded here with jobs waiting -> the oldest one's entry ms
@@ -81,7 +82,11 @@ class Adapters:
         """Read the registry; the adapters of our model whose streams we did not read yet."""
         if not self.enabled:
             return []
-        entries = {as_text(k): parse_lora_entry(v) for k, v in self.client.hgetall(self.keys.loras()).items()}
+        raw = self.client.hgetall(self.keys.loras())
+        if raw == self.registry:  # as at the last read (each heartbeat): 200 entries' JSON not parsed again
+            return []
+        self.registry = raw
+        entries = {as_text(k): parse_lora_entry(v) for k, v in raw.items()}
         ours = {name: e[0] for name, e in entries.items() if e is not None and e[1] == self.base}
         self.paths = {name: path for name, path in ours.items() if path is not None}  # the others: removed
         new = [name for name in sorted(ours) if name not in self.streamed]  # removed ones too: their jobs answered
