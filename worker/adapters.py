@@ -38,7 +38,7 @@ from kvgate.worker.stream_heads import StreamHeads
 
 log = logging.getLogger("kvgate.worker")
 AGING_TENANTS = 4  # fair share: tenants per adapter band whose streams the aging look reads (the lowest counters)
-IN_HOST_WEIGHT = 4  # an adapter in host memory here (a slot load away, not a read from disk) weighs this many jobs more
+IN_HOST_WEIGHT = 4  # order_waiting counts the jobs of an adapter in host memory (a slot load away, not a read) 4 times
 LOOK_AGAIN_S = 0.25  # an idle worker looks at the adapters' streams between heartbeats at most this often
 
 
@@ -170,7 +170,8 @@ class Adapters:
         """Adapters with jobs waiting in the order this read looks at them: drawn without replacement, each with a
         weight of its jobs waiting (Efraimidis-Spirakis keys u ** (1 / w)). An adapter with twice the backlog comes
         first twice as often, so more workers take it as it grows, and workers that drew differently look at
-        different adapters rather than all at the same few."""
+        different adapters rather than all at the same few. An adapter in host memory here counts its jobs
+        IN_HOST_WEIGHT times: its job waits for a copy into a slot, a new one's for a read from disk first."""
         loras = self.engine.loras
         return sorted(adapters, key=lambda a: self.rng.random() ** (1 / (max(self.backlog.get(a, 1), 1) * (
             IN_HOST_WEIGHT if a in loras else 1))), reverse=True)
@@ -224,14 +225,6 @@ class ModelsToRead:
 
     def now(self) -> list[str]:
         return self.adapters.readable(self.names)
-
-    def to_read_ahead(self) -> list[tuple[str, str]]:
-        """The adapters not in host memory here whose jobs wait (the last look's), most jobs first, with their folders:
-        what the worker reads ahead (adapter_reads.py's `warm`)."""
-        loras = self.engine.loras
-        wanted = sorted((a for a in self.waiting if a in self.paths and a not in loras),
-                        key=lambda a: self.backlog.get(a, 0), reverse=True)
-        return [(a, self.paths[a]) for a in wanted]
 
     def look_again(self) -> bool:
         return self.adapters.look_again()
