@@ -13,6 +13,7 @@ import torch
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.cuda_graphs import DecodeGraphs
 from kvgate.engine.decode_inputs import DecodeBatch, DecodeInputs
+from kvgate.engine.host_memory import keep_freed_memory
 from kvgate.engine.models import AttentionMetadata, LlamaForCausalLM, build_model
 from kvgate.engine.pooler import accumulate
 from kvgate.engine.sampler import Sampler
@@ -110,6 +111,7 @@ class ModelRunner:
         self.embedding_size, self.pooling = model.config.hidden_size, "last"
         if device.type == "cpu":  # a decode step has a row per running sequence
             logger.info("%d CPU GEMMs prepacked for oneDNN", model.pack_linears(rows_hint=max_num_seqs))
+            keep_freed_memory()  # a step's temporaries reuse the last step's pages (engine/host_memory.py)
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed, device)
