@@ -57,12 +57,14 @@ class AdapterReads:
         room = WARM_READS - len(self.reading)
         if limit is not None:
             room = min(room, limit - len(self.loras.adapters) - len(self.reading))
-        started = [name for name, _ in adapters if name not in self.loras and name not in self.reading
-                   and name not in self.failed_ahead][:max(room, 0)]
-        paths = dict(adapters)
-        for name in started:
-            self._start(name, paths[name])
-            self.ahead.add(name)
+        started: list[str] = []
+        for name, path in adapters:
+            if len(started) >= room:
+                break
+            if name not in self.loras and name not in self.reading and name not in self.failed_ahead:
+                self._start(name, path)
+                self.ahead.add(name)
+                started.append(name)
         return started
 
     def _start(self, name: str, path: str | None) -> Future:

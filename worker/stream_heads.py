@@ -23,14 +23,14 @@ local input = cjson.decode(ARGV[1])
 local out = {}
 for _, s in ipairs(input.streams) do
   local key, since, count = KEYS[s.key], nil, 0
-  -- most of a fleet's streams hold nothing (other priorities, idle adapters): XLEN is cheap where XINFO is not
-  local ok, length = pcall(redis.call, 'XLEN', key)
-  local groups = nil
-  if ok and length > 0 then ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', key) else ok = false end
+  -- most of a fleet's streams hold nothing (other priorities, idle adapters): XLEN is cheap where XINFO is not; an
+  -- empty stream, a missing key or one of another type has no new job waiting
   local after, lag = '0-0', 0
-  if ok then
-    lag = nil
-    for _, g in ipairs(groups) do
+  local ok, length = pcall(redis.call, 'XLEN', key)
+  if ok and length > 0 then
+    lag = nil  -- our group's, where XINFO tells it
+    local found, groups = pcall(redis.call, 'XINFO', 'GROUPS', key)
+    for _, g in ipairs(found and groups or {}) do
       local f = {}
       for j = 1, #g, 2 do f[g[j]] = g[j + 1] end
       if f['name'] == input.group then after, lag = f['last-delivered-id'], f['lag'] end
